@@ -1,0 +1,39 @@
+# Draftsmith developer entry points. Everything runs inside .venv, created on first use.
+# CPU machines: torch's CPU wheel is installed before anything else so that no dependency pulls a
+# multi-GB CUDA build. GPU users: install your CUDA torch into .venv first (see README), then `make install`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export DS_BUILD_OPS ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install quickstart test test-fast testbed-target clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(VENV)/bin/draftsmith run recipes/configs/quickstart.yaml
+
+test: install
+	$(PY) -m pytest tests
+
+test-fast: install
+	$(PY) -m pytest tests -m "not slow"
+
+# Rebuild the shipped testbed target (about an hour on 2 CPU cores; see the recipe header).
+testbed-target: install
+	$(VENV)/bin/draftsmith run recipes/configs/testbed_target.yaml
+
+clean:
+	rm -rf runs .pytest_cache

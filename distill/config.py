@@ -1,0 +1,334 @@
+"""Typed recipes: one YAML file describes a whole job, validated before any compute starts.
+
+A recipe is a YAML mapping whose ``recipe:`` key names its entry point (``train_lm``,
+``quickstart``, ...). It is parsed into the pydantic model registered for that entry point, with
+``extra="forbid"`` everywhere, so every mistake is caught up front:
+
+* an unknown key names the key and suggests the closest valid one (``train.max_stpes`` ->
+  "did you mean 'max_steps'?");
+* a wrong type or value names the key, the value given and what was expected;
+* a path that must exist (data files, tokenizers, local targets) is checked here, not halfway
+  through training.
+
+Command-line overrides use dotted keys (``train.max_steps=20``); values are parsed as YAML scalars
+so ``1e-3``, ``true`` and ``[1, 2]`` get their natural types. Every failure raises
+:class:`RecipeError`, which the CLI turns into exit status 2 with nothing written.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "RecipeError",
+    "ModelConfig",
+    "TokenizerConfig",
+    "DataConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "WandbConfig",
+    "TargetConfig",
+    "TrainLMRecipe",
+    "QuickstartRecipe",
+    "load_recipe",
+    "parse_recipe",
+    "apply_overrides",
+]
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: the message names the key, the value and what was expected."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections shared by recipes
+# --------------------------------------------------------------------------------------------------
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _existing_path(value: str, what: str) -> str:
+    if not Path(os.path.expanduser(value)).exists():
+        raise ValueError(f"{what} '{value}' does not exist")
+    return value
+
+
+class ModelConfig(Strict):
+    """Architecture of a causal LM built from scratch (the testbed target, students)."""
+
+    arch: Literal["llama", "qwen3"] = "llama"
+    hidden_size: int = Field(320, gt=0)
+    num_layers: int = Field(8, gt=0)
+    num_heads: int = Field(5, gt=0)
+    num_kv_heads: Optional[int] = Field(None, gt=0, description="defaults to num_heads (no GQA)")
+    head_dim: Optional[int] = Field(None, gt=0, description="defaults to hidden_size // num_heads")
+    intermediate_size: int = Field(864, gt=0)
+    max_position_embeddings: int = Field(1024, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    tie_word_embeddings: bool = True
+    initializer_range: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
+                "unless head_dim is given"
+            )
+        return self
+
+
+class TokenizerConfig(Strict):
+    """Either an existing tokenizer (``path``: local folder or hub id) or the testbed BPE."""
+
+    path: Optional[str] = Field(None, description="tokenizer folder or hub id; None = train the testbed BPE")
+    vocab_size: int = Field(4096, ge=300, description="size of the testbed BPE when it is trained")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or HUB_ID.match(v) and not Path(v).exists():
+            return v
+        return _existing_path(v, "tokenizer folder")
+
+
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+class DataConfig(Strict):
+    """Where text comes from, and how it is cut into training windows.
+
+    ``source: stdlib`` is the testbed corpus (the Python standard library's own source, test folders
+    excluded); ``files`` reads local JSONL / JSON / parquet / text files through ``datasets``;
+    ``hub`` names a dataset on the Hugging Face hub (where the network allows).
+    """
+
+    source: Literal["stdlib", "files", "hub"] = "stdlib"
+    train_files: list[str] = Field(default_factory=list)
+    val_files: list[str] = Field(default_factory=list)
+    hub_name: Optional[str] = None
+    hub_config: Optional[str] = None
+    text_field: str = "text"
+    seq_len: int = Field(256, gt=1)
+    val_fraction: float = Field(0.02, gt=0, lt=0.5, description="held-out share when no val_files")
+    max_documents: Optional[int] = Field(None, gt=0, description="cap on documents read (tests)")
+
+    @field_validator("train_files", "val_files")
+    @classmethod
+    def _files_exist(cls, files: list[str]) -> list[str]:
+        for f in files:
+            _existing_path(f, "data file")
+            if Path(f).suffix not in DATA_SUFFIXES:
+                raise ValueError(f"data file '{f}' has suffix '{Path(f).suffix}', expected one of {sorted(DATA_SUFFIXES)}")
+        return files
+
+    @model_validator(mode="after")
+    def _source_complete(self) -> "DataConfig":
+        if self.source == "files" and not self.train_files:
+            raise ValueError("source 'files' needs train_files (a list of .jsonl/.json/.parquet/.txt files)")
+        if self.source == "hub" and not self.hub_name:
+            raise ValueError("source 'hub' needs hub_name")
+        return self
+
+
+class OptimConfig(Strict):
+    """AdamW with linear warmup then cosine decay, WSD (warmup-stable-decay) or a constant rate."""
+
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(20, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr (cosine, wsd)")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="share of steps spent decaying (wsd)")
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+
+
+class TrainConfig(Strict):
+    max_steps: int = Field(100, gt=0)
+    micro_batch_size: int = Field(8, gt=0, description="sequences per process per forward")
+    grad_accum: int = Field(1, gt=0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    torch_threads: Optional[int] = Field(None, gt=0, description="torch.set_num_threads; None = torch default")
+    eval_every: int = Field(50, gt=0)
+    eval_batches: Optional[int] = Field(20, gt=0, description="validation batches per evaluation; None = all")
+    save_every: int = Field(50, gt=0)
+    log_every: int = Field(10, gt=0)
+    resume: bool = Field(True, description="continue from output_dir's latest checkpoint when present")
+
+
+class WandbConfig(Strict):
+    enabled: bool = False
+    project: str = "draftsmith"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = Field(default_factory=list)
+
+
+class TargetConfig(Strict):
+    """A frozen target causal LM: a hub id or a local folder, or the shipped testbed target."""
+
+    path: str = Field("testbed", description="'testbed' (shipped), a local folder or a hub id")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+
+    @field_validator("path")
+    @classmethod
+    def _target_exists(cls, v: str) -> str:
+        if v == "testbed" or (HUB_ID.match(v) and not Path(v).exists()):
+            return v
+        return _existing_path(v, "target folder")
+
+
+# --------------------------------------------------------------------------------------------------
+# Recipes
+# --------------------------------------------------------------------------------------------------
+
+
+class RecipeBase(Strict):
+    recipe: str
+    output_dir: str
+    seed: int = 0
+
+
+class TrainLMRecipe(RecipeBase):
+    """Train a causal LM from scratch with next-token cross-entropy (the testbed target)."""
+
+    recipe: Literal["train_lm"]
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @model_validator(mode="after")
+    def _fits_context(self) -> "TrainLMRecipe":
+        if self.data.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
+                f"({self.model.max_position_embeddings})"
+            )
+        return self
+
+
+class QuickstartTargetStage(Strict):
+    """Where the quickstart's target comes from: the shipped testbed weights, or trained now."""
+
+    source: Literal["shipped", "train"] = "shipped"
+    train_recipe: str = Field("recipes/configs/testbed_target_quick.yaml", description="used when source=train")
+    eval_batches: Optional[int] = Field(None, gt=0, description="held-out batches to evaluate; None = all")
+
+    @field_validator("train_recipe")
+    @classmethod
+    def _recipe_exists(cls, v: str) -> str:
+        return _existing_path(v, "recipe file")
+
+
+class QuickstartRecipe(RecipeBase):
+    """The main job on the testbed: the target (shipped or trained), evaluated; later, drafters."""
+
+    recipe: Literal["quickstart"]
+    target: QuickstartTargetStage = Field(default_factory=QuickstartTargetStage)
+    torch_threads: Optional[int] = Field(None, gt=0)
+
+
+Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe], Field(discriminator="recipe")]
+RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe}
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading, overrides and error messages
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested dict (values parsed as YAML scalars)."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RecipeError(f"override '{item}' is not of the form section.key=value")
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise RecipeError(f"override '{item}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+    return raw
+
+
+def _model_at(root: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
+    """The pydantic model class that owns the field at ``loc`` (for key suggestions)."""
+    model: Any = root
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+        model = model.model_fields[part].annotation
+        # Optional[Section] -> Section
+        for arg in getattr(model, "__args__", ()):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                model = arg
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _format_error(cls: type[BaseModel], err: dict, source: str) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        owner = _model_at(cls, loc[:-1])
+        valid = sorted(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else f"valid keys here: {', '.join(valid)}"
+        return f"{source}: unknown key '{key}'; {hint}"
+    if err["type"] == "missing":
+        return f"{source}: missing required key '{key}'"
+    msg = err["msg"].removeprefix("Value error, ")
+    where = f"key '{key}'" if key else "recipe"
+    return f"{source}: {where} = {err.get('input')!r}: {msg}"
+
+
+def parse_recipe(raw: Any, source: str = "recipe") -> RecipeBase:
+    """Validate a raw mapping into its recipe model, or raise :class:`RecipeError`."""
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: expected a YAML mapping at the top level, got {type(raw).__name__}")
+    name = raw.get("recipe")
+    if name not in RECIPES:
+        close = difflib.get_close_matches(str(name), list(RECIPES), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise RecipeError(f"{source}: key 'recipe' = {name!r} is not a known recipe (one of {sorted(RECIPES)}){hint}")
+    cls = RECIPES[name]
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError("\n".join(_format_error(cls, err, source) for err in e.errors())) from None
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> RecipeBase:
+    """Read a recipe YAML, apply overrides and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file '{path}' does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: expected a YAML mapping at the top level")
+    return parse_recipe(apply_overrides(raw, overrides or []), source=str(path))

@@ -1,0 +1,49 @@
+"""Next-token language modelling: the loss the target is trained with, and held-out evaluation.
+
+For a window ``x[0..L]`` the model reads ``x[0..L-1]`` and is scored on ``x[1..L]`` with mean
+token cross-entropy (nats/token). Evaluation reports the same loss over a fixed, unshuffled set of
+held-out windows, its perplexity ``exp(loss)`` and next-token (greedy) accuracy. The held-out
+windows are split across processes and the sums reduced, so the numbers do not depend on how many
+processes evaluate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .data import PackedWindows
+
+
+def lm_loss(model, batch: torch.Tensor):
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    logits = model(input_ids=inputs).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+    return loss, {}
+
+
+@torch.no_grad()
+def evaluate_lm(model, windows: PackedWindows, batch_size: int, max_batches: int | None = None,
+                accelerator=None, prefix: str = "val") -> dict:
+    device = accelerator.device if accelerator else next(model.parameters()).device
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    n = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    mine = list(range(rank, n, world))
+    for start in range(0, len(mine), batch_size):
+        idx = mine[start:start + batch_size]
+        batch = torch.stack([windows.window(i) for i in idx]).to(device)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        logits = model(input_ids=inputs).logits.float()
+        nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum").double()
+        correct += (logits.argmax(-1) == labels).sum().double()
+        count += labels.numel()
+    if accelerator:
+        nll, correct, count = (accelerator.reduce(t, "sum") for t in (nll, correct, count))
+    loss = (nll / count).item()
+    return {f"{prefix}_loss": loss, f"{prefix}_ppl": math.exp(min(loss, 50.0)), f"{prefix}_acc": (correct / count).item(),
+            f"{prefix}_tokens": int(count.item())}

@@ -1,0 +1,128 @@
+"""Causal LMs: named builders for the models the project trains, and loading of frozen targets.
+
+Builders follow torchtune's habit of named functions (``testbed_target()``, ``tiny_target()``)
+that return a :class:`~distill.config.ModelConfig`; :func:`build_causal_lm` turns one into a
+``transformers`` Llama or Qwen3 model, so everything downstream (KV caches, ``generate``,
+``save_pretrained``, serving engines) treats our models exactly like a hub checkpoint.
+
+FLOPs per token (used for MFU) follow the PaLM appendix: ``6 * N`` for every weight matrix
+applied per token (embedding lookups excluded, a tied LM head counted once) plus
+``12 * layers * heads * head_dim * seq_len`` for attention scores and values, forward + backward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig, TargetConfig
+from .testbed import SHIPPED_TARGET
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def testbed_target() -> ModelConfig:
+    """The shipped testbed target: ~11M parameters, Llama architecture, 4096-token BPE."""
+    return ModelConfig(arch="llama", hidden_size=320, num_layers=8, num_heads=5, intermediate_size=864,
+                       max_position_embeddings=1024)
+
+
+def tiny_target() -> ModelConfig:
+    """A model that trains in seconds, for tests."""
+    return ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                       max_position_embeddings=256)
+
+
+def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None = None, dtype: torch.dtype = torch.float32):
+    """A randomly initialised ``transformers`` causal LM for ``cfg``.
+
+    ``special_ids`` maps ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to ids (see
+    :func:`special_token_ids`), so ``generate`` knows when to stop.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range,
+        **(special_ids or {}),
+    )
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.arch == "llama":
+        hf_cfg = LlamaConfig(**common, rope_parameters=rope, attention_bias=False, mlp_bias=False)
+    else:
+        hf_cfg = Qwen3Config(**common, rope_parameters=rope, attention_bias=False)
+    hf_cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    return model
+
+
+def special_token_ids(tokenizer) -> dict:
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def resolve_target_path(path: str) -> str:
+    if path == "testbed":
+        if not (SHIPPED_TARGET / "config.json").exists():
+            raise FileNotFoundError(
+                f"the shipped testbed target is missing at {SHIPPED_TARGET}; rebuild it with `make testbed-target`"
+            )
+        return str(SHIPPED_TARGET)
+    return path
+
+
+def load_target(cfg: TargetConfig, device: str | torch.device = "cpu"):
+    """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(cfg.path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def matmul_params(model) -> int:
+    """Parameters applied as matrix multiplies per token (embedding lookups excluded)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb
+    total = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue  # norms, biases
+        if p is emb and not tied:
+            continue  # a lookup, not a matmul
+        total += p.numel()
+    return total
+
+
+def flops_per_token(model, seq_len: int, training: bool = True) -> float:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attn = 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len  # forward, per token
+    dense = 2 * matmul_params(model)
+    return (dense + attn) * (3 if training else 1)
+
+
+def model_summary(model) -> dict:
+    n = sum(p.numel() for p in model.parameters())
+    return {"parameters": n, "matmul_parameters": matmul_params(model), "architecture": model.config.architectures or [type(model).__name__]}
+
+
+def save_fp16(model, tokenizer, folder: str | Path) -> None:
+    """Save a half-precision copy of ``model`` (for shipping); the source model is not modified."""
+    import copy
+
+    half = copy.deepcopy(model).to(torch.float16)
+    half.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -1,0 +1,59 @@
+"""Throughput accounting: the machine's measured matmul peak, and model FLOP utilisation (MFU).
+
+MFU = (tokens/s * FLOPs per token) / (peak FLOP/s * processes). The peak is *measured* on the
+machine at hand (best of a few large square matmuls in the training dtype), not taken from a data
+sheet: on a 2-core CPU the data-sheet peak is meaningless, and on a GPU a measured bf16 peak is what
+a well-tuned kernel can reach. The measurement is cached per (device, dtype, threads) for the
+process, since it costs about a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def measured_matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None) -> float:
+    """Best achieved FLOP/s of an ``n x n @ n x n`` matmul on ``device`` (``threads`` is a cache key)."""
+    n = 2048 if device == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    torch.mm(a, b)
+    sync()
+    best = float("inf")
+    for _ in range(3 if device == "cpu" else 10):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+class Throughput:
+    """Tokens/s over a sliding span of steps, and the MFU it implies."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float, processes: int = 1):
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops * processes
+        self.tokens = 0
+        self.seconds = 0.0
+        self._t = None
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def stop(self, tokens: int) -> None:
+        self.seconds += time.perf_counter() - self._t
+        self.tokens += tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s * self.flops_per_token / self.peak if self.peak else 0.0

@@ -1,0 +1,281 @@
+"""The training engine shared by every recipe.
+
+A recipe hands the :class:`Trainer` a model, a :class:`~distill.data.PackedWindows` source, a
+``loss_fn(model, batch) -> (loss, logs)`` and an ``evaluate_fn(model) -> metrics``; the trainer owns
+everything else, on top of ``accelerate`` (so DDP, DeepSpeed and FSDP come from the launch config):
+
+* gradient accumulation (``accelerator.accumulate``), AdamW, warmup + cosine / WSD / constant
+  learning rate (``transformers`` schedules), gradient clipping;
+* a step whose loss or gradient norm is not finite on *any* process is skipped (no update) and
+  counted; the data it consumed stays consumed, so resumes stay aligned;
+* periodic evaluation, ``best`` chosen by a named metric, ``latest`` every ``save_every`` steps;
+* exact resume: model, optimizer, scheduler, every process's RNG state, and the data position
+  (samples consumed) are restored, so a killed-and-resumed run ends with the same weights as an
+  uninterrupted one;
+* a progress bar (loss, tokens/s, MFU, ETA), ``metrics.jsonl``, and any ``accelerate`` tracker
+  (wandb) the recipe initialised.
+
+Why the data is not ``accelerator.prepare``-d: the sample order is a pure function of the samples
+consumed (see :mod:`distill.data`), which gives O(1) exact resume and identical global batches for
+any (processes x accumulation) split; a prepared DataLoader would have to replay to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import fault_point, find_resumable, write_atomically
+from .config import OptimConfig, TrainConfig
+from .data import PackedWindows
+from .perf import Throughput, measured_matmul_peak
+
+
+@dataclass
+class TrainerState:
+    """Counters that a resume restores (registered with ``accelerate`` for checkpointing)."""
+
+    step: int = 0
+    samples_consumed: int = 0
+    skipped_steps: int = 0
+    train_seconds: float = 0.0
+    tokens_seen: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+    last_eval: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+def build_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms, biases and other 1-D parameters."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int):
+    from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
+
+    warmup = min(cfg.warmup_steps, max_steps)
+    if cfg.schedule == "cosine":
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, max_steps, min_lr_rate=cfg.min_lr_ratio)
+    if cfg.schedule == "wsd":
+        decay = max(1, int(cfg.decay_fraction * max_steps))
+        return get_wsd_schedule(optimizer, warmup, decay, num_training_steps=max_steps, min_lr_ratio=cfg.min_lr_ratio)
+    return get_constant_schedule_with_warmup(optimizer, warmup)
+
+
+@dataclass
+class TrainResult:
+    step: int
+    skipped_steps: int
+    train_seconds: float
+    tokens_per_s: float
+    mfu: float
+    peak_flops: float
+    world_size: int
+    best_metric: float | None
+    best_step: int | None
+    final_eval: dict
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        accelerator,
+        model,
+        train_cfg: TrainConfig,
+        optim_cfg: OptimConfig,
+        output_dir: str | Path,
+        data: PackedWindows,
+        loss_fn: Callable,
+        evaluate_fn: Callable,
+        flops_per_token: float,
+        best_metric: str = "val_loss",
+        greater_is_better: bool = False,
+        save_extra: Callable[[Path], None] | None = None,
+    ):
+        self.acc = accelerator
+        self.cfg = train_cfg
+        self.out = Path(output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.data = data
+        self.loss_fn = loss_fn
+        self.evaluate_fn = evaluate_fn
+        self.best_metric_name = best_metric
+        self.greater_is_better = greater_is_better
+        self.save_extra = save_extra
+        self.state = TrainerState()
+
+        optimizer = build_optimizer(model, optim_cfg)
+        self.scheduler = build_scheduler(optimizer, optim_cfg, train_cfg.max_steps)
+        # The scheduler is deliberately not prepared: accelerate would step it once per process.
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(self.scheduler, self.state)
+        self.grad_clip = optim_cfg.grad_clip
+
+        self.world = accelerator.num_processes
+        self.samples_per_step = train_cfg.micro_batch_size * train_cfg.grad_accum * self.world
+        self.tokens_per_step = self.samples_per_step * data.seq_len
+        peak_dtype = torch.bfloat16 if train_cfg.mixed_precision == "bf16" else torch.float32
+        self.peak = measured_matmul_peak(accelerator.device.type, peak_dtype, torch.get_num_threads())
+        self.throughput = Throughput(flops_per_token, self.peak, self.world)
+
+    # ----------------------------------------------------------------------------------------------
+    def _better(self, value: float) -> bool:
+        best = self.state.best_metric
+        return best is None or (value > best if self.greater_is_better else value < best)
+
+    def save_model(self, folder: Path) -> None:
+        """Save the (unwrapped, gathered) model as a ``transformers`` folder."""
+        unwrapped = self.acc.unwrap_model(self.model)
+        unwrapped.save_pretrained(folder, is_main_process=self.acc.is_main_process, save_function=self.acc.save,
+                                  state_dict=self.acc.get_state_dict(self.model))
+        if self.save_extra and self.acc.is_main_process:
+            self.save_extra(folder)
+
+    def _save_latest(self) -> None:
+        def write(tmp: Path):
+            self.acc.save_state(str(tmp))
+            if self.acc.is_main_process:  # written last: marks the folder complete
+                (tmp / "trainer_state.json").write_text(json.dumps(self.state.state_dict(), indent=2))
+
+        write_atomically(self.acc, self.ckpt_dir / "latest", write, self.state.step)
+
+    def _save_best(self, metrics: dict) -> None:
+        def write(tmp: Path):
+            self.save_model(tmp)
+            if self.acc.is_main_process:
+                (tmp / "trainer_state.json").write_text(json.dumps({"step": self.state.step, **metrics}, indent=2))
+
+        write_atomically(self.acc, self.ckpt_dir / "best", write, self.state.step)
+
+    def maybe_resume(self) -> bool:
+        if not self.cfg.resume:
+            return False
+        folder = find_resumable(self.ckpt_dir / "latest")
+        if folder is None:
+            return False
+        self.acc.load_state(str(folder))
+        expected = self.state.step * self.samples_per_step
+        if self.state.samples_consumed != expected:
+            raise RuntimeError(
+                f"checkpoint {folder} consumed {self.state.samples_consumed} samples in {self.state.step} steps, "
+                f"but this launch takes {self.samples_per_step} samples per step: resume with the same "
+                "micro_batch_size x grad_accum x processes"
+            )
+        self.acc.print(f"resumed from {folder} at step {self.state.step}")
+        return True
+
+    def _log(self, record: dict) -> None:
+        self.acc.log(record, step=self.state.step)
+        if self.acc.is_main_process:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.state.step, **record}) + "\n")
+
+    def _evaluate(self) -> dict:
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.evaluate_fn(self.model)
+        self.model.train()
+        self.state.last_eval = metrics
+        self._log(metrics)
+        value = metrics[self.best_metric_name]
+        if math.isfinite(value) and self._better(value):
+            self.state.best_metric, self.state.best_step = value, self.state.step
+            self._save_best(metrics)
+        return metrics
+
+    # ----------------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg, acc = self.cfg, self.acc
+        finite = True
+        loss_sum = torch.zeros((), device=acc.device)
+        logs_sum: dict[str, float] = {}
+        for micro in range(cfg.grad_accum):
+            batch = self.data.micro_batch(self.state.samples_consumed, micro, acc.process_index, self.world,
+                                          cfg.micro_batch_size).to(acc.device)
+            with acc.accumulate(self.model):
+                loss, logs = self.loss_fn(self.model, batch)
+                finite &= bool(torch.isfinite(loss))
+                acc.backward(loss)
+            loss_sum += loss.detach()
+            for k, v in logs.items():
+                logs_sum[k] = logs_sum.get(k, 0.0) + float(v)
+        all_finite = acc.reduce(torch.tensor(float(finite), device=acc.device), "sum").item() == self.world
+        grad_norm = float("nan")
+        if all_finite and self.grad_clip:
+            grad_norm = float(acc.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        if all_finite and (not self.grad_clip or math.isfinite(grad_norm)):
+            self.optimizer.step()
+        else:
+            self.state.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.samples_consumed += self.samples_per_step
+        self.state.tokens_seen += self.tokens_per_step
+        loss_mean = acc.reduce(loss_sum / cfg.grad_accum, "mean").item()
+        out = {"train/loss": loss_mean, "train/lr": lr, "train/grad_norm": grad_norm,
+               "train/skipped_steps": self.state.skipped_steps}
+        out.update({f"train/{k}": v / cfg.grad_accum for k, v in logs_sum.items()})
+        return out
+
+    def fit(self) -> TrainResult:
+        cfg, acc = self.cfg, self.acc
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.maybe_resume()
+        self.model.train()
+        bar = tqdm(total=cfg.max_steps, initial=self.state.step, disable=not acc.is_main_process,
+                   desc="train", dynamic_ncols=True, mininterval=1.0)
+        window = Throughput(self.throughput.flops_per_token, self.peak, self.world)
+        while self.state.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            self.throughput.start(), window.start()
+            logs = self.train_step()
+            self.throughput.stop(self.tokens_per_step), window.stop(self.tokens_per_step)
+            self.state.train_seconds += time.perf_counter() - t0
+            step = self.state.step
+            bar.update(1)
+            bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{window.tokens_per_s:.0f}", mfu=f"{window.mfu:.1%}")
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                logs.update({"perf/tokens_per_s": window.tokens_per_s, "perf/mfu": window.mfu,
+                             "train/epoch": self.data.epoch_of(self.state.samples_consumed)})
+                self._log(logs)
+                window = Throughput(self.throughput.flops_per_token, self.peak, self.world)
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                metrics = self._evaluate()
+                bar.write(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            if step % cfg.save_every == 0 or step == cfg.max_steps:
+                self._save_latest()
+            fault_point("kill_after_step", step)
+        bar.close()
+        tokens_per_s = self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else 0.0
+        return TrainResult(
+            step=self.state.step,
+            skipped_steps=self.state.skipped_steps,
+            train_seconds=self.state.train_seconds,
+            tokens_per_s=tokens_per_s,
+            mfu=tokens_per_s * self.throughput.flops_per_token / (self.peak * self.world),
+            peak_flops=self.peak,
+            world_size=self.world,
+            best_metric=self.state.best_metric,
+            best_step=self.state.best_step,
+            final_eval=self.state.last_eval,
+        )

@@ -1,0 +1,57 @@
+"""``draftsmith``: the command line.
+
+    draftsmith run RECIPE.yaml [section.key=value ...] [--dry-run]
+    draftsmith validate RECIPE.yaml [section.key=value ...]
+
+``run`` validates the recipe (exit status 2 and nothing written on any error), then calls the entry
+point named by its ``recipe:`` key. ``--dry-run`` validates and builds the recipe's models without
+training. The same command runs under ``accelerate launch ... -m recipes.cli run RECIPE.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ENTRY_POINTS = {"train_lm": "recipes.train_lm", "quickstart": "recipes.quickstart"}
+
+
+def run_recipe(recipe, dry_run: bool = False) -> dict:
+    module = importlib.import_module(ENTRY_POINTS[recipe.recipe])
+    return module.main(recipe, dry_run=dry_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("run", "run a recipe"), ("validate", "validate a recipe and print it resolved")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("recipe", help="path to a recipe YAML")
+        p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        if name == "run":
+            p.add_argument("--dry-run", action="store_true", help="validate and build models, do not train")
+    args = parser.parse_args(argv)
+
+    from distill.config import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "validate":
+        print(json.dumps(recipe.model_dump(mode="json"), indent=2))
+        return 0
+    result = run_recipe(recipe, dry_run=args.dry_run)
+    if args.dry_run:
+        print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

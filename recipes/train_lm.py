@@ -1,0 +1,99 @@
+"""Recipe ``train_lm``: train a causal LM from scratch with next-token cross-entropy.
+
+This is how the testbed target is made (``recipes/configs/testbed_target.yaml``), and it works for
+any text the data section names. Launch::
+
+    draftsmith run recipes/configs/testbed_target_quick.yaml [train.max_steps=50 ...]
+    accelerate launch --config_file accelerate_configs/ddp.yaml -m recipes.cli run RECIPE.yaml
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m recipes.cli run RECIPE.yaml   # CPU ranks
+
+Writes into ``output_dir``: ``recipe.yaml``, ``provenance.json``, ``metrics.jsonl``,
+``checkpoints/{latest,best}``, ``model/`` (final weights + tokenizer) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distill.config import TrainLMRecipe
+from distill.data import PackedWindows, build_tokenizer, load_text_splits, tokenize_stream, tokenizer_fingerprint
+from distill.lm import evaluate_lm, lm_loss
+from distill.models import build_causal_lm, flops_per_token, model_summary, special_token_ids
+from distill.provenance import write_json_atomic, write_run_header
+from distill.runtime import init_tracking, make_accelerator, set_threads
+from distill.trainer import Trainer
+
+
+def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
+    set_threads(recipe.train.torch_threads)
+
+    if dry_run:  # the model from the config alone: no corpus, no tokenizer training
+        if recipe.tokenizer.path:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(recipe.tokenizer.path)
+            vocab, ids = len(tok), special_token_ids(tok)
+        else:
+            vocab, ids = recipe.tokenizer.vocab_size, None
+        model = build_causal_lm(recipe.model, vocab, ids)
+        return {"model": model_summary(model)}
+
+    ### Accelerator, data, tokenizer
+    acc = make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
+    with acc.main_process_first():  # the main process fills the caches, the others read them
+        splits = load_text_splits(recipe.data, recipe.seed)
+        tokenizer = build_tokenizer(recipe.tokenizer, splits)
+        train_tokens = tokenize_stream(splits.train, tokenizer, "train")
+        val_tokens = tokenize_stream(splits.val, tokenizer, "val")
+    train = PackedWindows(train_tokens, recipe.data.seq_len, recipe.seed, shuffle=True)
+    val = PackedWindows(val_tokens, recipe.data.seq_len, recipe.seed, shuffle=False)
+
+    ### Model
+    model = build_causal_lm(recipe.model, len(tokenizer), special_token_ids(tokenizer))
+    fpt = flops_per_token(model, recipe.data.seq_len)
+
+    ### Run header
+    data_record = {"description": splits.description, "text_fingerprint": splits.fingerprint,
+                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                   "train_tokens": int(len(train_tokens)), "val_tokens": int(len(val_tokens))}
+    if acc.is_main_process:
+        write_run_header(recipe.output_dir, recipe, data=data_record, model=model_summary(model),
+                         world_size=acc.num_processes)
+    init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
+    acc.print(f"{splits.description}; {len(train_tokens):,} train tokens, {len(val_tokens):,} held-out; "
+              f"model {model_summary(model)['parameters']:,} parameters; {acc.num_processes} process(es)")
+
+    ### Train
+    trainer = Trainer(
+        accelerator=acc, model=model, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
+        data=train, loss_fn=lm_loss, flops_per_token=fpt,
+        evaluate_fn=lambda m: evaluate_lm(m, val, recipe.train.micro_batch_size, recipe.train.eval_batches, acc),
+        best_metric="val_loss", save_extra=tokenizer.save_pretrained,
+    )
+    result = trainer.fit()
+
+    ### Final model, evaluated on the whole held-out split, and summary
+    out = Path(recipe.output_dir)
+    trainer.save_model(out / "model")
+    trainer.model.eval()
+    final_eval = evaluate_lm(trainer.model, val, recipe.train.micro_batch_size, None, acc)
+    summary = {
+        "checkpoint": str(out / "model"),
+        "best_checkpoint": str(out / "checkpoints" / "best"),
+        "steps": result.step,
+        "skipped_steps": result.skipped_steps,
+        "world_size": result.world_size,
+        "train_seconds": round(result.train_seconds, 2),
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "mfu": round(result.mfu, 4),
+        "peak_flops": result.peak_flops,
+        "train_tokens_seen": trainer.state.tokens_seen,
+        "epochs": round(train.epoch_of(trainer.state.samples_consumed), 3),
+        **final_eval,
+        "data": data_record,
+    }
+    if acc.is_main_process:
+        tokenizer.save_pretrained(out / "model")
+        write_json_atomic(out / "summary.json", summary)
+    acc.end_training()
+    return summary
