@@ -270,8 +270,19 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(child, dict):
                 raise RecipeError(f"override '{item}': '{part}' is a value, not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+        node[parts[-1]] = _scalar(value)
     return raw
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _scalar(text: str) -> Any:
+    """A YAML scalar, except that ``1e-3`` is a float (YAML 1.1 would read it as a string)."""
+    if text == "":
+        return None
+    value = yaml.safe_load(text)
+    return float(value) if isinstance(value, str) and _FLOAT.match(value) else value
 
 
 def _model_at(root: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
@@ -295,7 +306,14 @@ def _format_error(cls: type[BaseModel], err: dict, source: str) -> str:
         owner = _model_at(cls, loc[:-1])
         valid = sorted(owner.model_fields) if owner else []
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-        hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else f"valid keys here: {', '.join(valid)}"
+        elsewhere = [f"{name}.{loc[-1]}" for name, f in cls.model_fields.items()
+                     if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and loc[-1] in f.annotation.model_fields]
+        if close:
+            hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?"
+        elif elsewhere:
+            hint = f"did you mean '{elsewhere[0]}'?"
+        else:
+            hint = f"valid keys here: {', '.join(valid)}"
         return f"{source}: unknown key '{key}'; {hint}"
     if err["type"] == "missing":
         return f"{source}: missing required key '{key}'"

@@ -179,6 +179,10 @@ class Trainer:
                 f"but this launch takes {self.samples_per_step} samples per step: resume with the same "
                 "micro_batch_size x grad_accum x processes"
             )
+        metrics = self.out / "metrics.jsonl"
+        if self.acc.is_main_process and metrics.exists():  # drop what the killed run logged past the checkpoint
+            kept = [l for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= self.state.step]
+            metrics.write_text("".join(l + "\n" for l in kept))
         self.acc.print(f"resumed from {folder} at step {self.state.step}")
         return True
 

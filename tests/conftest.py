@@ -1,0 +1,60 @@
+"""Shared fixtures: offline switches, a per-session cache, and a tiny train_lm recipe that runs in seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
+           "WANDB_SILENT": "true", "DS_BUILD_OPS": "0"}
+os.environ.update(OFFLINE)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_env(tmp_path_factory):
+    import torch
+
+    cache = tmp_path_factory.mktemp("draftsmith-cache")
+    os.environ["DRAFTSMITH_CACHE"] = str(cache)
+    torch.set_num_threads(1)  # deterministic and polite to whatever else runs on the machine
+    yield cache
+
+
+def tiny_lm_recipe(output_dir: Path, **sections) -> dict:
+    """A train_lm recipe on 40 stdlib files, a 512-token BPE and a 2-layer model: seconds on 1 core."""
+    recipe = {
+        "recipe": "train_lm",
+        "output_dir": str(output_dir),
+        "seed": 0,
+        "model": {"arch": "llama", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128,
+                  "max_position_embeddings": 128},
+        "tokenizer": {"vocab_size": 512},
+        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine"},
+        "train": {"max_steps": 12, "micro_batch_size": 4, "grad_accum": 1, "eval_every": 6, "eval_batches": 4,
+                  "save_every": 4, "log_every": 2, "torch_threads": 1},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            recipe.setdefault(section, {}).update(values)
+        else:
+            recipe[section] = values
+    return recipe
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``draftsmith`` in a fresh process (optionally under a launcher such as torchrun)."""
+    full_env = {**os.environ, **OFFLINE, **(env or {})}
+    cmd = (launcher or [sys.executable]) + ["-m", "recipes.cli", *args]
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)

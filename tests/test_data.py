@@ -1,0 +1,92 @@
+"""The testbed corpus, tokenizer and window order: deterministic, disjoint, resumable, shardable."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from distill.config import DataConfig, TokenizerConfig
+from distill.data import PackedWindows, build_tokenizer, load_text_splits, tokenize_stream
+from distill.testbed import SPECIAL_TOKENS, is_held_out, stdlib_documents
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = DataConfig(source="stdlib", max_documents=30, val_fraction=0.1, seq_len=32)
+    splits = load_text_splits(cfg)
+    tok = build_tokenizer(TokenizerConfig(vocab_size=400), splits)
+    return cfg, splits, tok
+
+
+def test_stdlib_corpus_excludes_tests_and_is_sorted():
+    docs = stdlib_documents()
+    paths = [d.path for d in docs]
+    assert len(docs) > 300 and paths == sorted(paths)
+    assert not any(part in ("test", "tests", "idle_test") for p in paths for part in p.split("/")[:-1])
+    assert "os.py" in paths
+
+
+def test_split_is_stable_and_disjoint(small):
+    _, splits, _ = small
+    assert splits.train and splits.val and not set(splits.train) & set(splits.val)
+    assert load_text_splits(DataConfig(source="stdlib", max_documents=30, val_fraction=0.1)).fingerprint == splits.fingerprint
+    assert is_held_out("a/b.py", 0.5) == is_held_out("a/b.py", 0.5)
+
+
+def test_tokenizer_round_trips_and_has_special_tokens(small):
+    _, splits, tok = small
+    text = splits.train[0][:500]
+    assert tok.decode(tok(text)["input_ids"]) == text
+    for special in SPECIAL_TOKENS:
+        assert tok.convert_tokens_to_ids(special) is not None
+    assert tok.eos_token == "<|endoftext|>" and tok.mask_token == "<|mask|>" and tok.pad_token == "<|pad|>"
+    assert len(tok) == 400
+
+
+def test_tokenizer_training_is_deterministic(small, tmp_path, monkeypatch):
+    _, splits, tok = small
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))  # force a retrain
+    again = build_tokenizer(TokenizerConfig(vocab_size=400), splits)
+    assert json.loads(again.backend_tokenizer.to_str()) == json.loads(tok.backend_tokenizer.to_str())
+
+
+def test_token_stream_is_cached_and_eos_separated(small):
+    _, splits, tok = small
+    a = tokenize_stream(splits.val, tok, "val")
+    b = tokenize_stream(splits.val, tok, "val")
+    assert np.array_equal(a, b) and a.dtype == np.uint16
+    assert (np.asarray(a) == tok.eos_token_id).sum() == len(splits.val)
+
+
+def test_window_order_is_a_function_of_samples_consumed():
+    tokens = np.arange(1000, dtype=np.uint16)
+    w = PackedWindows(tokens, 9, seed=3)
+    n = len(w)
+    first_epoch = [w.window_index(k) for k in range(n)]
+    assert sorted(first_epoch) == list(range(n))  # a permutation
+    assert [w.window_index(k) for k in range(n, 2 * n)] != first_epoch  # reshuffled per epoch
+    fresh = PackedWindows(tokens, 9, seed=3)
+    assert torch.equal(fresh.batch(n + 5, 4), w.batch(n + 5, 4))  # O(1) seek = resume
+    x = w.window(0)
+    assert x.shape == (10,) and torch.equal(x, torch.arange(10))
+
+
+def test_two_ranks_see_what_one_rank_sees_with_double_accumulation():
+    w = PackedWindows(np.arange(5000, dtype=np.uint16), 16, seed=0)
+    B, before = 3, 36
+    one = torch.cat([w.micro_batch(before, m, 0, 1, B) for m in range(2)])
+    two = torch.cat([w.micro_batch(before, 0, r, 2, B) for r in range(2)])
+    assert torch.equal(one, two)
+
+
+def test_local_jsonl_through_datasets(tmp_path):
+    rows = [{"text": f"def f{i}(x):\n    return x + {i}\n"} for i in range(50)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    splits = load_text_splits(DataConfig(source="files", train_files=[str(path)], val_fraction=0.1))
+    assert len(splits.train) == 45 and len(splits.val) == 5
+    with pytest.raises(ValueError, match="text_field 'content'"):
+        load_text_splits(DataConfig(source="files", train_files=[str(path)], text_field="content"))
