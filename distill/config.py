@@ -64,6 +64,18 @@ def _existing_path(value: str, what: str) -> str:
     return value
 
 
+def _local_or_hub(value: str, what: str, probe_file: str) -> str:
+    """A local folder that exists, or a hub id (which, offline, must already be in the local cache)."""
+    if Path(os.path.expanduser(value)).exists() or not HUB_ID.match(value):
+        return _existing_path(value, what)
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(value, probe_file), str):
+            raise ValueError(f"{what} '{value}' is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE is set")
+    return value
+
+
 class ModelConfig(Strict):
     """Architecture of a causal LM built from scratch (the testbed target, students)."""
 
@@ -101,9 +113,7 @@ class TokenizerConfig(Strict):
     @field_validator("path")
     @classmethod
     def _path_exists(cls, v: Optional[str]) -> Optional[str]:
-        if v is None or HUB_ID.match(v) and not Path(v).exists():
-            return v
-        return _existing_path(v, "tokenizer folder")
+        return None if v is None else _local_or_hub(v, "tokenizer", "tokenizer_config.json")
 
 
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -190,9 +200,7 @@ class TargetConfig(Strict):
     @field_validator("path")
     @classmethod
     def _target_exists(cls, v: str) -> str:
-        if v == "testbed" or (HUB_ID.match(v) and not Path(v).exists()):
-            return v
-        return _existing_path(v, "target folder")
+        return v if v == "testbed" else _local_or_hub(v, "target", "config.json")
 
 
 # --------------------------------------------------------------------------------------------------

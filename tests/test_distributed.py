@@ -1,0 +1,98 @@
+"""Data parallelism: 2 CPU ranks (gloo) train like 1 rank with twice the accumulation, and the
+cluster launch configs are accepted by accelerate's own launcher and plugins."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import REPO, run_cli, tiny_lm_recipe, write_recipe
+
+CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+
+
+def launch_env(config: Path) -> tuple[object, dict]:
+    """Run accelerate's launcher argument handling on ``config`` and return (args, the env it would set)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), "-m", "recipes.cli", "run", "r.yaml"])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = prepare_deepspeed_cmd_env(args)
+    elif args.use_fsdp or args.multi_gpu:
+        env = prepare_multi_gpu_env(args)
+    else:
+        _, env = prepare_simple_launcher_cmd_env(args)
+    return args, env
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_accelerate_accepts_launch_config(config):
+    args, env = launch_env(config)
+    with mock.patch.dict(os.environ, env):
+        if args.use_deepspeed:
+            from accelerate.utils import DeepSpeedPlugin
+
+            plugin = DeepSpeedPlugin()
+            assert plugin.zero_stage in (2, 3)
+            assert plugin.deepspeed_config["zero_optimization"]["stage"] == plugin.zero_stage
+        elif args.use_fsdp:
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            gpu_only = {"FSDP_SYNC_MODULE_STATES": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
+            assert all(env[k].lower() == "true" for k in gpu_only)
+            with mock.patch.dict(os.environ, gpu_only):  # both broadcast from a GPU at construction
+                plugin = FullyShardedDataParallelPlugin()
+            assert "FULL_SHARD" in str(plugin.sharding_strategy) and plugin.auto_wrap_policy is not None
+        elif config.name == "cpu.yaml":
+            assert args.use_cpu and args.num_processes == 1 and env.get("ACCELERATE_USE_CPU") == "True", env
+        else:
+            assert args.multi_gpu and args.mixed_precision == "bf16"
+
+
+def final_weights(out: Path) -> dict:
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_equal_one_rank_with_double_accumulation(tmp_path):
+    train = {"max_steps": 6, "micro_batch_size": 4, "eval_every": 6, "save_every": 6}
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    p1 = write_recipe(tmp_path / "one.yaml", tiny_lm_recipe(one, train={**train, "grad_accum": 2}))
+    p2 = write_recipe(tmp_path / "two.yaml", tiny_lm_recipe(two, train={**train, "grad_accum": 1}))
+
+    r1 = run_cli("run", str(p1))
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    r2 = run_cli("run", str(p2), launcher=torchrun, env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+    assert r2.returncode == 0, r2.stderr[-3000:]
+
+    s1, s2 = (json.loads((o / "summary.json").read_text()) for o in (one, two))
+    assert s1["world_size"] == 1 and s2["world_size"] == 2, "torchrun did not give 2 real ranks"
+    assert s1["train_tokens_seen"] == s2["train_tokens_seen"]
+    w1, w2 = final_weights(one), final_weights(two)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{k}: {m}")
+    assert s1["val_loss"] == pytest.approx(s2["val_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_recipe_runs_under_accelerate_launch(tmp_path):
+    out = tmp_path / "run"
+    path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(out, train={"max_steps": 2, "eval_every": 2, "save_every": 2}))
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml")]
+    r = run_cli("run", str(path), launcher=launcher)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2

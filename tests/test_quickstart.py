@@ -1,0 +1,47 @@
+"""The quickstart pipeline on the testbed: shipped target and trained-now target both end in a summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from distill.config import parse_recipe
+from distill.testbed import SHIPPED_TARGET
+from recipes import quickstart
+
+from .conftest import tiny_lm_recipe, write_recipe
+
+TARGET_KEYS = {"checkpoint", "val_loss", "val_ppl", "train_seconds", "tokens_per_s", "mfu"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_quickstart_with_the_shipped_target(tmp_path):
+    out = tmp_path / "qs"
+    summary = quickstart.main(parse_recipe({"recipe": "quickstart", "output_dir": str(out), "target": {"eval_batches": 2}}))
+    target = json.loads((out / "summary.json").read_text())["target"]
+    assert target == summary["target"] and TARGET_KEYS <= target.keys()
+    seq_len = yaml.safe_load((SHIPPED_TARGET / "recipe.yaml").read_text())["data"]["seq_len"]
+    assert target["source"].startswith("shipped") and target["val_tokens"] == 2 * 8 * seq_len
+    assert 1 < target["val_ppl"] < 60 and target["tokens_per_s"] > 0 and 0 < target["mfu"] < 1
+
+
+@pytest.mark.slow
+def test_quickstart_trains_its_target_when_asked(tmp_path):
+    out = tmp_path / "qs"
+    train_recipe = write_recipe(tmp_path / "tiny.yaml", tiny_lm_recipe(tmp_path / "ignored", train={"max_steps": 4}))
+    recipe = parse_recipe({"recipe": "quickstart", "output_dir": str(out),
+                           "target": {"source": "train", "train_recipe": str(train_recipe)}})
+    target = quickstart.main(recipe)["target"]
+    assert target["source"] == "trained in this run" and target["checkpoint"] == str(out / "target" / "model")
+    assert TARGET_KEYS <= target.keys() and target["train_seconds"] > 0
+    trained = json.loads((out / "target" / "summary.json").read_text())
+    assert target["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-4)  # same split, same metric
