@@ -15,10 +15,11 @@ from distill.testbed import SHIPPED_TARGET
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from transformers import AutoTokenizer
+    from distill.config import DataConfig, TokenizerConfig
+    from distill.data import build_tokenizer, load_text_splits
 
     folder = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(SHIPPED_TARGET)
+    tok = build_tokenizer(TokenizerConfig(vocab_size=400), load_text_splits(DataConfig(max_documents=30, val_fraction=0.1)))
     model = build_causal_lm(tiny_target().model_copy(update={"arch": "qwen3"}), len(tok), special_token_ids(tok))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
