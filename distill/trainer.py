@@ -222,10 +222,11 @@ class Trainer:
             for k, v in logs.items():
                 logs_sum[k] = logs_sum.get(k, 0.0) + float(v)
         all_finite = acc.reduce(torch.tensor(float(finite), device=acc.device), "sum").item() == self.world
-        grad_norm = float("nan")
+        grad_norm = None  # unknown without clipping, or when DeepSpeed clips inside its engine
         if all_finite and self.grad_clip:
-            grad_norm = float(acc.clip_grad_norm_(self.model.parameters(), self.grad_clip))
-        if all_finite and (not self.grad_clip or math.isfinite(grad_norm)):
+            norm = acc.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            grad_norm = None if norm is None else float(norm)
+        if all_finite and (grad_norm is None or math.isfinite(grad_norm)):
             self.optimizer.step()
         else:
             self.state.skipped_steps += 1
@@ -236,7 +237,7 @@ class Trainer:
         self.state.samples_consumed += self.samples_per_step
         self.state.tokens_seen += self.tokens_per_step
         loss_mean = acc.reduce(loss_sum / cfg.grad_accum, "mean").item()
-        out = {"train/loss": loss_mean, "train/lr": lr, "train/grad_norm": grad_norm,
+        out = {"train/loss": loss_mean, "train/lr": lr, "train/grad_norm": float("nan") if grad_norm is None else grad_norm,
                "train/skipped_steps": self.state.skipped_steps}
         out.update({f"train/{k}": v / cfg.grad_accum for k, v in logs_sum.items()})
         return out
