@@ -256,8 +256,53 @@ class QuickstartRecipe(RecipeBase):
     torch_threads: Optional[int] = Field(None, gt=0)
 
 
-Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe], Field(discriminator="recipe")]
-RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe}
+class DrafterSection(Strict):
+    """The drafter to train. Sizes default to the target's (embeddings and LM head are shared)."""
+
+    kind: Literal["dflash", "dspark", "eagle3"] = "dflash"
+    num_layers: int = Field(1, gt=0)
+    num_heads: Optional[int] = Field(None, gt=0, description="defaults to the target's")
+    intermediate_size: Optional[int] = Field(None, gt=0, description="defaults to the target's")
+    block_size: int = Field(8, ge=2, description="tokens per block (anchor + K-1 drafts); EAGLE-3 drafts K-1 steps")
+    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    target_layer_ids: Optional[list[int]] = Field(None, description="output of layer i; None = spread over the target")
+    num_target_layers: int = Field(3, gt=0, description="used when target_layer_ids is None")
+    num_anchors: int = Field(16, gt=0, description="blocks per training sequence (block drafters)")
+    loss_gamma: float = Field(4.0, gt=0, description="position weights exp(-(k-1)/gamma)")
+    markov_rank: int = Field(64, gt=0, description="DSpark Markov head rank")
+    ce_weight: float = Field(0.1, ge=0, description="DSpark")
+    tv_weight: float = Field(0.9, ge=0, description="DSpark")
+    confidence_weight: float = Field(1.0, ge=0, description="DSpark")
+
+    @model_validator(mode="after")
+    def _eagle_layers(self) -> "DrafterSection":
+        if self.kind == "eagle3" and (len(self.target_layer_ids or []) not in (0, 3) or self.num_target_layers != 3):
+            raise ValueError("eagle3 fuses exactly 3 target layers (low, mid, high)")
+        return self
+
+
+class TrainDrafterRecipe(RecipeBase):
+    """Distill a drafter from a frozen target whose hidden states are captured while it runs."""
+
+    recipe: Literal["train_drafter"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: DrafterSection = Field(default_factory=DrafterSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @model_validator(mode="after")
+    def _blocks_fit(self) -> "TrainDrafterRecipe":
+        if self.data.seq_len < 2 * self.drafter.block_size:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) must be at least twice drafter.block_size "
+                             f"({self.drafter.block_size})")
+        return self
+
+
+Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe], Field(discriminator="recipe")]
+RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe,
+                                        "train_drafter": TrainDrafterRecipe}
 
 
 # --------------------------------------------------------------------------------------------------

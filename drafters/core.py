@@ -1,0 +1,384 @@
+"""The block-drafter core shared by DFlash, DSpark (and, for its layers, EAGLE-3).
+
+Notation: a sequence ``x[0..T-1]``; target features ``f[t]`` (hidden states of the configured target
+layers after the target read ``x[0..t]``, see :mod:`distill.features`); block size ``K``.
+
+Blocks
+    An *anchor* position ``a`` starts a block ``[x[a], MASK, ..., MASK]`` of ``K`` tokens at positions
+    ``a .. a+K-1``. Block position ``k >= 1`` predicts ``x[a+k]``; position 0 (the anchor, the token
+    the target just emitted) carries no loss. In decoding the anchor is the target's bonus token, which
+    the target has not read yet, so block queries see target features **strictly before** the anchor:
+    ``f[j]`` for ``j < a``. Training samples many anchors per sequence at once; each block sees its own
+    prefix of features, so one forward trains them all.
+
+Attention (one dense mask, queries = all block tokens, keys = [features ; block tokens])
+    feature key ``j`` is visible to block ``n``'s queries iff ``j < a_n``; block keys are visible only
+    inside the same block: all of them (``bidirectional``, DFlash's block diffusion) or those at
+    ``k' <= k`` (``causal``, JetSpec-style causal drafting). Every query sees at least itself, so no row
+    is fully masked.
+
+Features enter through ``fc`` (concatenated target layers -> hidden) and ``hidden_norm``; in every
+drafter layer they are *prepended* to the block's keys and values (KV injection). Token embeddings and
+the LM head are the target's, copied in and frozen, so the drafter speaks the target's vocabulary.
+
+Acceptance (:func:`acceptance_stats`)
+    For greedy verification a drafted token at block position ``k`` is kept iff it and every earlier
+    one equal the target's argmax. With ``m_k`` that indicator, the per-position acceptance is the
+    conditional rate ``acc_k = E[m_1..m_k] / E[m_1..m_{k-1}]`` and the simulated acceptance length is
+    ``tau = 1 + sum_k prod_{j<=k} acc_j = 1 + sum_k E[m_1 ... m_k]`` (the bonus token counts one).
+    The probabilistic variant (sampling at temperature 1) uses ``1 - TV(p, q)`` in place of ``m_k``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from distill.features import LAYER_ID_CONVENTION
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: [B, heads, L, D]; ``cos``/``sin``: [B, L, D]."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DraftAttention(nn.Module):
+    """Multi-head attention whose queries and keys/values may come from different inputs."""
+
+    def __init__(self, cfg, in_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(in_dim, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def project_kv(self, kv_in: torch.Tensor, kv_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, L, _ = kv_in.shape
+        k = self.k_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(kv_pos, self.head_dim, self.theta)
+        return apply_rope(k, cos, sin), v
+
+    def attend(self, q_in: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        B, Q, _ = q_in.shape
+        q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta)
+        q = apply_rope(q, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class InjectedLayer(nn.Module):
+    """Pre-norm decoder layer whose keys/values are ``[context features ; own normalised input]``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = DraftAttention(cfg, cfg.hidden_size)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, x_pos, ctx, ctx_pos, mask):
+        h = self.input_norm(x)
+        k, v = self.attn.project_kv(torch.cat([ctx, h], dim=1), torch.cat([ctx_pos, x_pos], dim=1))
+        x = x + self.attn.attend(h, x_pos, k, v, mask)
+        return x + self.mlp(self.post_norm(x))
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared config and model base
+# --------------------------------------------------------------------------------------------------
+
+
+class DrafterConfig(PretrainedConfig):
+    """Fields every drafter records: its shape, the target it serves and how it reads the target."""
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 256,
+        num_hidden_layers: int = 1,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int = 512,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        target_hidden_size: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        layer_id_convention: str = LAYER_ID_CONVENTION,
+        target_name_or_path: str | None = None,
+        mask_token_id: int | None = None,
+        block_size: int = 8,
+        block_attention: str = "bidirectional",
+        num_anchors: int = 16,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        if block_attention not in ("bidirectional", "causal"):
+            raise ValueError(f"block_attention must be 'bidirectional' or 'causal', got {block_attention!r}")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.target_hidden_size = target_hidden_size or hidden_size
+        self.target_layer_ids = list(target_layer_ids or [])
+        self.layer_id_convention = layer_id_convention
+        self.target_name_or_path = target_name_or_path
+        self.mask_token_id = mask_token_id
+        self.block_size = block_size
+        self.block_attention = block_attention
+        self.num_anchors = num_anchors
+        self.initializer_range = initializer_range
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+@dataclass
+class DrafterOutput(ModelOutput):
+    """``loss`` for training; ``draft_logits`` [B, N, K-1, V] as decoding would draft them and
+    ``target_logits`` for the same positions, for acceptance statistics; ``logs`` extra scalars."""
+
+    loss: torch.Tensor | None = None
+    draft_logits: torch.Tensor | None = None
+    target_logits: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+    logs: dict | None = None
+
+
+class DrafterBase(PreTrainedModel):
+    """Frozen target embeddings and LM head, weight init, and copying them in from a target."""
+
+    base_model_prefix = "drafter"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["InjectedLayer"]
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def _make_target_io(self, cfg) -> None:
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.freeze_target_io()
+
+    def freeze_target_io(self) -> None:
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        model.freeze_target_io()  # loading builds fresh Parameters, which would be trainable
+        return model
+
+    @torch.no_grad()
+    def copy_target_io(self, target) -> "DrafterBase":
+        """Copy (and keep frozen) the target's token embeddings and LM head."""
+        emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        if emb.shape != self.embed_tokens.weight.shape or head.shape != self.lm_head.weight.shape:
+            raise ValueError(f"drafter vocab/hidden {tuple(self.embed_tokens.weight.shape)} does not match the "
+                             f"target's embeddings {tuple(emb.shape)}: build the drafter with the target's sizes")
+        self.embed_tokens.weight.copy_(emb)
+        self.lm_head.weight.copy_(head)
+        return self
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class BlockDrafter(DrafterBase):
+    """The parallel block backbone: ``fc`` + ``hidden_norm`` over target features, KV-injected layers.
+
+    Subclasses (DFlash, DSpark) add their heads and losses on top of :meth:`block_hidden`.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        n_feat = len(config.target_layer_ids) * config.target_hidden_size
+        if n_feat == 0:
+            raise ValueError("a block drafter needs target_layer_ids")
+        self.fc = nn.Linear(n_feat, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(InjectedLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._make_target_io(config)
+        self.post_init()
+
+    @property
+    def causal_blocks(self) -> bool:
+        return self.config.block_attention == "causal"
+
+    def block_hidden(self, aux: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, N, K, H] of the blocks anchored at ``anchors`` [B, N].
+
+        ``aux`` [B, C, F] holds target features for positions ``0..C-1``; block ``n`` sees those
+        before ``anchors[:, n]`` only. ``anchor_tokens`` [B, N] are the clean tokens at the anchors.
+        """
+        cfg = self.config
+        B, N = anchors.shape
+        K = cfg.block_size
+        tokens = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+        tokens[:, :, 0] = anchor_tokens
+        x = self.embed_tokens(tokens).view(B, N * K, -1)
+        x_pos = (anchors[:, :, None] + torch.arange(K, device=anchors.device)).view(B, N * K)
+        ctx = self.hidden_norm(self.fc(aux))
+        ctx_pos = torch.arange(aux.shape[1], device=aux.device)[None].expand(B, -1)
+        mask = block_attention_mask(anchors, aux.shape[1], K, self.causal_blocks)
+        for layer in self.layers:
+            x = layer(x, x_pos, ctx, ctx_pos, mask)
+        return self.norm(x).view(B, N, K, -1)
+
+    def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor):
+        """Labels ``x[a+k]`` and target logits for them, ``k = 1..K-1``: ([B, N, K-1], [B, N, K-1, V])."""
+        pos = anchors[:, :, None] + torch.arange(1, self.config.block_size, device=anchors.device)
+        labels = gather_positions(input_ids, pos)
+        with torch.no_grad():
+            target_logits = self.lm_head(gather_positions(last, pos - 1))
+        return labels, target_logits
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks, masks and acceptance
+# --------------------------------------------------------------------------------------------------
+
+
+def sample_anchors(seq_len: int, block_size: int, count: int, batch: int, device=None,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """``count`` distinct anchors per sequence in ``[1, seq_len - block_size]``, sorted ([B, N]).
+
+    Drawn from torch's global RNG unless a generator is given; the trainer checkpoints that RNG, so
+    a resumed run draws the same anchors."""
+    hi = seq_len - block_size  # the last label x[a + K - 1] must exist
+    if hi < 1:
+        raise ValueError(f"sequences of {seq_len} tokens are too short for blocks of {block_size}")
+    count = min(count, hi)
+    scores = torch.rand(batch, hi, generator=generator)
+    anchors = scores.topk(count, dim=1).indices + 1
+    return anchors.sort(dim=1).values.to(device)
+
+
+def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, causal: bool) -> torch.Tensor:
+    """Boolean mask [B, 1, N*K, ctx_len + N*K]: True where a block query may attend (see module doc)."""
+    B, N = anchors.shape
+    K = block_size
+    dev = anchors.device
+    ctx_visible = torch.arange(ctx_len, device=dev)[None, None, :] < anchors[:, :, None]  # [B, N, T]
+    ctx_visible = ctx_visible[:, :, None, :].expand(B, N, K, ctx_len).reshape(B, N * K, ctx_len)
+    blk = torch.arange(N * K, device=dev)
+    same_block = (blk[:, None] // K) == (blk[None, :] // K)
+    if causal:
+        same_block &= (blk[None, :] % K) <= (blk[:, None] % K)
+    mask = torch.cat([ctx_visible, same_block[None].expand(B, -1, -1)], dim=-1)
+    return mask[:, None]
+
+
+def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, T, ...] gathered at ``positions`` [B, *] -> [B, *, ...]."""
+    B = x.shape[0]
+    flat = positions.reshape(B, -1)
+    idx = flat.view(B, -1, *([1] * (x.dim() - 2))).expand(B, flat.shape[1], *x.shape[2:])
+    return x.gather(1, idx).view(*positions.shape, *x.shape[2:])
+
+
+def position_weights(num: int, gamma: float, device=None) -> torch.Tensor:
+    """Loss weights ``exp(-(k-1)/gamma)`` for block positions ``k = 1..num``."""
+    return torch.exp(-torch.arange(num, device=device, dtype=torch.float32) / gamma)
+
+
+def total_variation(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """``0.5 * ||softmax(p) - softmax(q)||_1`` over the last dimension."""
+    return 0.5 * (p_logits.float().softmax(-1) - q_logits.float().softmax(-1)).abs().sum(-1)
+
+
+def acceptance_stats(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums for greedy and probabilistic acceptance over chains [M, K] (positions 1..K of each draft).
+
+    Returns sums (not means) so callers can add them across batches and processes:
+    ``chains``, ``greedy_prefix[k]`` = number of chains whose first k+1 drafts all match the target's
+    argmax, ``prob_prefix[k]`` = sum of prod_{j<=k} (1 - TV_j), ``match[k]`` = per-position matches.
+    """
+    match = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()
+    accept_p = 1.0 - total_variation(target_logits, draft_logits)
+    return {
+        "chains": torch.tensor(float(match.shape[0]), device=match.device),
+        "greedy_prefix": match.cumprod(-1).sum(0),
+        "prob_prefix": accept_p.cumprod(-1).sum(0),
+        "match": match.sum(0),
+    }
+
+
+def summarize_acceptance(sums: dict[str, torch.Tensor], prefix: str = "val") -> dict[str, float]:
+    """tau and per-position conditional acceptance from accumulated :func:`acceptance_stats` sums."""
+    n = sums["chains"].item()
+    greedy = sums["greedy_prefix"] / n
+    prob = sums["prob_prefix"] / n
+    prev = torch.cat([torch.ones(1, device=greedy.device), greedy[:-1]])
+    cond = torch.where(prev > 0, greedy / prev.clamp_min(1e-12), torch.zeros_like(greedy))
+    out = {f"{prefix}_simulated_tau": 1.0 + greedy.sum().item(), f"{prefix}_tau_probabilistic": 1.0 + prob.sum().item()}
+    for k, a in enumerate(cond.tolist(), start=1):
+        out[f"{prefix}_acc_{k}"] = a
+    return out
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` [..., K] with per-position ``weights`` [K]."""
+    w = weights.expand_as(values)
+    return (values * w).sum() / w.sum().clamp_min(1e-12)
+

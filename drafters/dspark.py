@@ -1,0 +1,97 @@
+"""DSpark: the DFlash backbone plus a low-rank Markov head and a confidence head.
+
+Semi-autoregressive drafting. The backbone drafts hidden states ``h_k`` for the whole block in
+parallel; the **Markov head** adds a dependency on the previous token,
+
+    logits_k = lm_head(h_k) + W_out W_in[x_{k-1}],      W_in: vocab -> r,  W_out: r -> vocab (zero-init)
+
+so drafting position ``k`` needs the token drafted at ``k-1`` (a cheap sequential pass over the head
+only; training uses the true previous token). The **confidence head** predicts, from ``h_k`` and the
+same previous-token code, the probability that position ``k`` is accepted:
+
+    c_k = sigmoid(w . [h_k ; W_in[x_{k-1}]]),   trained towards  1 - TV(p_k, q_k) = 1 - 0.5 ||p_k - q_k||_1
+
+(``p`` the target's distribution, ``q`` the drafter's; ``1 - TV`` is exactly the acceptance probability
+of speculative sampling at that position). ``c_k`` depends only on the prefix, so stopping a draft
+where it is low keeps decoding lossless. Loss, with ``w_k = exp(-(k-1)/gamma)``:
+
+    L = a_ce * CE + a_tv * TV + a_conf * BCE(c_k, 1 - TV_k)     (reference: 0.1, 0.9, 1.0, gamma = 4)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .core import (BlockDrafter, DrafterConfig, DrafterOutput, gather_positions, position_weights, sample_anchors,
+                   total_variation, weighted_mean)
+
+
+class DSparkConfig(DrafterConfig):
+    model_type = "draftsmith_dspark"
+
+    def __init__(self, markov_rank: int = 64, loss_gamma: float = 4.0, ce_weight: float = 0.1, tv_weight: float = 0.9,
+                 confidence_weight: float = 1.0, **kwargs):
+        self.markov_rank = markov_rank
+        self.loss_gamma = loss_gamma
+        self.ce_weight = ce_weight
+        self.tv_weight = tv_weight
+        self.confidence_weight = confidence_weight
+        super().__init__(**kwargs)
+
+
+class DSparkDrafter(BlockDrafter):
+    config_class = DSparkConfig
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        self.markov_in = nn.Embedding(config.vocab_size, config.markov_rank)
+        self.markov_out = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+        self.confidence = nn.Linear(config.hidden_size + config.markov_rank, 1)
+        self.post_init()
+        with torch.no_grad():  # start as plain DFlash
+            self.markov_out.weight.zero_()
+
+    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and confidence logits for block positions with hidden ``hidden`` after ``prev_tokens``."""
+        code = self.markov_in(prev_tokens)
+        logits = self.lm_head(hidden) + self.markov_out(code)
+        return logits, self.confidence(torch.cat([hidden, code], dim=-1)).squeeze(-1)
+
+    def draft(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode-time drafting over block positions 1..K-1: each uses the previous *drafted* token."""
+        prev, all_logits, all_conf = anchor_tokens, [], []
+        for k in range(1, hidden.shape[2]):
+            logits, conf = self.heads(hidden[:, :, k], prev)
+            prev = logits.argmax(-1)
+            all_logits.append(logits)
+            all_conf.append(conf)
+        return torch.stack(all_logits, dim=2), torch.stack(all_conf, dim=2)
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
+                anchors: torch.Tensor | None = None) -> DrafterOutput:
+        cfg = self.config
+        K = cfg.block_size
+        if anchors is None:
+            anchors = sample_anchors(input_ids.shape[1], K, cfg.num_anchors, input_ids.shape[0], input_ids.device)
+        anchor_tokens = gather_positions(input_ids, anchors)
+        hidden = self.block_hidden(aux, anchor_tokens, anchors)
+        labels, target_logits = self.block_targets(input_ids, last, anchors)
+        prev = gather_positions(input_ids, anchors[:, :, None] + torch.arange(K - 1, device=anchors.device))
+        logits, conf_logits = self.heads(hidden[:, :, 1:], prev)  # teacher forcing
+
+        w = position_weights(K - 1, cfg.loss_gamma, logits.device)
+        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(labels)
+        tv = total_variation(target_logits, logits)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), (1.0 - tv).detach(), reduction="none")
+        parts = {"ce": weighted_mean(ce, w), "tv": weighted_mean(tv, w), "confidence_bce": weighted_mean(bce, w)}
+        loss = cfg.ce_weight * parts["ce"] + cfg.tv_weight * parts["tv"] + cfg.confidence_weight * parts["confidence_bce"]
+
+        if self.training:
+            draft_logits, confidence = logits, conf_logits.sigmoid()
+        else:  # what decoding would actually draft
+            draft_logits, conf = self.draft(hidden, anchor_tokens)
+            confidence = conf.sigmoid()
+        return DrafterOutput(loss=loss, draft_logits=draft_logits, target_logits=target_logits, confidence=confidence,
+                             logs={k: v.detach() for k, v in parts.items()})

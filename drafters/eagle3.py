@@ -1,0 +1,109 @@
+"""EAGLE-3: the autoregressive baseline. One decoder layer fed a fusion of low, mid and high target layers.
+
+Step 0 at position ``t``: the fused target feature ``g0[t] = fc([f_low ; f_mid ; f_high][t])`` and the
+embedding of the next token ``x[t+1]`` are concatenated (2H) and run through one decoder layer; its
+output ``g[t]`` (normed, through the target's LM head) predicts ``x[t+2]``. Drafting step ``s`` feeds the
+layer its *own* previous output in place of the target feature, so the layer must be trained on its
+own outputs: **training-time test** unrolls ``S`` steps, where step ``s`` at position ``p`` belongs to
+the draft chain that started at ``t = p - s`` and sees exactly what decoding would show it:
+
+    keys of step 0 (target features) at positions <= t,  and the key of step j at position t + j,
+    for j = 1..s (its own earlier drafts).
+
+Inputs: ``hidden_in_s[p] = g_{s-1}[p-1]`` and token ``x[p+1]`` (teacher-forced tokens, own hiddens).
+Loss: soft cross-entropy against the target's distribution for the same token, averaged over steps.
+Step ``s`` corresponds to block position ``k = s + 1`` of a block drafter anchored at ``t + 1``, which
+makes the simulated acceptance of both families directly comparable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .core import MLP, DraftAttention, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm
+
+
+class Eagle3Config(DrafterConfig):
+    model_type = "draftsmith_eagle3"
+
+    def __init__(self, ttt_steps: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.ttt_steps = ttt_steps or self.block_size - 1
+
+
+class Eagle3Layer(nn.Module):
+    """A decoder layer over ``[embedding ; hidden]`` (2H in), with the residual on the hidden half."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = DraftAttention(cfg, 2 * cfg.hidden_size)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def layer_input(self, emb, hidden):
+        return torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1)
+
+
+def ttt_mask(step: int, seq_len: int, device=None) -> torch.Tensor:
+    """Boolean [T, (step+1)*T]: query p of ``step`` sees step-0 keys q <= p - step and step-j key q = p - step + j."""
+    p = torch.arange(seq_len, device=device)[:, None]
+    q = torch.arange(seq_len, device=device)[None, :]
+    blocks = [q <= p - step] + [q == p - step + j for j in range(1, step + 1)]
+    mask = torch.cat(blocks, dim=1)
+    mask[:, 0] |= ~mask.any(dim=1)  # rows with no valid chain (p < step) attend somewhere; their loss is masked
+    return mask
+
+
+class Eagle3Drafter(DrafterBase):
+    config_class = Eagle3Config
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        if len(config.target_layer_ids) != 3:
+            raise ValueError(f"EAGLE-3 fuses exactly 3 target layers (low, mid, high); got {config.target_layer_ids}")
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.layer = Eagle3Layer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._make_target_io(config)
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> DrafterOutput:
+        cfg = self.config
+        B, T = input_ids.shape
+        S = cfg.ttt_steps
+        dev = input_ids.device
+        # token x[p+1] at position p; the last position has no next token and never gets a loss
+        next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+        emb = self.embed_tokens(next_tokens)
+        pos = torch.arange(T, device=dev)[None].expand(B, -1)
+        with torch.no_grad():  # the target's distribution for x[p+2] is read at position p+1
+            target_next = self.lm_head(torch.cat([last[:, 1:], last[:, -1:]], dim=1))
+        target_probs = target_next.float().softmax(-1)
+
+        hidden_in = self.fc(aux)
+        keys, values = [], []
+        losses, draft_logits, target_logits = [], [], []
+        p_idx = torch.arange(T, device=dev)
+        for s in range(S):
+            x = self.layer.layer_input(emb, hidden_in)
+            k, v = self.layer.attn.project_kv(x, pos)
+            keys.append(k)
+            values.append(v)
+            mask = ttt_mask(s, T, dev)[None, None]
+            h = hidden_in + self.layer.attn.attend(x, pos, torch.cat(keys, 2), torch.cat(values, 2), mask)
+            g = h + self.layer.mlp(self.layer.post_norm(h))
+            logits = self.lm_head(self.norm(g))
+            valid = (p_idx >= s) & (p_idx <= T - 3)  # a chain start t = p - s >= 0 and a label x[p+2]
+            soft_ce = -(target_probs * logits.float().log_softmax(-1)).sum(-1)
+            losses.append(soft_ce[:, valid].mean())
+            # chain t, depth s sits at position t + s: collect [B, T', S] aligned by chain start
+            starts = torch.arange(T - 2 - (S - 1), device=dev)
+            draft_logits.append(logits[:, starts + s])
+            target_logits.append(target_next[:, starts + s])
+            hidden_in = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # own output, one position on
+        loss = torch.stack(losses).mean()
+        return DrafterOutput(loss=loss, draft_logits=torch.stack(draft_logits, dim=2),
+                             target_logits=torch.stack(target_logits, dim=2), logs={"soft_ce": loss.detach()})

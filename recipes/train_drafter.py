@@ -1,0 +1,101 @@
+"""Recipe ``train_drafter``: distill a DFlash, DSpark or EAGLE-3 drafter from a frozen target.
+
+Online features: the target runs beside the drafter; forward hooks capture the configured layers and
+its final hidden state for every batch (:mod:`distill.features`). The drafter never sees gradients
+from the target, and the target's embeddings and LM head are copied into the drafter, frozen.
+Every evaluation reports per-position acceptance and the simulated acceptance length tau on held-out
+windows; ``checkpoints/best`` is the drafter with the highest tau. Launch::
+
+    draftsmith run recipes/configs/dflash_testbed.yaml
+    accelerate launch --config_file accelerate_configs/zero2.yaml -m recipes.cli run recipes/configs/dflash_qwen3_8b.yaml
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distill.config import TrainDrafterRecipe
+from distill.data import PackedWindows, load_text_splits, tokenize_stream, tokenizer_fingerprint
+from distill.features import LAYER_ID_CONVENTION, FeatureCapture
+from distill.models import load_target, model_summary
+from distill.provenance import write_json_atomic, write_run_header
+from distill.runtime import init_tracking, make_accelerator, set_threads
+from distill.trainer import Trainer
+from drafters.evaluate import build_drafter, evaluate_drafter
+
+
+def drafter_flops_per_token(drafter, target, seq_len: int) -> float:
+    """Training FLOPs per sequence token: the drafter's forward + backward over the positions it drafts
+    (blocks per sequence x block size, or TTT steps), plus the frozen target's forward."""
+    from distill.models import flops_per_token
+
+    cfg = drafter.config
+    weights = sum(p.numel() for p in drafter.parameters() if p.dim() >= 2) - drafter.embed_tokens.weight.numel()
+    drafted = cfg.ttt_steps if cfg.model_type == "draftsmith_eagle3" else cfg.num_anchors * cfg.block_size / seq_len
+    return 6 * weights * drafted + flops_per_token(target, seq_len, training=False)
+
+
+def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
+    set_threads(recipe.train.torch_threads)
+
+    ### Target (frozen) and drafter
+    acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
+    device = acc.device if acc else "cpu"
+    target, tokenizer = load_target(recipe.target, device)
+    drafter = build_drafter(recipe.drafter, target, recipe.target.path, tokenizer.mask_token_id)
+    capture = FeatureCapture(target, drafter.config.target_layer_ids)
+    if dry_run:
+        return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids}
+
+    ### Data, tokenized with the target's tokenizer
+    with acc.main_process_first():
+        splits = load_text_splits(recipe.data, recipe.seed)
+        train_tokens = tokenize_stream(splits.train, tokenizer, "train")
+        val_tokens = tokenize_stream(splits.val, tokenizer, "val")
+    # windows of seq_len + 1 tokens; the drafter reads all of them (no shift: targets come from the features)
+    train = PackedWindows(train_tokens, recipe.data.seq_len, recipe.seed, shuffle=True)
+    val = PackedWindows(val_tokens, recipe.data.seq_len, recipe.seed, shuffle=False)
+
+    data_record = {"description": splits.description, "text_fingerprint": splits.fingerprint,
+                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    if acc.is_main_process:
+        write_run_header(recipe.output_dir, recipe, data=data_record, drafter=model_summary(drafter),
+                         target_layer_ids=drafter.config.target_layer_ids, layer_id_convention=LAYER_ID_CONVENTION,
+                         world_size=acc.num_processes)
+    init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
+
+    def loss_fn(model, batch):
+        feats = capture(batch)
+        out = model(batch, feats.aux, feats.last)
+        return out.loss, out.logs or {}
+
+    trainer = Trainer(
+        accelerator=acc, model=drafter, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
+        data=train, loss_fn=loss_fn, flops_per_token=drafter_flops_per_token(drafter, target, recipe.data.seq_len),
+        evaluate_fn=lambda m: evaluate_drafter(m, capture, val, recipe.train.micro_batch_size, recipe.train.eval_batches, acc),
+        best_metric="val_simulated_tau", greater_is_better=True, save_extra=tokenizer.save_pretrained,
+    )
+    result = trainer.fit()
+
+    ### Final drafter and summary
+    out = Path(recipe.output_dir)
+    trainer.save_model(out / "model")
+    summary = {
+        "checkpoint": str(out / "model"),
+        "best_checkpoint": str(out / "checkpoints" / "best"),
+        "kind": recipe.drafter.kind,
+        "target": recipe.target.path,
+        "target_layer_ids": drafter.config.target_layer_ids,
+        "steps": result.step,
+        "train_seconds": round(result.train_seconds, 2),
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "mfu": round(result.mfu, 4),
+        "best_simulated_tau": result.best_metric,
+        "best_step": result.best_step,
+        **result.final_eval,
+    }
+    if acc.is_main_process:
+        tokenizer.save_pretrained(out / "model")
+        write_json_atomic(out / "summary.json", summary)
+    acc.end_training()
+    return summary

@@ -1,0 +1,144 @@
+"""Drafters on a tiny target: they learn (loss falls, simulated tau beats an untrained drafter), see
+exactly what decoding will show them, round-trip through save/load, and read the right target layers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distill.config import TargetConfig, parse_recipe
+from distill.features import FeatureCapture, default_layer_ids
+from distill.models import load_target
+
+from .conftest import tiny_lm_recipe
+
+KINDS = ["dflash", "dspark", "eagle3"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """A 2-layer target trained for a few seconds, so its predictions carry signal."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from recipes import train_lm
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    recipe = tiny_lm_recipe(out, model={"num_layers": 4}, train={"max_steps": 250, "eval_every": 250, "save_every": 250})
+    train_lm.main(parse_recipe(recipe))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return out / "model"
+
+
+def drafter_recipe(out, target_dir, kind, **train):
+    return parse_recipe({
+        "recipe": "train_drafter", "output_dir": str(out), "seed": 0,
+        "target": {"path": str(target_dir)},
+        "drafter": {"kind": kind, "num_layers": 1, "block_size": 4, "num_anchors": 8, "markov_rank": 16},
+        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
+        "train": {"max_steps": 150, "micro_batch_size": 4, "eval_every": 50, "eval_batches": 4, "save_every": 40,
+                  "log_every": 5, "torch_threads": 1, **train},
+    })
+
+
+def test_hooks_follow_the_output_of_layer_convention(tiny_target_dir):
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    ids = tok("import os\nprint(os.getcwd())", return_tensors="pt")["input_ids"]
+    feats = FeatureCapture(target, [0, 2])(ids)
+    hs = target(ids, output_hidden_states=True).hidden_states
+    H = target.config.hidden_size
+    assert torch.equal(feats.aux[..., :H], hs[1]) and torch.equal(feats.aux[..., H:], hs[3])  # id i = hidden_states[i+1]
+    assert torch.allclose(feats.last, hs[-1])
+    assert torch.allclose(target.lm_head(feats.last), target(ids).logits, atol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        FeatureCapture(target, [4])
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B's published DFlash layers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafter_learns_and_beats_untrained(tmp_path, tiny_target_dir, kind):
+    from recipes import train_drafter
+
+    untrained = train_drafter.main(drafter_recipe(tmp_path / "untrained", tiny_target_dir, kind, max_steps=1, eval_every=1))
+    fresh_state = __import__("accelerate").state
+    fresh_state.AcceleratorState._reset_state(True)
+    fresh_state.GradientState._reset_state()
+    out = tmp_path / "trained"
+    trained = train_drafter.main(drafter_recipe(out, tiny_target_dir, kind))
+    losses = [m["train/loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m]
+    assert losses[-1] < losses[0], losses
+    assert trained["val_simulated_tau"] > untrained["val_simulated_tau"] + 0.05, (trained, untrained)
+    assert 1.0 <= trained["val_simulated_tau"] <= 4.0 and 0 <= trained["val_acc_1"] <= 1
+    if kind == "dspark":
+        assert 0 <= trained["val_confidence_ece"] <= 1 and 0 <= trained["val_confidence_auroc"] <= 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_round_trip_is_exact(tmp_path, tiny_target_dir, kind):
+    from transformers import AutoModel
+
+    from drafters.evaluate import build_drafter
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    recipe = drafter_recipe(tmp_path, tiny_target_dir, kind)
+    drafter = build_drafter(recipe.drafter, target, str(tiny_target_dir), tok.mask_token_id)
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = AutoModel.from_pretrained(tmp_path / "d")
+    assert type(loaded) is type(drafter)
+    for key in ("block_size", "mask_token_id", "target_layer_ids", "target_name_or_path", "layer_id_convention"):
+        assert getattr(loaded.config, key) == getattr(drafter.config, key)
+    a, b = drafter.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(0, len(tok), (2, 32))
+    feats = FeatureCapture(target, drafter.config.target_layer_ids)(ids)
+    drafter.eval(), loaded.eval()
+    kwargs = {} if kind == "eagle3" else {"anchors": torch.tensor([[3, 10], [5, 20]])}
+    torch.testing.assert_close(loaded(ids, feats.aux, feats.last, **kwargs).draft_logits,
+                               drafter(ids, feats.aux, feats.last, **kwargs).draft_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(loaded.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert not loaded.embed_tokens.weight.requires_grad and not loaded.lm_head.weight.requires_grad
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "causal"])
+def test_block_sees_only_features_before_its_anchor(attention):
+    from drafters import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, target_layer_ids=[0],
+                       target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention)
+    m = DFlashDrafter(cfg).eval()
+    aux = torch.randn(1, 30, 32)
+    anchors, tokens = torch.tensor([[10, 20]]), torch.tensor([[5, 7]])
+    base = m.block_hidden(aux, tokens, anchors)
+    later = aux.clone()
+    later[:, 10:] += 1.0  # features at and after the first anchor
+    out = m.block_hidden(later, tokens, anchors)
+    assert torch.equal(out[:, 0], base[:, 0]), "block 0 saw features at or after its anchor"
+    assert not torch.allclose(out[:, 1], base[:, 1]), "block 1 should see features 10..19"
+    earlier = aux.clone()
+    earlier[:, 9] += 1.0
+    assert not torch.allclose(m.block_hidden(earlier, tokens, anchors)[:, 0], base[:, 0])
+    # inside a block: the anchor token influences every position; causal blocks hide later positions
+    other = m.block_hidden(aux, torch.tensor([[6, 7]]), anchors)
+    assert not torch.allclose(other[:, 0, 3], base[:, 0, 3]) and torch.equal(other[:, 1], base[:, 1])
+
+
+def test_eagle3_ttt_chain_sees_only_its_own_past():
+    from drafters.eagle3 import ttt_mask
+
+    m = ttt_mask(2, 6)
+    # query p=4 of step 2 belongs to the chain that started at t=2
+    assert m[4, :6].tolist() == [True, True, True, False, False, False]  # step 0: positions <= 2
+    assert m[4, 6:12].tolist() == [False, False, False, True, False, False]  # step 1: position 3
+    assert m[4, 12:].tolist() == [False, False, False, False, True, False]  # step 2: itself
