@@ -281,12 +281,22 @@ class DrafterSection(Strict):
         return self
 
 
+class FeaturesSection(Strict):
+    """Where target features come from: the target running beside the drafter, or a cache on disk."""
+
+    mode: Literal["online", "offline"] = "online"
+    cache_dir: Optional[str] = Field(None, description="offline cache folder; None = <output_dir>/feature_cache")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="storage dtype of cached features")
+    max_windows: Optional[int] = Field(None, gt=0, description="cap on training windows (both modes)")
+
+
 class TrainDrafterRecipe(RecipeBase):
     """Distill a drafter from a frozen target whose hidden states are captured while it runs."""
 
     recipe: Literal["train_drafter"]
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: DrafterSection = Field(default_factory=DrafterSection)
+    features: FeaturesSection = Field(default_factory=FeaturesSection)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

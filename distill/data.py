@@ -114,12 +114,15 @@ def tokenize_stream(texts: list[str], tokenizer, name: str = "stream") -> np.nda
 class PackedWindows:
     """Non-overlapping ``seq_len + 1``-token windows of a token stream, visited in seeded epochs."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shuffle: bool = True,
+                 max_windows: int | None = None):
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
         self.num_windows = (len(tokens) - 1) // seq_len
+        if max_windows:
+            self.num_windows = min(self.num_windows, max_windows)
         if self.num_windows < 1:
             raise ValueError(f"only {len(tokens)} tokens: not even one window of seq_len={seq_len}")
         self._perm_epoch, self._perm = -1, None
@@ -144,11 +147,14 @@ class PackedWindows:
         start = index * self.seq_len
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
-    def batch(self, first_sample: int, size: int) -> torch.Tensor:
-        """Samples ``first_sample .. first_sample + size - 1`` as a ``[size, seq_len + 1]`` tensor."""
-        return torch.stack([self.window(self.window_index(k)) for k in range(first_sample, first_sample + size)])
+    def batch(self, first_sample: int, size: int):
+        """Samples ``first_sample .. first_sample + size - 1`` (a ``[size, seq_len + 1]`` tensor here)."""
+        return self.collate([self.window_index(k) for k in range(first_sample, first_sample + size)])
 
-    def micro_batch(self, samples_before_step: int, micro: int, rank: int, world: int, size: int) -> torch.Tensor:
+    def collate(self, indices: list[int]):
+        return torch.stack([self.window(i) for i in indices])
+
+    def micro_batch(self, samples_before_step: int, micro: int, rank: int, world: int, size: int):
         return self.batch(samples_before_step + (micro * world + rank) * size, size)
 
     def epoch_of(self, samples: int) -> float:

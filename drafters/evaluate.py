@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from distill.feature_cache import batch_features
 from distill.features import FeatureCapture, default_layer_ids
 
 from . import DRAFTERS
@@ -93,13 +94,12 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
     confs, labels = [], []
     starts = list(range(0, n, batch_size))
     for b in starts[rank::world]:
-        ids = torch.stack([windows.window(i) for i in range(b, min(b + batch_size, n))]).to(device)
-        feats = capture(ids)
+        ids, aux, last = batch_features(windows.collate(list(range(b, min(b + batch_size, n)))).to(device), capture)
         kwargs = {}
         if cfg.model_type != "draftsmith_eagle3":
             gen = torch.Generator().manual_seed(b)
             kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen)
-        out = model(ids, feats.aux, feats.last, **kwargs)
+        out = model(ids, aux, last, **kwargs)
         stats = acceptance_stats(out.draft_logits.flatten(0, 1), out.target_logits.flatten(0, 1))
         for k, v in stats.items():
             sums[k] = sums.get(k, 0) + v

@@ -1,7 +1,9 @@
 """Recipe ``train_drafter``: distill a DFlash, DSpark or EAGLE-3 drafter from a frozen target.
 
-Online features: the target runs beside the drafter; forward hooks capture the configured layers and
-its final hidden state for every batch (:mod:`distill.features`). The drafter never sees gradients
+Online features (``features.mode: online``): the target runs beside the drafter; forward hooks capture
+the configured layers and its final hidden state for every batch (:mod:`distill.features`). Offline
+(``features.mode: offline``): the same features are written once to ``features.cache_dir`` (built on
+first use) and read back; a cache made for another target, tokenizer, data or layer set is refused. The drafter never sees gradients
 from the target, and the target's embeddings and LM head are copied into the drafter, frozen.
 Every evaluation reports per-position acceptance and the simulated acceptance length tau on held-out
 windows; ``checkpoints/best`` is the drafter with the highest tau. Launch::
@@ -16,8 +18,9 @@ from pathlib import Path
 
 from distill.config import TrainDrafterRecipe
 from distill.data import PackedWindows, load_text_splits, tokenize_stream, tokenizer_fingerprint
+from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
 from distill.features import LAYER_ID_CONVENTION, FeatureCapture
-from distill.models import load_target, model_summary
+from distill.models import DTYPES, load_target, model_summary
 from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
@@ -35,6 +38,26 @@ def drafter_flops_per_token(drafter, target, seq_len: int) -> float:
     return 6 * weights * drafted + flops_per_token(target, seq_len, training=False)
 
 
+def offline_windows(recipe, acc, capture, target, data_record, train, val):
+    """Cached-feature windows for both splits, building the caches first where they are missing."""
+    folder = Path(recipe.features.cache_dir or Path(recipe.output_dir) / "feature_cache")
+    dtype = DTYPES[recipe.features.dtype]
+    out = []
+    for split, windows in (("train", train), ("val", val)):
+        expected = {"target_fingerprint": target_fingerprint(target), "layer_ids": capture.layer_ids,
+                    "layer_id_convention": LAYER_ID_CONVENTION, "seq_len": windows.seq_len, "split": split,
+                    "num_windows": len(windows),
+                    "dtype": recipe.features.dtype, "tokenizer_fingerprint": data_record["tokenizer_fingerprint"],
+                    "data_fingerprint": data_record["data_fingerprint"]}
+        if acc.is_main_process and not (folder / split / "manifest.json").exists():
+            meta = {k: expected[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "data_fingerprint", "split")}
+            write_feature_cache(capture, windows, folder / split, {"target": recipe.target.path, **meta}, dtype,
+                                batch_size=recipe.train.micro_batch_size, device=acc.device)
+        acc.wait_for_everyone()
+        out.append(CachedFeatureWindows(folder / split, expected, recipe.seed, shuffle=windows.shuffle))
+    return out
+
+
 def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     set_threads(recipe.train.torch_threads)
 
@@ -47,17 +70,19 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     if dry_run:
         return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids}
 
-    ### Data, tokenized with the target's tokenizer
+    ### Data, tokenized with the target's tokenizer; features online or from a cache
     with acc.main_process_first():
         splits = load_text_splits(recipe.data, recipe.seed)
         train_tokens = tokenize_stream(splits.train, tokenizer, "train")
         val_tokens = tokenize_stream(splits.val, tokenizer, "val")
     # windows of seq_len + 1 tokens; the drafter reads all of them (no shift: targets come from the features)
-    train = PackedWindows(train_tokens, recipe.data.seq_len, recipe.seed, shuffle=True)
+    train = PackedWindows(train_tokens, recipe.data.seq_len, recipe.seed, shuffle=True, max_windows=recipe.features.max_windows)
     val = PackedWindows(val_tokens, recipe.data.seq_len, recipe.seed, shuffle=False)
-
-    data_record = {"description": splits.description, "text_fingerprint": splits.fingerprint,
+    data_record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    if recipe.features.mode == "offline":
+        train, val = offline_windows(recipe, acc, capture, target, data_record, train, val)
+
     if acc.is_main_process:
         write_run_header(recipe.output_dir, recipe, data=data_record, drafter=model_summary(drafter),
                          target_layer_ids=drafter.config.target_layer_ids, layer_id_convention=LAYER_ID_CONVENTION,
@@ -65,8 +90,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
 
     def loss_fn(model, batch):
-        feats = capture(batch)
-        out = model(batch, feats.aux, feats.last)
+        out = model(*batch_features(batch, capture))
         return out.loss, out.logs or {}
 
     trainer = Trainer(

@@ -142,3 +142,29 @@ def test_eagle3_ttt_chain_sees_only_its_own_past():
     assert m[4, :6].tolist() == [True, True, True, False, False, False]  # step 0: positions <= 2
     assert m[4, 6:12].tolist() == [False, False, False, True, False, False]  # step 1: position 3
     assert m[4, 12:].tolist() == [False, False, False, False, True, False]  # step 2: itself
+
+
+def test_offline_cache_trains_like_online_and_refuses_a_mismatch(tmp_path, tiny_target_dir):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from distill.feature_cache import FeatureCacheMismatch
+    from recipes import train_drafter
+
+    def run(out, features, **drafter):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        raw = drafter_recipe(out, tiny_target_dir, "dflash", max_steps=6, eval_every=3).model_dump(mode="json")
+        raw["features"] = {"max_windows": 40, **features}
+        raw["drafter"].update(drafter)
+        summary = train_drafter.main(parse_recipe(raw))
+        return summary, [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+    cache = tmp_path / "cache"
+    online, online_log = run(tmp_path / "online", {"mode": "online"})
+    offline, offline_log = run(tmp_path / "offline", {"mode": "offline", "cache_dir": str(cache), "dtype": "float32"})
+    manifest = json.loads((cache / "train" / "manifest.json").read_text())
+    assert manifest["num_windows"] == 40 and manifest["layer_id_convention"] == "output_of_layer"
+    assert [m.get("train/loss") for m in online_log] == [m.get("train/loss") for m in offline_log]
+    assert online["val_simulated_tau"] == offline["val_simulated_tau"]
+    with pytest.raises(FeatureCacheMismatch, match="layer_ids"):
+        run(tmp_path / "other", {"mode": "offline", "cache_dir": str(cache), "dtype": "float32"}, target_layer_ids=[0, 1, 2])
