@@ -132,6 +132,7 @@ class DataConfig(Strict):
     val_files: list[str] = Field(default_factory=list)
     hub_name: Optional[str] = None
     hub_config: Optional[str] = None
+    hub_split: str = "train"
     text_field: str = "text"
     seq_len: int = Field(256, gt=1)
     val_fraction: float = Field(0.02, gt=0, lt=0.5, description="held-out share when no val_files")
@@ -248,11 +249,25 @@ class QuickstartTargetStage(Strict):
         return _existing_path(v, "recipe file")
 
 
+class QuickstartDrafterStage(Strict):
+    """The drafter the quickstart trains against its target (a ``train_drafter`` recipe, retargeted)."""
+
+    enabled: bool = True
+    recipe: str = Field("recipes/configs/dflash_testbed.yaml", description="a train_drafter recipe")
+    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
+
+    @field_validator("recipe")
+    @classmethod
+    def _recipe_exists(cls, v: str) -> str:
+        return _existing_path(v, "recipe file")
+
+
 class QuickstartRecipe(RecipeBase):
-    """The main job on the testbed: the target (shipped or trained), evaluated; later, drafters."""
+    """The main job on the testbed: the target (shipped or trained) evaluated, then a drafter trained."""
 
     recipe: Literal["quickstart"]
     target: QuickstartTargetStage = Field(default_factory=QuickstartTargetStage)
+    drafter: QuickstartDrafterStage = Field(default_factory=QuickstartDrafterStage)
     torch_threads: Optional[int] = Field(None, gt=0)
 
 
@@ -268,6 +283,7 @@ class DrafterSection(Strict):
     target_layer_ids: Optional[list[int]] = Field(None, description="output of layer i; None = spread over the target")
     num_target_layers: int = Field(3, gt=0, description="used when target_layer_ids is None")
     num_anchors: int = Field(16, gt=0, description="blocks per training sequence (block drafters)")
+    mask_token_id: Optional[int] = Field(None, ge=0, description="None = the tokenizer's mask token")
     loss_gamma: float = Field(4.0, gt=0, description="position weights exp(-(k-1)/gamma)")
     markov_rank: int = Field(64, gt=0, description="DSpark Markov head rank")
     ce_weight: float = Field(0.1, ge=0, description="DSpark")

@@ -55,7 +55,7 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             ds = load(cfg.train_files)
             val_ds = load(cfg.val_files) if cfg.val_files else None
         else:
-            ds = load_dataset(cfg.hub_name, cfg.hub_config, split="train")
+            ds = load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split)
             val_ds = None
         if cfg.text_field not in ds.column_names:
             raise ValueError(f"data.text_field '{cfg.text_field}' is not a column of the data (columns: {ds.column_names})")

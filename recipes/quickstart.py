@@ -5,8 +5,11 @@ Stage 1, target: the shipped testbed target (``distill/assets/testbed_target``, 
 ``target.train_recipe``. Either way it is evaluated here on the held-out split of the corpus it was
 trained on (same tokenizer, same split, same window length as its training recipe recorded).
 
-Writes ``<output_dir>/summary.json`` (one section per stage; later stages add drafters, evaluation
-and export) and prints a short table.
+Stage 2, drafter: ``drafter.recipe`` (DFlash by default) trained against that target; its best
+checkpoint's simulated acceptance length is reported.
+
+Writes ``<output_dir>/summary.json`` (one section per stage; later stages add evaluation in the
+decoding loop and export) and prints a short table.
 
     make quickstart
     draftsmith run recipes/configs/quickstart.yaml target.source=train
@@ -84,14 +87,40 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
         "train_tokens_seen": record.get("train_tokens_seen"),
     }
 
-    ### Summary
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["target"] = target
     write_json_atomic(summary_path, summary)
     print_table("target", target)
+
+    ### Drafter, distilled from that target
+    if recipe.drafter.enabled:
+        summary["drafter"] = stage_drafter(recipe, out, target_dir)
+        write_json_atomic(summary_path, summary)
+        print_table("drafter", summary["drafter"])
     print(f"wrote {summary_path}")
     return summary
+
+
+def stage_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict:
+    from accelerate.state import AcceleratorState, GradientState
+
+    from recipes import train_drafter
+
+    overrides = [f"output_dir={out / 'drafter'}", f"target.path={target_dir}", *recipe.drafter.overrides]
+    AcceleratorState._reset_state(True)  # the target stage may have made an Accelerator in this process
+    GradientState._reset_state()
+    result = train_drafter.main(load_recipe(recipe.drafter.recipe, overrides))
+    return {
+        "checkpoint": result["best_checkpoint"],
+        "kind": result["kind"],
+        "simulated_tau": round(result["best_simulated_tau"], 4),
+        "tau_probabilistic": round(result["val_tau_probabilistic"], 4),
+        "acceptance_by_position": [round(result[f"val_acc_{k}"], 4) for k in range(1, 64) if f"val_acc_{k}" in result],
+        "train_seconds": result["train_seconds"],
+        "tokens_per_s": result["tokens_per_s"],
+        "steps": result["steps"],
+    }
 
 
 def print_table(title: str, section: dict) -> None:

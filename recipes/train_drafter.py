@@ -65,7 +65,8 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
     device = acc.device if acc else "cpu"
     target, tokenizer = load_target(recipe.target, device)
-    drafter = build_drafter(recipe.drafter, target, recipe.target.path, tokenizer.mask_token_id)
+    mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
+    drafter = build_drafter(recipe.drafter, target, recipe.target.path, mask_id)
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
     if dry_run:
         return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids}

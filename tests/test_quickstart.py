@@ -26,7 +26,8 @@ def fresh_accelerate_state():
 
 def test_quickstart_with_the_shipped_target(tmp_path):
     out = tmp_path / "qs"
-    summary = quickstart.main(parse_recipe({"recipe": "quickstart", "output_dir": str(out), "target": {"eval_batches": 2}}))
+    summary = quickstart.main(parse_recipe({"recipe": "quickstart", "output_dir": str(out), "target": {"eval_batches": 2},
+                                            "drafter": {"enabled": False}}))
     target = json.loads((out / "summary.json").read_text())["target"]
     assert target == summary["target"] and TARGET_KEYS <= target.keys()
     seq_len = yaml.safe_load((SHIPPED_TARGET / "recipe.yaml").read_text())["data"]["seq_len"]
@@ -37,11 +38,21 @@ def test_quickstart_with_the_shipped_target(tmp_path):
 @pytest.mark.slow
 def test_quickstart_trains_its_target_when_asked(tmp_path):
     out = tmp_path / "qs"
-    train_recipe = write_recipe(tmp_path / "tiny.yaml", tiny_lm_recipe(tmp_path / "ignored", train={"max_steps": 4}))
+    train_recipe = write_recipe(tmp_path / "tiny.yaml", tiny_lm_recipe(tmp_path / "ignored", model={"num_layers": 4},
+                                                                        train={"max_steps": 4}))
+    tiny_drafter = ["data.max_documents=40", "data.val_fraction=0.1", "data.seq_len=64", "drafter.block_size=4",
+                    "train.max_steps=4", "train.eval_every=2", "train.eval_batches=2", "train.micro_batch_size=4",
+                    "train.torch_threads=1"]
     recipe = parse_recipe({"recipe": "quickstart", "output_dir": str(out),
-                           "target": {"source": "train", "train_recipe": str(train_recipe)}})
-    target = quickstart.main(recipe)["target"]
+                           "target": {"source": "train", "train_recipe": str(train_recipe)},
+                           "drafter": {"overrides": tiny_drafter}})
+    summary = quickstart.main(recipe)
+    target = summary["target"]
     assert target["source"] == "trained in this run" and target["checkpoint"] == str(out / "target" / "model")
     assert TARGET_KEYS <= target.keys() and target["train_seconds"] > 0
     trained = json.loads((out / "target" / "summary.json").read_text())
     assert target["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-4)  # same split, same metric
+    drafter = summary["drafter"]
+    assert drafter["kind"] == "dflash" and drafter["steps"] == 4 and len(drafter["acceptance_by_position"]) == 3
+    assert 1.0 <= drafter["simulated_tau"] <= 4.0 and drafter["tokens_per_s"] > 0
+    assert json.loads((out / "summary.json").read_text())["drafter"] == drafter
