@@ -111,6 +111,28 @@ def tokenize_stream(texts: list[str], tokenizer, name: str = "stream") -> np.nda
     return stream
 
 
+@dataclass
+class Batch:
+    """What the trainer hands a loss function.
+
+    ``input_ids`` [B, L+1] token windows; ``loss_mask`` [B, L+1] marks the tokens to score (1) where
+    only some are (responses, not prompts or padding), None when all are; ``aux`` / ``last`` are the
+    target's features when they come from a cache (:mod:`distill.feature_cache`) rather than live.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+    last: torch.Tensor | None = None
+
+    def to(self, device) -> "Batch":
+        move = lambda t, f=False: None if t is None else (t.to(device).float() if f else t.to(device))  # noqa: E731
+        return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux, True), move(self.last, True))
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
 class PackedWindows:
     """Non-overlapping ``seq_len + 1``-token windows of a token stream, visited in seeded epochs."""
 
@@ -147,14 +169,14 @@ class PackedWindows:
         start = index * self.seq_len
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
-    def batch(self, first_sample: int, size: int):
-        """Samples ``first_sample .. first_sample + size - 1`` (a ``[size, seq_len + 1]`` tensor here)."""
+    def batch(self, first_sample: int, size: int) -> Batch:
+        """Samples ``first_sample .. first_sample + size - 1``."""
         return self.collate([self.window_index(k) for k in range(first_sample, first_sample + size)])
 
-    def collate(self, indices: list[int]):
-        return torch.stack([self.window(i) for i in indices])
+    def collate(self, indices: list[int]) -> Batch:
+        return Batch(torch.stack([self.window(i) for i in indices]))
 
-    def micro_batch(self, samples_before_step: int, micro: int, rank: int, world: int, size: int):
+    def micro_batch(self, samples_before_step: int, micro: int, rank: int, world: int, size: int) -> Batch:
         return self.batch(samples_before_step + (micro * world + rank) * size, size)
 
     def epoch_of(self, samples: int) -> float:

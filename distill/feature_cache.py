@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .data import PackedWindows
+from .data import Batch, PackedWindows
 from .features import LAYER_ID_CONVENTION, FeatureCapture
 
 FORMAT_VERSION = 1
@@ -47,24 +46,12 @@ class FeatureCacheMismatch(ValueError):
     """The cache on disk was produced for something other than this recipe."""
 
 
-@dataclass
-class FeatureBatch:
-    """A batch of windows with their target features (what offline training feeds the drafter)."""
-
-    input_ids: torch.Tensor
-    aux: torch.Tensor
-    last: torch.Tensor
-
-    def to(self, device) -> "FeatureBatch":
-        return FeatureBatch(self.input_ids.to(device), self.aux.to(device).float(), self.last.to(device).float())
-
-
-def batch_features(batch, capture: FeatureCapture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_features(batch: Batch, capture: FeatureCapture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, aux, last) of a batch: read from the cache, or captured from the target now."""
-    if isinstance(batch, FeatureBatch):
+    if batch.aux is not None:
         return batch.input_ids, batch.aux, batch.last
-    feats = capture(batch)
-    return batch, feats.aux, feats.last
+    feats = capture(batch.input_ids)
+    return batch.input_ids, feats.aux, feats.last
 
 
 def target_fingerprint(target) -> str:
@@ -84,22 +71,24 @@ def write_feature_cache(capture: FeatureCapture, windows: PackedWindows, folder:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shards, buf = [], {"input_ids": [], "aux": [], "last": []}
+    shards, buf = [], {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
 
     def flush():
         if not buf["input_ids"]:
             return
         name = f"shard_{len(shards):05d}.safetensors"
-        save_file({k: torch.cat(v).contiguous() for k, v in buf.items()}, str(tmp / name))
+        save_file({k: torch.cat(v).contiguous() for k, v in buf.items() if v}, str(tmp / name))
         shards.append({"file": name, "windows": sum(t.shape[0] for t in buf["input_ids"])})
         for v in buf.values():
             v.clear()
 
     n = len(windows)
     for start in tqdm(range(0, n, batch_size), desc=f"caching {meta.get('split', '')} features", unit="batch"):
-        ids = torch.stack([windows.window(i) for i in range(start, min(start + batch_size, n))])
-        feats = capture(ids.to(device))
-        buf["input_ids"].append(ids.to(torch.int32))
+        batch = windows.collate(list(range(start, min(start + batch_size, n))))
+        feats = capture(batch.input_ids.to(device))
+        buf["input_ids"].append(batch.input_ids.to(torch.int32))
+        if batch.loss_mask is not None:
+            buf["loss_mask"].append(batch.loss_mask.to(torch.int8))
         buf["aux"].append(feats.aux.to(dtype).cpu())
         buf["last"].append(feats.last.to(dtype).cpu())
         if sum(t.shape[0] for t in buf["input_ids"]) >= shard_windows:
@@ -162,7 +151,7 @@ class CachedFeatureWindows(PackedWindows):
     def window(self, index: int) -> torch.Tensor:
         return self._row("input_ids", index).long()
 
-    def collate(self, indices: list[int]) -> FeatureBatch:
-        return FeatureBatch(torch.stack([self.window(i) for i in indices]),
-                            torch.stack([self._row("aux", i) for i in indices]),
-                            torch.stack([self._row("last", i) for i in indices]))
+    def collate(self, indices: list[int]) -> Batch:
+        rows = lambda key: torch.stack([self._row(key, i) for i in indices])  # noqa: E731
+        has_mask = "loss_mask" in self._locate(indices[0])[0].keys()
+        return Batch(rows("input_ids").long(), rows("loss_mask") if has_mask else None, rows("aux"), rows("last"))

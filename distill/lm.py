@@ -14,13 +14,22 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .data import PackedWindows
+from .data import Batch, PackedWindows
 
 
-def lm_loss(model, batch: torch.Tensor):
-    inputs, labels = batch[:, :-1], batch[:, 1:]
+def inputs_and_labels(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``x[0..L-1]`` and labels ``x[1..L]``, with unscored labels set to -100 (ignored)."""
+    ids = batch.input_ids
+    labels = ids[:, 1:].clone()
+    if batch.loss_mask is not None:
+        labels[batch.loss_mask[:, 1:] == 0] = -100
+    return ids[:, :-1], labels
+
+
+def lm_loss(model, batch: Batch):
+    inputs, labels = inputs_and_labels(batch)
     logits = model(input_ids=inputs).logits
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
     return loss, {}
 
 
@@ -36,12 +45,12 @@ def evaluate_lm(model, windows: PackedWindows, batch_size: int, max_batches: int
     mine = list(range(rank, n, world))
     for start in range(0, len(mine), batch_size):
         idx = mine[start:start + batch_size]
-        batch = torch.stack([windows.window(i) for i in idx]).to(device)
-        inputs, labels = batch[:, :-1], batch[:, 1:]
+        inputs, labels = inputs_and_labels(windows.collate(idx).to(device))
         logits = model(input_ids=inputs).logits.float()
-        nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum").double()
+        nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum",
+                               ignore_index=-100).double()
         correct += (logits.argmax(-1) == labels).sum().double()
-        count += labels.numel()
+        count += (labels != -100).sum().double()
     if accelerator:
         nll, correct, count = (accelerator.reduce(t, "sum") for t in (nll, correct, count))
     loss = (nll / count).item()

@@ -194,6 +194,7 @@ class DrafterOutput(ModelOutput):
     draft_logits: torch.Tensor | None = None
     target_logits: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    scored: torch.Tensor | None = None  # [B, N, K-1] bool: positions whose label is scored (loss_mask)
     logs: dict | None = None
 
 
@@ -285,13 +286,16 @@ class BlockDrafter(DrafterBase):
             x = layer(x, x_pos, ctx, ctx_pos, mask)
         return self.norm(x).view(B, N, K, -1)
 
-    def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor):
-        """Labels ``x[a+k]`` and target logits for them, ``k = 1..K-1``: ([B, N, K-1], [B, N, K-1, V])."""
+    def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor,
+                      loss_mask: torch.Tensor | None = None):
+        """For block positions ``k = 1..K-1``: labels ``x[a+k]`` [B, N, K-1], the target's logits for them
+        [B, N, K-1, V], and which of them are scored [B, N, K-1] (all, without a loss mask)."""
         pos = anchors[:, :, None] + torch.arange(1, self.config.block_size, device=anchors.device)
         labels = gather_positions(input_ids, pos)
         with torch.no_grad():
             target_logits = self.lm_head(gather_positions(last, pos - 1))
-        return labels, target_logits
+        scored = torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else gather_positions(loss_mask, pos).bool()
+        return labels, target_logits, scored
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,7 +370,7 @@ def acceptance_stats(draft_logits: torch.Tensor, target_logits: torch.Tensor) ->
 
 def summarize_acceptance(sums: dict[str, torch.Tensor], prefix: str = "val") -> dict[str, float]:
     """tau and per-position conditional acceptance from accumulated :func:`acceptance_stats` sums."""
-    n = sums["chains"].item()
+    n = max(sums["chains"].item(), 1.0)  # no fully scored chain: report tau = 1
     greedy = sums["greedy_prefix"] / n
     prob = sums["prob_prefix"] / n
     prev = torch.cat([torch.ones(1, device=greedy.device), greedy[:-1]])
@@ -377,8 +381,10 @@ def summarize_acceptance(sums: dict[str, torch.Tensor], prefix: str = "val") -> 
     return out
 
 
-def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` [..., K] with per-position ``weights`` [K]."""
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``values`` [..., K] with per-position ``weights`` [K], over the ``scored`` entries only."""
     w = weights.expand_as(values)
+    if scored is not None:
+        w = w * scored
     return (values * w).sum() / w.sum().clamp_min(1e-12)
 

@@ -30,13 +30,14 @@ class DFlashDrafter(BlockDrafter):
     config_class = DFlashConfig
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-                anchors: torch.Tensor | None = None) -> DrafterOutput:
+                anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
         cfg = self.config
         if anchors is None:
             anchors = sample_anchors(input_ids.shape[1], cfg.block_size, cfg.num_anchors, input_ids.shape[0], input_ids.device)
         hidden = self.block_hidden(aux, gather_positions(input_ids, anchors), anchors)
         logits = self.lm_head(hidden[:, :, 1:])
-        labels, target_logits = self.block_targets(input_ids, last, anchors)
+        labels, target_logits, scored = self.block_targets(input_ids, last, anchors, loss_mask)
         ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(labels)
-        loss = weighted_mean(ce, position_weights(cfg.block_size - 1, cfg.loss_gamma, ce.device))
-        return DrafterOutput(loss=loss, draft_logits=logits, target_logits=target_logits, logs={"ce": loss.detach()})
+        loss = weighted_mean(ce, position_weights(cfg.block_size - 1, cfg.loss_gamma, ce.device), scored)
+        return DrafterOutput(loss=loss, draft_logits=logits, target_logits=target_logits, scored=scored,
+                             logs={"ce": loss.detach()})

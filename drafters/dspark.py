@@ -70,14 +70,14 @@ class DSparkDrafter(BlockDrafter):
         return torch.stack(all_logits, dim=2), torch.stack(all_conf, dim=2)
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-                anchors: torch.Tensor | None = None) -> DrafterOutput:
+                anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
         cfg = self.config
         K = cfg.block_size
         if anchors is None:
             anchors = sample_anchors(input_ids.shape[1], K, cfg.num_anchors, input_ids.shape[0], input_ids.device)
         anchor_tokens = gather_positions(input_ids, anchors)
         hidden = self.block_hidden(aux, anchor_tokens, anchors)
-        labels, target_logits = self.block_targets(input_ids, last, anchors)
+        labels, target_logits, scored = self.block_targets(input_ids, last, anchors, loss_mask)
         prev = gather_positions(input_ids, anchors[:, :, None] + torch.arange(K - 1, device=anchors.device))
         logits, conf_logits = self.heads(hidden[:, :, 1:], prev)  # teacher forcing
 
@@ -85,7 +85,8 @@ class DSparkDrafter(BlockDrafter):
         ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(labels)
         tv = total_variation(target_logits, logits)
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), (1.0 - tv).detach(), reduction="none")
-        parts = {"ce": weighted_mean(ce, w), "tv": weighted_mean(tv, w), "confidence_bce": weighted_mean(bce, w)}
+        parts = {"ce": weighted_mean(ce, w, scored), "tv": weighted_mean(tv, w, scored),
+                 "confidence_bce": weighted_mean(bce, w, scored)}
         loss = cfg.ce_weight * parts["ce"] + cfg.tv_weight * parts["tv"] + cfg.confidence_weight * parts["confidence_bce"]
 
         if self.training:
@@ -94,4 +95,4 @@ class DSparkDrafter(BlockDrafter):
             draft_logits, conf = self.draft(hidden, anchor_tokens)
             confidence = conf.sigmoid()
         return DrafterOutput(loss=loss, draft_logits=draft_logits, target_logits=target_logits, confidence=confidence,
-                             logs={k: v.detach() for k, v in parts.items()})
+                             scored=scored, logs={k: v.detach() for k, v in parts.items()})

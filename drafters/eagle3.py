@@ -70,7 +70,8 @@ class Eagle3Drafter(DrafterBase):
         self._make_target_io(config)
         self.post_init()
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> DrafterOutput:
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
+                loss_mask: torch.Tensor | None = None) -> DrafterOutput:
         cfg = self.config
         B, T = input_ids.shape
         S = cfg.ttt_steps
@@ -82,10 +83,15 @@ class Eagle3Drafter(DrafterBase):
         with torch.no_grad():  # the target's distribution for x[p+2] is read at position p+1
             target_next = self.lm_head(torch.cat([last[:, 1:], last[:, -1:]], dim=1))
         target_probs = target_next.float().softmax(-1)
+        # the token predicted at position p is x[p+2]: is it scored?
+        if loss_mask is None:
+            scored_next = torch.ones(B, T, dtype=torch.bool, device=dev)
+        else:
+            scored_next = torch.cat([loss_mask[:, 2:], loss_mask.new_zeros(B, 2)], dim=1).bool()
 
         hidden_in = self.fc(aux)
         keys, values = [], []
-        losses, draft_logits, target_logits = [], [], []
+        losses, draft_logits, target_logits, scored = [], [], [], []
         p_idx = torch.arange(T, device=dev)
         for s in range(S):
             x = self.layer.layer_input(emb, hidden_in)
@@ -96,14 +102,16 @@ class Eagle3Drafter(DrafterBase):
             h = hidden_in + self.layer.attn.attend(x, pos, torch.cat(keys, 2), torch.cat(values, 2), mask)
             g = h + self.layer.mlp(self.layer.post_norm(h))
             logits = self.lm_head(self.norm(g))
-            valid = (p_idx >= s) & (p_idx <= T - 3)  # a chain start t = p - s >= 0 and a label x[p+2]
+            valid = ((p_idx >= s) & (p_idx <= T - 3))[None] & scored_next  # chain start t = p - s >= 0, label x[p+2]
             soft_ce = -(target_probs * logits.float().log_softmax(-1)).sum(-1)
-            losses.append(soft_ce[:, valid].mean())
+            losses.append((soft_ce * valid).sum() / valid.sum().clamp_min(1))
             # chain t, depth s sits at position t + s: collect [B, T', S] aligned by chain start
             starts = torch.arange(T - 2 - (S - 1), device=dev)
             draft_logits.append(logits[:, starts + s])
             target_logits.append(target_next[:, starts + s])
+            scored.append(scored_next[:, starts + s])
             hidden_in = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # own output, one position on
         loss = torch.stack(losses).mean()
         return DrafterOutput(loss=loss, draft_logits=torch.stack(draft_logits, dim=2),
-                             target_logits=torch.stack(target_logits, dim=2), logs={"soft_ce": loss.detach()})
+                             target_logits=torch.stack(target_logits, dim=2), scored=torch.stack(scored, dim=2),
+                             logs={"soft_ce": loss.detach()})

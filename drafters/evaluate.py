@@ -94,20 +94,22 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
     confs, labels = [], []
     starts = list(range(0, n, batch_size))
     for b in starts[rank::world]:
-        ids, aux, last = batch_features(windows.collate(list(range(b, min(b + batch_size, n)))).to(device), capture)
+        batch = windows.collate(list(range(b, min(b + batch_size, n)))).to(device)
+        ids, aux, last = batch_features(batch, capture)
         kwargs = {}
         if cfg.model_type != "draftsmith_eagle3":
             gen = torch.Generator().manual_seed(b)
             kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen)
-        out = model(ids, aux, last, **kwargs)
-        stats = acceptance_stats(out.draft_logits.flatten(0, 1), out.target_logits.flatten(0, 1))
+        out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
+        chains = out.scored.all(-1)  # only drafts whose every label is scored (responses, not prompts)
+        stats = acceptance_stats(out.draft_logits[chains], out.target_logits[chains])
         for k, v in stats.items():
             sums[k] = sums.get(k, 0) + v
         loss_sum += out.loss.double()
         batches += 1
         if out.confidence is not None:
-            confs.append(out.confidence.flatten().float().cpu())
-            labels.append((out.draft_logits.argmax(-1) == out.target_logits.argmax(-1)).flatten().cpu())
+            confs.append(out.confidence[out.scored].float().cpu())
+            labels.append((out.draft_logits.argmax(-1) == out.target_logits.argmax(-1))[out.scored].cpu())
     if accelerator:
         sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
         loss_sum, batches = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(batches, "sum")

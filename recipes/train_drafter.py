@@ -91,7 +91,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
 
     def loss_fn(model, batch):
-        out = model(*batch_features(batch, capture))
+        out = model(*batch_features(batch, capture), loss_mask=batch.loss_mask)
         return out.loss, out.logs or {}
 
     trainer = Trainer(

@@ -69,7 +69,7 @@ def test_window_order_is_a_function_of_samples_consumed():
     assert sorted(first_epoch) == list(range(n))  # a permutation
     assert [w.window_index(k) for k in range(n, 2 * n)] != first_epoch  # reshuffled per epoch
     fresh = PackedWindows(tokens, 9, seed=3)
-    assert torch.equal(fresh.batch(n + 5, 4), w.batch(n + 5, 4))  # O(1) seek = resume
+    assert torch.equal(fresh.batch(n + 5, 4).input_ids, w.batch(n + 5, 4).input_ids)  # O(1) seek = resume
     x = w.window(0)
     assert x.shape == (10,) and torch.equal(x, torch.arange(10))
 
@@ -77,8 +77,8 @@ def test_window_order_is_a_function_of_samples_consumed():
 def test_two_ranks_see_what_one_rank_sees_with_double_accumulation():
     w = PackedWindows(np.arange(5000, dtype=np.uint16), 16, seed=0)
     B, before = 3, 36
-    one = torch.cat([w.micro_batch(before, m, 0, 1, B) for m in range(2)])
-    two = torch.cat([w.micro_batch(before, 0, r, 2, B) for r in range(2)])
+    one = torch.cat([w.micro_batch(before, m, 0, 1, B).input_ids for m in range(2)])
+    two = torch.cat([w.micro_batch(before, 0, r, 2, B).input_ids for r in range(2)])
     assert torch.equal(one, two)
 
 
