@@ -133,7 +133,13 @@ class DataConfig(Strict):
     hub_name: Optional[str] = None
     hub_config: Optional[str] = None
     hub_split: str = "train"
+    format: Literal["text", "prompt_response", "messages"] = Field(
+        "text", description="text: documents packed into windows; prompt_response / messages: one example per "
+                            "window, loss on the response only, rendered with the tokenizer's chat template if any")
     text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
     seq_len: int = Field(256, gt=1)
     val_fraction: float = Field(0.02, gt=0, lt=0.5, description="held-out share when no val_files")
     max_documents: Optional[int] = Field(None, gt=0, description="cap on documents read (tests)")
@@ -153,6 +159,8 @@ class DataConfig(Strict):
             raise ValueError("source 'files' needs train_files (a list of .jsonl/.json/.parquet/.txt files)")
         if self.source == "hub" and not self.hub_name:
             raise ValueError("source 'hub' needs hub_name")
+        if self.source == "stdlib" and self.format != "text":
+            raise ValueError("source 'stdlib' is plain text: use format 'text'")
         return self
 
 
@@ -326,9 +334,49 @@ class TrainDrafterRecipe(RecipeBase):
         return self
 
 
-Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe], Field(discriminator="recipe")]
+class PromptsSection(Strict):
+    """Prompts to regenerate answers for: a JSONL file, or snippets cut from the data section's corpus."""
+
+    file: Optional[str] = Field(None, description="JSONL with one {prompt_field: ...} or {messages_field: [...]} per line")
+    field: str = "prompt"
+    from_corpus: int = Field(0, ge=0, description="number of prompts cut from data's training split (file unset)")
+    prompt_tokens: int = Field(64, gt=0, description="length of corpus prompts")
+
+    @field_validator("file")
+    @classmethod
+    def _file_exists(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else _existing_path(v, "prompts file")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "PromptsSection":
+        if (self.file is None) == (self.from_corpus == 0):
+            raise ValueError("give exactly one of prompts.file or prompts.from_corpus")
+        return self
+
+
+class GenerationSection(Strict):
+    max_new_tokens: int = Field(128, gt=0)
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    batch_size: int = Field(8, gt=0)
+
+
+class RegenerateRecipe(RecipeBase):
+    """Let the target answer prompts itself, so drafters learn the target's own distribution."""
+
+    recipe: Literal["regenerate"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    prompts: PromptsSection
+    generation: GenerationSection = Field(default_factory=GenerationSection)
+    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
+    torch_threads: Optional[int] = Field(None, gt=0)
+
+
+Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe],
+                   Field(discriminator="recipe")]
 RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe,
-                                        "train_drafter": TrainDrafterRecipe}
+                                        "train_drafter": TrainDrafterRecipe, "regenerate": RegenerateRecipe}
 
 
 # --------------------------------------------------------------------------------------------------

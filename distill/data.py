@@ -18,6 +18,7 @@ Sharding
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,17 +32,23 @@ from .testbed import atomic_dir, cache_dir, fingerprint_texts, split_documents, 
 
 @dataclass
 class TextSplits:
-    train: list[str]
-    val: list[str]
-    fingerprint: str  # of the raw text, both splits
+    train: list  # str documents (format "text") or dict records (prompt/response or messages)
+    val: list
+    fingerprint: str  # of the raw data, both splits
     description: str
 
 
+def _columns_needed(cfg: DataConfig) -> list[str]:
+    return {"text": [cfg.text_field], "prompt_response": [cfg.prompt_field, cfg.response_field],
+            "messages": [cfg.messages_field]}[cfg.format]
+
+
 def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
+    """The train and held-out records of the data section (documents, or chat records)."""
     if cfg.source == "stdlib":
         docs = stdlib_documents(cfg.max_documents)
         train, val = split_documents(docs, cfg.val_fraction)
-        train_t, val_t = [d.text for d in train], [d.text for d in val]
+        train_r, val_r = [d.text for d in train], [d.text for d in val]
         desc = f"stdlib source: {len(train)} train / {len(val)} held-out files"
     else:
         from datasets import load_dataset
@@ -57,17 +64,26 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
         else:
             ds = load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split)
             val_ds = None
-        if cfg.text_field not in ds.column_names:
-            raise ValueError(f"data.text_field '{cfg.text_field}' is not a column of the data (columns: {ds.column_names})")
+        for column in _columns_needed(cfg):
+            if column not in ds.column_names:
+                raise ValueError(f"data: column '{column}' (format '{cfg.format}') is not in the data "
+                                 f"(columns: {ds.column_names}); set data.text_field / prompt_field / response_field / messages_field")
         if cfg.max_documents:
             ds = ds.select(range(min(cfg.max_documents, len(ds))))
         if val_ds is None:
             parts = ds.train_test_split(test_size=cfg.val_fraction, seed=seed, shuffle=True)
             ds, val_ds = parts["train"], parts["test"]
-        train_t, val_t = list(ds[cfg.text_field]), list(val_ds[cfg.text_field])
-        desc = f"{cfg.source}: {len(train_t)} train / {len(val_t)} held-out documents"
-    fp = fingerprint_texts(train_t + ["\x00split\x00"] + val_t, f"val_fraction={cfg.val_fraction}")
-    return TextSplits(train_t, val_t, fp, desc)
+        if cfg.format == "text":
+            train_r, val_r = list(ds[cfg.text_field]), list(val_ds[cfg.text_field])
+        else:
+            cols = _columns_needed(cfg)
+            train_r = [{c: row[c] for c in cols} for row in ds]
+            val_r = [{c: row[c] for c in cols} for row in val_ds]
+        desc = f"{cfg.source} ({cfg.format}): {len(train_r)} train / {len(val_r)} held-out records"
+    as_text = lambda r: r if isinstance(r, str) else json.dumps(r, sort_keys=True)  # noqa: E731
+    fp = fingerprint_texts([as_text(r) for r in train_r] + ["\x00split\x00"] + [as_text(r) for r in val_r],
+                           f"val_fraction={cfg.val_fraction}", f"format={cfg.format}")
+    return TextSplits(train_r, val_r, fp, desc)
 
 
 def build_tokenizer(cfg: TokenizerConfig, splits: TextSplits):
@@ -76,6 +92,8 @@ def build_tokenizer(cfg: TokenizerConfig, splits: TextSplits):
 
     if cfg.path:
         return AutoTokenizer.from_pretrained(cfg.path)
+    if splits.train and not isinstance(splits.train[0], str):
+        raise ValueError("training a BPE needs plain-text data: give tokenizer.path for prompt/response data")
     key = fingerprint_texts(splits.train, f"bpe-v1/{cfg.vocab_size}")
     folder = cache_dir() / "tokenizers" / f"bpe-{key}"
     if not (folder / "tokenizer.json").exists():
@@ -181,3 +199,86 @@ class PackedWindows:
 
     def epoch_of(self, samples: int) -> float:
         return samples / self.num_windows
+
+
+def chat_messages(record: dict, cfg: DataConfig) -> list[dict]:
+    if cfg.format == "messages":
+        return list(record[cfg.messages_field])
+    return [{"role": "user", "content": record[cfg.prompt_field]},
+            {"role": "assistant", "content": record[cfg.response_field]}]
+
+
+def encode_example(record: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[int]]:
+    """Token ids of a prompt + response and a mask that is 1 on the (final) response only.
+
+    With a chat template the conversation is rendered by it, the prompt being every turn before the
+    last with the generation prompt appended; without one (the testbed) prompt and response are
+    concatenated as they are and the response ends with EOS.
+    """
+    messages = chat_messages(record, cfg)
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(f"the last message must be the assistant's response, got role {messages[-1]['role']!r}")
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        if not full.startswith(prompt):
+            raise ValueError("the chat template does not render the prompt as a prefix of the conversation")
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tokenizer("".join(m["content"] for m in messages[:-1]), add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def tokenize_examples(records: list[dict], tokenizer, cfg: DataConfig, name: str = "examples") -> tuple[np.ndarray, np.ndarray]:
+    """Every record as one window of ``seq_len + 1`` tokens (truncated or padded) and its loss mask; cached."""
+    width = cfg.seq_len + 1
+    key = fingerprint_texts([json.dumps(r, sort_keys=True) for r in records], tokenizer_fingerprint(tokenizer),
+                            f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}")
+    path = cache_dir() / "examples" / f"{name}-{key}.npz"
+    if path.exists():
+        data = np.load(path)
+        return data["ids"], data["mask"]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = np.full((len(records), width), pad, dtype=np.int64)
+    mask = np.zeros((len(records), width), dtype=np.int8)
+    for i, record in enumerate(records):
+        tokens, scored = encode_example(record, tokenizer, cfg)
+        ids[i, :min(width, len(tokens))] = tokens[:width]
+        mask[i, :min(width, len(scored))] = scored[:width]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    np.savez(tmp, ids=ids, mask=mask)
+    os.replace(tmp, path)
+    return ids, mask
+
+
+class ExampleWindows(PackedWindows):
+    """One window per prompt/response example, with a loss mask on the response tokens."""
+
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, seed: int = 0, shuffle: bool = True, max_windows: int | None = None):
+        self.ids, self.mask = ids, mask
+        self.seq_len = ids.shape[1] - 1
+        self.seed, self.shuffle = seed, shuffle
+        self.num_windows = min(len(ids), max_windows) if max_windows else len(ids)
+        if self.num_windows < 1:
+            raise ValueError("no examples")
+        self._perm_epoch, self._perm = -1, None
+
+    def window(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(self.ids[index])
+
+    def collate(self, indices: list[int]) -> Batch:
+        return Batch(torch.stack([self.window(i) for i in indices]),
+                     torch.from_numpy(np.stack([self.mask[i] for i in indices]).astype(np.int64)))
+
+
+def make_windows(records: list, tokenizer, cfg: DataConfig, split: str, seed: int = 0,
+                 max_windows: int | None = None) -> PackedWindows:
+    """Training windows (shuffled per epoch) or held-out windows (in order) for one split."""
+    shuffle = split == "train"
+    if cfg.format == "text":
+        return PackedWindows(tokenize_stream(records, tokenizer, split), cfg.seq_len, seed, shuffle, max_windows)
+    ids, mask = tokenize_examples(records, tokenizer, cfg, split)
+    return ExampleWindows(ids, mask, seed, shuffle, max_windows)

@@ -18,7 +18,8 @@ import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ENTRY_POINTS = {"train_lm": "recipes.train_lm", "quickstart": "recipes.quickstart", "train_drafter": "recipes.train_drafter"}
+ENTRY_POINTS = {"train_lm": "recipes.train_lm", "quickstart": "recipes.quickstart", "train_drafter": "recipes.train_drafter",
+                "regenerate": "recipes.regenerate"}
 
 
 def run_recipe(recipe, dry_run: bool = False) -> dict:

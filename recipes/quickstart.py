@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from distill.config import DataConfig, QuickstartRecipe, TargetConfig, load_recipe
-from distill.data import PackedWindows, load_text_splits, tokenize_stream
+from distill.data import load_text_splits, make_windows
 from distill.lm import evaluate_lm
 from distill.models import load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
@@ -69,7 +69,7 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
     t0 = time.perf_counter()
     model, tokenizer = load_target(TargetConfig(path=str(target_dir)))
     splits = load_text_splits(data_cfg)
-    val = PackedWindows(tokenize_stream(splits.val, tokenizer, "val"), data_cfg.seq_len, shuffle=False)
+    val = make_windows(splits.val, tokenizer, data_cfg, "val")
     metrics = evaluate_lm(model, val, 8, recipe.target.eval_batches)
     target = {
         "checkpoint": str(target_dir),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distill.config import TrainDrafterRecipe
-from distill.data import PackedWindows, load_text_splits, tokenize_stream, tokenizer_fingerprint
+from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
 from distill.features import LAYER_ID_CONVENTION, FeatureCapture
 from distill.models import DTYPES, load_target, model_summary
@@ -74,11 +74,9 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     ### Data, tokenized with the target's tokenizer; features online or from a cache
     with acc.main_process_first():
         splits = load_text_splits(recipe.data, recipe.seed)
-        train_tokens = tokenize_stream(splits.train, tokenizer, "train")
-        val_tokens = tokenize_stream(splits.val, tokenizer, "val")
-    # windows of seq_len + 1 tokens; the drafter reads all of them (no shift: targets come from the features)
-    train = PackedWindows(train_tokens, recipe.data.seq_len, recipe.seed, shuffle=True, max_windows=recipe.features.max_windows)
-    val = PackedWindows(val_tokens, recipe.data.seq_len, recipe.seed, shuffle=False)
+        # windows of seq_len + 1 tokens; the drafter reads all of them (no shift: targets come from the features)
+        train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed, recipe.features.max_windows)
+        val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed)
     data_record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
     if recipe.features.mode == "offline":

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distill.config import TrainLMRecipe
-from distill.data import PackedWindows, build_tokenizer, load_text_splits, tokenize_stream, tokenizer_fingerprint
+from distill.data import build_tokenizer, load_text_splits, make_windows, tokenizer_fingerprint
 from distill.lm import evaluate_lm, lm_loss
 from distill.models import build_causal_lm, flops_per_token, model_summary, special_token_ids
 from distill.provenance import write_json_atomic, write_run_header
@@ -43,10 +43,8 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     with acc.main_process_first():  # the main process fills the caches, the others read them
         splits = load_text_splits(recipe.data, recipe.seed)
         tokenizer = build_tokenizer(recipe.tokenizer, splits)
-        train_tokens = tokenize_stream(splits.train, tokenizer, "train")
-        val_tokens = tokenize_stream(splits.val, tokenizer, "val")
-    train = PackedWindows(train_tokens, recipe.data.seq_len, recipe.seed, shuffle=True)
-    val = PackedWindows(val_tokens, recipe.data.seq_len, recipe.seed, shuffle=False)
+        train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed)
+        val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed)
 
     ### Model
     model = build_causal_lm(recipe.model, len(tokenizer), special_token_ids(tokenizer))
@@ -55,12 +53,12 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     ### Run header
     data_record = {"description": splits.description, "text_fingerprint": splits.fingerprint,
                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                   "train_tokens": int(len(train_tokens)), "val_tokens": int(len(val_tokens))}
+                   "train_windows": len(train), "val_windows": len(val), "seq_len": recipe.data.seq_len}
     if acc.is_main_process:
         write_run_header(recipe.output_dir, recipe, data=data_record, model=model_summary(model),
                          world_size=acc.num_processes)
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
-    acc.print(f"{splits.description}; {len(train_tokens):,} train tokens, {len(val_tokens):,} held-out; "
+    acc.print(f"{splits.description}; {len(train):,} train / {len(val):,} held-out windows of {recipe.data.seq_len} tokens; "
               f"model {model_summary(model)['parameters']:,} parameters; {acc.num_processes} process(es)")
 
     ### Train

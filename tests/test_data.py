@@ -88,5 +88,5 @@ def test_local_jsonl_through_datasets(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     splits = load_text_splits(DataConfig(source="files", train_files=[str(path)], val_fraction=0.1))
     assert len(splits.train) == 45 and len(splits.val) == 5
-    with pytest.raises(ValueError, match="text_field 'content'"):
+    with pytest.raises(ValueError, match="column 'content'"):
         load_text_splits(DataConfig(source="files", train_files=[str(path)], text_field="content"))
