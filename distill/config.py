@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "RecipeError",
@@ -223,16 +223,21 @@ class RecipeBase(Strict):
     seed: int = 0
 
 
-class TrainLMRecipe(RecipeBase):
+class TrainingRecipe(RecipeBase):
+    """Sections every recipe that trains something has."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class TrainLMRecipe(TrainingRecipe):
     """Train a causal LM from scratch with next-token cross-entropy (the testbed target)."""
 
     recipe: Literal["train_lm"]
     model: ModelConfig = Field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     @model_validator(mode="after")
     def _fits_context(self) -> "TrainLMRecipe":
@@ -244,30 +249,23 @@ class TrainLMRecipe(RecipeBase):
         return self
 
 
+RecipePath = Annotated[str, AfterValidator(lambda v: _existing_path(v, "recipe file"))]
+
+
 class QuickstartTargetStage(Strict):
     """Where the quickstart's target comes from: the shipped testbed weights, or trained now."""
 
     source: Literal["shipped", "train"] = "shipped"
-    train_recipe: str = Field("recipes/configs/testbed_target_quick.yaml", description="used when source=train")
+    train_recipe: RecipePath = Field("recipes/configs/testbed_target_quick.yaml", description="used when source=train")
     eval_batches: Optional[int] = Field(None, gt=0, description="held-out batches to evaluate; None = all")
-
-    @field_validator("train_recipe")
-    @classmethod
-    def _recipe_exists(cls, v: str) -> str:
-        return _existing_path(v, "recipe file")
 
 
 class QuickstartDrafterStage(Strict):
     """The drafter the quickstart trains against its target (a ``train_drafter`` recipe, retargeted)."""
 
     enabled: bool = True
-    recipe: str = Field("recipes/configs/dflash_testbed.yaml", description="a train_drafter recipe")
+    recipe: RecipePath = Field("recipes/configs/dflash_testbed.yaml", description="a train_drafter recipe")
     overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
-
-    @field_validator("recipe")
-    @classmethod
-    def _recipe_exists(cls, v: str) -> str:
-        return _existing_path(v, "recipe file")
 
 
 class QuickstartRecipe(RecipeBase):
@@ -314,17 +312,13 @@ class FeaturesSection(Strict):
     max_windows: Optional[int] = Field(None, gt=0, description="cap on training windows (both modes)")
 
 
-class TrainDrafterRecipe(RecipeBase):
+class TrainDrafterRecipe(TrainingRecipe):
     """Distill a drafter from a frozen target whose hidden states are captured while it runs."""
 
     recipe: Literal["train_drafter"]
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: DrafterSection = Field(default_factory=DrafterSection)
     features: FeaturesSection = Field(default_factory=FeaturesSection)
-    data: DataConfig = Field(default_factory=DataConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     @model_validator(mode="after")
     def _blocks_fit(self) -> "TrainDrafterRecipe":
