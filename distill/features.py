@@ -14,6 +14,7 @@ logits at any position can be rebuilt as ``lm_head(last[pos])`` without storing 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +65,10 @@ class FeatureCapture:
         self.target = target
         self.layer_ids = list(layer_ids)
 
-    @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
-        captured: dict[int, torch.Tensor] = {}
-        hooks = []
+    @contextmanager
+    def hooks(self):
+        """Within the block, any forward of the target fills the yielded dict with the captured states."""
+        captured: dict = {}
 
         def grab(key):
             def hook(_module, _inputs, output):
@@ -75,15 +76,21 @@ class FeatureCapture:
             return hook
 
         layers = decoder_layers(self.target)
-        for i in self.layer_ids:
-            hooks.append(layers[i].register_forward_hook(grab(i)))
-        hooks.append(final_norm(self.target).register_forward_hook(grab("last")))
+        handles = [layers[i].register_forward_hook(grab(i)) for i in self.layer_ids]
+        handles.append(final_norm(self.target).register_forward_hook(grab("last")))
         try:
+            yield captured
+        finally:
+            for h in handles:
+                h.remove()
+
+    def features(self, captured: dict) -> TargetFeatures:
+        return TargetFeatures(aux=torch.cat([captured[i] for i in self.layer_ids], dim=-1), last=captured["last"])
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
+        with self.hooks() as captured:
             # only the base model runs: the LM head's [T, vocab] logits are rebuilt where needed
             base = getattr(self.target, "model", None) or self.target.base_model
             base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
-        aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
-        return TargetFeatures(aux=aux, last=captured["last"])
+        return self.features(captured)

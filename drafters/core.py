@@ -124,9 +124,12 @@ class InjectedLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, x_pos, ctx, ctx_pos, mask):
+    def forward(self, x, x_pos, ctx_kv: tuple[torch.Tensor, torch.Tensor], mask):
+        """``ctx_kv``: this layer's keys and values of the context features (``attn.project_kv(ctx, pos)``),
+        computed once per context position; decoding caches them."""
         h = self.input_norm(x)
-        k, v = self.attn.project_kv(torch.cat([ctx, h], dim=1), torch.cat([ctx_pos, x_pos], dim=1))
+        k, v = self.attn.project_kv(h, x_pos)
+        k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
         x = x + self.attn.attend(h, x_pos, k, v, mask)
         return x + self.mlp(self.post_norm(x))
 
@@ -266,11 +269,14 @@ class BlockDrafter(DrafterBase):
     def causal_blocks(self) -> bool:
         return self.config.block_attention == "causal"
 
-    def block_hidden(self, aux: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def block_hidden(self, aux: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor,
+                     ctx_kv: list | None = None) -> torch.Tensor:
         """Hidden states [B, N, K, H] of the blocks anchored at ``anchors`` [B, N].
 
-        ``aux`` [B, C, F] holds target features for positions ``0..C-1``; block ``n`` sees those
-        before ``anchors[:, n]`` only. ``anchor_tokens`` [B, N] are the clean tokens at the anchors.
+        ``aux`` [B, C, F] holds target features for positions ``0..C-1`` (or pass their per-layer
+        ``ctx_kv`` from :meth:`context_kv`, as decoding does, with ``aux`` None and C = its length);
+        block ``n`` sees those before ``anchors[:, n]`` only. ``anchor_tokens`` [B, N] are the clean
+        tokens at the anchors.
         """
         cfg = self.config
         B, N = anchors.shape
@@ -279,12 +285,22 @@ class BlockDrafter(DrafterBase):
         tokens[:, :, 0] = anchor_tokens
         x = self.embed_tokens(tokens).view(B, N * K, -1)
         x_pos = (anchors[:, :, None] + torch.arange(K, device=anchors.device)).view(B, N * K)
-        ctx = self.hidden_norm(self.fc(aux))
-        ctx_pos = torch.arange(aux.shape[1], device=aux.device)[None].expand(B, -1)
-        mask = block_attention_mask(anchors, aux.shape[1], K, self.causal_blocks)
-        for layer in self.layers:
-            x = layer(x, x_pos, ctx, ctx_pos, mask)
+        if ctx_kv is None:
+            ctx_kv = self.context_kv(aux, torch.arange(aux.shape[1], device=aux.device)[None].expand(B, -1))
+        mask = block_attention_mask(anchors, ctx_kv[0][0].shape[2], K, self.causal_blocks)
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer(x, x_pos, kv, mask)
         return self.norm(x).view(B, N, K, -1)
+
+    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor):
+        """Decode-time drafts for block positions 1..K-1 from :meth:`block_hidden`: (logits [B, N, K-1, V],
+        confidence or None). The base (DFlash) drafts them all in parallel."""
+        return self.lm_head(hidden[:, :, 1:]), None
+
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, keys and values of target features ``aux`` [B, C, F] at ``positions`` [B, C]."""
+        ctx = self.hidden_norm(self.fc(aux))
+        return [layer.attn.project_kv(ctx, positions) for layer in self.layers]
 
     def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor,
                       loss_mask: torch.Tensor | None = None):

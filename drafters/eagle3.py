@@ -115,3 +115,40 @@ class Eagle3Drafter(DrafterBase):
         return DrafterOutput(loss=loss, draft_logits=torch.stack(draft_logits, dim=2),
                              target_logits=torch.stack(target_logits, dim=2), scored=torch.stack(scored, dim=2),
                              logs={"soft_ce": loss.detach()})
+
+    # ---------------------------------------------------------------------------------------------
+    # Decoding: a KV cache of step-0 entries (one per position the target has verified) and the
+    # layer output at the newest position; drafts append temporary entries that are dropped after.
+
+    def extend(self, state: dict, aux: torch.Tensor, next_tokens: torch.Tensor, start: int) -> dict:
+        """Add positions ``start .. start+n-1`` (target features ``aux`` [B, n, F], each with its next
+        token ``next_tokens`` [B, n]) to the cache and keep the layer output at the last one."""
+        n = aux.shape[1]
+        pos = torch.arange(start, start + n, device=aux.device)[None].expand(aux.shape[0], -1)
+        hidden = self.fc(aux)
+        x = self.layer.layer_input(self.embed_tokens(next_tokens), hidden)
+        k, v = self.layer.attn.project_kv(x, pos)
+        keys = k if "k" not in state else torch.cat([state["k"], k], dim=2)
+        values = v if "v" not in state else torch.cat([state["v"], v], dim=2)
+        mask = (torch.arange(keys.shape[2], device=aux.device)[None, :] <= pos[0, :, None])[None, None]
+        h = hidden + self.layer.attn.attend(x, pos, keys, values, mask)
+        g = h + self.layer.mlp(self.layer.post_norm(h))
+        return {"k": keys, "v": values, "g": g[:, -1:], "length": start + n}
+
+    def propose_chain(self, state: dict, steps: int) -> torch.Tensor:
+        """Greedy drafts for the ``steps`` tokens after the newest token's successor: logits [B, steps, V]."""
+        g, keys, values = state["g"], state["k"], state["v"]
+        p = state["length"] - 1
+        logits = []
+        for s in range(steps):
+            step_logits = self.lm_head(self.norm(g))
+            logits.append(step_logits)
+            if s == steps - 1:
+                break
+            pos = torch.full((g.shape[0], 1), p + s + 1, device=g.device)
+            x = self.layer.layer_input(self.embed_tokens(step_logits.argmax(-1)), g)
+            k, v = self.layer.attn.project_kv(x, pos)
+            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+            h = g + self.layer.attn.attend(x, pos, keys, values, None)
+            g = h + self.layer.mlp(self.layer.post_norm(h))
+        return torch.cat(logits, dim=1)

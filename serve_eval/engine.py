@@ -1,0 +1,188 @@
+"""The speculative-decoding loop (greedy, chain verification), and plain decoding of the same target.
+
+One iteration, with ``b`` the target's newest token (the *bonus*, not yet read by the target) at
+position ``a`` and every earlier position verified and cached:
+
+1. **Draft.** The drafter proposes ``d_1 .. d_{K-1}`` for positions ``a+1 .. a+K-1`` from the target
+   features of positions ``< a`` and ``b`` (a block drafter in one forward; EAGLE-3 autoregressively).
+2. **Verify.** One target forward over ``[b, d_1, .., d_{K-1}]`` at positions ``a .. a+K-1`` (KV
+   cache) gives the target's greedy choice ``g_j`` after each of them.
+3. **Accept** the longest prefix with ``d_j == g_{j-1}``, say ``n`` drafts, and the target's own next
+   token ``g_n`` as the new bonus: ``n + 1`` tokens from one target forward.
+4. **Roll back** the target's cache to ``a + n + 1`` positions (``b`` and the accepted drafts) and
+   hand the drafter the target features of exactly those positions.
+
+Lossless by construction: every emitted token is the target's argmax given the emitted prefix (an
+accepted draft equals it, the bonus is it), so the output equals plain greedy decoding token for
+token, whatever the drafter proposes. The tests check this for every drafter, for drafts that are
+always rejected and drafts that are always accepted, and that a rolled-back cache equals a cache
+recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from distill.features import FeatureCapture, TargetFeatures
+
+
+class TargetSession:
+    """The target with a KV cache of the positions it has read; optionally captures features."""
+
+    def __init__(self, target, capture: FeatureCapture | None = None):
+        self.target = target
+        self.capture = capture
+        self.cache = DynamicCache(config=target.config)
+        self.length = 0
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, TargetFeatures | None]:
+        """Read ``ids`` [1, n] at the next positions: logits [n, V] and the features of those positions."""
+        n = ids.shape[1]
+        positions = torch.arange(self.length, self.length + n, device=ids.device)[None]
+        if self.capture is None:
+            out = self.target(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+            feats = None
+        else:
+            with self.capture.hooks() as captured:
+                out = self.target(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+            feats = self.capture.features(captured)
+        self.length += n
+        return out.logits[0], feats
+
+    def rollback(self, length: int) -> None:
+        """Forget every position from ``length`` on."""
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.length = length
+
+
+class BlockProposer:
+    """DFlash / DSpark: caches each layer's keys and values of the verified context features."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.block_size = drafter.config.block_size
+        self.ctx_kv: list | None = None
+
+    @torch.no_grad()
+    def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
+        pos = torch.arange(start, start + aux.shape[1], device=aux.device)[None]
+        new = self.drafter.context_kv(aux, pos)
+        self.ctx_kv = new if self.ctx_kv is None else [
+            (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(self.ctx_kv, new)]
+
+    @torch.no_grad()
+    def propose(self, anchor: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        hidden = self.drafter.block_hidden(None, anchor.view(1, 1), torch.tensor([[anchor_pos]], device=anchor.device),
+                                           ctx_kv=self.ctx_kv)
+        logits, _confidence = self.drafter.propose(hidden, anchor.view(1, 1))
+        return logits[0, 0].argmax(-1)
+
+
+class Eagle3Proposer:
+    """EAGLE-3: a KV cache of step-0 entries for verified positions; drafts autoregressively."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.block_size = drafter.config.block_size
+        self.state: dict = {}
+
+    @torch.no_grad()
+    def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
+        self.state = self.drafter.extend(self.state, aux, next_tokens.view(1, -1), start)
+
+    @torch.no_grad()
+    def propose(self, anchor: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        return self.drafter.propose_chain(self.state, self.block_size - 1)[0].argmax(-1)
+
+
+def make_proposer(drafter):
+    return Eagle3Proposer(drafter) if drafter.config.model_type == "draftsmith_eagle3" else BlockProposer(drafter)
+
+
+@dataclass
+class GenerationStats:
+    tokens: int = 0
+    target_forwards: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at position k
+    drafted_by_position: list[int] = field(default_factory=list)  # drafts verified at position k
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward (bonus included)."""
+        return self.tokens / max(1, self.target_forwards)
+
+
+def _truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    if eos is not None and eos in tokens:
+        tokens = tokens[:tokens.index(eos) + 1]
+    return tokens
+
+
+@torch.no_grad()
+def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None):
+    """Plain greedy decoding with a KV cache: the baseline, in the same loop machinery."""
+    stats = GenerationStats()
+    start = time.perf_counter()
+    session = TargetSession(target)
+    logits, _ = session.forward(prompt.view(1, -1))
+    out = [int(logits[-1].argmax())]
+    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        logits, _ = session.forward(torch.tensor([[out[-1]]], device=prompt.device))
+        out.append(int(logits[-1].argmax()))
+    stats.target_forwards = len(out)
+    stats.tokens = len(out)
+    stats.total_seconds = time.perf_counter() - start
+    return _truncate(out, max_new_tokens, eos_token_id), stats
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+                         proposer=None):
+    """Greedy speculative decoding with chain verification (see the module docstring)."""
+    proposer = proposer or make_proposer(drafter)
+    K = proposer.block_size
+    stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
+    start = time.perf_counter()
+    capture = FeatureCapture(target, drafter.config.target_layer_ids)
+    session = TargetSession(target, capture)
+    prompt = prompt.view(1, -1)
+    logits, feats = session.forward(prompt)
+    stats.target_forwards += 1
+    bonus = logits[-1].argmax()
+    proposer.observe(feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
+    out = [int(bonus)]
+    anchor_pos = prompt.shape[1]
+    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        t0 = time.perf_counter()
+        drafts = proposer.propose(bonus, anchor_pos)
+        t1 = time.perf_counter()
+        logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
+        stats.target_forwards += 1
+        choice = logits.argmax(-1)  # choice[j]: the target's token after block position j
+        agree = (drafts == choice[:-1]).int()
+        n = int(agree.cumprod(0).sum())
+        for k in range(K - 1):
+            stats.drafted_by_position[k] += int(k <= n)  # positions up to the first rejection are verified
+            stats.accepted_by_position[k] += int(k < n)
+        new_bonus = choice[n]
+        out.extend(drafts[:n].tolist() + [int(new_bonus)])
+        session.rollback(anchor_pos + n + 1)
+        proposer.observe(feats.aux[:, :n + 1], anchor_pos, torch.cat([drafts[:n], new_bonus.view(1)]))
+        anchor_pos += n + 1
+        bonus = new_bonus
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += time.perf_counter() - t1
+    out = _truncate(out, max_new_tokens, eos_token_id)
+    stats.tokens = len(out)
+    stats.total_seconds = time.perf_counter() - start
+    return out, stats

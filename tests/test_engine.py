@@ -1,0 +1,131 @@
+"""The speculative loop is lossless: at temperature 0 it emits exactly the target's greedy tokens,
+for every drafter, when every draft is rejected and when every draft is accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distill.config import DataConfig, TargetConfig
+from distill.data import load_text_splits
+from distill.models import load_target
+from serve_eval.engine import TargetSession, greedy_generate, make_proposer, speculative_generate
+
+from .test_drafters import KINDS, drafter_recipe, fresh_accelerate_state, tiny_target_dir  # noqa: F401  (fixtures)
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target_and_prompts(tiny_target_dir):
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    docs = load_text_splits(DataConfig(source="stdlib", max_documents=40, val_fraction=0.1)).val
+    prompts = [torch.tensor(tok(doc[i * 300:i * 300 + 200])["input_ids"][:24]) for i, doc in enumerate(docs[:3])]
+    return target, tok, prompts
+
+
+@pytest.fixture(scope="module")
+def trained_drafters(tmp_path_factory, tiny_target_dir):
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import AutoModel
+
+    from recipes import train_drafter
+
+    out = {}
+    for kind in KINDS:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        folder = tmp_path_factory.mktemp(kind)
+        train_drafter.main(drafter_recipe(folder, tiny_target_dir, kind, max_steps=250, eval_every=250))
+        out[kind] = AutoModel.from_pretrained(folder / "model").eval()
+    return out
+
+
+class ScriptedProposer:
+    """Proposes the baseline's own continuation (always accepted) or a wrong token (always rejected)."""
+
+    def __init__(self, reference: list[int], prompt_len: int, block_size: int, vocab: int, wrong: bool):
+        self.reference, self.prompt_len, self.block_size, self.vocab, self.wrong = reference, prompt_len, block_size, vocab, wrong
+
+    def observe(self, aux, start, next_tokens):
+        pass
+
+    def propose(self, anchor, anchor_pos):
+        i = anchor_pos - self.prompt_len + 1  # reference index of the token after the anchor
+        nxt = (self.reference + [0] * self.block_size)[i:i + self.block_size - 1]
+        return (torch.tensor(nxt) + int(self.wrong)) % self.vocab
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculative_equals_greedy(target_and_prompts, trained_drafters, kind):
+    target, tok, prompts = target_and_prompts
+    drafter = trained_drafters[kind]
+    taus = []
+    for prompt in prompts:
+        reference, _ = greedy_generate(target, prompt, MAX_NEW)
+        assert len(reference) == MAX_NEW
+        ours, stats = speculative_generate(target, drafter, prompt, MAX_NEW)
+        assert ours == reference
+        taus.append(stats.tau)
+        K = drafter.config.block_size
+        for wrong, tau in ((True, 1.0), (False, None)):
+            scripted = ScriptedProposer(reference, len(prompt), K, len(tok), wrong)
+            out, s = speculative_generate(target, drafter, prompt, MAX_NEW, proposer=scripted)
+            assert out == reference, f"wrong={wrong}"
+            if wrong:
+                assert s.tau == tau and sum(s.accepted_by_position) == 0
+            else:
+                assert sum(s.accepted_by_position) > 0 and s.tau > 0.8 * K * MAX_NEW / (MAX_NEW + K)
+    assert max(taus) > 1.0, f"a trained {kind} drafter should get some drafts accepted: {taus}"
+
+
+def test_eos_stops_both_loops_identically(target_and_prompts, trained_drafters):
+    target, tok, prompts = target_and_prompts
+    reference, _ = greedy_generate(target, prompts[0], MAX_NEW)
+    eos = reference[10]  # pretend a token the target emits is the end of sequence
+    ref_eos, _ = greedy_generate(target, prompts[0], MAX_NEW, eos_token_id=eos)
+    ours, _ = speculative_generate(target, trained_drafters["dflash"], prompts[0], MAX_NEW, eos_token_id=eos)
+    assert ours == ref_eos and ref_eos[-1] == eos and len(ref_eos) <= 11
+
+
+def test_rollback_equals_recomputing_from_scratch(target_and_prompts):
+    target, _, prompts = target_and_prompts
+    ids = prompts[0].view(1, -1)
+    rolled = TargetSession(target)
+    rolled.forward(ids)
+    rolled.forward(torch.tensor([[5, 6, 7, 8]]))
+    rolled.rollback(ids.shape[1] + 1)
+    fresh = TargetSession(target)
+    fresh.forward(torch.cat([ids, torch.tensor([[5]])], dim=1))
+    for layer_a, layer_b in zip(rolled.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(layer_a.keys, layer_b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer_a.values, layer_b.values, rtol=1e-5, atol=1e-5)
+    # and the next step agrees
+    a, _ = rolled.forward(torch.tensor([[9]]))
+    b, _ = fresh.forward(torch.tensor([[9]]))
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_drafters, kind):
+    """The cached decoding path proposes what the training forward would (same masks, same inputs)."""
+    from distill.features import FeatureCapture
+
+    target, tok, prompts = target_and_prompts
+    drafter = trained_drafters[kind]
+    reference, _ = greedy_generate(target, prompts[0], MAX_NEW)
+    seq = torch.cat([prompts[0], torch.tensor(reference)])[None]
+    feats = FeatureCapture(target, drafter.config.target_layer_ids)(seq)
+    a = prompts[0].shape[0]  # the first bonus token's position
+    proposer = make_proposer(drafter)
+    proposer.observe(feats.aux[:, :a], 0, seq[0, 1:a + 1])
+    decoded = proposer.propose(seq[0, a], a)
+    if kind == "eagle3":
+        out = drafter(seq, feats.aux, feats.last)  # chain starting at t = a - 1
+        trained = out.draft_logits[0, a - 1].argmax(-1)
+    else:
+        out = drafter(seq, feats.aux, feats.last, anchors=torch.tensor([[a]]))
+        trained = out.draft_logits[0, 0].argmax(-1)
+    if kind == "dspark":
+        trained = drafter.propose(drafter.block_hidden(feats.aux, seq[:, a:a + 1], torch.tensor([[a]])), seq[:, a:a + 1])[0][0, 0].argmax(-1)
+    assert torch.equal(decoded, trained)
