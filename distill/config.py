@@ -268,12 +268,22 @@ class QuickstartDrafterStage(Strict):
     overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
 
 
+class QuickstartEvalStage(Strict):
+    """The quickstart's drafter in the decoding loop against plain decoding (an ``eval`` recipe)."""
+
+    enabled: bool = True
+    recipe: RecipePath = Field("recipes/configs/eval_testbed.yaml", description="an eval recipe")
+    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
+
+
 class QuickstartRecipe(RecipeBase):
-    """The main job on the testbed: the target (shipped or trained) evaluated, then a drafter trained."""
+    """The main job on the testbed: the target (shipped or trained) evaluated, a drafter trained and
+    then measured in the speculative-decoding loop."""
 
     recipe: Literal["quickstart"]
     target: QuickstartTargetStage = Field(default_factory=QuickstartTargetStage)
     drafter: QuickstartDrafterStage = Field(default_factory=QuickstartDrafterStage)
+    eval: QuickstartEvalStage = Field(default_factory=QuickstartEvalStage)
     torch_threads: Optional[int] = Field(None, gt=0)
 
 
@@ -333,7 +343,8 @@ class PromptsSection(Strict):
 
     file: Optional[str] = Field(None, description="JSONL with one {prompt_field: ...} or {messages_field: [...]} per line")
     field: str = "prompt"
-    from_corpus: int = Field(0, ge=0, description="number of prompts cut from data's training split (file unset)")
+    from_corpus: int = Field(0, ge=0, description="number of prompts cut from the data section's corpus (file unset)")
+    split: Literal["train", "val"] = Field("train", description="corpus split the prompts are cut from")
     prompt_tokens: int = Field(64, gt=0, description="length of corpus prompts")
 
     @field_validator("file")
@@ -367,10 +378,36 @@ class RegenerateRecipe(RecipeBase):
     torch_threads: Optional[int] = Field(None, gt=0)
 
 
-Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe],
+class DecodingSection(Strict):
+    """How the evaluation decodes. Greedy chain verification is implemented; sampling and trees are next."""
+
+    max_new_tokens: int = Field(128, gt=0)
+    temperature: Literal[0] = Field(0, description="0 = greedy (sampling: not yet implemented)")
+    mode: Literal["chain"] = Field("chain", description="chain verification (tree: not yet implemented)")
+    torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
+
+
+class EvalRecipe(RecipeBase):
+    """Run the speculative-decoding loop and plain decoding on the same prompts; report tau and speedup."""
+
+    recipe: Literal["eval"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: str = Field(..., description="a drafter folder (save_pretrained output)")
+    prompts: PromptsSection
+    decoding: DecodingSection = Field(default_factory=DecodingSection)
+    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_exists(cls, v: str) -> str:
+        return _existing_path(v, "drafter folder")
+
+
+Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe, EvalRecipe],
                    Field(discriminator="recipe")]
 RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe,
-                                        "train_drafter": TrainDrafterRecipe, "regenerate": RegenerateRecipe}
+                                        "train_drafter": TrainDrafterRecipe, "regenerate": RegenerateRecipe,
+                                        "eval": EvalRecipe}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     draftsmith run RECIPE.yaml [section.key=value ...] [--dry-run]
     draftsmith validate RECIPE.yaml [section.key=value ...]
+    draftsmith eval --drafter DIR [--target testbed] [--prompts FILE] [--max-new-tokens N]
 
 ``run`` validates the recipe (exit status 2 and nothing written on any error), then calls the entry
 point named by its ``recipe:`` key. ``--dry-run`` validates and builds the recipe's models without
@@ -19,7 +20,7 @@ import sys
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ENTRY_POINTS = {"train_lm": "recipes.train_lm", "quickstart": "recipes.quickstart", "train_drafter": "recipes.train_drafter",
-                "regenerate": "recipes.regenerate"}
+                "regenerate": "recipes.regenerate", "eval": "recipes.evaluate"}
 
 
 def run_recipe(recipe, dry_run: bool = False) -> dict:
@@ -36,11 +37,29 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
         if name == "run":
             p.add_argument("--dry-run", action="store_true", help="validate and build models, do not train")
+    ev = sub.add_parser("eval", help="speculative vs plain decoding of a target with a drafter (writes report.json)")
+    ev.add_argument("--drafter", required=True, help="drafter folder")
+    ev.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id")
+    ev.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line (default: held-out corpus snippets)")
+    ev.add_argument("--prompts-from-corpus", type=int, default=16, help="held-out snippets when --prompts is not given")
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--mode", default="chain")
+    ev.add_argument("--threads", type=int, default=1)
+    ev.add_argument("--output-dir", default="runs/eval")
     args = parser.parse_args(argv)
 
-    from distill.config import RecipeError, load_recipe
+    from distill.config import RecipeError, load_recipe, parse_recipe
 
     try:
+        if args.command == "eval":
+            prompts = {"file": args.prompts} if args.prompts else {"from_corpus": args.prompts_from_corpus, "split": "val"}
+            recipe = parse_recipe({"recipe": "eval", "output_dir": args.output_dir, "target": {"path": args.target},
+                                   "drafter": args.drafter, "prompts": prompts,
+                                   "decoding": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                                                "mode": args.mode, "torch_threads": args.threads}}, source="draftsmith eval")
+            run_recipe(recipe)
+            return 0
         recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,6 +8,9 @@ trained on (same tokenizer, same split, same window length as its training recip
 Stage 2, drafter: ``drafter.recipe`` (DFlash by default) trained against that target; its best
 checkpoint's simulated acceptance length is reported.
 
+Stage 3, eval: that drafter in the speculative-decoding loop against plain greedy decoding on
+held-out prompts (``eval.recipe``): measured tau, speedup and losslessness.
+
 Writes ``<output_dir>/summary.json`` (one section per stage; later stages add evaluation in the
 decoding loop and export) and prints a short table.
 
@@ -98,6 +101,17 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
         summary["drafter"] = stage_drafter(recipe, out, target_dir)
         write_json_atomic(summary_path, summary)
         print_table("drafter", summary["drafter"])
+
+    ### The drafter in the decoding loop, against plain decoding
+    if recipe.drafter.enabled and recipe.eval.enabled:
+        from recipes import evaluate
+
+        overrides = [f"output_dir={out / 'eval'}", f"drafter={summary['drafter']['checkpoint']}",
+                     f"target.path={target_dir}", *recipe.eval.overrides]
+        report = evaluate.main(load_recipe(recipe.eval.recipe, overrides))
+        summary["eval"] = {k: v for k, v in report.items() if k != "per_prompt"}
+        summary["eval"]["report"] = str(out / "eval" / "report.json")
+        write_json_atomic(summary_path, summary)
     print(f"wrote {summary_path}")
     return summary
 

@@ -32,9 +32,10 @@ from distill.provenance import write_run_header
 from distill.runtime import set_threads
 
 
-def corpus_prompts(recipe: RegenerateRecipe, tokenizer) -> list[dict]:
-    """``from_corpus`` snippets of ``prompt_tokens`` tokens at seeded offsets in training documents."""
-    docs = load_text_splits(recipe.data, recipe.seed).train
+def corpus_prompts(recipe, tokenizer) -> list[dict]:
+    """``from_corpus`` snippets of ``prompt_tokens`` tokens at seeded offsets in documents of ``prompts.split``."""
+    splits = load_text_splits(recipe.data, recipe.seed)
+    docs = splits.train if recipe.prompts.split == "train" else splits.val
     rng = np.random.default_rng(recipe.seed)
     n, length = recipe.prompts.from_corpus, recipe.prompts.prompt_tokens
     prompts = []
@@ -45,7 +46,11 @@ def corpus_prompts(recipe: RegenerateRecipe, tokenizer) -> list[dict]:
     return prompts
 
 
-def file_prompts(recipe: RegenerateRecipe) -> list[dict]:
+def load_prompts(recipe, tokenizer) -> list[dict]:
+    return file_prompts(recipe) if recipe.prompts.file else corpus_prompts(recipe, tokenizer)
+
+
+def file_prompts(recipe) -> list[dict]:
     rows = [json.loads(line) for line in Path(recipe.prompts.file).read_text().splitlines() if line.strip()]
     field = recipe.prompts.field
     for i, row in enumerate(rows):
@@ -85,7 +90,7 @@ def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
     set_threads(recipe.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, tokenizer = load_target(recipe.target, device)
-    prompts = file_prompts(recipe) if recipe.prompts.file else corpus_prompts(recipe, tokenizer)
+    prompts = load_prompts(recipe, tokenizer)
     if dry_run:
         return {"prompts": len(prompts), "example": render(prompts[0], tokenizer)[:200]}
 

@@ -38,6 +38,7 @@ def trained_drafters(tmp_path_factory, tiny_target_dir):
         folder = tmp_path_factory.mktemp(kind)
         train_drafter.main(drafter_recipe(folder, tiny_target_dir, kind, max_steps=250, eval_every=250))
         out[kind] = AutoModel.from_pretrained(folder / "model").eval()
+        out[kind].folder = folder / "model"
     return out
 
 
@@ -129,3 +130,23 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     if kind == "dspark":
         trained = drafter.propose(drafter.block_hidden(feats.aux, seq[:, a:a + 1], torch.tensor([[a]])), seq[:, a:a + 1])[0][0, 0].argmax(-1)
     assert torch.equal(decoded, trained)
+
+
+def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters):
+    from distill.config import parse_recipe
+    from recipes import evaluate
+
+    recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
+                           "drafter": str(trained_drafters["dflash"].folder),
+                           "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
+                           "decoding": {"max_new_tokens": 24},
+                           "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
+    report = evaluate.main(recipe)
+    saved = __import__("json").loads((tmp_path / "report.json").read_text())
+    assert saved == report and report["lossless"] is True and report["prompts"] == 3
+    assert 1.0 <= report["tau"] <= 4.0 and len(report["acceptance_by_position"]) == 3
+    assert report["tokens_per_s"] > 0 and report["baseline_tokens_per_s"] > 0
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"], rel=1e-3)
+    split = report["time_split"]
+    assert 0 < split["draft_fraction"] < 1 and 0 < split["verify_fraction"] < 1 and report["torch_threads"] == 1
+    assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000

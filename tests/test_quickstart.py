@@ -45,7 +45,10 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
                     "train.torch_threads=1"]
     recipe = parse_recipe({"recipe": "quickstart", "output_dir": str(out),
                            "target": {"source": "train", "train_recipe": str(train_recipe)},
-                           "drafter": {"overrides": tiny_drafter}})
+                           "drafter": {"overrides": tiny_drafter},
+                           "eval": {"overrides": ["prompts.from_corpus=2", "prompts.prompt_tokens=12",
+                                                  "decoding.max_new_tokens=12", "data.max_documents=40",
+                                                  "data.val_fraction=0.1"]}})
     summary = quickstart.main(recipe)
     target = summary["target"]
     assert target["source"] == "trained in this run" and target["checkpoint"] == str(out / "target" / "model")
@@ -55,4 +58,6 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     drafter = summary["drafter"]
     assert drafter["kind"] == "dflash" and drafter["steps"] == 4 and len(drafter["acceptance_by_position"]) == 3
     assert 1.0 <= drafter["simulated_tau"] <= 4.0 and drafter["tokens_per_s"] > 0
-    assert json.loads((out / "summary.json").read_text())["drafter"] == drafter
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["drafter"] == drafter
+    assert saved["eval"]["lossless"] is True and saved["eval"]["prompts"] == 2 and saved["eval"]["speedup"] > 0

@@ -1,0 +1,137 @@
+"""Recipe ``eval``: speculative decoding vs plain decoding of the same target, on the same prompts.
+
+For every prompt the baseline (greedy, KV cache) and the speculative loop run back to back, in the
+same process and thread count, so machine noise hits both alike; the ratio of their throughputs is
+the speedup. ``lossless`` checks every speculative output against the baseline token for token.
+
+Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus included),
+``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
+``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
+per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve.
+
+    draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
+    draftsmith run recipes/configs/eval_testbed.yaml drafter=runs/dflash_testbed/checkpoints/best
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from distill.config import EvalRecipe
+from distill.models import load_target
+from distill.provenance import write_json_atomic, write_run_header
+from distill.runtime import set_threads
+from recipes.regenerate import load_prompts, render
+from serve_eval.engine import greedy_generate, speculative_generate
+
+
+def load_drafter(folder: str, target, device):
+    import drafters  # noqa: F401  (registers the drafter classes with AutoModel)
+    from transformers import AutoModel
+
+    drafter = AutoModel.from_pretrained(folder).to(device).eval()
+    if drafter.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"drafter {folder} has a {drafter.config.vocab_size}-token vocabulary, the target "
+                         f"{target.config.vocab_size}: it was trained for another target")
+    return drafter
+
+
+def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    ax.bar(range(1, len(acceptance) + 1), acceptance, color="#3b7dd8")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{title}  (tau = {tau:.2f})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
+    dec = recipe.decoding
+    set_threads(dec.torch_threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, tokenizer = load_target(recipe.target, device)
+    drafter = load_drafter(recipe.drafter, target, device)
+    prompts = load_prompts(recipe, tokenizer)
+    if dry_run:
+        return {"prompts": len(prompts), "drafter": drafter.config.model_type}
+    out = Path(recipe.output_dir)
+    write_run_header(out, recipe)
+    eos = tokenizer.eos_token_id
+    encoded = [tokenizer(render(p, tokenizer), return_tensors="pt", add_special_tokens=False)["input_ids"][0].to(device)
+               for p in prompts]
+
+    # warm-up: first calls pay for allocations and lazy initialisation
+    greedy_generate(target, encoded[0], 4, eos)
+    speculative_generate(target, drafter, encoded[0], 4, eos)
+
+    K = drafter.config.block_size
+    totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+    accepted, drafted = [0] * (K - 1), [0] * (K - 1)
+    per_prompt, lossless = [], True
+    for i, prompt in enumerate(encoded):
+        base, base_stats = greedy_generate(target, prompt, dec.max_new_tokens, eos)
+        ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos)
+        same = ours == base
+        lossless &= same
+        totals["tokens"] += stats.tokens
+        totals["forwards"] += stats.target_forwards
+        totals["spec_s"] += stats.total_seconds
+        totals["draft_s"] += stats.draft_seconds
+        totals["verify_s"] += stats.verify_seconds
+        totals["base_tokens"] += base_stats.tokens
+        totals["base_s"] += base_stats.total_seconds
+        accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
+        drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
+        per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
+                           "speedup": round(base_stats.total_seconds / stats.total_seconds * stats.tokens / max(1, base_stats.tokens), 4)})
+
+    tau = totals["tokens"] / max(1, totals["forwards"])
+    tokens_per_s = totals["tokens"] / totals["spec_s"]
+    baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
+    other = totals["spec_s"] - totals["draft_s"] - totals["verify_s"]
+    acceptance = [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)]
+    report = {
+        "target": recipe.target.path,
+        "drafter": recipe.drafter,
+        "drafter_kind": drafter.config.model_type.removeprefix("draftsmith_"),
+        "mode": dec.mode,
+        "temperature": dec.temperature,
+        "prompts": len(encoded),
+        "max_new_tokens": dec.max_new_tokens,
+        "tau": round(tau, 4),
+        "acceptance_by_position": acceptance,
+        "tokens_per_s": round(tokens_per_s, 2),
+        "baseline_tokens_per_s": round(baseline_tokens_per_s, 2),
+        "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
+        "time_split": {"draft_s": round(totals["draft_s"], 3), "verify_s": round(totals["verify_s"], 3),
+                       "other_s": round(other, 3),
+                       "draft_fraction": round(totals["draft_s"] / totals["spec_s"], 4),
+                       "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4)},
+        "lossless": lossless,
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "per_prompt": per_prompt,
+    }
+    write_json_atomic(out / "report.json", report)
+    plot_acceptance(acceptance, tau, out / "acceptance_by_position.png", report["drafter_kind"])
+    print(f"\n== eval ({report['drafter_kind']}, {len(encoded)} prompts, {dec.max_new_tokens} new tokens, "
+          f"{report['torch_threads']} thread(s), {device}) ==")
+    for key in ("tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless"):
+        print(f"  {key:<22} {report[key]}")
+    print(f"  {'acceptance_by_position':<22} {acceptance}")
+    print(f"  {'time split':<22} draft {report['time_split']['draft_fraction']:.0%}, verify "
+          f"{report['time_split']['verify_fraction']:.0%}, other {other / totals['spec_s']:.0%}")
+    print(f"wrote {out / 'report.json'}")
+    return report
