@@ -379,10 +379,12 @@ class RegenerateRecipe(RecipeBase):
 
 
 class DecodingSection(Strict):
-    """How the evaluation decodes. Greedy chain verification is implemented; sampling and trees are next."""
+    """How the evaluation decodes: greedy or sampled, chain verification (tree verification is next)."""
 
     max_new_tokens: int = Field(128, gt=0)
-    temperature: Literal[0] = Field(0, description="0 = greedy (sampling: not yet implemented)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    top_k: int = Field(0, ge=0, description="0 = off")
+    top_p: float = Field(1.0, gt=0, le=1)
     mode: Literal["chain"] = Field("chain", description="chain verification (tree: not yet implemented)")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
 

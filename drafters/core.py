@@ -292,10 +292,12 @@ class BlockDrafter(DrafterBase):
             x = layer(x, x_pos, kv, mask)
         return self.norm(x).view(B, N, K, -1)
 
-    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor):
-        """Decode-time drafts for block positions 1..K-1 from :meth:`block_hidden`: (logits [B, N, K-1, V],
-        confidence or None). The base (DFlash) drafts them all in parallel."""
-        return self.lm_head(hidden[:, :, 1:]), None
+    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):
+        """Decode-time drafts for block positions 1..K-1 from :meth:`block_hidden`: (tokens [B, N, K-1],
+        logits [B, N, K-1, V], confidence or None). ``choose(logits) -> tokens`` picks each draft
+        (argmax by default, or a sampler's draw). The base (DFlash) drafts all positions in parallel."""
+        logits = self.lm_head(hidden[:, :, 1:])
+        return (choose or argmax_choice)(logits), logits, None
 
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, keys and values of target features ``aux`` [B, C, F] at ``positions`` [B, C]."""
@@ -312,6 +314,11 @@ class BlockDrafter(DrafterBase):
             target_logits = self.lm_head(gather_positions(last, pos - 1))
         scored = torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else gather_positions(loss_mask, pos).bool()
         return labels, target_logits, scored
+
+
+def argmax_choice(logits: torch.Tensor) -> torch.Tensor:
+    """The default way a drafter picks a draft token: greedy."""
+    return logits.argmax(-1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (BlockDrafter, DrafterConfig, DrafterOutput, gather_positions, position_weights, sample_anchors,
+from .core import (BlockDrafter, argmax_choice, DrafterConfig, DrafterOutput, gather_positions, position_weights, sample_anchors,
                    total_variation, weighted_mean)
 
 
@@ -59,16 +59,18 @@ class DSparkDrafter(BlockDrafter):
         logits = self.lm_head(hidden) + self.markov_out(code)
         return logits, self.confidence(torch.cat([hidden, code], dim=-1)).squeeze(-1)
 
-    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):
         """Decode-time drafting over block positions 1..K-1: each uses the previous *drafted* token.
-        Returns logits and confidence (probabilities) [B, N, K-1]."""
-        prev, all_logits, all_conf = anchor_tokens, [], []
+        Returns tokens, logits and confidence (probabilities) [B, N, K-1]."""
+        choose = choose or argmax_choice
+        prev, tokens, all_logits, all_conf = anchor_tokens, [], [], []
         for k in range(1, hidden.shape[2]):
             logits, conf = self.heads(hidden[:, :, k], prev)
-            prev = logits.argmax(-1)
+            prev = choose(logits)
+            tokens.append(prev)
             all_logits.append(logits)
             all_conf.append(conf)
-        return torch.stack(all_logits, dim=2), torch.stack(all_conf, dim=2).sigmoid()
+        return torch.stack(tokens, dim=2), torch.stack(all_logits, dim=2), torch.stack(all_conf, dim=2).sigmoid()
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
                 anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
@@ -93,6 +95,6 @@ class DSparkDrafter(BlockDrafter):
         if self.training:
             draft_logits, confidence = logits, conf_logits.sigmoid()
         else:  # what decoding would actually draft
-            draft_logits, confidence = self.propose(hidden, anchor_tokens)
+            _, draft_logits, confidence = self.propose(hidden, anchor_tokens)
         return DrafterOutput(loss=loss, draft_logits=draft_logits, target_logits=target_logits, confidence=confidence,
                              scored=scored, logs={k: v.detach() for k, v in parts.items()})

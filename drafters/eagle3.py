@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .core import MLP, DraftAttention, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm
+from .core import MLP, DraftAttention, argmax_choice, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm
 
 
 class Eagle3Config(DrafterConfig):
@@ -135,20 +135,23 @@ class Eagle3Drafter(DrafterBase):
         g = h + self.layer.mlp(self.layer.post_norm(h))
         return {"k": keys, "v": values, "g": g[:, -1:], "length": start + n}
 
-    def propose_chain(self, state: dict, steps: int) -> torch.Tensor:
-        """Greedy drafts for the ``steps`` tokens after the newest token's successor: logits [B, steps, V]."""
+    def propose_chain(self, state: dict, steps: int, choose=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts for the ``steps`` tokens after the newest token's successor: (tokens [B, steps],
+        logits [B, steps, V]); ``choose(logits) -> tokens`` picks each (argmax by default)."""
+        choose = choose or argmax_choice
         g, keys, values = state["g"], state["k"], state["v"]
         p = state["length"] - 1
-        logits = []
+        logits, tokens = [], []
         for s in range(steps):
             step_logits = self.lm_head(self.norm(g))
             logits.append(step_logits)
+            tokens.append(choose(step_logits))
             if s == steps - 1:
                 break
             pos = torch.full((g.shape[0], 1), p + s + 1, device=g.device)
-            x = self.layer.layer_input(self.embed_tokens(step_logits.argmax(-1)), g)
+            x = self.layer.layer_input(self.embed_tokens(tokens[-1]), g)
             k, v = self.layer.attn.project_kv(x, pos)
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
             h = g + self.layer.attn.attend(x, pos, keys, values, None)
             g = h + self.layer.mlp(self.layer.post_norm(h))
-        return torch.cat(logits, dim=1)
+        return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)

@@ -1,4 +1,4 @@
-"""The speculative-decoding loop (greedy, chain verification), and plain decoding of the same target.
+"""The speculative-decoding loop (chain verification), and plain decoding of the same target.
 
 One iteration, with ``b`` the target's newest token (the *bonus*, not yet read by the target) at
 position ``a`` and every earlier position verified and cached:
@@ -8,13 +8,15 @@ position ``a`` and every earlier position verified and cached:
 2. **Verify.** One target forward over ``[b, d_1, .., d_{K-1}]`` at positions ``a .. a+K-1`` (KV
    cache) gives the target's greedy choice ``g_j`` after each of them.
 3. **Accept** the longest prefix with ``d_j == g_{j-1}``, say ``n`` drafts, and the target's own next
-   token ``g_n`` as the new bonus: ``n + 1`` tokens from one target forward.
+   token ``g_n`` as the new bonus: ``n + 1`` tokens from one target forward. At temperature > 0 the
+   drafts are sampled and accepted by speculative rejection sampling (:mod:`serve_eval.sampling`).
 4. **Roll back** the target's cache to ``a + n + 1`` positions (``b`` and the accepted drafts) and
    hand the drafter the target features of exactly those positions.
 
-Lossless by construction: every emitted token is the target's argmax given the emitted prefix (an
-accepted draft equals it, the bonus is it), so the output equals plain greedy decoding token for
-token, whatever the drafter proposes. The tests check this for every drafter, for drafts that are
+Lossless by construction: at temperature 0 every emitted token is the target's argmax given the
+emitted prefix (an accepted draft equals it, the bonus is it), so the output equals plain greedy
+decoding token for token, whatever the drafter proposes; at temperature > 0 every emitted token is
+distributed as the target's (sampler-processed) distribution given the prefix. The tests check this for every drafter, for drafts that are
 always rejected and drafts that are always accepted, and that a rolled-back cache equals a cache
 recomputed from scratch.
 """
@@ -28,6 +30,8 @@ import torch
 from transformers import DynamicCache
 
 from distill.features import FeatureCapture, TargetFeatures
+
+from .sampling import Sampler, verify_chain
 
 
 class TargetSession:
@@ -77,11 +81,12 @@ class BlockProposer:
             (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(self.ctx_kv, new)]
 
     @torch.no_grad()
-    def propose(self, anchor: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
         hidden = self.drafter.block_hidden(None, anchor.view(1, 1), torch.tensor([[anchor_pos]], device=anchor.device),
                                            ctx_kv=self.ctx_kv)
-        logits, _confidence = self.drafter.propose(hidden, anchor.view(1, 1))
-        return logits[0, 0].argmax(-1)
+        tokens, logits, _confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
+        return tokens[0, 0], logits[0, 0]
 
 
 class Eagle3Proposer:
@@ -97,8 +102,9 @@ class Eagle3Proposer:
         self.state = self.drafter.extend(self.state, aux, next_tokens.view(1, -1), start)
 
     @torch.no_grad()
-    def propose(self, anchor: torch.Tensor, anchor_pos: int) -> torch.Tensor:
-        return self.drafter.propose_chain(self.state, self.block_size - 1)[0].argmax(-1)
+    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logits = self.drafter.propose_chain(self.state, self.block_size - 1, sampler.choose)
+        return tokens[0], logits[0]
 
 
 def make_proposer(drafter):
@@ -129,16 +135,18 @@ def _truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[i
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None):
-    """Plain greedy decoding with a KV cache: the baseline, in the same loop machinery."""
+def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+                   sampler: Sampler | None = None):
+    """Plain decoding with a KV cache (the baseline), with the same sampler as the speculative loop."""
+    sampler = sampler or Sampler()
     stats = GenerationStats()
     start = time.perf_counter()
     session = TargetSession(target)
     logits, _ = session.forward(prompt.view(1, -1))
-    out = [int(logits[-1].argmax())]
+    out = [int(sampler.choose(logits[-1]))]
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
         logits, _ = session.forward(torch.tensor([[out[-1]]], device=prompt.device))
-        out.append(int(logits[-1].argmax()))
+        out.append(int(sampler.choose(logits[-1])))
     stats.target_forwards = len(out)
     stats.tokens = len(out)
     stats.total_seconds = time.perf_counter() - start
@@ -147,8 +155,9 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                         proposer=None):
-    """Greedy speculative decoding with chain verification (see the module docstring)."""
+                         sampler: Sampler | None = None, proposer=None, verify=verify_chain):
+    """Speculative decoding with chain verification (see the module docstring); ``verify`` is a test hook."""
+    sampler = sampler or Sampler()
     proposer = proposer or make_proposer(drafter)
     K = proposer.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
@@ -158,23 +167,20 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     prompt = prompt.view(1, -1)
     logits, feats = session.forward(prompt)
     stats.target_forwards += 1
-    bonus = logits[-1].argmax()
+    bonus = sampler.choose(logits[-1])
     proposer.observe(feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
     out = [int(bonus)]
     anchor_pos = prompt.shape[1]
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
         t0 = time.perf_counter()
-        drafts = proposer.propose(bonus, anchor_pos)
+        drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler)
         t1 = time.perf_counter()
         logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
         stats.target_forwards += 1
-        choice = logits.argmax(-1)  # choice[j]: the target's token after block position j
-        agree = (drafts == choice[:-1]).int()
-        n = int(agree.cumprod(0).sum())
+        n, new_bonus = verify(sampler, drafts, draft_logits, logits)
         for k in range(K - 1):
             stats.drafted_by_position[k] += int(k <= n)  # positions up to the first rejection are verified
             stats.accepted_by_position[k] += int(k < n)
-        new_bonus = choice[n]
         out.extend(drafts[:n].tolist() + [int(new_bonus)])
         session.rollback(anchor_pos + n + 1)
         proposer.observe(feats.aux[:, :n + 1], anchor_pos, torch.cat([drafts[:n], new_bonus.view(1)]))

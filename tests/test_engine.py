@@ -9,7 +9,7 @@ import torch
 from distill.config import DataConfig, TargetConfig
 from distill.data import load_text_splits
 from distill.models import load_target
-from serve_eval.engine import TargetSession, greedy_generate, make_proposer, speculative_generate
+from serve_eval.engine import TargetSession, plain_generate, make_proposer, speculative_generate
 
 from .test_drafters import KINDS, drafter_recipe, fresh_accelerate_state, tiny_target_dir  # noqa: F401  (fixtures)
 
@@ -51,10 +51,10 @@ class ScriptedProposer:
     def observe(self, aux, start, next_tokens):
         pass
 
-    def propose(self, anchor, anchor_pos):
+    def propose(self, anchor, anchor_pos, sampler):
         i = anchor_pos - self.prompt_len + 1  # reference index of the token after the anchor
         nxt = (self.reference + [0] * self.block_size)[i:i + self.block_size - 1]
-        return (torch.tensor(nxt) + int(self.wrong)) % self.vocab
+        return (torch.tensor(nxt) + int(self.wrong)) % self.vocab, None
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -63,7 +63,7 @@ def test_greedy_speculative_equals_greedy(target_and_prompts, trained_drafters, 
     drafter = trained_drafters[kind]
     taus = []
     for prompt in prompts:
-        reference, _ = greedy_generate(target, prompt, MAX_NEW)
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert len(reference) == MAX_NEW
         ours, stats = speculative_generate(target, drafter, prompt, MAX_NEW)
         assert ours == reference
@@ -82,9 +82,9 @@ def test_greedy_speculative_equals_greedy(target_and_prompts, trained_drafters, 
 
 def test_eos_stops_both_loops_identically(target_and_prompts, trained_drafters):
     target, tok, prompts = target_and_prompts
-    reference, _ = greedy_generate(target, prompts[0], MAX_NEW)
+    reference, _ = plain_generate(target, prompts[0], MAX_NEW)
     eos = reference[10]  # pretend a token the target emits is the end of sequence
-    ref_eos, _ = greedy_generate(target, prompts[0], MAX_NEW, eos_token_id=eos)
+    ref_eos, _ = plain_generate(target, prompts[0], MAX_NEW, eos_token_id=eos)
     ours, _ = speculative_generate(target, trained_drafters["dflash"], prompts[0], MAX_NEW, eos_token_id=eos)
     assert ours == ref_eos and ref_eos[-1] == eos and len(ref_eos) <= 11
 
@@ -114,13 +114,15 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
 
     target, tok, prompts = target_and_prompts
     drafter = trained_drafters[kind]
-    reference, _ = greedy_generate(target, prompts[0], MAX_NEW)
+    reference, _ = plain_generate(target, prompts[0], MAX_NEW)
     seq = torch.cat([prompts[0], torch.tensor(reference)])[None]
     feats = FeatureCapture(target, drafter.config.target_layer_ids)(seq)
     a = prompts[0].shape[0]  # the first bonus token's position
     proposer = make_proposer(drafter)
     proposer.observe(feats.aux[:, :a], 0, seq[0, 1:a + 1])
-    decoded = proposer.propose(seq[0, a], a)
+    from serve_eval.sampling import Sampler
+
+    decoded, _ = proposer.propose(seq[0, a], a, Sampler())
     if kind == "eagle3":
         out = drafter(seq, feats.aux, feats.last)  # chain starting at t = a - 1
         trained = out.draft_logits[0, a - 1].argmax(-1)
@@ -128,7 +130,7 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
         out = drafter(seq, feats.aux, feats.last, anchors=torch.tensor([[a]]))
         trained = out.draft_logits[0, 0].argmax(-1)
     if kind == "dspark":
-        trained = drafter.propose(drafter.block_hidden(feats.aux, seq[:, a:a + 1], torch.tensor([[a]])), seq[:, a:a + 1])[0][0, 0].argmax(-1)
+        trained = drafter.propose(drafter.block_hidden(feats.aux, seq[:, a:a + 1], torch.tensor([[a]])), seq[:, a:a + 1])[0][0, 0]
     assert torch.equal(decoded, trained)
 
 

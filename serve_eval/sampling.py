@@ -1,0 +1,74 @@
+"""Samplers shared by plain and speculative decoding, and the speculative acceptance rule.
+
+A sampler turns logits into a distribution: temperature scaling, then top-k, then top-p (nucleus)
+filtering, renormalised. Temperature 0 means greedy (argmax). The *same* sampler turns the target's
+logits into ``p`` and the drafter's into ``q``.
+
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), chain form: drafts ``d_k ~ q_k`` are
+checked in order; ``d_k`` is accepted with probability ``min(1, p_k(d_k) / q_k(d_k))``; at the first
+rejection the replacement is drawn from the residual ``norm(max(0, p_k - q_k))`` and the chain stops;
+if every draft is accepted a bonus token is drawn from ``p_K``. Each emitted token is then distributed
+exactly as ``p`` given the emitted prefix, for any ``q``: the accepted mass is ``min(p, q)`` and the
+residual supplies the rest, ``min(p, q) + max(0, p - q) = p``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sampler:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution [..., V] for ``logits`` [..., V] (float32)."""
+        logits = logits.float() / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # keep the smallest prefix reaching top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        flat = probs.reshape(-1, probs.shape[-1])
+        return torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """A token per row of ``logits``: the argmax, or a sample of :meth:`probs`."""
+        return logits.argmax(-1) if self.greedy else self.sample(self.probs(logits))
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator))
+
+
+def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor):
+    """Accept a prefix of ``drafts`` [K-1] against the target's logits [K, V] (after the anchor and each
+    draft). Returns ``(n, next_token)``: the number of drafts kept and the token that follows them."""
+    if sampler.greedy:
+        choice = target_logits.argmax(-1)
+        n = int((drafts == choice[:-1]).int().cumprod(0).sum())
+        return n, choice[n]
+    p = sampler.probs(target_logits)
+    q = sampler.probs(draft_logits)
+    for k, d in enumerate(drafts.tolist()):
+        if sampler.uniform() * q[k, d] < p[k, d]:  # u < p/q without dividing by a tiny q
+            continue
+        residual = (p[k] - q[k]).clamp_min(0)
+        return k, sampler.sample(residual / residual.sum())
+    return len(drafts), sampler.sample(p[-1])
