@@ -386,6 +386,7 @@ class DecodingSection(Strict):
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0, le=1)
     mode: Literal["chain"] = Field("chain", description="chain verification (tree: not yet implemented)")
+    confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
 
 

@@ -89,7 +89,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     per_prompt, lossless = [], True
     for i, prompt in enumerate(encoded):
         base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
-        ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i))
+        ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
+                                           confidence_threshold=dec.confidence_threshold)
         same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
         lossless = lossless and same if same is not None else None
         totals["tokens"] += stats.tokens

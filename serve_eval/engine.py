@@ -66,11 +66,17 @@ class TargetSession:
 
 
 class BlockProposer:
-    """DFlash / DSpark: caches each layer's keys and values of the verified context features."""
+    """DFlash / DSpark: caches each layer's keys and values of the verified context features.
 
-    def __init__(self, drafter):
+    With ``confidence_threshold`` (DSpark), the draft stops before the first position whose predicted
+    acceptance ``c_k`` is below it. ``c_k`` is computed from the anchor, the context and drafts
+    ``1..k-1`` only, so where the draft stops depends on nothing the target has not seen or is about
+    to verify, and the loop stays lossless."""
+
+    def __init__(self, drafter, confidence_threshold: float = 0.0):
         self.drafter = drafter
         self.block_size = drafter.config.block_size
+        self.confidence_threshold = confidence_threshold
         self.ctx_kv: list | None = None
 
     @torch.no_grad()
@@ -85,8 +91,14 @@ class BlockProposer:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
         hidden = self.drafter.block_hidden(None, anchor.view(1, 1), torch.tensor([[anchor_pos]], device=anchor.device),
                                            ctx_kv=self.ctx_kv)
-        tokens, logits, _confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
-        return tokens[0, 0], logits[0, 0]
+        tokens, logits, confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
+        tokens, logits = tokens[0, 0], logits[0, 0]
+        if confidence is not None and self.confidence_threshold > 0:
+            low = (confidence[0, 0] < self.confidence_threshold).nonzero()
+            if len(low):
+                keep = max(1, int(low[0]))  # always draft at least one token
+                tokens, logits = tokens[:keep], logits[:keep]
+        return tokens, logits
 
 
 class Eagle3Proposer:
@@ -107,8 +119,10 @@ class Eagle3Proposer:
         return tokens[0], logits[0]
 
 
-def make_proposer(drafter):
-    return Eagle3Proposer(drafter) if drafter.config.model_type == "draftsmith_eagle3" else BlockProposer(drafter)
+def make_proposer(drafter, confidence_threshold: float = 0.0):
+    if drafter.config.model_type == "draftsmith_eagle3":
+        return Eagle3Proposer(drafter)
+    return BlockProposer(drafter, confidence_threshold)
 
 
 @dataclass
@@ -155,10 +169,11 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                         sampler: Sampler | None = None, proposer=None, verify=verify_chain):
+                         sampler: Sampler | None = None, proposer=None, verify=verify_chain,
+                         confidence_threshold: float = 0.0):
     """Speculative decoding with chain verification (see the module docstring); ``verify`` is a test hook."""
     sampler = sampler or Sampler()
-    proposer = proposer or make_proposer(drafter)
+    proposer = proposer or make_proposer(drafter, confidence_threshold)
     K = proposer.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
     start = time.perf_counter()
@@ -178,7 +193,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
         stats.target_forwards += 1
         n, new_bonus = verify(sampler, drafts, draft_logits, logits)
-        for k in range(K - 1):
+        for k in range(len(drafts)):
             stats.drafted_by_position[k] += int(k <= n)  # positions up to the first rejection are verified
             stats.accepted_by_position[k] += int(k < n)
         out.extend(drafts[:n].tolist() + [int(new_bonus)])

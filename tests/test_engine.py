@@ -152,3 +152,15 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     split = report["time_split"]
     assert 0 < split["draft_fraction"] < 1 and 0 < split["verify_fraction"] < 1 and report["torch_threads"] == 1
     assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000
+
+
+def test_dspark_confidence_scheduling_stays_lossless_and_drafts_less(target_and_prompts, trained_drafters):
+    target, _, prompts = target_and_prompts
+    drafter = trained_drafters["dspark"]
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        full, full_stats = speculative_generate(target, drafter, prompt, MAX_NEW)
+        short, short_stats = speculative_generate(target, drafter, prompt, MAX_NEW, confidence_threshold=0.999999)
+        assert full == short == reference
+        # a threshold no position reaches leaves one draft per block
+        assert sum(short_stats.drafted_by_position[1:]) == 0 and short_stats.drafted_by_position[0] > 0
