@@ -243,9 +243,6 @@ class DrafterBase(PreTrainedModel):
         self.lm_head.weight.copy_(head)
         return self
 
-    def trainable_parameters(self):
-        return [p for p in self.parameters() if p.requires_grad]
-
 
 class BlockDrafter(DrafterBase):
     """The parallel block backbone: ``fc`` + ``hidden_norm`` over target features, KV-injected layers.
@@ -263,7 +260,11 @@ class BlockDrafter(DrafterBase):
         self.layers = nn.ModuleList(InjectedLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._make_target_io(config)
+        self.build_heads(config)
         self.post_init()
+
+    def build_heads(self, config) -> None:
+        """Subclasses add their own modules here, before weights are initialised."""
 
     @property
     def causal_blocks(self) -> bool:

@@ -44,14 +44,15 @@ class DSparkConfig(DrafterConfig):
 class DSparkDrafter(BlockDrafter):
     config_class = DSparkConfig
 
-    def __init__(self, config: DSparkConfig):
-        super().__init__(config)
+    def build_heads(self, config: DSparkConfig) -> None:
         self.markov_in = nn.Embedding(config.vocab_size, config.markov_rank)
         self.markov_out = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
         self.confidence = nn.Linear(config.hidden_size + config.markov_rank, 1)
-        self.post_init()
-        with torch.no_grad():  # start as plain DFlash
-            self.markov_out.weight.zero_()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is getattr(self, "markov_out", None):
+            nn.init.zeros_(module.weight)  # start as plain DFlash
 
     def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and confidence logits for block positions with hidden ``hidden`` after ``prev_tokens``."""
