@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from distill.features import FeatureCapture, TargetFeatures
 
 from .sampling import Sampler, verify_chain
+from .tree import build_best_first_tree, walk_tree
 
 
 class TargetSession:
@@ -63,6 +64,26 @@ class TargetSession:
         if length < self.length:
             self.cache.crop(length - self.length)
             self.length = length
+
+    @torch.no_grad()
+    def forward_tree(self, ids: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor):
+        """Read a tree ``ids`` [1, n] (root first) whose node i sits at position ``length + depths[i]``
+        and sees the cached prefix and the nodes ``ancestors[i]`` marks. Returns logits and features."""
+        n = ids.shape[1]
+        positions = (self.length + depths.to(ids.device))[None]
+        mask = torch.cat([torch.ones(n, self.length, dtype=torch.bool), ancestors], dim=1)[None, None].to(ids.device)
+        with self.capture.hooks() as captured:
+            out = self.target(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
+        self.length += n
+        return out.logits[0], self.capture.features(captured)
+
+    def keep(self, prefix: int, nodes: list[int]) -> None:
+        """After a tree forward: keep the first ``prefix`` positions and the tree entries ``nodes``."""
+        index = torch.cat([torch.arange(prefix), prefix + torch.tensor(nodes)])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(2, index.to(layer.keys.device))
+            layer.values = layer.values.index_select(2, index.to(layer.values.device))
+        self.length = prefix + len(nodes)
 
 
 class BlockProposer:
@@ -170,10 +191,14 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          sampler: Sampler | None = None, proposer=None, verify=verify_chain,
-                         confidence_threshold: float = 0.0):
-    """Speculative decoding with chain verification (see the module docstring); ``verify`` is a test hook."""
+                         confidence_threshold: float = 0.0, mode: str = "chain", tree_budget: int = 16,
+                         walk=walk_tree):
+    """Speculative decoding with chain or tree verification (see the module docstrings of this file
+    and of :mod:`serve_eval.tree`); ``verify`` and ``walk`` are test hooks."""
     sampler = sampler or Sampler()
     proposer = proposer or make_proposer(drafter, confidence_threshold)
+    if mode == "tree" and isinstance(proposer, Eagle3Proposer):
+        raise ValueError("tree mode needs a block drafter (DFlash, DSpark): EAGLE-3 drafts one token at a time")
     K = proposer.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
     start = time.perf_counter()
@@ -186,19 +211,32 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     proposer.observe(feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
     out = [int(bonus)]
     anchor_pos = prompt.shape[1]
-    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+    while len(out) < max_new_tokens and eos_token_id not in out:
         t0 = time.perf_counter()
         drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler)
         t1 = time.perf_counter()
-        logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
+        if mode == "tree":
+            tree = build_best_first_tree(draft_logits.float().log_softmax(-1), tree_budget)
+            ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
+            depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
+            logits, feats = session.forward_tree(ids, depths, tree.ancestor_mask())
+            path, new_bonus = walk(tree, logits, sampler.choose)
+            accepted = ids[0, path[1:]]
+            session.keep(anchor_pos, path)
+            path_feats = feats.aux[:, path]
+        else:
+            logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
+            n, new_bonus = verify(sampler, drafts, draft_logits, logits)
+            accepted = drafts[:n]
+            session.rollback(anchor_pos + n + 1)
+            path_feats = feats.aux[:, :n + 1]
         stats.target_forwards += 1
-        n, new_bonus = verify(sampler, drafts, draft_logits, logits)
+        n = len(accepted)
         for k in range(len(drafts)):
-            stats.drafted_by_position[k] += int(k <= n)  # positions up to the first rejection are verified
+            stats.drafted_by_position[k] += int(k <= n)  # depths up to the first miss are verified
             stats.accepted_by_position[k] += int(k < n)
-        out.extend(drafts[:n].tolist() + [int(new_bonus)])
-        session.rollback(anchor_pos + n + 1)
-        proposer.observe(feats.aux[:, :n + 1], anchor_pos, torch.cat([drafts[:n], new_bonus.view(1)]))
+        out.extend(accepted.tolist() + [int(new_bonus)])
+        proposer.observe(path_feats, anchor_pos, torch.cat([accepted, new_bonus.view(1)]))
         anchor_pos += n + 1
         bonus = new_bonus
         stats.draft_seconds += t1 - t0

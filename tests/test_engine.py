@@ -164,3 +164,28 @@ def test_dspark_confidence_scheduling_stays_lossless_and_drafts_less(target_and_
         assert full == short == reference
         # a threshold no position reaches leaves one draft per block
         assert sum(short_stats.drafted_by_position[1:]) == 0 and short_stats.drafted_by_position[0] > 0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("budget", [1, 6, 24])
+def test_greedy_tree_decoding_equals_greedy(target_and_prompts, trained_drafters, kind, budget):
+    target, _, prompts = target_and_prompts
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        ours, stats = speculative_generate(target, trained_drafters[kind], prompt, MAX_NEW, mode="tree", tree_budget=budget)
+        assert ours == reference
+        assert stats.target_forwards < MAX_NEW or budget == 1
+
+
+def test_tree_beats_chain_on_acceptance(target_and_prompts, trained_drafters):
+    target, _, prompts = target_and_prompts
+    chain = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW)[1].target_forwards for p in prompts)
+    tree = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW, mode="tree", tree_budget=32)[1].target_forwards
+               for p in prompts)
+    assert tree <= chain
+
+
+def test_tree_mode_refuses_eagle3(target_and_prompts, trained_drafters):
+    target, _, prompts = target_and_prompts
+    with pytest.raises(ValueError, match="tree mode needs a block drafter"):
+        speculative_generate(target, trained_drafters["eagle3"], prompts[0], 8, mode="tree")

@@ -58,14 +58,23 @@ def accept_everything(sampler, drafts, draft_logits, target_logits):
     return len(drafts), sampler.sample(sampler.probs(target_logits[-1]))
 
 
-def sampled_joint(target, drafter, sampler_args, verify=verify_chain, plain=False) -> torch.Tensor:
+def follow_the_best_child(tree, logits, choose):
+    """A broken tree walk: takes the drafter's favourite child whatever the target chooses."""
+    kids = tree.children()
+    path = [0]
+    while kids[path[-1]]:
+        path.append(min(kids[path[-1]].values()))
+    return path, choose(logits[path[-1]])
+
+
+def sampled_joint(target, drafter, sampler_args, verify=verify_chain, plain=False, **tree) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB)
     sampler = Sampler(**sampler_args, generator=torch.Generator().manual_seed(1))
     for _ in range(SAMPLES):
         if plain:
             out, _ = plain_generate(target, PROMPT, 3, sampler=sampler)
         else:
-            out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler, verify=verify)
+            out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler, verify=verify, **tree)
         counts[out[1], out[2]] += 1
     return counts
 
@@ -82,6 +91,17 @@ def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, 
     assert chi_square_pvalue(counts, exact) > 1e-3, "speculative samples do not follow the target"
     broken = sampled_joint(toy_target, drafter, sampler_args, verify=accept_everything)
     assert chi_square_pvalue(broken, exact) < 1e-6, "the test cannot tell a broken verifier apart"
+
+
+def test_tree_sampling_matches_the_target_distribution(toy_target):
+    torch.manual_seed(2)
+    section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
+    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
+    args = {"temperature": 1.0}
+    exact = exact_joint(toy_target, Sampler(**args))
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5), exact) > 1e-3
+    broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
+    assert chi_square_pvalue(broken, exact) < 1e-6
 
 
 def test_plain_sampling_matches_too(toy_target):

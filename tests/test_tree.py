@@ -1,0 +1,44 @@
+"""Best-first draft trees hold the best-scoring paths, and the ancestor mask matches the tree."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from serve_eval.tree import build_best_first_tree, walk_tree
+
+
+def test_best_first_tree_holds_the_top_scoring_paths():
+    torch.manual_seed(0)
+    log_probs = torch.randn(3, 5).log_softmax(-1)
+    budget = 9
+    tree = build_best_first_tree(log_probs, budget)
+    paths = {}
+    for i in range(len(tree)):  # each node's token path from the root
+        path, node = [], i
+        while node >= 0:
+            path.append(int(tree.tokens[node]))
+            node = int(tree.parents[node])
+        paths[i] = tuple(reversed(path))
+    assert [len(p) for p in paths.values()] == tree.depths.tolist()
+    score = lambda p: sum(float(log_probs[d, t]) for d, t in enumerate(p))  # noqa: E731
+    every = [p for depth in range(1, 4) for p in itertools.product(range(5), repeat=depth)]
+    best = sorted(every, key=score, reverse=True)[:budget]
+    assert sorted(paths.values()) == sorted(best)
+
+
+def test_ancestor_mask_and_walk():
+    # root -> a(5) -> b(6); root -> c(7)
+    from serve_eval.tree import DraftTree
+
+    tree = DraftTree(torch.tensor([5, 7, 6]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]))
+    mask = tree.ancestor_mask()
+    assert mask.tolist() == [[True, False, False, False],
+                             [True, True, False, False],
+                             [True, False, True, False],
+                             [True, True, False, True]]
+    logits = torch.full((4, 10), -1.0)
+    logits[0, 5] = logits[1, 6] = logits[3, 2] = 1.0  # the target picks 5, then 6, then 2
+    path, nxt = walk_tree(tree, logits, lambda row: row.argmax())
+    assert path == [0, 1, 3] and int(nxt) == 2
