@@ -379,13 +379,15 @@ class RegenerateRecipe(RecipeBase):
 
 
 class DecodingSection(Strict):
-    """How the evaluation decodes: greedy or sampled, chain verification (tree verification is next)."""
+    """How the evaluation decodes: greedy or sampled, chain or tree verification."""
 
     max_new_tokens: int = Field(128, gt=0)
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0, le=1)
-    mode: Literal["chain"] = Field("chain", description="chain verification (tree: not yet implemented)")
+    mode: Literal["chain", "tree"] = Field("chain", description="chain, or DDTree trees (block drafters)")
+    tree_budgets: list[int] = Field(default_factory=lambda: [16], min_length=1,
+                                    description="tree nodes per step; several budgets are each measured and plotted")
     confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
 

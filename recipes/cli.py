@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--prompts-from-corpus", type=int, default=16, help="held-out snippets when --prompts is not given")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--temperature", type=float, default=0.0)
-    ev.add_argument("--mode", default="chain")
+    ev.add_argument("--mode", default="chain", choices=["chain", "tree"])
+    ev.add_argument("--tree-budgets", type=int, nargs="+", default=[16], help="tree nodes per step (tree mode)")
+    ev.add_argument("--top-k", type=int, default=0)
+    ev.add_argument("--top-p", type=float, default=1.0)
     ev.add_argument("--threads", type=int, default=1)
     ev.add_argument("--output-dir", default="runs/eval")
     args = parser.parse_args(argv)
@@ -57,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             recipe = parse_recipe({"recipe": "eval", "output_dir": args.output_dir, "target": {"path": args.target},
                                    "drafter": args.drafter, "prompts": prompts,
                                    "decoding": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                                                "mode": args.mode, "torch_threads": args.threads}}, source="draftsmith eval")
+                                                "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
+                                                "tree_budgets": args.tree_budgets, "torch_threads": args.threads}},
+                                  source="draftsmith eval")
             run_recipe(recipe)
             return 0
         recipe = load_recipe(args.recipe, args.overrides)

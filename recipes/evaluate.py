@@ -83,6 +83,43 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)
         return Sampler(dec.temperature, dec.top_k, dec.top_p, gen)
 
+    budgets = dec.tree_budgets if dec.mode == "tree" else [None]
+    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget) for budget in budgets]
+    report = {
+        "target": recipe.target.path,
+        "drafter": recipe.drafter,
+        "drafter_kind": drafter.config.model_type.removeprefix("draftsmith_"),
+        "mode": dec.mode,
+        "temperature": dec.temperature,
+        "prompts": len(encoded),
+        "max_new_tokens": dec.max_new_tokens,
+        **runs[0],
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if len(runs) > 1:
+        report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
+    write_json_atomic(out / "report.json", report)
+    plot_acceptance(report["acceptance_by_position"], report["tau"], out / "acceptance_by_position.png",
+                    f"{report['drafter_kind']}, {dec.mode}")
+    if len(runs) > 1:
+        plot_budgets(report["by_budget"], out / "tau_speedup_by_budget.png")
+    print(f"\n== eval ({report['drafter_kind']}, {dec.mode}, T={dec.temperature}, {len(encoded)} prompts, "
+          f"{dec.max_new_tokens} new tokens, {report['torch_threads']} thread(s), {device}) ==")
+    for key in ("tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless"):
+        print(f"  {key:<22} {report[key]}")
+    print(f"  {'acceptance_by_position':<22} {report['acceptance_by_position']}")
+    split = report["time_split"]
+    print(f"  {'time split':<22} draft {split['draft_fraction']:.0%}, verify {split['verify_fraction']:.0%}, "
+          f"other {1 - split['draft_fraction'] - split['verify_fraction']:.0%}")
+    for row in report.get("by_budget", []):
+        print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
+    print(f"wrote {out / 'report.json'}")
+    return report
+
+
+def measure(target, drafter, encoded, dec, eos, sampler, budget) -> dict:
+    """Baseline and speculative decoding of every prompt, back to back; the report's numbers."""
     K = drafter.config.block_size
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
@@ -90,7 +127,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     for i, prompt in enumerate(encoded):
         base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
         ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
-                                           confidence_threshold=dec.confidence_threshold)
+                                           confidence_threshold=dec.confidence_threshold, mode=dec.mode,
+                                           tree_budget=budget or 1)
         same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
         lossless = lossless and same if same is not None else None
         totals["tokens"] += stats.tokens
@@ -103,43 +141,41 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
         drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
         per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
-                           "speedup": round(base_stats.total_seconds / stats.total_seconds * stats.tokens / max(1, base_stats.tokens), 4)})
-
-    tau = totals["tokens"] / max(1, totals["forwards"])
+                           "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
     tokens_per_s = totals["tokens"] / totals["spec_s"]
     baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
-    other = totals["spec_s"] - totals["draft_s"] - totals["verify_s"]
-    acceptance = [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)]
-    report = {
-        "target": recipe.target.path,
-        "drafter": recipe.drafter,
-        "drafter_kind": drafter.config.model_type.removeprefix("draftsmith_"),
-        "mode": dec.mode,
-        "temperature": dec.temperature,
-        "prompts": len(encoded),
-        "max_new_tokens": dec.max_new_tokens,
-        "tau": round(tau, 4),
-        "acceptance_by_position": acceptance,
+    return {
+        "tree_budget": budget,
+        "tau": round(totals["tokens"] / max(1, totals["forwards"]), 4),
+        "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
         "tokens_per_s": round(tokens_per_s, 2),
         "baseline_tokens_per_s": round(baseline_tokens_per_s, 2),
         "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
         "time_split": {"draft_s": round(totals["draft_s"], 3), "verify_s": round(totals["verify_s"], 3),
-                       "other_s": round(other, 3),
+                       "other_s": round(totals["spec_s"] - totals["draft_s"] - totals["verify_s"], 3),
                        "draft_fraction": round(totals["draft_s"] / totals["spec_s"], 4),
                        "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4)},
         "lossless": lossless,
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
         "per_prompt": per_prompt,
     }
-    write_json_atomic(out / "report.json", report)
-    plot_acceptance(acceptance, tau, out / "acceptance_by_position.png", report["drafter_kind"])
-    print(f"\n== eval ({report['drafter_kind']}, {len(encoded)} prompts, {dec.max_new_tokens} new tokens, "
-          f"{report['torch_threads']} thread(s), {device}) ==")
-    for key in ("tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless"):
-        print(f"  {key:<22} {report[key]}")
-    print(f"  {'acceptance_by_position':<22} {acceptance}")
-    print(f"  {'time split':<22} draft {report['time_split']['draft_fraction']:.0%}, verify "
-          f"{report['time_split']['verify_fraction']:.0%}, other {other / totals['spec_s']:.0%}")
-    print(f"wrote {out / 'report.json'}")
-    return report
+
+
+def plot_budgets(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = [r["tree_budget"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    ax.plot(budgets, [r["tau"] for r in rows], "o-", color="#3b7dd8", label="tau")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree budget (nodes)")
+    ax.set_ylabel("tau (tokens / target forward)")
+    twin = ax.twinx()
+    twin.plot(budgets, [r["speedup"] for r in rows], "s--", color="#d8703b", label="speedup")
+    twin.set_ylabel("speedup vs plain decoding")
+    fig.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

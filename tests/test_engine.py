@@ -134,16 +134,20 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     assert torch.equal(decoded, trained)
 
 
-def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters):
+@pytest.mark.parametrize("decoding", [{}, {"mode": "tree", "tree_budgets": [2, 8]}])
+def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from distill.config import parse_recipe
     from recipes import evaluate
 
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
                            "drafter": str(trained_drafters["dflash"].folder),
                            "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
-                           "decoding": {"max_new_tokens": 24},
+                           "decoding": {"max_new_tokens": 24, **decoding},
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     report = evaluate.main(recipe)
+    if decoding:
+        assert [row["tree_budget"] for row in report["by_budget"]] == [2, 8]
+        assert (tmp_path / "tau_speedup_by_budget.png").stat().st_size > 1000
     saved = __import__("json").loads((tmp_path / "report.json").read_text())
     assert saved == report and report["lossless"] is True and report["prompts"] == 3
     assert 1.0 <= report["tau"] <= 4.0 and len(report["acceptance_by_position"]) == 3
