@@ -398,6 +398,8 @@ class EvalRecipe(RecipeBase):
     recipe: Literal["eval"]
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: str = Field(..., description="a drafter folder (save_pretrained output)")
+    peer_assistant: Optional[str] = Field(
+        None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)")
     prompts: PromptsSection
     decoding: DecodingSection = Field(default_factory=DecodingSection)
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
@@ -406,6 +408,11 @@ class EvalRecipe(RecipeBase):
     @classmethod
     def _drafter_exists(cls, v: str) -> str:
         return _existing_path(v, "drafter folder")
+
+    @field_validator("peer_assistant")
+    @classmethod
+    def _assistant_exists(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else _local_or_hub(v, "peer assistant", "config.json")
 
 
 Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe, EvalRecipe],

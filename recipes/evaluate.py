@@ -99,6 +99,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     }
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
+    if recipe.peer_assistant and dec.temperature == 0:
+        report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
     write_json_atomic(out / "report.json", report)
     plot_acceptance(report["acceptance_by_position"], report["tau"], out / "acceptance_by_position.png",
                     f"{report['drafter_kind']}, {dec.mode}")
@@ -112,6 +114,10 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     split = report["time_split"]
     print(f"  {'time split':<22} draft {split['draft_fraction']:.0%}, verify {split['verify_fraction']:.0%}, "
           f"other {1 - split['draft_fraction'] - split['verify_fraction']:.0%}")
+    if "peer_transformers_assisted" in report:
+        peer = report["peer_transformers_assisted"]
+        print(f"  {'transformers assisted':<22} speedup {peer['speedup']}, tokens/s {peer['tokens_per_s']}, "
+              f"same as greedy: {peer['same_as_greedy']}")
     for row in report.get("by_budget", []):
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
     print(f"wrote {out / 'report.json'}")
@@ -158,6 +164,30 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget) -> dict:
         "lossless": lossless,
         "per_prompt": per_prompt,
     }
+
+
+def measure_assisted(target, assistant_path: str, encoded, dec, eos, device) -> dict:
+    """transformers' own assisted generation (an autoregressive assistant, its default dynamic schedule)
+    on the same prompts, against ``generate`` without an assistant: an outside reference point."""
+    from transformers import AutoModelForCausalLM
+
+    assistant = AutoModelForCausalLM.from_pretrained(assistant_path, dtype=target.dtype).to(device).eval()
+    common = dict(max_new_tokens=dec.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    tokens = base_tokens = 0
+    seconds = base_seconds = 0.0
+    same = True
+    for prompt in encoded:
+        t0 = time.perf_counter()
+        plain = target.generate(prompt[None], **common)[0, prompt.shape[0]:]
+        t1 = time.perf_counter()
+        assisted = target.generate(prompt[None], assistant_model=assistant, **common)[0, prompt.shape[0]:]
+        t2 = time.perf_counter()
+        same &= torch.equal(plain, assisted)
+        base_tokens, tokens = base_tokens + plain.numel(), tokens + assisted.numel()
+        base_seconds, seconds = base_seconds + t1 - t0, seconds + t2 - t1
+    return {"assistant": assistant_path, "tokens_per_s": round(tokens / seconds, 2),
+            "generate_tokens_per_s": round(base_tokens / base_seconds, 2),
+            "speedup": round((tokens / seconds) / (base_tokens / base_seconds), 4), "same_as_greedy": same}
 
 
 def plot_budgets(rows: list[dict], path: Path) -> None:

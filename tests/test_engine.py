@@ -143,8 +143,11 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
                            "drafter": str(trained_drafters["dflash"].folder),
                            "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
                            "decoding": {"max_new_tokens": 24, **decoding},
+                           "peer_assistant": str(tiny_target_dir),  # the target assisting itself: all accepted
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     report = evaluate.main(recipe)
+    peer = report["peer_transformers_assisted"]
+    assert peer["same_as_greedy"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
     if decoding:
         assert [row["tree_budget"] for row in report["by_budget"]] == [2, 8]
         assert (tmp_path / "tau_speedup_by_budget.png").stat().st_size > 1000
