@@ -118,7 +118,7 @@ def check_manifest(manifest: dict, expected: dict, folder: Path) -> None:
         diffs.append(f"format_version: cache has {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}")
     if diffs:
         raise FeatureCacheMismatch(f"feature cache {folder} does not match this recipe:\n  " + "\n  ".join(diffs)
-                                   + f"\ndelete it or point features.cache_dir elsewhere to rebuild it")
+                                   + "\ndelete it or point features.cache_dir elsewhere to rebuild it")
 
 
 class CachedFeatureWindows(PackedWindows):

@@ -19,7 +19,6 @@ fingerprint of what produced it, and written atomically (temporary name, then re
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sysconfig

@@ -58,3 +58,30 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, launcher: l
     full_env = {**os.environ, **OFFLINE, **(env or {})}
     cmd = (launcher or [sys.executable]) + ["-m", "recipes.cli", *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def reset_accelerate() -> None:
+    """accelerate keeps process-wide singletons; each in-process run builds its own Accelerator."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    reset_accelerate()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, _session_env):
+    """A 4-layer target trained for a few seconds, so its predictions carry signal (shared by modules)."""
+    from distill.config import parse_recipe
+    from recipes import train_lm
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    recipe = tiny_lm_recipe(out, model={"num_layers": 4}, train={"max_steps": 250, "eval_every": 250, "save_every": 250})
+    reset_accelerate()
+    train_lm.main(parse_recipe(recipe))
+    reset_accelerate()
+    return out / "model"

@@ -12,32 +12,9 @@ from distill.config import TargetConfig, parse_recipe
 from distill.features import FeatureCapture, default_layer_ids
 from distill.models import load_target
 
-from .conftest import tiny_lm_recipe
+from .conftest import reset_accelerate
 
 KINDS = ["dflash", "dspark", "eagle3"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    """A 2-layer target trained for a few seconds, so its predictions carry signal."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    from recipes import train_lm
-
-    out = tmp_path_factory.mktemp("tiny-target")
-    recipe = tiny_lm_recipe(out, model={"num_layers": 4}, train={"max_steps": 250, "eval_every": 250, "save_every": 250})
-    train_lm.main(parse_recipe(recipe))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    return out / "model"
 
 
 def drafter_recipe(out, target_dir, kind, **train):
@@ -71,9 +48,7 @@ def test_drafter_learns_and_beats_untrained(tmp_path, tiny_target_dir, kind):
     from recipes import train_drafter
 
     untrained = train_drafter.main(drafter_recipe(tmp_path / "untrained", tiny_target_dir, kind, max_steps=1, eval_every=1))
-    fresh_state = __import__("accelerate").state
-    fresh_state.AcceleratorState._reset_state(True)
-    fresh_state.GradientState._reset_state()
+    reset_accelerate()
     out = tmp_path / "trained"
     trained = train_drafter.main(drafter_recipe(out, tiny_target_dir, kind))
     losses = [m["train/loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m]
@@ -145,14 +120,11 @@ def test_eagle3_ttt_chain_sees_only_its_own_past():
 
 
 def test_offline_cache_trains_like_online_and_refuses_a_mismatch(tmp_path, tiny_target_dir):
-    from accelerate.state import AcceleratorState, GradientState
-
     from distill.feature_cache import FeatureCacheMismatch
     from recipes import train_drafter
 
     def run(out, features, **drafter):
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate()
         raw = drafter_recipe(out, tiny_target_dir, "dflash", max_steps=6, eval_every=3).model_dump(mode="json")
         raw["features"] = {"max_windows": 40, **features}
         raw["drafter"].update(drafter)

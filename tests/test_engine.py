@@ -11,7 +11,8 @@ from distill.data import load_text_splits
 from distill.models import load_target
 from serve_eval.engine import TargetSession, plain_generate, make_proposer, speculative_generate
 
-from .test_drafters import KINDS, drafter_recipe, fresh_accelerate_state, tiny_target_dir  # noqa: F401  (fixtures)
+from .conftest import reset_accelerate
+from .test_drafters import KINDS, drafter_recipe
 
 MAX_NEW = 40
 
@@ -26,15 +27,13 @@ def target_and_prompts(tiny_target_dir):
 
 @pytest.fixture(scope="module")
 def trained_drafters(tmp_path_factory, tiny_target_dir):
-    from accelerate.state import AcceleratorState, GradientState
     from transformers import AutoModel
 
     from recipes import train_drafter
 
     out = {}
     for kind in KINDS:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate()
         folder = tmp_path_factory.mktemp(kind)
         train_drafter.main(drafter_recipe(folder, tiny_target_dir, kind, max_steps=250, eval_every=250))
         out[kind] = AutoModel.from_pretrained(folder / "model").eval()

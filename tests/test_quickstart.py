@@ -16,13 +16,6 @@ from .conftest import tiny_lm_recipe, write_recipe
 TARGET_KEYS = {"checkpoint", "val_loss", "val_ppl", "train_seconds", "tokens_per_s", "mfu"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
 
 def test_quickstart_with_the_shipped_target(tmp_path):
     out = tmp_path / "qs"

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from distill.config import DataConfig, parse_recipe
 from distill.data import encode_example
 
-from .test_drafters import drafter_recipe, fresh_accelerate_state, tiny_target_dir  # noqa: F401  (fixtures)
+from .conftest import reset_accelerate
+from .test_drafters import drafter_recipe
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -57,13 +57,10 @@ def test_chat_template_scores_the_response_only(tiny_target_dir):
 
 
 def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir):
-    from accelerate.state import AcceleratorState, GradientState
-
     from recipes import regenerate, train_drafter
 
     data = regenerate.main(regenerate_recipe(tmp_path / "regen", tiny_target_dir))["data"]
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     raw = drafter_recipe(tmp_path / "drafter", tiny_target_dir, "dspark", max_steps=6, eval_every=3).model_dump(mode="json")
     raw["data"] = {"source": "files", "train_files": [data], "format": "prompt_response", "seq_len": 32, "val_fraction": 0.34}
     summary = train_drafter.main(parse_recipe(raw))

@@ -6,8 +6,6 @@ passes for the real verifier and fails for a deliberately broken one (accept eve
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 

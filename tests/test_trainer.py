@@ -16,15 +16,6 @@ from recipes import train_lm
 from .conftest import run_cli, tiny_lm_recipe, write_recipe
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each test builds its own Accelerator; accelerate keeps process-wide singletons."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-
 
 def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
