@@ -197,8 +197,6 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     and of :mod:`serve_eval.tree`); ``verify`` and ``walk`` are test hooks."""
     sampler = sampler or Sampler()
     proposer = proposer or make_proposer(drafter, confidence_threshold)
-    if mode == "tree" and isinstance(proposer, Eagle3Proposer):
-        raise ValueError("tree mode needs a block drafter (DFlash, DSpark): EAGLE-3 drafts one token at a time")
     K = proposer.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
     start = time.perf_counter()

@@ -54,7 +54,8 @@ class Sampler:
         return logits.argmax(-1) if self.greedy else self.sample(self.probs(logits))
 
     def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator))
+        device = self.generator.device if self.generator is not None else None
+        return float(torch.rand((), generator=self.generator, device=device))
 
 
 def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor):

@@ -2,7 +2,8 @@
 verification with an ancestor-only mask, and the walk that follows the target's choices.
 
 Construction. A block drafter gives a distribution ``q_d`` for every depth ``d = 1..D`` of the block
-at once. A node is a path of tokens; its score is ``sum_d log q_d(token_d)``. Starting from the best
+at once (EAGLE-3 gives the per-step distributions of its greedy chain, which then stand for every
+node at that depth: a cheaper tree than re-drafting per node, and exactly as lossless). A node is a path of tokens; its score is ``sum_d log q_d(token_d)``. Starting from the best
 child of the root, a heap pops the best node, adds it, and pushes its next sibling (same parent, the
 next-ranked token at that depth) and its first child (the best token one depth deeper), until
 ``budget`` nodes. Because candidates at each depth are visited in rank order, every node's score is
