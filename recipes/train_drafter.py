@@ -20,7 +20,7 @@ from distill.config import TrainDrafterRecipe
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
 from distill.features import LAYER_ID_CONVENTION, FeatureCapture
-from distill.models import DTYPES, load_target, model_summary
+from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
@@ -66,7 +66,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     device = acc.device if acc else "cpu"
     target, tokenizer = load_target(recipe.target, device)
     mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
-    drafter = build_drafter(recipe.drafter, target, recipe.target.path, mask_id)
+    drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
     if dry_run:
         return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids}
