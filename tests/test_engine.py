@@ -53,7 +53,8 @@ class ScriptedProposer:
     def propose(self, anchor, anchor_pos, sampler):
         i = anchor_pos - self.prompt_len + 1  # reference index of the token after the anchor
         nxt = (self.reference + [0] * self.block_size)[i:i + self.block_size - 1]
-        return (torch.tensor(nxt) + int(self.wrong)) % self.vocab, None
+        tokens = (torch.tensor(nxt) + int(self.wrong)) % self.vocab
+        return tokens, torch.nn.functional.one_hot(tokens, self.vocab).float() * 100  # trees: the same chain first
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -68,14 +69,14 @@ def test_greedy_speculative_equals_greedy(target_and_prompts, trained_drafters, 
         assert ours == reference
         taus.append(stats.tau)
         K = drafter.config.block_size
-        for wrong, tau in ((True, 1.0), (False, None)):
+        for wrong, mode in ((True, "chain"), (False, "chain"), (True, "tree"), (False, "tree")):
             scripted = ScriptedProposer(reference, len(prompt), K, len(tok), wrong)
-            out, s = speculative_generate(target, drafter, prompt, MAX_NEW, proposer=scripted)
-            assert out == reference, f"wrong={wrong}"
-            if wrong:
-                assert s.tau == tau and sum(s.accepted_by_position) == 0
-            else:
-                assert sum(s.accepted_by_position) > 0 and s.tau > 0.8 * K * MAX_NEW / (MAX_NEW + K)
+            out, s = speculative_generate(target, drafter, prompt, MAX_NEW, proposer=scripted, mode=mode, tree_budget=K - 1)
+            assert out == reference, f"wrong={wrong}, {mode}"
+            if wrong:  # every draft rejected: one token per target forward
+                assert s.tau == 1.0 and sum(s.accepted_by_position) == 0
+            else:  # every draft accepted: K tokens per forward but for the last, cut by max_new_tokens
+                assert s.target_forwards == 1 + -(-(MAX_NEW - 1) // K), (mode, s)
     assert max(taus) > 1.0, f"a trained {kind} drafter should get some drafts accepted: {taus}"
 
 
@@ -104,6 +105,29 @@ def test_rollback_equals_recomputing_from_scratch(target_and_prompts):
     a, _ = rolled.forward(torch.tensor([[9]]))
     b, _ = fresh.forward(torch.tensor([[9]]))
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_compaction_equals_recomputing_the_accepted_path(target_and_prompts):
+    from distill.features import FeatureCapture
+    from serve_eval.tree import DraftTree
+
+    target, _, prompts = target_and_prompts
+    ids = prompts[0].view(1, -1)
+    capture = FeatureCapture(target, [0])
+    tree_session = TargetSession(target, capture)
+    tree_session.forward(ids)
+    # root 5 -> (6 -> 8), (7); accept root, 6, 8
+    tree = DraftTree(torch.tensor([6, 7, 8]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]))
+    nodes = torch.tensor([[5, 6, 7, 8]])
+    logits, _ = tree_session.forward_tree(nodes, torch.tensor([0, 1, 1, 2]), tree.ancestor_mask())
+    tree_session.keep(ids.shape[1], [0, 1, 3])
+    fresh = TargetSession(target)
+    fresh_logits, _ = fresh.forward(torch.cat([ids, torch.tensor([[5, 6, 8]])], dim=1))
+    torch.testing.assert_close(logits[[0, 1, 3]], fresh_logits[-3:], rtol=1e-4, atol=1e-4)
+    for a, b in zip(tree_session.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    assert tree_session.length == fresh.length
 
 
 @pytest.mark.parametrize("kind", KINDS)
