@@ -234,11 +234,12 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             stats.drafted_by_position[k] += int(k <= n)  # depths up to the first miss are verified
             stats.accepted_by_position[k] += int(k < n)
         out.extend(accepted.tolist() + [int(new_bonus)])
+        t2 = time.perf_counter()
         proposer.observe(path_feats, anchor_pos, torch.cat([accepted, new_bonus.view(1)]))
         anchor_pos += n + 1
         bonus = new_bonus
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += time.perf_counter() - t1
+        stats.draft_seconds += (t1 - t0) + (time.perf_counter() - t2)  # drafting, and reading the accepted features
+        stats.verify_seconds += t2 - t1
     out = _truncate(out, max_new_tokens, eos_token_id)
     stats.tokens = len(out)
     stats.total_seconds = time.perf_counter() - start
