@@ -64,4 +64,4 @@ def test_shipped_testbed_target_is_complete_and_as_good_as_recorded():
     ids = tok("def __init__(self", return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8
-    assert record["val_loss"] < 4.0, "the shipped target should beat a few minutes of training (~4.5)"
+    assert record["val_loss"] < 4.0, "the shipped target should beat a few minutes of training (5.5)"
