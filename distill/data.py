@@ -170,10 +170,6 @@ class PackedWindows:
     def __len__(self) -> int:
         return self.num_windows
 
-    @property
-    def num_tokens(self) -> int:
-        return self.num_windows * self.seq_len
-
     def window_index(self, k: int) -> int:
         epoch, i = divmod(k, self.num_windows)
         if not self.shuffle:

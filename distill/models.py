@@ -12,7 +12,6 @@ applied per token (embedding lookups excluded, a tied LM head counted once) plus
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -117,12 +116,3 @@ def flops_per_token(model, seq_len: int, training: bool = True) -> float:
 def model_summary(model) -> dict:
     n = sum(p.numel() for p in model.parameters())
     return {"parameters": n, "matmul_parameters": matmul_params(model), "architecture": model.config.architectures or [type(model).__name__]}
-
-
-def save_fp16(model, tokenizer, folder: str | Path) -> None:
-    """Save a half-precision copy of ``model`` (for shipping); the source model is not modified."""
-    import copy
-
-    half = copy.deepcopy(model).to(torch.float16)
-    half.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
