@@ -12,7 +12,6 @@ applied per token (embedding lookups excluded, a tied LM head counted once) plus
 
 from __future__ import annotations
 
-
 import torch
 
 from .config import ModelConfig, TargetConfig
