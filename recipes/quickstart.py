@@ -130,7 +130,7 @@ def stage_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict
         "kind": result["kind"],
         "simulated_tau": round(result["best_simulated_tau"], 4),
         "tau_probabilistic": round(result["val_tau_probabilistic"], 4),
-        "acceptance_by_position": [round(result[f"val_acc_{k}"], 4) for k in range(1, 64) if f"val_acc_{k}" in result],
+        "acceptance_by_position": [round(result[f"val_acc_{k}"], 4) for k in range(1, result["block_size"])],
         "train_seconds": result["train_seconds"],
         "tokens_per_s": result["tokens_per_s"],
         "steps": result["steps"],

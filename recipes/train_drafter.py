@@ -109,6 +109,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         "kind": recipe.drafter.kind,
         "target": recipe.target.path,
         "target_layer_ids": drafter.config.target_layer_ids,
+        "block_size": drafter.config.block_size,
         "steps": result.step,
         "train_seconds": round(result.train_seconds, 2),
         "tokens_per_s": round(result.tokens_per_s, 1),
