@@ -37,6 +37,9 @@ __all__ = [
     "TargetConfig",
     "TrainLMRecipe",
     "QuickstartRecipe",
+    "QuantSection",
+    "QuantSchemeSpec",
+    "QuantizeRecipe",
     "load_recipe",
     "parse_recipe",
     "apply_overrides",
@@ -76,10 +79,35 @@ def _local_or_hub(value: str, what: str, probe_file: str) -> str:
     return value
 
 
-class ModelConfig(Strict):
-    """Architecture of a causal LM built from scratch (the testbed target, students)."""
+class ParcaeSection(Strict):
+    """The loop of a Parcae model (``model.arch: parcae``; see :mod:`parcae.model`). Its distinct
+    blocks are ``prelude_layers + core_layers + coda_layers``, which must equal ``model.num_layers``."""
 
-    arch: Literal["llama", "qwen3"] = "llama"
+    prelude_layers: int = Field(1, ge=0)
+    core_layers: int = Field(2, gt=0, description="blocks applied T times")
+    coda_layers: int = Field(1, ge=0)
+    injection: Literal["diagonal", "linear", "add"] = Field(
+        "diagonal", description="diagonal = Parcae's stable LTI injection; linear (Huginn) and add for comparison")
+    mean_recurrence: int = Field(4, gt=0, description="training depth T ~ max(1, Poisson(mean_recurrence)); also the default inference depth")
+    backprop_depth: int = Field(2, gt=0, description="only the last min(T, backprop_depth) iterations carry gradients")
+    eval_recurrences: list[int] = Field(default_factory=lambda: [1, 2, 4], min_length=1,
+                                        description="depths of the test-time compute curve (mean and 2 x mean are added)")
+
+    @field_validator("eval_recurrences")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(t < 1 for t in v):
+            raise ValueError("every depth must be >= 1")
+        return v
+
+    def curve_depths(self) -> list[int]:
+        return sorted(set(self.eval_recurrences) | {self.mean_recurrence, 2 * self.mean_recurrence})
+
+
+class ModelConfig(Strict):
+    """Architecture of a causal LM built from scratch (the testbed target, students, Parcae models)."""
+
+    arch: Literal["llama", "qwen3", "parcae"] = "llama"
     hidden_size: int = Field(320, gt=0)
     num_layers: int = Field(8, gt=0)
     num_heads: int = Field(5, gt=0)
@@ -90,6 +118,21 @@ class ModelConfig(Strict):
     rope_theta: float = Field(10000.0, gt=0)
     tie_word_embeddings: bool = True
     initializer_range: float = Field(0.02, gt=0)
+    parcae: Optional[ParcaeSection] = Field(None, description="the loop, when arch = parcae (defaults apply)")
+
+    @model_validator(mode="after")
+    def _parcae_loop(self) -> "ModelConfig":
+        if self.arch != "parcae":
+            if self.parcae is not None:
+                raise ValueError(f"model.parcae is only read when model.arch = parcae (arch is {self.arch!r})")
+            return self
+        if self.parcae is None:
+            self.parcae = ParcaeSection()
+        p = self.parcae
+        if p.prelude_layers + p.core_layers + p.coda_layers != self.num_layers:
+            raise ValueError(f"model.num_layers ({self.num_layers}) must equal parcae.prelude_layers + core_layers + "
+                             f"coda_layers ({p.prelude_layers} + {p.core_layers} + {p.coda_layers})")
+        return self
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -212,6 +255,73 @@ class TargetConfig(Strict):
         return v if v == "testbed" else _local_or_hub(v, "target", "config.json")
 
 
+#: quantization schemes (see distill/quantize.py): 8da<N>w = int8 dynamic activations + intN weights,
+#: w<N> = intN weight-only (N = 2..8), int4_weight_only = torchao's GPU int4 kernel, float8 = float8
+#: activations and weights (Hopper-class GPUs)
+QUANT_SCHEME = re.compile(r"^(8da[2-8]w|w[2-8]|int4_weight_only|float8)$")
+QUANT_SCHEME_EXAMPLES = ["8da4w", "8da8w", "w2", "w3", "w4", "w8", "int4_weight_only", "float8"]
+
+
+def _quant_scheme(value: str, allow_keep: bool) -> str:
+    if (allow_keep and value == "keep") or QUANT_SCHEME.match(value):
+        return value
+    names = QUANT_SCHEME_EXAMPLES + (["keep"] if allow_keep else [])
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ValueError(f"'{value}' is not a quantization scheme: expected 8da<N>w or w<N> (N = 2..8), "
+                     f"int4_weight_only or float8{' or keep' if allow_keep else ''}{hint}")
+
+
+class QuantSchemeSpec(Strict):
+    """A quantization scheme and its per-layer map (torchao; resolved against the model in distill/quantize.py).
+
+    ``layers`` is ordered: the first pattern that matches a Linear module decides its scheme (or
+    ``keep``: full precision). A pattern is an exact module name, a glob (``*.mlp.*``) or
+    ``re:<regex>`` (full match). Linear modules no pattern names get ``scheme``, except the output
+    head (kept unless named); Parcae's ``A_log``, ``dt_bias`` (Delta) and ``B`` are always kept."""
+
+    scheme: str = Field("8da4w", description="default scheme of every Linear the layer map does not name")
+    group_size: Optional[int] = Field(32, gt=0, description="weights per scale; None = one scale per output channel")
+    layers: dict[str, str] = Field(default_factory=dict, description="ordered: module name | glob | re:<regex> -> scheme | keep")
+
+    @field_validator("scheme")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        return _quant_scheme(v, allow_keep=False)
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, layers: dict[str, str]) -> dict[str, str]:
+        for pattern, scheme in layers.items():
+            if not pattern.strip():
+                raise ValueError("an empty layer pattern")
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as e:
+                    raise ValueError(f"layer pattern '{pattern}' is not a valid regular expression: {e}") from None
+            try:
+                _quant_scheme(str(scheme), allow_keep=True)
+            except ValueError as e:
+                raise ValueError(f"layer pattern '{pattern}': {e}") from None
+        return layers
+
+    @model_validator(mode="after")
+    def _int4_groups(self) -> "QuantSchemeSpec":
+        uses = {self.scheme, *self.layers.values()}
+        if "int4_weight_only" in uses and self.group_size not in (32, 64, 128, 256):
+            raise ValueError(f"int4_weight_only needs group_size 32, 64, 128 or 256 (got {self.group_size})")
+        return self
+
+
+class QuantSection(QuantSchemeSpec):
+    """Quantization of the model a training recipe trains: ``qat`` (fake quantization while training,
+    converted at the end) or ``ptq`` (quantized after training); ``none`` trains in full precision."""
+
+    mode: Literal["none", "ptq", "qat"] = "none"
+    fake_quant_after_steps: int = Field(0, ge=0, description="qat: train in full precision for this many steps first")
+
+
 # --------------------------------------------------------------------------------------------------
 # Recipes
 # --------------------------------------------------------------------------------------------------
@@ -230,6 +340,7 @@ class TrainingRecipe(RecipeBase):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    quant: QuantSection = Field(default_factory=QuantSection)
 
 
 class TrainLMRecipe(TrainingRecipe):
@@ -296,6 +407,8 @@ class DrafterSection(Strict):
     intermediate_size: Optional[int] = Field(None, gt=0, description="defaults to the target's")
     block_size: int = Field(8, ge=2, description="tokens per block (anchor + K-1 drafts); EAGLE-3 drafts K-1 steps")
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    qk_norm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3-style); vLLM's DFlash/DSpark "
+                                            "layers have it, so block drafters need it to export to speculators")
     target_layer_ids: Optional[list[int]] = Field(None, description="output of layer i; None = spread over the target")
     num_target_layers: int = Field(3, gt=0, description="used when target_layer_ids is None")
     num_anchors: int = Field(16, gt=0, description="blocks per training sequence (block drafters)")
@@ -415,11 +528,132 @@ class EvalRecipe(RecipeBase):
         return None if v is None else _local_or_hub(v, "peer assistant", "config.json")
 
 
-Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe, EvalRecipe],
+class QuantMeasureSection(Strict):
+    """Drafters: the decoding loop (greedy, chain) on held-out corpus prompts, for measured tau and speed."""
+
+    prompts: int = Field(8, ge=0, description="held-out prompts; 0 = skip the decoding loop")
+    prompt_tokens: int = Field(64, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+
+
+VARIANT_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+
+
+class QuantizeRecipe(RecipeBase):
+    """Full precision vs PTQ vs QAT of one trained drafter or causal LM, for one or more schemes.
+
+    ``model`` is a trained folder (a drafter's or an LM's ``save_pretrained`` output). Every variant
+    is PTQ'd from it and, separately, QAT fine-tuned from it for ``train.max_steps`` steps on ``data``
+    and converted; with ``compute_matched`` the full-precision model is also fine-tuned for the same
+    steps (no fake quantization) and PTQ'd, so QAT is compared with a baseline that had equal compute."""
+
+    recipe: Literal["quantize"]
+    model: str = Field(..., description="a trained drafter or causal LM folder")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="drafters: the target they serve")
+    variants: dict[str, QuantSchemeSpec] = Field(..., min_length=1, description="name -> scheme, group_size, layers")
+    compute_matched: bool = Field(True, description="also fine-tune full precision for the same steps and PTQ that")
+    fake_quant_after_steps: int = Field(0, ge=0, description="QAT fine-tunes in full precision for this many steps first")
+    measure: QuantMeasureSection = Field(default_factory=QuantMeasureSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, v: str) -> str:
+        _existing_path(v, "model folder")
+        if not (Path(v) / "config.json").exists():
+            raise ValueError(f"model folder '{v}' has no config.json (expected a save_pretrained folder)")
+        return v
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_names(cls, variants: dict) -> dict:
+        for name in variants:
+            if not VARIANT_NAME.match(name) or name in ("full", "full_ft"):
+                raise ValueError(f"variant name '{name}' must be a folder-safe word (letters, digits, _ . -), not full/full_ft")
+        return variants
+
+
+class ExportGateSection(Strict):
+    """The parity gate an export must pass (see serve_eval/parity.py)."""
+
+    allow_failure: bool = Field(False, description="publish even when the gate fails (printed loudly, written into the card)")
+    logits_atol: float = Field(0.0, ge=0, description="max |logit difference| between the trained and reloaded drafter")
+    tau_rel_tolerance: float = Field(0.25, ge=0, description="allowed |measured - simulated tau|, as a share of simulated - 1")
+    tau_abs_tolerance: float = Field(0.03, ge=0, description="plus this absolute slack")
+    max_new_tokens: int = Field(64, gt=0, description="tokens generated per evaluation prompt")
+    simulated_tau: Optional[float] = Field(None, ge=1, description="when the checkpoint recorded none (else read from it)")
+
+
+class PushToHubSection(Strict):
+    """Upload the export folder in one commit (huggingface_hub); only when enabled."""
+
+    enabled: bool = False
+    repo_id: Optional[str] = Field(None, description="owner/name")
+    private: bool = True
+    revision: Optional[str] = Field(None, description="branch to commit to (created if missing); None = main")
+    primary_format: Literal["speculators", "transformers", "sglang_eagle3"] = Field(
+        "speculators", description="the format whose files go to the repository root")
+    commit_message: str = "Upload drafter exported by draftsmith"
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not HUB_ID.match(v):
+            raise ValueError(f"repo_id '{v}' is not of the form owner/name")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_repo(self) -> "PushToHubSection":
+        if self.enabled and not self.repo_id:
+            raise ValueError("push_to_hub.enabled needs push_to_hub.repo_id (owner/name)")
+        return self
+
+
+def _default_export_prompts() -> "PromptsSection":
+    return PromptsSection(from_corpus=8, split="val", prompt_tokens=64)
+
+
+class ExportRecipe(RecipeBase):
+    """Write a trained drafter in the formats serving engines load, behind the train-to-serve parity gate."""
+
+    recipe: Literal["export"]
+    drafter: str = Field(..., description="a trained drafter folder (checkpoints/best or model)")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    formats: Optional[list[Literal["transformers", "speculators", "sglang_eagle3"]]] = Field(
+        None, description="None = every format that can express the drafter; naming one that cannot is an error")
+    verifier_name_or_path: Optional[str] = Field(None, description="the verifier recorded for serving; None = the drafter's target")
+    prompts: PromptsSection = Field(default_factory=_default_export_prompts, description="the gate's evaluation prompts")
+    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
+    gate: ExportGateSection = Field(default_factory=ExportGateSection)
+    push_to_hub: PushToHubSection = Field(default_factory=PushToHubSection)
+    eval_reports: list[str] = Field(default_factory=list, description="report.json files of eval runs, cited in the card")
+    torch_threads: int = Field(1, gt=0)
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_folder(cls, v: str) -> str:
+        _existing_path(v, "drafter folder")
+        if not (Path(v) / "config.json").exists():
+            raise ValueError(f"drafter folder '{v}' has no config.json (expected a save_pretrained folder)")
+        return v
+
+    @field_validator("eval_reports")
+    @classmethod
+    def _reports_exist(cls, reports: list[str]) -> list[str]:
+        for r in reports:
+            _existing_path(r, "eval report")
+        return reports
+
+
+Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe, EvalRecipe, QuantizeRecipe,
+                         ExportRecipe],
                    Field(discriminator="recipe")]
 RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe,
                                         "train_drafter": TrainDrafterRecipe, "regenerate": RegenerateRecipe,
-                                        "eval": EvalRecipe}
+                                        "eval": EvalRecipe, "quantize": QuantizeRecipe, "export": ExportRecipe}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -135,17 +135,21 @@ class Batch:
 
     ``input_ids`` [B, L+1] token windows; ``loss_mask`` [B, L+1] marks the tokens to score (1) where
     only some are (responses, not prompts or padding), None when all are; ``aux`` / ``last`` are the
-    target's features when they come from a cache (:mod:`distill.feature_cache`) rather than live.
+    target's features when they come from a cache (:mod:`distill.feature_cache`) rather than live;
+    ``first_sample`` is the data position of row 0 in training (a function of step, micro-batch and
+    rank), for per-batch randomness that a resumed run reproduces.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor | None = None
     aux: torch.Tensor | None = None
     last: torch.Tensor | None = None
+    first_sample: int | None = None
 
     def to(self, device) -> "Batch":
         move = lambda t, f=False: None if t is None else (t.to(device).float() if f else t.to(device))  # noqa: E731
-        return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux, True), move(self.last, True))
+        return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux, True), move(self.last, True),
+                     self.first_sample)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -185,7 +189,9 @@ class PackedWindows:
 
     def batch(self, first_sample: int, size: int) -> Batch:
         """Samples ``first_sample .. first_sample + size - 1``."""
-        return self.collate([self.window_index(k) for k in range(first_sample, first_sample + size)])
+        batch = self.collate([self.window_index(k) for k in range(first_sample, first_sample + size)])
+        batch.first_sample = first_sample
+        return batch
 
     def collate(self, indices: list[int]) -> Batch:
         return Batch(torch.stack([self.window(i) for i in indices]))

@@ -35,7 +35,8 @@ def lm_loss(model, batch: Batch):
 
 @torch.no_grad()
 def evaluate_lm(model, windows: PackedWindows, batch_size: int, max_batches: int | None = None,
-                accelerator=None, prefix: str = "val") -> dict:
+                accelerator=None, prefix: str = "val", **forward_kwargs) -> dict:
+    """Held-out loss, perplexity and accuracy; ``forward_kwargs`` go to the model (e.g. ``num_steps``)."""
     device = accelerator.device if accelerator else next(model.parameters()).device
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     n = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
@@ -46,7 +47,7 @@ def evaluate_lm(model, windows: PackedWindows, batch_size: int, max_batches: int
     for start in range(0, len(mine), batch_size):
         idx = mine[start:start + batch_size]
         inputs, labels = inputs_and_labels(windows.collate(idx).to(device))
-        logits = model(input_ids=inputs).logits.float()
+        logits = model(input_ids=inputs, **forward_kwargs).logits.float()
         nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum",
                                ignore_index=-100).double()
         correct += (logits.argmax(-1) == labels).sum().double()

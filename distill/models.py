@@ -2,7 +2,7 @@
 
 Builders follow torchtune's habit of named functions (``testbed_target()``, ``tiny_target()``)
 that return a :class:`~distill.config.ModelConfig`; :func:`build_causal_lm` turns one into a
-``transformers`` Llama or Qwen3 model, so everything downstream (KV caches, ``generate``,
+``transformers`` Llama, Qwen3 or Parcae (:mod:`parcae`) model, so everything downstream (KV caches, ``generate``,
 ``save_pretrained``, serving engines) treats our models exactly like a hub checkpoint.
 
 FLOPs per token (used for MFU) follow the PaLM appendix: ``6 * N`` for every weight matrix
@@ -54,7 +54,16 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None 
         **(special_ids or {}),
     )
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.arch == "llama":
+    if cfg.arch == "parcae":
+        from parcae import ParcaeConfig
+
+        p = cfg.parcae
+        common.pop("num_hidden_layers")  # derived from the loop
+        hf_cfg = ParcaeConfig(**common, rope_parameters=rope,
+                              n_prelude=p.prelude_layers, n_core=p.core_layers, n_coda=p.coda_layers,
+                              mean_recurrence=p.mean_recurrence, mean_backprop_depth=p.backprop_depth,
+                              injection_type=p.injection)
+    elif cfg.arch == "llama":
         hf_cfg = LlamaConfig(**common, rope_parameters=rope, attention_bias=False, mlp_bias=False)
     else:
         hf_cfg = Qwen3Config(**common, rope_parameters=rope, attention_bias=False)
@@ -82,6 +91,8 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu"):
     """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import parcae  # noqa: F401  (registers Parcae with the Auto classes)
+
     path = resolve_target_path(cfg.path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
     model.to(device).eval().requires_grad_(False)
@@ -105,6 +116,8 @@ def matmul_params(model) -> int:
 
 
 def flops_per_token(model, seq_len: int, training: bool = True) -> float:
+    if hasattr(model, "flops_per_token"):  # looped models count their iterations themselves
+        return model.flops_per_token(seq_len, training)
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     attn = 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len  # forward, per token

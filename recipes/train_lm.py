@@ -9,6 +9,10 @@ any text the data section names. Launch::
 
 Writes into ``output_dir``: ``recipe.yaml``, ``provenance.json``, ``metrics.jsonl``,
 ``checkpoints/{latest,best}``, ``model/`` (final weights + tokenizer) and ``summary.json``.
+With ``model.arch: parcae`` the same recipe trains a Parcae looped model (:mod:`parcae`): the loss
+draws a depth per sequence, and every evaluation adds the test-time compute curve (held-out loss at
+each depth of ``model.parcae.eval_recurrences`` plus the training mean and twice it), which the
+summary records and ``recurrence_curve.png`` plots.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from distill.models import build_causal_lm, flops_per_token, model_summary, spec
 from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
+from parcae.training import curve_rows, parcae_lm_loss, plot_recurrence_curve, recurrence_curve
 
 
 def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
@@ -61,11 +66,19 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     acc.print(f"{splits.description}; {len(train):,} train / {len(val):,} held-out windows of {recipe.data.seq_len} tokens; "
               f"model {model_summary(model)['parameters']:,} parameters; {acc.num_processes} process(es)")
 
-    ### Train
+    ### Train (a Parcae model: depth sampling, loop diagnostics and the test-time compute curve)
+    parcae_cfg = recipe.model.parcae
+    depths = parcae_cfg.curve_depths() if parcae_cfg else []
+
+    def evaluate(m, max_batches):
+        if parcae_cfg:
+            return recurrence_curve(m, val, recipe.train.micro_batch_size, depths, parcae_cfg.mean_recurrence, max_batches, acc)
+        return evaluate_lm(m, val, recipe.train.micro_batch_size, max_batches, acc)
+
     trainer = Trainer(
         accelerator=acc, model=model, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
-        data=train, loss_fn=lm_loss, flops_per_token=fpt,
-        evaluate_fn=lambda m: evaluate_lm(m, val, recipe.train.micro_batch_size, recipe.train.eval_batches, acc),
+        data=train, loss_fn=parcae_lm_loss(recipe.seed) if parcae_cfg else lm_loss, flops_per_token=fpt,
+        evaluate_fn=lambda m: evaluate(m, recipe.train.eval_batches),
         best_metric="val_loss", save_extra=tokenizer.save_pretrained,
     )
     result = trainer.fit()
@@ -74,7 +87,7 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     out = Path(recipe.output_dir)
     trainer.save_model(out / "model")
     trainer.model.eval()
-    final_eval = evaluate_lm(trainer.model, val, recipe.train.micro_batch_size, None, acc)
+    final_eval = evaluate(trainer.model, None)
     summary = {
         "checkpoint": str(out / "model"),
         "best_checkpoint": str(out / "checkpoints" / "best"),
@@ -90,8 +103,13 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
         **final_eval,
         "data": data_record,
     }
+    if parcae_cfg:
+        summary["recurrence_curve"] = curve_rows(final_eval, depths)
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
+        if parcae_cfg:
+            plot_recurrence_curve(summary["recurrence_curve"], out / "recurrence_curve.png", parcae_cfg.mean_recurrence,
+                                  f"{out.name}: held-out perplexity vs recurrences")
         write_json_atomic(out / "summary.json", summary)
     acc.end_training()
     return summary

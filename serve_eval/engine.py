@@ -45,16 +45,16 @@ class TargetSession:
         self.length = 0
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, TargetFeatures | None]:
+    def forward(self, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, TargetFeatures | None]:
         """Read ``ids`` [1, n] at the next positions: logits [n, V] and the features of those positions."""
         n = ids.shape[1]
-        positions = torch.arange(self.length, self.length + n, device=ids.device)[None]
+        kwargs.setdefault("position_ids", torch.arange(self.length, self.length + n, device=ids.device)[None])
         if self.capture is None:
-            out = self.target(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+            out = self.target(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
             feats = None
         else:
             with self.capture.hooks() as captured:
-                out = self.target(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+                out = self.target(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
             feats = self.capture.features(captured)
         self.length += n
         return out.logits[0], feats
@@ -72,10 +72,7 @@ class TargetSession:
         n = ids.shape[1]
         positions = (self.length + depths.to(ids.device))[None]
         mask = torch.cat([torch.ones(n, self.length, dtype=torch.bool), ancestors], dim=1)[None, None].to(ids.device)
-        with self.capture.hooks() as captured:
-            out = self.target(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
-        self.length += n
-        return out.logits[0], self.capture.features(captured)
+        return self.forward(ids, position_ids=positions, attention_mask=mask)
 
     def keep(self, prefix: int, nodes: list[int]) -> None:
         """After a tree forward: keep the first ``prefix`` positions and the tree entries ``nodes``."""
@@ -86,7 +83,18 @@ class TargetSession:
         self.length = prefix + len(nodes)
 
 
-class BlockProposer:
+class Proposer:
+    """What the loop asks of a drafter: ``begin(prompt)``; ``observe`` the verified tokens (and, when
+    ``needs_features``, the target's features of their positions); ``propose`` drafts after the bonus."""
+
+    needs_features = True
+    block_size: int
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        pass
+
+
+class BlockProposer(Proposer):
     """DFlash / DSpark: caches each layer's keys and values of the verified context features.
 
     With ``confidence_threshold`` (DSpark), the draft stops before the first position whose predicted
@@ -122,7 +130,7 @@ class BlockProposer:
         return tokens, logits
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(Proposer):
     """EAGLE-3: a KV cache of step-0 entries for verified positions; drafts autoregressively."""
 
     def __init__(self, drafter):
@@ -140,10 +148,67 @@ class Eagle3Proposer:
         return tokens[0], logits[0]
 
 
-def make_proposer(drafter, confidence_threshold: float = 0.0):
-    if drafter.config.model_type == "draftsmith_eagle3":
+class LMProposer(Proposer):
+    """Any causal LM as an autoregressive drafter: a distilled student, or a Parcae model at fewer
+    recurrences than the target runs (self-speculation, ``num_steps=``). It needs no target features:
+    it keeps its own KV cache of the tokens it has read, and after each verification it keeps the
+    cache up to the first position where what it read differs from the verified sequence (a rejected
+    draft, or a tree branch the target did not take), then catches up from there on the next draft."""
+
+    needs_features = False
+
+    def __init__(self, model, draft_length: int, **forward_kwargs):
+        self.model = model
+        self.block_size = draft_length + 1
+        self.forward_kwargs = forward_kwargs
+        self.cache = DynamicCache()
+        self.sequence: list[int] = []  # verified tokens (the bonus last)
+        self.read: list[int] = []  # tokens the cache holds, position by position
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.cache, self.sequence, self.read = DynamicCache(), prompt.view(-1).tolist(), []
+
+    def observe(self, aux, start: int, next_tokens: torch.Tensor) -> None:
+        self.sequence = self.sequence[:start + 1] + next_tokens.view(-1).tolist()
+        keep = min(start, len(self.read))
+        last = len(self.sequence) - 1  # the bonus is always (re)read by the next draft: its logits start it
+        while keep < min(len(self.read), last) and self.read[keep] == self.sequence[keep]:
+            keep += 1
+        if keep < len(self.read):
+            self.cache.crop(keep - len(self.read))
+            self.read = self.read[:keep]
+
+    def _read(self, tokens: list[int], device) -> torch.Tensor:
+        start = len(self.read)
+        ids = torch.tensor([tokens], device=device)
+        positions = torch.arange(start, start + len(tokens), device=device)[None]
+        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
+                            **self.forward_kwargs).logits[0, -1]
+        self.read += tokens
+        return logits
+
+    @torch.no_grad()
+    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, all_logits = [], []
+        pending = self.sequence[len(self.read):anchor_pos + 1]  # catch up to the bonus (at anchor_pos)
+        for _ in range(self.block_size - 1):
+            logits = self._read(pending, anchor.device)
+            token = sampler.choose(logits)
+            tokens.append(token)
+            all_logits.append(logits)
+            pending = [int(token)]
+        return torch.stack(tokens).view(-1), torch.stack(all_logits)
+
+
+def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None):
+    """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`LMProposer`
+    for any other causal LM (``draft_length`` tokens per step; ``draft_recurrence`` for Parcae)."""
+    kind = drafter.config.model_type
+    if kind == "draftsmith_eagle3":
         return Eagle3Proposer(drafter)
-    return BlockProposer(drafter, confidence_threshold)
+    if kind in ("draftsmith_dflash", "draftsmith_dspark"):
+        return BlockProposer(drafter, confidence_threshold)
+    return LMProposer(drafter, draft_length, **({"num_steps": draft_recurrence} if draft_recurrence else {}))
 
 
 @dataclass
@@ -200,13 +265,14 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     K = proposer.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
     start = time.perf_counter()
-    capture = FeatureCapture(target, drafter.config.target_layer_ids)
+    capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer.needs_features else None
     session = TargetSession(target, capture)
     prompt = prompt.view(1, -1)
+    proposer.begin(prompt)
     logits, feats = session.forward(prompt)
     stats.target_forwards += 1
     bonus = sampler.choose(logits[-1])
-    proposer.observe(feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
+    proposer.observe(None if feats is None else feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
     out = [int(bonus)]
     anchor_pos = prompt.shape[1]
     while len(out) < max_new_tokens and eos_token_id not in out:
@@ -221,13 +287,13 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             path, new_bonus = walk(tree, logits, sampler.choose)
             accepted = ids[0, path[1:]]
             session.keep(anchor_pos, path)
-            path_feats = feats.aux[:, path]
+            path_feats = None if feats is None else feats.aux[:, path]
         else:
             logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
             n, new_bonus = verify(sampler, drafts, draft_logits, logits)
             accepted = drafts[:n]
             session.rollback(anchor_pos + n + 1)
-            path_feats = feats.aux[:, :n + 1]
+            path_feats = None if feats is None else feats.aux[:, :n + 1]
         stats.target_forwards += 1
         n = len(accepted)
         for k in range(len(drafts)):

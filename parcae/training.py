@@ -1,0 +1,93 @@
+"""Training and evaluating Parcae models with the project's trainer.
+
+* :func:`parcae_lm_loss` is next-token cross-entropy on the final logits at a per-sequence depth
+  drawn by :func:`parcae.model.sample_depths`, seeded from ``(recipe seed, data position)``. The
+  data position of a micro-batch is a function of (step, micro-batch, rank), so every process and
+  micro-batch draws its own depths and a resumed run draws exactly the depths it would have drawn.
+  Every sequence runs at least one gradient-carrying iteration, so every parameter gets a gradient
+  each step (DDP needs no ``find_unused_parameters``).
+* It logs the loop's invariants: the largest ``A_bar`` entry (< 1 by construction for the diagonal
+  injection), the final state norm, the relative change of the state over the last iteration (small
+  when the loop has converged to a fixed point), and the mean sampled depth.
+* :func:`recurrence_curve` is the test-time compute curve: held-out loss and perplexity at several
+  depths T (the paper's ``val_loss_{T}``), and :func:`plot_recurrence_curve` draws it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.nn.functional as F
+
+from distill.lm import evaluate_lm, inputs_and_labels
+
+from .model import sample_depths
+
+
+def unwrap(model):
+    return getattr(model, "module", model)
+
+
+def depth_seed(seed: int, first_sample: int | None) -> int:
+    return (seed * 1_000_003 + (first_sample or 0)) % (2**63)
+
+
+def parcae_lm_loss(seed: int):
+    """A ``loss_fn(model, batch)`` for :class:`distill.trainer.Trainer`."""
+
+    def loss_fn(model, batch):
+        cfg = unwrap(model).config
+        inputs, labels = inputs_and_labels(batch)
+        n, k = sample_depths(inputs.shape[0], cfg.mean_recurrence, cfg.mean_backprop_depth,
+                             depth_seed(seed, batch.first_sample))
+        out = model(input_ids=inputs, depths=(n, k), return_diagnostics=True)
+        logits = out.logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+        logs = {f"parcae/{key}": value for key, value in out.diagnostics.items()}
+        logs["parcae/mean_backprop_depth"] = float(k.float().mean())
+        return loss, logs
+
+    return loss_fn
+
+
+def recurrence_curve(model, windows, batch_size: int, depths: list[int], default_depth: int,
+                     max_batches: int | None = None, accelerator=None) -> dict:
+    """``{"val_loss_T{t}": .., "val_ppl_T{t}": .., "val_acc_T{t}": ..}`` for every depth ``t``, and the
+    plain ``val_*`` metrics at ``default_depth`` (the depth the model runs at outside training)."""
+    out = {}
+    for t in sorted(set(depths) | {default_depth}):
+        metrics = evaluate_lm(model, windows, batch_size, max_batches, accelerator, num_steps=t)
+        if t == default_depth:
+            out.update(metrics)
+        out.update({f"val_loss_T{t}": metrics["val_loss"], f"val_ppl_T{t}": metrics["val_ppl"],
+                    f"val_acc_T{t}": metrics["val_acc"]})
+    return out
+
+
+def curve_rows(metrics: dict, depths: list[int]) -> list[dict]:
+    return [{"recurrence": t, "val_loss": metrics[f"val_loss_T{t}"], "val_ppl": metrics[f"val_ppl_T{t}"],
+             "val_acc": metrics[f"val_acc_T{t}"]} for t in depths]
+
+
+def plot_recurrence_curve(rows: list[dict], path: Path, mean_recurrence: int, title: str = "") -> None:
+    """Held-out perplexity against the number of recurrences (log-x), the training mean marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ts = [r["recurrence"] for r in rows]
+    ax.plot(ts, [r["val_ppl"] for r in rows], marker="o")
+    ax.axvline(mean_recurrence, color="gray", linestyle=":", label=f"training mean T = {mean_recurrence}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ts, [str(t) for t in ts])
+    ax.set_xlabel("recurrences T at test time")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(title or "Parcae: test-time compute")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
