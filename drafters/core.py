@@ -85,10 +85,14 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3-style per-head RMSNorm on queries and keys (before RoPE); vLLM's DFlash layers have it
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
 
     def project_kv(self, kv_in: torch.Tensor, kv_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, L, _ = kv_in.shape
-        k = self.k_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(kv_in).view(B, L, self.kv_heads, self.head_dim)
+        k = (k if self.k_norm is None else self.k_norm(k)).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(kv_pos, self.head_dim, self.theta)
         return apply_rope(k, cos, sin), v
@@ -96,7 +100,8 @@ class DraftAttention(nn.Module):
     def attend(self, q_in: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         B, Q, _ = q_in.shape
-        q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim)
+        q = (q if self.q_norm is None else self.q_norm(q)).transpose(1, 2)
         cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta)
         q = apply_rope(q, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
@@ -162,6 +167,7 @@ class DrafterConfig(PretrainedConfig):
         block_attention: str = "bidirectional",
         num_anchors: int = 16,
         initializer_range: float = 0.02,
+        qk_norm: bool = False,
         **kwargs,
     ):
         if block_attention not in ("bidirectional", "causal"):
@@ -184,6 +190,7 @@ class DrafterConfig(PretrainedConfig):
         self.block_attention = block_attention
         self.num_anchors = num_anchors
         self.initializer_range = initializer_range
+        self.qk_norm = qk_norm
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

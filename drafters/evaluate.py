@@ -47,6 +47,7 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
         block_size=section.block_size,
         block_attention=section.block_attention,
         num_anchors=section.num_anchors,
+        qk_norm=section.qk_norm,
         **extra,
     )
     if section.kind != "eagle3" and mask_token_id is None:

@@ -50,8 +50,8 @@ def test_every_recipe_validates_and_dry_runs(path, monkeypatch, testbed_drafter)
             monkeypatch.setenv("HF_HUB_OFFLINE", "1")
             load_recipe(path)
         return
-    # eval recipes name a drafter that a training run makes; here, an untrained one stands in
-    overrides = [f"drafter={testbed_drafter}"] if yaml.safe_load(path.read_text())["recipe"] == "eval" else []
+    # eval and export recipes name a drafter that a training run makes; here, an untrained one stands in
+    overrides = [f"drafter={testbed_drafter}"] if yaml.safe_load(path.read_text())["recipe"] in ("eval", "export") else []
     recipe = load_recipe(path, overrides)
     result = run_recipe(recipe, dry_run=True)
     assert result, f"{path} dry-run returned nothing"
