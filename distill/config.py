@@ -267,7 +267,9 @@ def _quant_scheme(value: str, allow_keep: bool) -> str:
         return value
     names = QUANT_SCHEME_EXAMPLES + (["keep"] if allow_keep else [])
     close = difflib.get_close_matches(value, names, n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    bits = re.fullmatch(r"u?int([2-8])(_?wo|_weight_only)?", value)
+    hint = (f"; did you mean 'w{bits.group(1)}' (int{bits.group(1)} weight-only) or '8da{bits.group(1)}w'?" if bits
+            else f"; did you mean '{close[0]}'?" if close else "")
     raise ValueError(f"'{value}' is not a quantization scheme: expected 8da<N>w or w<N> (N = 2..8), "
                      f"int4_weight_only or float8{' or keep' if allow_keep else ''}{hint}")
 
@@ -387,14 +389,23 @@ class QuickstartEvalStage(Strict):
     overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
 
 
+class QuickstartExportStage(Strict):
+    """The quickstart's drafter exported (an ``export`` recipe), behind the parity gate."""
+
+    enabled: bool = True
+    recipe: RecipePath = Field("recipes/configs/export_testbed.yaml", description="an export recipe")
+    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
+
+
 class QuickstartRecipe(RecipeBase):
-    """The main job on the testbed: the target (shipped or trained) evaluated, a drafter trained and
-    then measured in the speculative-decoding loop."""
+    """The main job on the testbed: the target (shipped or trained) evaluated, a drafter trained,
+    measured in the speculative-decoding loop and exported."""
 
     recipe: Literal["quickstart"]
     target: QuickstartTargetStage = Field(default_factory=QuickstartTargetStage)
     drafter: QuickstartDrafterStage = Field(default_factory=QuickstartDrafterStage)
     eval: QuickstartEvalStage = Field(default_factory=QuickstartEvalStage)
+    export: QuickstartExportStage = Field(default_factory=QuickstartExportStage)
     torch_threads: Optional[int] = Field(None, gt=0)
 
 
@@ -433,6 +444,33 @@ class FeaturesSection(Strict):
     cache_dir: Optional[str] = Field(None, description="offline cache folder; None = <output_dir>/feature_cache")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="storage dtype of cached features")
     max_windows: Optional[int] = Field(None, gt=0, description="cap on training windows (both modes)")
+
+
+class DistillSection(Strict):
+    """Logit distillation (see :mod:`distill.kd`): loss = (1 - ce_weight) * divergence + ce_weight * CE."""
+
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "forward_kl", description="forward_kl = KL(target || student); reverse_kl = KL(student || target); jsd uses beta")
+    beta: float = Field(0.5, gt=0, lt=1, description="generalized JSD interpolation (divergence = jsd)")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature of both distributions")
+    ce_weight: float = Field(0.0, ge=0, le=1, description="share of cross-entropy on the data's tokens")
+
+
+class DistillStudentRecipe(TrainingRecipe):
+    """Distill a compact student (a transformer or a Parcae model) from a frozen target's logits."""
+
+    recipe: Literal["distill_student"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    student: ModelConfig = Field(default_factory=lambda: ModelConfig(hidden_size=192, num_layers=4, num_heads=3,
+                                                                     intermediate_size=512))
+    distill: DistillSection = Field(default_factory=DistillSection)
+
+    @model_validator(mode="after")
+    def _fits_context(self) -> "DistillStudentRecipe":
+        if self.data.seq_len > self.student.max_position_embeddings:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds student.max_position_embeddings "
+                             f"({self.student.max_position_embeddings})")
+        return self
 
 
 class TrainDrafterRecipe(TrainingRecipe):
@@ -502,6 +540,9 @@ class DecodingSection(Strict):
     tree_budgets: list[int] = Field(default_factory=lambda: [16], min_length=1,
                                     description="tree nodes per step; several budgets are each measured and plotted")
     confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
+    draft_length: int = Field(7, gt=0, description="causal-LM drafters (students, Parcae): tokens drafted per step")
+    draft_recurrence: Optional[int] = Field(
+        None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
 
 
@@ -510,7 +551,8 @@ class EvalRecipe(RecipeBase):
 
     recipe: Literal["eval"]
     target: TargetConfig = Field(default_factory=TargetConfig)
-    drafter: str = Field(..., description="a drafter folder (save_pretrained output)")
+    drafter: str = Field(..., description="a drafter folder (save_pretrained output), or any causal LM folder "
+                                          "with the target's vocabulary (a student; the target itself for Parcae self-speculation)")
     peer_assistant: Optional[str] = Field(
         None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)")
     prompts: PromptsSection
@@ -630,6 +672,7 @@ class ExportRecipe(RecipeBase):
     gate: ExportGateSection = Field(default_factory=ExportGateSection)
     push_to_hub: PushToHubSection = Field(default_factory=PushToHubSection)
     eval_reports: list[str] = Field(default_factory=list, description="report.json files of eval runs, cited in the card")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="an export run: gate, tables, the folder as an artifact")
     torch_threads: int = Field(1, gt=0)
 
     @field_validator("drafter")
@@ -649,11 +692,12 @@ class ExportRecipe(RecipeBase):
 
 
 Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe, EvalRecipe, QuantizeRecipe,
-                         ExportRecipe],
+                         ExportRecipe, DistillStudentRecipe],
                    Field(discriminator="recipe")]
 RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe,
                                         "train_drafter": TrainDrafterRecipe, "regenerate": RegenerateRecipe,
-                                        "eval": EvalRecipe, "quantize": QuantizeRecipe, "export": ExportRecipe}
+                                        "eval": EvalRecipe, "quantize": QuantizeRecipe, "export": ExportRecipe,
+                                        "distill_student": DistillStudentRecipe}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -271,7 +271,7 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
             n, k = (t.to("cpu", torch.long) for t in depths)
         uniform = bool((n == n[0]).all() and (k == k[0]).all())
         use_cache = cfg.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None and not self.training:
+        if use_cache and cache is None and depths is None and not self.training:
             cache = DynamicCache(config=cfg)
         if cache is not None:
             if not uniform:

@@ -3,6 +3,7 @@
     draftsmith run RECIPE.yaml [section.key=value ...] [--dry-run]
     draftsmith validate RECIPE.yaml [section.key=value ...]
     draftsmith eval --drafter DIR [--target testbed] [--prompts FILE] [--max-new-tokens N]
+                    [--draft-length N --draft-recurrence T]   # a student / Parcae drafter
     draftsmith export --drafter DIR --output-dir OUT [--formats ...] [--push-to-hub OWNER/NAME]
 
 ``run`` validates the recipe (exit status 2 and nothing written on any error), then calls the entry
@@ -21,8 +22,8 @@ import sys
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ENTRY_POINTS = {"train_lm": "recipes.train_lm", "quickstart": "recipes.quickstart", "train_drafter": "recipes.train_drafter",
-                "regenerate": "recipes.regenerate", "eval": "recipes.evaluate",
-                "export": "recipes.export"}
+                "regenerate": "recipes.regenerate", "eval": "recipes.evaluate", "quantize": "recipes.quantize",
+                "export": "recipes.export", "distill_student": "recipes.distill_student"}
 
 
 def run_recipe(recipe, dry_run: bool = False) -> dict:
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--tree-budgets", type=int, nargs="+", default=[16], help="tree nodes per step (tree mode)")
     ev.add_argument("--top-k", type=int, default=0)
     ev.add_argument("--top-p", type=float, default=1.0)
+    ev.add_argument("--draft-length", type=int, default=7, help="tokens per draft for a causal-LM drafter (student, Parcae)")
+    ev.add_argument("--draft-recurrence", type=int, help="Parcae drafter: recurrences while drafting")
     ev.add_argument("--threads", type=int, default=1)
     ev.add_argument("--output-dir", default="runs/eval")
     ex = sub.add_parser("export", help="export a drafter (transformers, vLLM speculators, SGLang EAGLE-3) behind the parity gate")
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "drafter": args.drafter, "prompts": prompts,
                                    "decoding": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                                                 "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
-                                                "tree_budgets": args.tree_budgets, "torch_threads": args.threads}},
+                                                "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
+                                                "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence}},
                                   source="draftsmith eval")
             run_recipe(recipe)
             return 0
@@ -99,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if recipe.recipe == "export" and not args.dry_run:
         return _run_export(recipe)
-    result = run_recipe(recipe, dry_run=args.dry_run)
+    try:
+        result = run_recipe(recipe, dry_run=args.dry_run)
+    except RecipeError as e:  # found once the models are built (a layer-map pattern that matches nothing, ...)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(json.dumps(result, indent=2, default=str))
     return 0

@@ -23,19 +23,23 @@ from pathlib import Path
 import torch
 
 from distill.config import EvalRecipe
-from distill.models import load_target
+from distill.models import load_target, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import set_threads
 from recipes.regenerate import load_prompts, render
-from serve_eval.engine import plain_generate, speculative_generate
+from serve_eval.engine import make_proposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
 
 def load_drafter(folder: str, target, device):
+    """A DFlash / DSpark / EAGLE-3 drafter, or any causal LM (a student, a Parcae model) by folder."""
     import drafters  # noqa: F401  (registers the drafter classes with AutoModel)
-    from transformers import AutoModel
+    import parcae  # noqa: F401  (and Parcae with AutoModelForCausalLM)
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    drafter = AutoModel.from_pretrained(folder).to(device).eval()
+    kind = AutoConfig.from_pretrained(folder).model_type
+    auto = AutoModel if kind in ("draftsmith_dflash", "draftsmith_dspark", "draftsmith_eagle3") else AutoModelForCausalLM
+    drafter = auto.from_pretrained(folder).to(device).eval()
     if drafter.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"drafter {folder} has a {drafter.config.vocab_size}-token vocabulary, the target "
                          f"{target.config.vocab_size}: it was trained for another target")
@@ -65,7 +69,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     set_threads(dec.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, tokenizer = load_target(recipe.target, device)
-    drafter = load_drafter(recipe.drafter, target, device)
+    same = Path(recipe.drafter).resolve() == Path(resolve_target_path(recipe.target.path)).resolve()
+    drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     prompts = load_prompts(recipe, tokenizer)
     if dry_run:
         return {"prompts": len(prompts), "drafter": drafter.config.model_type}
@@ -77,7 +82,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)
-    speculative_generate(target, drafter, encoded[0], 4, eos)
+    speculative_generate(target, drafter, encoded[0], 4, eos,
+                         proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence))
 
     def sampler(prompt_index: int) -> Sampler:  # the same seeds for both loops
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)
@@ -126,15 +132,15 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
 
 def measure(target, drafter, encoded, dec, eos, sampler, budget) -> dict:
     """Baseline and speculative decoding of every prompt, back to back; the report's numbers."""
-    K = drafter.config.block_size
+    new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
+    K = new_proposer().block_size
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless = [], True
     for i, prompt in enumerate(encoded):
         base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
         ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
-                                           confidence_threshold=dec.confidence_threshold, mode=dec.mode,
-                                           tree_budget=budget or 1)
+                                           proposer=new_proposer(), mode=dec.mode, tree_budget=budget or 1)
         same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
         lossless = lossless and same if same is not None else None
         totals["tokens"] += stats.tokens

@@ -1,0 +1,113 @@
+"""Recipe ``distill_student``: a compact student (transformer or Parcae) distilled from a frozen target.
+
+The student is built from ``student`` (any ``train_lm`` architecture, ``arch: parcae`` included) with
+the target's tokenizer and vocabulary, so it can draft for the target in the speculative-decoding
+loop (``draftsmith eval --drafter <run>/model``). It learns the target's next-token distribution on
+the ``data`` section's text: the corpus, or the target's own answers (``regenerate`` recipe output,
+``data.format: prompt_response``, which is TRL's ``seq_kd``). Loss and metrics: :mod:`distill.kd`;
+a Parcae student also draws per-sequence depths (:mod:`parcae.training`) and reports its
+test-time compute curve. ``checkpoints/best`` is the student with the lowest held-out KL.
+
+Why not TRL's ``GKDTrainer``: it is a ``transformers.Trainer``, and this recipe runs on the project's
+trainer like every other (exact resume, the same accelerate launch configs, MFU, the frozen model
+beside the trained one as in drafter recipes). The divergence itself is TRL's
+(``GKDTrainer.generalized_jsd_loss``). On-policy generation (GKD's ``lmbda``) is not implemented.
+
+    draftsmith run recipes/configs/student_testbed.yaml
+    accelerate launch --config_file accelerate_configs/ddp.yaml -m recipes.cli run recipes/configs/student_qwen3_8b.yaml
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distill.config import DistillStudentRecipe
+from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
+from distill.kd import evaluate_student, kd_loss_fn
+from distill.models import build_causal_lm, flops_per_token, load_target, model_summary, special_token_ids
+from distill.provenance import write_json_atomic, write_run_header
+from distill.runtime import init_tracking, make_accelerator, set_threads
+from distill.trainer import Trainer
+from parcae.model import sample_depths
+from parcae.training import curve_rows, depth_seed, plot_recurrence_curve, recurrence_curve, unwrap
+
+
+def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
+    set_threads(recipe.train.torch_threads)
+
+    ### Target (frozen) and student, in the target's vocabulary
+    acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
+    target, tokenizer = load_target(recipe.target, acc.device if acc else "cpu")
+    student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
+    if dry_run:
+        return {"student": model_summary(student), "target": model_summary(target)}
+
+    ### Data, tokenized with the target's tokenizer
+    with acc.main_process_first():
+        splits = load_text_splits(recipe.data, recipe.seed)
+        train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed)
+        val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed)
+    data_record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
+                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    if acc.is_main_process:
+        write_run_header(recipe.output_dir, recipe, data=data_record, student=model_summary(student),
+                         target=recipe.target.path, world_size=acc.num_processes)
+    init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
+
+    ### Loss: the divergence to the target (a Parcae student at a sampled depth per sequence)
+    parcae_cfg = recipe.student.parcae
+
+    def parcae_depths(model, batch):
+        cfg = unwrap(model).config
+        return {"depths": sample_depths(batch.input_ids.shape[0], cfg.mean_recurrence, cfg.mean_backprop_depth,
+                                        depth_seed(recipe.seed, batch.first_sample)), "return_diagnostics": True}
+
+    d = recipe.distill
+    loss_fn = kd_loss_fn(target, d.divergence, d.beta, d.temperature, d.ce_weight, parcae_depths if parcae_cfg else None)
+
+    def evaluate(m, max_batches):
+        metrics = evaluate_student(m, target, val, recipe.train.micro_batch_size, max_batches, acc)
+        if parcae_cfg:
+            metrics.update(recurrence_curve(m, val, recipe.train.micro_batch_size, parcae_cfg.curve_depths(),
+                                            unwrap(m).config.recurrence, max_batches, acc))
+        return metrics
+
+    fpt = flops_per_token(student, recipe.data.seq_len) + flops_per_token(target, recipe.data.seq_len, training=False)
+    trainer = Trainer(
+        accelerator=acc, model=student, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
+        data=train, loss_fn=loss_fn, flops_per_token=fpt, evaluate_fn=lambda m: evaluate(m, recipe.train.eval_batches),
+        best_metric="val_kl", save_extra=tokenizer.save_pretrained,
+    )
+    result = trainer.fit()
+
+    ### Final student, evaluated on the whole held-out split
+    out = Path(recipe.output_dir)
+    trainer.save_model(out / "model")
+    trainer.model.eval()
+    final_eval = evaluate(trainer.model, None)
+    summary = {
+        "checkpoint": str(out / "model"),
+        "best_checkpoint": str(out / "checkpoints" / "best"),
+        "target": recipe.target.path,
+        "student": model_summary(student),
+        "divergence": d.divergence,
+        "steps": result.step,
+        "train_seconds": round(result.train_seconds, 2),
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "mfu": round(result.mfu, 4),
+        "train_tokens_seen": trainer.state.tokens_seen,
+        "best_val_kl": result.best_metric,
+        "best_step": result.best_step,
+        **final_eval,
+        "data": data_record,
+    }
+    if parcae_cfg:
+        summary["recurrence_curve"] = curve_rows(final_eval, parcae_cfg.curve_depths())
+    if acc.is_main_process:
+        tokenizer.save_pretrained(out / "model")
+        if parcae_cfg:
+            plot_recurrence_curve(summary["recurrence_curve"], out / "recurrence_curve.png", parcae_cfg.mean_recurrence,
+                                  f"{out.name}: held-out perplexity vs recurrences")
+        write_json_atomic(out / "summary.json", summary)
+    acc.end_training()
+    return summary
