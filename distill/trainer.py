@@ -109,6 +109,7 @@ class Trainer:
         best_metric: str = "val_loss",
         greater_is_better: bool = False,
         save_extra: Callable[[Path], None] | None = None,
+        before_step: Callable[[int], None] | None = None,
     ):
         self.acc = accelerator
         self.cfg = train_cfg
@@ -120,6 +121,9 @@ class Trainer:
         self.best_metric_name = best_metric
         self.greater_is_better = greater_is_better
         self.save_extra = save_extra
+        # called with the number of completed steps before every step (and so after a resume):
+        # state that is a function of the step, such as QAT's delayed fake quantization
+        self.before_step = before_step
         self.state = TrainerState()
 
         optimizer = build_optimizer(model, optim_cfg)
@@ -252,6 +256,8 @@ class Trainer:
         window = Throughput(self.throughput.flops_per_token, self.peak, self.world)
         while self.state.step < cfg.max_steps:
             t0 = time.perf_counter()
+            if self.before_step:
+                self.before_step(self.state.step)
             self.throughput.start(), window.start()
             logs = self.train_step()
             self.throughput.stop(self.tokens_per_step), window.stop(self.tokens_per_step)

@@ -22,6 +22,7 @@ from distill.feature_cache import CachedFeatureWindows, batch_features, target_f
 from distill.features import LAYER_ID_CONVENTION, FeatureCapture
 from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
+from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters.evaluate import build_drafter, evaluate_drafter
@@ -68,8 +69,10 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
     drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
+    quant = QuantStage(recipe.quant, drafter)  # the layer map against this drafter: errors before any compute
     if dry_run:
-        return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids}
+        return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids,
+                "quant": quant.summary()}
 
     ### Data, tokenized with the target's tokenizer; features online or from a cache
     with acc.main_process_first():
@@ -92,11 +95,13 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         out = model(*batch_features(batch, capture), loss_mask=batch.loss_mask)
         return out.loss, out.logs or {}
 
+    quant.prepare()  # qat: fake quantization before the optimizer is built
     trainer = Trainer(
         accelerator=acc, model=drafter, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
         data=train, loss_fn=loss_fn, flops_per_token=drafter_flops_per_token(drafter, target, recipe.data.seq_len),
         evaluate_fn=lambda m: evaluate_drafter(m, capture, val, recipe.train.micro_batch_size, recipe.train.eval_batches, acc),
         best_metric="val_simulated_tau", greater_is_better=True, save_extra=tokenizer.save_pretrained,
+        before_step=quant.before_step,
     )
     result = trainer.fit()
 
@@ -118,6 +123,10 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         "best_step": result.best_step,
         **result.final_eval,
     }
+    if quant.enabled:  # quant.mode ptq / qat: the quantized drafter in model_quantized/, quant_report.{json,md}
+        summary["quant"] = quant.finish(
+            acc.unwrap_model(trainer.model), trainer.evaluate_fn, out, "val_simulated_tau", tokenizer,
+            exclude_from_bytes=("embed_tokens", "lm_head"), is_main_process=acc.is_main_process)
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
         write_json_atomic(out / "summary.json", summary)

@@ -24,6 +24,7 @@ from distill.data import build_tokenizer, load_text_splits, make_windows, tokeni
 from distill.lm import evaluate_lm, lm_loss
 from distill.models import build_causal_lm, flops_per_token, model_summary, special_token_ids
 from distill.provenance import write_json_atomic, write_run_header
+from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import curve_rows, parcae_lm_loss, plot_recurrence_curve, recurrence_curve
@@ -41,7 +42,7 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
         else:
             vocab, ids = recipe.tokenizer.vocab_size, None
         model = build_causal_lm(recipe.model, vocab, ids)
-        return {"model": model_summary(model)}
+        return {"model": model_summary(model), "quant": QuantStage(recipe.quant, model).summary()}
 
     ### Accelerator, data, tokenizer
     acc = make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
@@ -54,6 +55,8 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     ### Model
     model = build_causal_lm(recipe.model, len(tokenizer), special_token_ids(tokenizer))
     fpt = flops_per_token(model, recipe.data.seq_len)
+    quant = QuantStage(recipe.quant, model)  # the layer map against this model: errors before any compute
+    quant.prepare()  # qat: fake quantization before the optimizer is built
 
     ### Run header
     data_record = {"description": splits.description, "text_fingerprint": splits.fingerprint,
@@ -79,7 +82,7 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
         accelerator=acc, model=model, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
         data=train, loss_fn=parcae_lm_loss(recipe.seed) if parcae_cfg else lm_loss, flops_per_token=fpt,
         evaluate_fn=lambda m: evaluate(m, recipe.train.eval_batches),
-        best_metric="val_loss", save_extra=tokenizer.save_pretrained,
+        best_metric="val_loss", save_extra=tokenizer.save_pretrained, before_step=quant.before_step,
     )
     result = trainer.fit()
 
@@ -105,6 +108,9 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     }
     if parcae_cfg:
         summary["recurrence_curve"] = curve_rows(final_eval, depths)
+    if quant.enabled:  # quant.mode ptq / qat: the quantized copy in model_quantized/, quant_report.{json,md}
+        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model), lambda m: evaluate(m, recipe.train.eval_batches),
+                                        out, "val_loss", tokenizer, is_main_process=acc.is_main_process)
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
         if parcae_cfg:
