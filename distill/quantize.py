@@ -460,6 +460,14 @@ def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra:
     return Path(folder)
 
 
+def is_drafter_config(config) -> bool:
+    """A DFlash / DSpark / EAGLE-3 drafter's config (loaded with ``AutoModel``; causal LMs, students and
+    Parcae with ``AutoModelForCausalLM``)."""
+    from drafters import DRAFTERS
+
+    return isinstance(config, tuple(c for c, _ in DRAFTERS.values()))
+
+
 def load_quantized(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """A model saved by :func:`save_quantized`: built from its config, quantized tensors assigned."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -469,7 +477,7 @@ def load_quantized(folder: str | Path, device: str | torch.device = "cpu") -> nn
 
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
-    is_drafter = config.model_type.startswith("draftsmith_")
+    is_drafter = is_drafter_config(config)
     model = (AutoModel if is_drafter else AutoModelForCausalLM).from_config(config)
     state = torch.load(folder / QUANTIZED_FILE, map_location=device, weights_only=True)
     model.load_state_dict(state, assign=True, strict=True)

@@ -26,6 +26,7 @@ from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.kd import evaluate_student, kd_loss_fn
 from distill.models import build_causal_lm, flops_per_token, load_target, model_summary, special_token_ids
 from distill.provenance import write_json_atomic, write_run_header
+from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.model import sample_depths
@@ -39,8 +40,9 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
     target, tokenizer = load_target(recipe.target, acc.device if acc else "cpu")
     student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
+    quant = QuantStage(recipe.quant, student)  # the layer map against this student: errors before any compute
     if dry_run:
-        return {"student": model_summary(student), "target": model_summary(target)}
+        return {"student": model_summary(student), "target": model_summary(target), "quant": quant.summary()}
 
     ### Data, tokenized with the target's tokenizer
     with acc.main_process_first():
@@ -73,10 +75,11 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
         return metrics
 
     fpt = flops_per_token(student, recipe.data.seq_len) + flops_per_token(target, recipe.data.seq_len, training=False)
+    quant.prepare()  # qat: fake quantization before the optimizer is built
     trainer = Trainer(
         accelerator=acc, model=student, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
         data=train, loss_fn=loss_fn, flops_per_token=fpt, evaluate_fn=lambda m: evaluate(m, recipe.train.eval_batches),
-        best_metric="val_kl", save_extra=tokenizer.save_pretrained,
+        best_metric="val_kl", save_extra=tokenizer.save_pretrained, before_step=quant.before_step,
     )
     result = trainer.fit()
 
@@ -103,6 +106,9 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     }
     if parcae_cfg:
         summary["recurrence_curve"] = curve_rows(final_eval, parcae_cfg.curve_depths())
+    if quant.enabled:  # quant.mode ptq / qat: the quantized student in model_quantized/, quant_report.{json,md}
+        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model), lambda m: evaluate(m, recipe.train.eval_batches),
+                                        out, "val_loss", tokenizer, is_main_process=acc.is_main_process)
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
         if parcae_cfg:

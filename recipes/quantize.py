@@ -40,8 +40,8 @@ import torch
 from distill.config import DecodingSection, PromptsSection, QuantizeRecipe, RecipeError
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.provenance import write_json_atomic, write_run_header
-from distill.quantize import (check_hardware, convert, fake_quant_enabled, model_bytes, prepare_qat, ptq,
-                              quant_report, recovered, resolve_layer_map, save_quantized, set_fake_quant)
+from distill.quantize import (check_hardware, convert, fake_quant_enabled, is_drafter_config, model_bytes, prepare_qat,
+                              ptq, quant_report, recovered, resolve_layer_map, save_quantized, set_fake_quant)
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 
@@ -58,7 +58,7 @@ class Subject:
         self.recipe = recipe
         self.device = device
         config = AutoConfig.from_pretrained(recipe.model)
-        self.is_drafter = config.model_type.startswith("draftsmith_")
+        self.is_drafter = is_drafter_config(config)
         if self.is_drafter:
             from distill.features import FeatureCapture
             from distill.models import load_target

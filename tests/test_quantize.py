@@ -439,3 +439,32 @@ def test_train_drafter_with_qat_on_the_shipped_target(tmp_path):
     base, _ = plain_generate(target, prompt, 16)
     ours, _ = speculative_generate(target, drafter, prompt, 16)
     assert ours == base
+
+
+def test_a_parcae_model_quantizes_keeps_its_dynamics_and_generates(tmp_path):
+    from distill.config import ParcaeSection
+    from serve_eval.engine import plain_generate
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="parcae", hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128,
+                      max_position_embeddings=64, parcae=ParcaeSection(mean_recurrence=2, backprop_depth=1))
+    model = build_causal_lm(cfg, 256).eval()
+    dynamics = {n: p.detach().clone() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "B")}
+    assert {n.rsplit(".", 1)[-1] for n in dynamics} == {"A_log", "dt_bias", "B"}
+    spec = QuantSchemeSpec(scheme="w4", layers={"re:.*mlp\\.(gate|up|down)_proj": "w2"})
+    plan = Q.prepare_qat(model, spec)
+    assert set(dynamics) <= set(plan.kept_parameters)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fake = model(input_ids=ids).logits
+        Q.convert(model, spec, plan)
+        real = model(input_ids=ids).logits
+    assert (real - fake).abs().max() <= 1e-4 * fake.abs().max()
+    for n, before in dynamics.items():
+        p = dict(model.named_parameters())[n]
+        assert type(p.data) is torch.Tensor and torch.equal(p, before), n
+    Q.save_quantized(model, tmp_path / "p", plan)
+    loaded = Q.load_quantized(tmp_path / "p")
+    assert type(loaded).__name__ == "ParcaeForCausalLM" and Q.quantized_layers(loaded) == Q.quantized_layers(model)
+    prompt = ids[0]
+    assert plain_generate(loaded, prompt, 8)[0] == plain_generate(model, prompt, 8)[0]
