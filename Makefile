@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# vLLM's drafter library, only to check exports in the tests. --no-deps: it pins transformers<=5.19 and
+# datasets<=5.1 but loads drafters fine beside the versions here; its import-time deps come from the
+# export-check extra (see README, Export). `pip check` reports those two pins.
+SPECULATORS_SPEC ?= speculators==0.9.0
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
@@ -16,7 +20,8 @@ export TOKENIZERS_PARALLELISM ?= false
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,export-check]"
+	$(PY) -m pip install -q --no-deps "$(SPECULATORS_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed

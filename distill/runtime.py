@@ -44,9 +44,94 @@ def init_tracking(acc, wandb: WandbConfig, output_dir: str | Path, config: dict,
         id_file.write_text(secrets.token_hex(4))
     acc.wait_for_everyone()
     run_id = id_file.read_text().strip()
+    upstream = upstream_runs(config)
     acc.init_trackers(
         wandb.project,
-        config=config,
+        config={**config, "upstream_runs": upstream} if upstream else config,
         init_kwargs={"wandb": {"dir": str(out), "name": wandb.name or default_name, "entity": wandb.entity,
                                "tags": wandb.tags, "id": run_id, "resume": "allow"}},
     )
+    if acc.is_main_process:
+        run = acc.get_tracker("wandb", unwrap=True)
+        record = {"id": run.id, "project": run.project, "entity": run.entity, "name": run.name,
+                  "url": getattr(run, "url", None), "model_artifact": model_artifact_name(run.name)}
+        from .provenance import write_json_atomic
+
+        write_json_atomic(out / RUN_RECORD, record)
+        for role, link in upstream.items():  # also in the run's summary, where the UI lists it
+            run.summary[f"upstream/{role}"] = link.get("url") or link["id"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tracked runs: checkpoints as artifacts, links between target, drafter and evaluation runs
+# --------------------------------------------------------------------------------------------------
+
+RUN_RECORD = "wandb_run.json"  # written into a run folder: how downstream runs find and cite it
+
+
+def model_artifact_name(run_name: str) -> str:
+    import re
+
+    return "model-" + re.sub(r"[^\w.-]", "-", run_name)
+
+
+def find_run_record(path: str | Path | None) -> dict | None:
+    """The wandb run that produced ``path`` (a model folder, a checkpoint or a run folder), found in
+    it or up to three folders above it (``run/checkpoints/best`` -> ``run``)."""
+    if not path:
+        return None
+    folder = Path(path)
+    if folder.name == "testbed" and not folder.exists():
+        from .testbed import SHIPPED_TARGET
+
+        folder = SHIPPED_TARGET
+    for parent in [folder, *list(folder.parents)[:3]]:
+        record = parent / RUN_RECORD
+        if record.is_file():
+            import json
+
+            return json.loads(record.read_text())
+    return None
+
+
+def upstream_runs(config: dict) -> dict:
+    """The runs whose outputs this run reads (its target, its drafter), by the folders its recipe names."""
+    links = {}
+    target = config.get("target")
+    for role, path in (("target", target.get("path") if isinstance(target, dict) else None),
+                       ("drafter", config.get("drafter") if isinstance(config.get("drafter"), str) else None)):
+        record = find_run_record(path)
+        if record:
+            links[role] = record
+    return links
+
+
+def log_checkpoint_artifact(acc, folder: str | Path, aliases: list[str], metadata: dict | None = None,
+                            include=None) -> None:
+    """Log ``folder`` as a version of the run's model artifact with ``aliases`` (``best``, ``latest``);
+    ``include(path) -> bool`` picks the files (e.g. weights without optimizer state). No-op without wandb."""
+    if not acc.is_main_process or not any(getattr(t, "name", "") == "wandb" for t in getattr(acc, "trackers", [])):
+        return
+    import wandb
+
+    run = acc.get_tracker("wandb", unwrap=True)
+    artifact = wandb.Artifact(model_artifact_name(run.name), type="model", metadata=metadata or {})
+    for f in sorted(Path(folder).rglob("*")):
+        if f.is_file() and (include is None or include(f)):
+            artifact.add_file(str(f), name=f.relative_to(folder).as_posix())
+    run.log_artifact(artifact, aliases=aliases)
+
+
+def log_acceptance(acc, metrics: dict, prefix: str = "val", key: str = "best") -> None:
+    """Per-position acceptance (``{prefix}_acc_k``) as a wandb table and bar plot. No-op without wandb."""
+    if not acc.is_main_process or not any(getattr(t, "name", "") == "wandb" for t in getattr(acc, "trackers", [])):
+        return
+    import wandb
+
+    rows = [[k, float(metrics[f"{prefix}_acc_{k}"])] for k in range(1, 1000) if f"{prefix}_acc_{k}" in metrics]
+    if not rows:
+        return
+    run = acc.get_tracker("wandb", unwrap=True)
+    table = wandb.Table(columns=["position", "acceptance"], data=rows)
+    run.log({f"{key}/acceptance_by_position": table,
+             f"{key}/acceptance_plot": wandb.plot.bar(table, "position", "acceptance", title="P(accept k | 1..k-1 accepted)")})

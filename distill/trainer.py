@@ -36,6 +36,7 @@ from .checkpoint import fault_point, find_resumable, write_atomically
 from .config import OptimConfig, TrainConfig
 from .data import PackedWindows
 from .perf import Throughput, measured_matmul_peak
+from .runtime import log_acceptance, log_checkpoint_artifact
 
 
 @dataclass
@@ -160,6 +161,10 @@ class Trainer:
                 (tmp / "trainer_state.json").write_text(json.dumps(self.state.state_dict(), indent=2))
 
         write_atomically(self.acc, self.ckpt_dir / "latest", write, self.state.step)
+        # tracked run: the weights (not optimizer/RNG state) as the model artifact's "latest" version
+        log_checkpoint_artifact(self.acc, self.ckpt_dir / "latest", ["latest", f"step-{self.state.step}"],
+                                {"step": self.state.step, **self.state.last_eval},
+                                include=lambda f: f.suffix == ".safetensors" or f.name == "trainer_state.json")
 
     def _save_best(self, metrics: dict) -> None:
         def write(tmp: Path):
@@ -168,6 +173,9 @@ class Trainer:
                 (tmp / "trainer_state.json").write_text(json.dumps({"step": self.state.step, **metrics}, indent=2))
 
         write_atomically(self.acc, self.ckpt_dir / "best", write, self.state.step)
+        log_checkpoint_artifact(self.acc, self.ckpt_dir / "best", ["best", f"step-{self.state.step}"],
+                                {"step": self.state.step, **metrics})
+        log_acceptance(self.acc, metrics)
 
     def maybe_resume(self) -> bool:
         if not self.cfg.resume:

@@ -43,7 +43,11 @@ MAIN_PROCESS = types.SimpleNamespace(is_main_process=True, wait_for_everyone=lam
 
 
 class ExportRefused(RuntimeError):
-    """The parity gate failed and no override was given."""
+    """The parity gate failed and no override was given; ``gate`` holds its record."""
+
+    def __init__(self, message: str, gate: dict | None = None):
+        super().__init__(message)
+        self.gate = gate
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,7 +175,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
         if not gate["passed"]:
             message = describe_failure(gate)
             if not recipe.gate.allow_failure:
-                raise ExportRefused(f"parity gate failed, export refused ({out} not written; inspect {tmp}):\n{message}")
+                raise ExportRefused(f"parity gate failed, export refused ({out} not written; inspect {tmp}):\n{message}", gate)
             banner = "!" * 78
             print(f"{banner}\nPARITY GATE FAILED, EXPORT PUBLISHED ANYWAY (gate.allow_failure=true):\n{message}\n{banner}",
                   file=sys.stderr)
@@ -181,11 +185,53 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
 
     write_atomically(MAIN_PROCESS, out, write, step=0)
     manifest["output_dir"] = str(out)
+    if recipe.wandb.enabled:
+        manifest["wandb_run"] = track_export(recipe, manifest)
     if recipe.push_to_hub.enabled:
         plan = upload_plan(out, recipe.push_to_hub.repo_id, recipe.push_to_hub.private, recipe.push_to_hub.revision,
                            recipe.push_to_hub.primary_format)
         manifest["hub_url"] = push_to_hub(plan, recipe.push_to_hub.commit_message)
     return manifest
+
+
+def track_export(recipe, manifest: dict) -> dict:
+    """A wandb run (job type ``export``) with the resolved recipe, the gate's numbers, its
+    acceptance-by-position table and plot, the export folder as an artifact (aliases ``export`` and
+    ``gate-passed``/``gate-failed``) and links to the drafter's and the target's runs. Its record goes
+    to ``<output_dir>.wandb_run.json`` (the export folder itself is final and not rewritten)."""
+    import wandb
+
+    from distill.provenance import write_json_atomic
+    from distill.runtime import model_artifact_name, upstream_runs
+
+    out = Path(recipe.output_dir)
+    config = recipe.model_dump(mode="json")
+    upstream = upstream_runs(config)
+    wandb_dir = out.parent / f"{out.name}.wandb"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=recipe.wandb.project, entity=recipe.wandb.entity, name=recipe.wandb.name or f"export-{out.name}",
+                     tags=recipe.wandb.tags, job_type="export", dir=str(wandb_dir), config={**config, "upstream_runs": upstream})
+    try:
+        gate, acc = manifest["gate"], manifest["gate"]["checks"]["acceptance"]
+        table = wandb.Table(columns=["position", "acceptance"],
+                            data=[[k + 1, a] for k, a in enumerate(acc["acceptance_by_position"])])
+        run.log({"gate/acceptance_by_position": table,
+                 "gate/acceptance_plot": wandb.plot.bar(table, "position", "acceptance", title="served drafter: acceptance"),
+                 "gate/measured_tau": acc["measured_tau"], "gate/simulated_tau": acc["simulated_tau"],
+                 "gate/speedup": acc.get("speedup"), "gate/logits_max_abs_diff": gate["logits_max_abs_diff"],
+                 "gate/passed": int(gate["passed"])})
+        for role, link in upstream.items():
+            run.summary[f"upstream/{role}"] = link.get("url") or link["id"]
+        artifact = wandb.Artifact(model_artifact_name(run.name), type="model", metadata={"gate": {
+            k: gate[k] for k in ("passed", "failed", "measured_tau", "simulated_tau", "logits_max_abs_diff")}})
+        artifact.add_dir(str(out))
+        run.log_artifact(artifact, aliases=["export", "gate-passed" if gate["passed"] else "gate-failed"])
+        record = {"id": run.id, "project": run.project, "entity": run.entity, "name": run.name, "url": getattr(run, "url", None),
+                  "upstream_runs": upstream}
+    finally:
+        run.finish()
+    write_json_atomic(out.parent / f"{out.name}.wandb_run.json", record)
+    return record
 
 
 FORMATS_ORDER = ("transformers", "speculators", "sglang_eagle3")

@@ -11,8 +11,12 @@ checkpoint's simulated acceptance length is reported.
 Stage 3, eval: that drafter in the speculative-decoding loop against plain greedy decoding on
 held-out prompts (``eval.recipe``): measured tau, speedup and losslessness.
 
-Writes ``<output_dir>/summary.json`` (one section per stage; later stages add evaluation in the
-decoding loop and export) and prints a short table.
+Stage 4, export: that drafter written for serving engines (``export.recipe``: draftsmith's
+``transformers`` folder, the vLLM ``speculators`` folder, the SGLang folder for EAGLE-3, a model card),
+reloaded and checked by the parity gate before it is published (:mod:`recipes.export`).
+
+Writes ``<output_dir>/summary.json`` (sections ``target``, ``drafter``, ``eval``, ``export``) and prints a
+short table.
 
     make quickstart
     draftsmith run recipes/configs/quickstart.yaml target.source=train
@@ -112,6 +116,14 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
         summary["eval"] = {k: v for k, v in report.items() if k != "per_prompt"}
         summary["eval"]["report"] = str(out / "eval" / "report.json")
         write_json_atomic(summary_path, summary)
+
+    ### The drafter exported for serving engines, behind the parity gate
+    if recipe.drafter.enabled and recipe.export.enabled:
+        summary["export"] = stage_export(recipe, out, target_dir, summary)
+        write_json_atomic(summary_path, summary)
+        if summary["export"].get("refused"):
+            raise RuntimeError(f"the quickstart's drafter failed the parity gate; see {summary_path} (export section)")
+        print_table("export", {k: v for k, v in summary["export"].items() if k != "formats"})
     print(f"wrote {summary_path}")
     return summary
 
@@ -134,6 +146,32 @@ def stage_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict
         "train_seconds": result["train_seconds"],
         "tokens_per_s": result["tokens_per_s"],
         "steps": result["steps"],
+    }
+
+
+def stage_export(recipe: QuickstartRecipe, out: Path, target_dir: Path, summary: dict) -> dict:
+    from recipes import export
+
+    overrides = [f"output_dir={out / 'export'}", f"drafter={summary['drafter']['checkpoint']}", f"target.path={target_dir}"]
+    if "eval" in summary:
+        overrides.append(f"eval_reports=[{summary['eval']['report']}]")
+    try:
+        manifest = export.export_drafter(load_recipe(recipe.export.recipe, overrides + list(recipe.export.overrides)))
+    except export.ExportRefused as e:
+        gate = e.gate or {}
+        return {"refused": True, "folder": None, "gate": {k: gate.get(k) for k in ("passed", "failed", "measured_tau",
+                                                                                   "simulated_tau", "logits_max_abs_diff")}}
+    gate = manifest["gate"]
+    return {
+        "folder": str(out / "export"),
+        "formats": {fmt: str(out / "export" / rec["folder"]) if rec["folder"] else f"not exported: {rec['not_exported']}"
+                    for fmt, rec in manifest["formats"].items()},
+        "gate_passed": gate["passed"],
+        "gate": {"passed": gate["passed"], "failed": gate["failed"], "measured_tau": gate["measured_tau"],
+                 "simulated_tau": gate["simulated_tau"], "logits_max_abs_diff": gate["logits_max_abs_diff"],
+                 "speedup": gate["checks"]["acceptance"].get("speedup"), "lossless": gate["checks"]["acceptance"]["lossless"]},
+        "model_card": str(out / "export" / "README.md"),
+        "seconds": manifest["seconds"],
     }
 
 

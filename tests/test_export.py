@@ -313,3 +313,52 @@ def test_export_recipe_is_validated_before_any_work(exports, tmp_path):
         parse_recipe({**base, "gate": {"allow_failures": True}})
     with pytest.raises(RecipeError, match=r"formats.0"):
         parse_recipe({**base, "formats": ["onnx"]})
+
+
+def test_tracked_runs_carry_checkpoints_tables_and_links(tmp_path, tiny_target_dir, target, val_windows):
+    """Offline wandb: the drafter run logs its checkpoints as a model artifact (aliases best/latest) and
+    the acceptance table; it links to its target's run, and the export run links to both."""
+    import shutil
+
+    from recipes import train_drafter
+    from recipes.export import export_drafter
+
+    from .conftest import reset_accelerate
+    from .test_trainer import wandb_records
+
+    tracked_target = tmp_path / "target_run" / "model"
+    shutil.copytree(tiny_target_dir, tracked_target)
+    (tracked_target.parent / "wandb_run.json").write_text(json.dumps({"id": "tgt123", "project": "p", "entity": None,
+                                                                     "name": "target", "url": None}))
+    out = tmp_path / "drafter_run"
+    recipe = parse_recipe({
+        "recipe": "train_drafter", "output_dir": str(out), "target": {"path": str(tracked_target)},
+        "drafter": {"kind": "eagle3", "num_layers": 1, "block_size": 3},
+        "data": {"source": "stdlib", "seq_len": 32, "max_documents": 40, "val_fraction": 0.1},
+        "train": {"max_steps": 2, "micro_batch_size": 2, "eval_every": 2, "eval_batches": 1, "save_every": 2, "log_every": 1,
+                  "torch_threads": 1},
+        "wandb": {"enabled": True, "project": "draftsmith-tests", "name": "tiny-drafter"}})
+    train_drafter.main(recipe)
+    reset_accelerate()
+    run_record = json.loads((out / "wandb_run.json").read_text())
+    records = wandb_records(next(next((out / "wandb").glob("offline-run-*")).glob("run-*.wandb")))
+    config = {item.key: json.loads(item.value_json) for r in records if r.HasField("config") for item in r.config.update}
+    assert config["upstream_runs"]["target"]["id"] == "tgt123" and config["drafter"]["kind"] == "eagle3"
+    artifacts = [r.artifact for r in records if r.HasField("artifact") and r.artifact.type == "model"]  # (tables are artifacts too)
+    aliases = {a for art in artifacts for a in art.aliases}
+    assert {"best", "latest", "step-2"} <= aliases
+    assert all(art.name == run_record["model_artifact"] for art in artifacts)
+    files = {entry.path for art in artifacts for entry in art.manifest.contents}
+    assert "model.safetensors" in files and not any("optimizer" in f for f in files)  # weights, not optimizer state
+    logged = set().union(*[{item.key or "/".join(item.nested_key) for item in r.history.item} for r in records if r.HasField("history")])
+    assert {"best/acceptance_by_position/_type", "val_simulated_tau"} <= logged, logged  # a wandb table (nested keys)
+
+    export_out = tmp_path / "export"
+    manifest = export_drafter(export_recipe(out / "checkpoints" / "best", export_out, tracked_target,
+                                            wandb={"enabled": True, "project": "draftsmith-tests"}))
+    link = manifest["wandb_run"]["upstream_runs"]
+    assert link["drafter"]["id"] == run_record["id"] and link["target"]["id"] == "tgt123"
+    export_records = wandb_records(next((tmp_path / "export.wandb" / "wandb").glob("offline-run-*/run-*.wandb")))
+    art = [r.artifact for r in export_records if r.HasField("artifact") and r.artifact.type == "model"]
+    assert art and {"export", "gate-passed"} <= set(art[0].aliases)
+    assert {"speculators/config.json", "README.md"} <= {e.path for e in art[0].manifest.contents}

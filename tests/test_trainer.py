@@ -98,8 +98,21 @@ def test_schedules():
     assert sched.get_last_lr()[0] == pytest.approx(0.1, abs=1e-6)
 
 
-def wandb_records(path):
-    """Records of an offline ``run-*.wandb`` file (LevelDB log framing: 7-byte header, 32 KiB blocks)."""
+def wandb_records(path, timeout: float = 60.0):
+    """Records of an offline ``run-*.wandb`` file (LevelDB log framing: 7-byte header, 32 KiB blocks),
+    read once wandb's service has written the run's exit record (it writes asynchronously, so on a busy
+    machine the file can still be growing when ``finish`` returns)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _read_wandb_records(path)
+        if any(r.HasField("exit") for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+def _read_wandb_records(path):
     from wandb.proto import wandb_internal_pb2 as pb
 
     data, pos, block, buf, records = path.read_bytes(), 7, 32768, b"", []
