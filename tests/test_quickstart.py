@@ -41,7 +41,10 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
                            "drafter": {"overrides": tiny_drafter},
                            "eval": {"overrides": ["prompts.from_corpus=2", "prompts.prompt_tokens=12",
                                                   "decoding.max_new_tokens=12", "data.max_documents=40",
-                                                  "data.val_fraction=0.1"]}})
+                                                  "data.val_fraction=0.1"]},
+                           "export": {"overrides": ["prompts.from_corpus=2", "prompts.prompt_tokens=12",
+                                                    "gate.max_new_tokens=12", "data.max_documents=40",
+                                                    "data.val_fraction=0.1"]}})
     summary = quickstart.main(recipe)
     target = summary["target"]
     assert target["source"] == "trained in this run" and target["checkpoint"] == str(out / "target" / "model")
@@ -54,3 +57,8 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     saved = json.loads((out / "summary.json").read_text())
     assert saved["drafter"] == drafter
     assert saved["eval"]["lossless"] is True and saved["eval"]["prompts"] == 2 and saved["eval"]["speedup"] > 0
+    export = saved["export"]  # stage 4: the drafter exported behind the parity gate
+    assert export["gate"]["passed"] and export["gate"]["logits_max_abs_diff"] == 0.0
+    assert export["formats"]["transformers"] == str(out / "export" / "transformers")
+    assert export["formats"]["speculators"].startswith("not exported") and "qk_norm" in export["formats"]["speculators"]
+    assert (out / "export" / "README.md").exists() and (out / "export" / "export.json").exists()
