@@ -9,7 +9,7 @@ import torch
 from distill.config import DataConfig, TargetConfig
 from distill.data import load_text_splits
 from distill.models import load_target
-from serve_eval.engine import TargetSession, plain_generate, make_proposer, speculative_generate
+from serve_eval.engine import Proposer, TargetSession, make_proposer, plain_generate, speculative_generate
 
 from .conftest import reset_accelerate
 from .test_drafters import KINDS, drafter_recipe
@@ -41,7 +41,7 @@ def trained_drafters(tmp_path_factory, tiny_target_dir):
     return out
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Proposes the baseline's own continuation (always accepted) or a wrong token (always rejected)."""
 
     def __init__(self, reference: list[int], prompt_len: int, block_size: int, vocab: int, wrong: bool):

@@ -12,7 +12,7 @@ import torch
 from distill.config import DrafterSection, ModelConfig
 from distill.models import build_causal_lm
 from drafters.evaluate import build_drafter
-from serve_eval.engine import plain_generate, speculative_generate
+from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler, verify_chain
 
 VOCAB, PROMPT, SAMPLES = 6, torch.tensor([1, 2, 3]), 1500
@@ -65,14 +65,14 @@ def follow_the_best_child(tree, logits, choose):
     return path, choose(logits[path[-1]])
 
 
-def sampled_joint(target, drafter, sampler_args, verify=verify_chain, plain=False, **tree) -> torch.Tensor:
+def sampled_joint(target, drafter, sampler_args, verify=verify_chain, plain=False, **kwargs) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB)
     sampler = Sampler(**sampler_args, generator=torch.Generator().manual_seed(1))
     for _ in range(SAMPLES):
         if plain:
             out, _ = plain_generate(target, PROMPT, 3, sampler=sampler)
         else:
-            out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler, verify=verify, **tree)
+            out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler, verify=verify, **kwargs)
         counts[out[1], out[2]] += 1
     return counts
 
@@ -100,6 +100,32 @@ def test_tree_sampling_matches_the_target_distribution(toy_target):
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5), exact) > 1e-3
     broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
     assert chi_square_pvalue(broken, exact) < 1e-6
+
+
+@pytest.mark.parametrize("drafter_kind", ["student", "parcae_self"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_causal_lm_drafters_sample_the_target_distribution(toy_target, drafter_kind, mode):
+    """A student drafting for the target, and a Parcae model drafting for itself at T = 1."""
+    from parcae import ParcaeConfig, ParcaeForCausalLM
+
+    torch.manual_seed(3)
+    if drafter_kind == "student":
+        target = toy_target
+        drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
+                                              max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+        proposer = LMProposer(drafter, 2)
+    else:
+        target = drafter = ParcaeForCausalLM(ParcaeConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2,
+                                                          intermediate_size=32, n_core=1, mean_recurrence=3,
+                                                          initializer_range=0.4)).eval()
+        proposer = LMProposer(drafter, 2, num_steps=1)
+    args = {"temperature": 1.0}
+    exact = exact_joint(target, Sampler(**args))
+    tree = {"mode": mode, "tree_budget": 4}
+    assert chi_square_pvalue(sampled_joint(target, drafter, args, proposer=proposer, **tree), exact) > 1e-3
+    if drafter_kind == "student" and mode == "chain":  # the test's power, once (the verifiers are shared)
+        broken = sampled_joint(target, drafter, args, proposer=proposer, verify=accept_everything, **tree)
+        assert chi_square_pvalue(broken, exact) < 1e-6
 
 
 def test_plain_sampling_matches_too(toy_target):
