@@ -48,11 +48,11 @@ Sizes (:func:`model_bytes`)
     serving format stores: ``N/8`` bytes per code plus the scales and zero points as stored.
 
 Saving
-    Quantized weights are tensor subclasses; safetensors cannot hold them, so :func:`save_quantized`
-    writes ``config.json``, ``quantized_model.pt`` (``torch.save`` of the state dict) and
-    ``quantization.json`` (the resolved per-layer plan); :func:`load_quantized` rebuilds the model from
-    its config and assigns the saved tensors (``torch.load(weights_only=True)``; torchao registers its
-    tensor classes as safe globals).
+    Quantized weights are tensor subclasses, which ``safetensors.save_file`` cannot take as they are;
+    torchao flattens them into plain tensors plus JSON metadata (``torchao.prototype.safetensors``, the
+    layout transformers' ``TorchAoConfig`` reads and writes). :func:`save_quantized` writes
+    ``config.json``, ``model.safetensors`` in that layout and ``quantization.json`` (the resolved
+    per-layer plan); :func:`load_quantized` rebuilds the model from its config and assigns the tensors.
 
 Function API (any ``nn.Module`` with Linear layers; a training recipe uses :class:`QuantStage`)::
 
@@ -84,19 +84,8 @@ from .config import RecipeError, QuantSchemeSpec, QuantSection
 
 #: parameter / module names that are never quantized (Parcae's injection dynamics: A_log, Delta, B)
 ALWAYS_KEEP = ("A_log", "dt_bias", "Delta", "B")
-QUANTIZED_FILE = "quantized_model.pt"
+QUANTIZED_FILE = "model.safetensors"
 PLAN_FILE = "quantization.json"
-
-#: which serving engines load each scheme, and how (also in the README)
-SERVING = {
-    "8da": "ExecuTorch (XNNPACK, 8da4w) and torchao's CPU kernels: load quantized_model.pt into the "
-           "model and export; vLLM / SGLang / transformers through TorchAoConfig(Int8DynamicActivationIntxWeightConfig)",
-    "w": "transformers (TorchAoConfig(IntxWeightOnlyConfig)) and ExecuTorch; vLLM through torchao where the "
-         "intx weight-only kernel is built",
-    "int4_weight_only": "vLLM and SGLang (torchao quantization, Int4WeightOnlyConfig), transformers on CUDA",
-    "float8": "vLLM and SGLang (fp8 / torchao Float8DynamicActivationFloat8WeightConfig) on sm89+ GPUs",
-}
-
 
 # --------------------------------------------------------------------------------------------------
 # Schemes
@@ -441,17 +430,46 @@ def _publish(final: Path, write: Callable[[Path], None]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def transformers_quantization_config(plan: LayerPlan):
+    """The plan as transformers' ``TorchAoConfig`` (an ``FqnToConfig`` of exact module names): written into
+    ``config.json``, so ``from_pretrained`` (transformers, and engines that load through it) reads the
+    quantized weights as they are."""
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(quant_type=_fqn_config(plan, None))
+
+
 def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra: dict | None = None,
                    tokenizer=None) -> Path:
-    """``config.json`` + ``quantized_model.pt`` + ``quantization.json`` (+ tokenizer), written atomically."""
+    """``config.json`` + ``model.safetensors`` (torchao's flattened tensor-subclass format) +
+    ``quantization.json`` (+ tokenizer), written atomically."""
     import torchao
+    from safetensors.torch import save_file
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    state, aliases, seen = {}, {}, {}
+    for name, t in model.state_dict().items():
+        if type(t) is torch.Tensor:  # tied weights (a kept head and its embeddings) are stored once
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            if key in seen:
+                aliases[name] = seen[key]
+                continue
+            seen[key] = name
+            t = t.contiguous()
+        state[name] = t
+    tensors, metadata = flatten_tensor_state_dict(state)
+    metadata["draftsmith_aliases"] = json.dumps(aliases)
+
+    config = copy.deepcopy(model.config)
+    config.quantization_config = transformers_quantization_config(plan).to_dict()
 
     def write(tmp: Path) -> None:
-        model.config.save_pretrained(tmp)
-        torch.save(model.state_dict(), tmp / QUANTIZED_FILE)
+        config.save_pretrained(tmp)
+        save_file(tensors, tmp / QUANTIZED_FILE, metadata=metadata)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        record = {"format": "torch.save state_dict of torchao tensor subclasses (not safetensors)",
+        record = {"format": f"{QUANTIZED_FILE}: torchao tensor subclasses flattened for safetensors "
+                            "(torchao.prototype.safetensors), the layout transformers' TorchAoConfig also uses",
                   "torchao": torchao.__version__, "torch": torch.__version__,
                   "load": "distill.quantize.load_quantized(folder)", **(extra or {}), "plan": plan.to_json()}
         (tmp / PLAN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -479,7 +497,17 @@ def load_quantized(folder: str | Path, device: str | torch.device = "cpu") -> nn
     config = AutoConfig.from_pretrained(folder)
     is_drafter = is_drafter_config(config)
     model = (AutoModel if is_drafter else AutoModelForCausalLM).from_config(config)
-    state = torch.load(folder / QUANTIZED_FILE, map_location=device, weights_only=True)
+    from safetensors import safe_open
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    with safe_open(folder / QUANTIZED_FILE, framework="pt", device=str(device)) as f:
+        metadata = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    state, leftover = unflatten_tensor_state_dict(tensors, metadata)
+    if leftover:
+        raise ValueError(f"{folder / QUANTIZED_FILE}: tensors no metadata names: {sorted(leftover)[:5]}")
+    for name, source in json.loads(metadata.get("draftsmith_aliases", "{}")).items():
+        state[name] = state[source]
     model.load_state_dict(state, assign=True, strict=True)
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()

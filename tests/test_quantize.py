@@ -281,6 +281,13 @@ def test_save_and_load_round_trip(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
     assert Q.model_bytes(loaded) == Q.model_bytes(model)
+    # config.json carries a TorchAoConfig, so transformers loads the quantized weights as they are
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert Q.quantized_layers(hf) == Q.quantized_layers(model)
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
 def test_quantized_drafter_saves_reloads_and_stays_lossless_in_the_decoding_loop(tmp_path):
@@ -298,6 +305,9 @@ def test_quantized_drafter_saves_reloads_and_stays_lossless_in_the_decoding_loop
     loaded = Q.load_quantized(tmp_path / "d")
     assert Q.quantized_layers(loaded) == Q.quantized_layers(drafter) and "layers.0.attn.q_proj" in Q.quantized_layers(loaded)
     assert not loaded.lm_head.weight.requires_grad
+    from transformers import AutoModel
+
+    assert Q.quantized_layers(AutoModel.from_pretrained(tmp_path / "d")) == Q.quantized_layers(drafter)
     prompt = torch.randint(0, 255, (12,), generator=torch.Generator().manual_seed(1))
     base, _ = plain_generate(target, prompt, 24)
     ours, stats = speculative_generate(target, loaded, prompt, 24)
