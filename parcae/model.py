@@ -302,12 +302,11 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
                     u = self.injection(h, e)
                     for j, block in enumerate(self.core):
                         u = self._run(block, cfg.n_prelude + iteration * cfg.n_core + j, u, **kw)
-                    h_prev = h
                     if uniform:
-                        h = u
-                    else:  # sequences past their depth keep their state
+                        h_prev, h = h, u
+                    else:  # sequences past their depth keep their state (and their last change)
                         active = (t < phase_steps).to(h.device)[:, None, None]
-                        h, h_prev = torch.where(active, u, h), torch.where(active, h_prev, h)
+                        h_prev, h = torch.where(active, h, h_prev), torch.where(active, u, h)
                     iteration += 1
 
         ### Coda and head
