@@ -595,6 +595,8 @@ class QuantizeRecipe(RecipeBase):
     variants: dict[str, QuantSchemeSpec] = Field(..., min_length=1, description="name -> scheme, group_size, layers")
     compute_matched: bool = Field(True, description="also fine-tune full precision for the same steps and PTQ that")
     fake_quant_after_steps: int = Field(0, ge=0, description="QAT fine-tunes in full precision for this many steps first")
+    min_gap: Optional[float] = Field(None, ge=0, description="report recovered only where |full - PTQ| >= this (tau "
+                                     "or nats); None = 0.01; below it the ratio divides noise by noise")
     measure: QuantMeasureSection = Field(default_factory=QuantMeasureSection)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -212,7 +212,6 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:
         rows.append(measure_row(full_ft, "full_ft", "-", steps))
 
     ### Per variant: PTQ, compute-matched PTQ, QAT (fine-tuned with fake quantization, converted)
-    summary = []
     for name, spec in recipe.variants.items():
         plan = plans[name]
         q = copy.deepcopy(model)
@@ -236,41 +235,54 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:
         save_quantized(qat_model, out / name / "model_quantized", plan,
                        {"scheme": spec.scheme, "group_size": spec.group_size, "source": recipe.model, "qat_steps": steps},
                        subject.tokenizer)
-        summary.append(variant_summary(name, spec, rows, metric, subject.is_drafter))
 
     ### Report
-    columns = ["variant", "model", "extra_steps", "bytes", "packed_bytes", "own_packed_bytes", metric]
-    columns += (["val_tau_probabilistic", "measured_tau", "tokens_per_s", "speedup", "lossless"] if subject.is_drafter
-                else ["val_ppl", "val_acc", "tokens_per_s"])
-    title = f"{'drafter' if subject.is_drafter else 'LM'} {recipe.model}: full vs PTQ vs QAT ({steps} QAT steps)"
-    report = quant_report(rows, out, metric, [c for c in columns if any(c in r for r in rows)], title, summary)
-    print((out / "quant_report.md").read_text())
+    result = write_report(recipe, rows, out, subject.is_drafter)
     acc.log({f"quant/{r['variant']}/{r['model']}/{k}": v for r in rows for k, v in r.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    result = {"report": str(out / "quant_report.md"), "metric": metric, "summary": summary}
-    write_json_atomic(out / "summary.json", {**result, "rows": report["rows"]})
     acc.end_training()
     return result
 
 
-def variant_summary(name: str, spec, rows: list[dict], metric: str, is_drafter: bool) -> dict:
-    """One line per variant: the primary metric of every model, the gap and how much QAT recovered."""
+def write_report(recipe: QuantizeRecipe, rows: list[dict], out: Path, is_drafter: bool) -> dict:
+    """The per-row table, the per-variant summary (gap, recovered), the plot and ``summary.json``."""
+    metric = "val_simulated_tau" if is_drafter else "val_loss"
+    min_gap = recipe.min_gap if recipe.min_gap is not None else 0.01
+    summary = [variant_summary(name, spec, rows, metric, is_drafter, min_gap) for name, spec in recipe.variants.items()
+               if any(r["variant"] == name for r in rows)]
+    columns = ["variant", "model", "extra_steps", "bytes", "packed_bytes", "own_packed_bytes", metric]
+    columns += (["val_tau_probabilistic", "measured_tau", "tokens_per_s", "speedup", "lossless"] if is_drafter
+                else ["val_ppl", "val_acc", "tokens_per_s"])
+    title = (f"{'drafter' if is_drafter else 'LM'} {recipe.model}: full vs PTQ vs QAT ({recipe.train.max_steps} QAT steps; "
+             f"recovered shown where |gap| >= {min_gap})")
+    report = quant_report(rows, out, metric, [c for c in columns if any(c in r for r in rows)], title, summary)
+    print((out / "quant_report.md").read_text())
+    result = {"report": str(out / "quant_report.md"), "metric": metric, "min_gap": min_gap, "summary": summary}
+    write_json_atomic(out / "summary.json", {**result, "rows": report["rows"]})
+    return result
+
+
+def variant_summary(name: str, spec, rows: list[dict], metric: str, is_drafter: bool, min_gap: float) -> dict:
+    """One line per variant: the primary metric of every model, the gap and how much QAT recovered
+    (None where the gap is below ``min_gap``: a ratio of noise to noise)."""
     get = {r["model"]: r for r in rows if r["variant"] in (name, "-")}
     value = lambda kind, key=metric: get.get(kind, {}).get(key)  # noqa: E731
     matched = "full_ft" in get
+
+    def share(full, base, qat):
+        return None if None in (full, base) or abs(full - base) < min_gap else _round(recovered(full, base, qat))
+
     full, base = (value("full_ft"), value("ptq_ft")) if matched else (value("full"), value("ptq"))
     out = {"variant": name, "scheme": spec.scheme + (" + map" if spec.layers else ""), "group_size": spec.group_size,
            "packed_MB": round(get["qat"]["packed_bytes"] / 1e6, 3), "own_packed_MB": round(get["qat"]["own_packed_bytes"] / 1e6, 3),
            f"full {metric}": value("full"), f"full_ft {metric}": value("full_ft"), f"ptq {metric}": value("ptq"),
            f"ptq_ft {metric}": value("ptq_ft"), f"qat {metric}": value("qat"),
            "gap": None if None in (full, base) else round(full - base, 4),
-           "recovered": _round(recovered(full, base, value("qat"))),
-           "recovered_vs_original": _round(recovered(value("full"), value("ptq"), value("qat")))}
-    if is_drafter and value("qat", "measured_tau") is not None:
-        mt = lambda kind: value(kind, "measured_tau")  # noqa: E731
-        fm, bm = (mt("full_ft"), mt("ptq_ft")) if matched else (mt("full"), mt("ptq"))
-        out.update({"measured_tau full": mt("full"), "measured_tau ptq": mt("ptq"), "measured_tau qat": mt("qat"),
-                    "recovered (measured tau)": _round(recovered(fm, bm, mt("qat")))})
+           "recovered": share(full, base, value("qat")),
+           "recovered_vs_original": share(value("full"), value("ptq"), value("qat"))}
+    if is_drafter and value("qat", "measured_tau") is not None:  # a few hundred drafts: too noisy for a ratio
+        out.update({f"measured_tau {kind}": value(kind, "measured_tau") for kind in ("full", "full_ft", "ptq", "ptq_ft", "qat")
+                    if kind in get})
     return out
 
 

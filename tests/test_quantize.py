@@ -380,7 +380,7 @@ def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
     src, _ = tiny_trained_lm
     recipe = {"recipe": "quantize", "output_dir": str(tmp_path / "q"), "model": str(src / "model"),
               "variants": {"w2": {"scheme": "w2"}, "mixed": {"scheme": "w4", "layers": {MLP: "w2"}}},
-              "measure": {"prompts": 1, "prompt_tokens": 8, "max_new_tokens": 4},
+              "measure": {"prompts": 1, "prompt_tokens": 8, "max_new_tokens": 4}, "min_gap": 0.0,
               "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
               "optim": {"lr": 1e-3, "warmup_steps": 0},
               "train": {"max_steps": 3, "micro_batch_size": 4, "eval_every": 3, "eval_batches": 2, "save_every": 3,
@@ -398,6 +398,11 @@ def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
     w2 = result["summary"][0]
     expected = Q.recovered(rows[("-", "full_ft")]["val_loss"], rows[("w2", "ptq_ft")]["val_loss"], rows[("w2", "qat")]["val_loss"])
     assert w2["variant"] == "w2" and w2["recovered"] == pytest.approx(expected, abs=1e-3)
+    assert json.loads((tmp_path / "q" / "summary.json").read_text())["summary"] == result["summary"]
+    # a gap below min_gap is noise: no ratio is reported
+    rows_json = report["rows"]
+    assert quantize.variant_summary("w2", parse_recipe(recipe).variants["w2"], rows_json, "val_loss", False,
+                                    min_gap=1e9)["recovered"] is None
     assert (tmp_path / "q" / "quant_report.png").exists() and "| w2 | qat |" in (tmp_path / "q" / "quant_report.md").read_text()
     assert Q.quantized_layers(Q.load_quantized(tmp_path / "q" / "mixed" / "model_quantized"))
 
