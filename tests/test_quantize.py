@@ -394,7 +394,7 @@ def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
     rows = {k: r for k, r in zip(kinds, report["rows"])}
     assert rows[("w2", "ptq")]["packed_bytes"] < rows[("-", "full")]["packed_bytes"]
     assert rows[("w2", "qat")]["packed_bytes"] == rows[("w2", "ptq")]["packed_bytes"]
-    assert all(r["tokens_per_s"] > 0 for r in report["rows"])
+    assert all(r["tokens_per_s"] > 0 and r["speed_vs_full"] > 0 for r in report["rows"])
     w2 = result["summary"][0]
     expected = Q.recovered(rows[("-", "full_ft")]["val_loss"], rows[("w2", "ptq_ft")]["val_loss"], rows[("w2", "qat")]["val_loss"])
     assert w2["variant"] == "w2" and w2["recovered"] == pytest.approx(expected, abs=1e-3)
