@@ -28,9 +28,11 @@ The three models a report compares (torchao's convention)
     * **PTQ**: that model quantized as is (post-training quantization, no data);
     * **QAT**: the same starting point fine-tuned with fake quantization, then converted.
     QAT had extra training steps; ``recipes/quantize.py`` therefore also fine-tunes full precision for
-    the same steps and PTQs that (*compute-matched*). ``recovered = (QAT - PTQ) / (full - PTQ)``:
-    the share of the quantization gap QAT wins back (1 = QAT matches full precision, 0 = no better
-    than PTQ, < 0 worse), on the primary metric (drafters: simulated tau; LMs: held-out loss).
+    the same steps (``full_ft``) and PTQs that (``ptq_ft``, *compute-matched*).
+    ``recovered = (QAT - PTQ_ft) / (full_ft - PTQ_ft)``: the share of the quantization gap QAT wins
+    back (1 = QAT matches full precision, 0 = no better than PTQ, < 0 worse), on the primary metric
+    (drafters: simulated tau; LMs: held-out loss); not reported where ``|full - PTQ|`` is below the
+    recipe's ``min_gap`` (a ratio of noise to noise).
 
 Per-layer maps
     :func:`resolve_layer_map` turns a recipe's ordered ``pattern -> scheme | keep`` map into one
@@ -51,8 +53,10 @@ Saving
     Quantized weights are tensor subclasses, which ``safetensors.save_file`` cannot take as they are;
     torchao flattens them into plain tensors plus JSON metadata (``torchao.prototype.safetensors``, the
     layout transformers' ``TorchAoConfig`` reads and writes). :func:`save_quantized` writes
-    ``config.json``, ``model.safetensors`` in that layout and ``quantization.json`` (the resolved
-    per-layer plan); :func:`load_quantized` rebuilds the model from its config and assigns the tensors.
+    ``config.json`` (with a ``quantization_config``: a ``TorchAoConfig`` wrapping the plan as an
+    ``FqnToConfig``, so transformers' ``from_pretrained`` loads the folder as it is),
+    ``model.safetensors`` in that layout and ``quantization.json`` (the resolved per-layer plan);
+    :func:`load_quantized` rebuilds the model from its config and assigns the tensors.
 
 Function API (any ``nn.Module`` with Linear layers; a training recipe uses :class:`QuantStage`)::
 
@@ -194,7 +198,7 @@ def _matches(pattern: str, name: str) -> bool:
 
 def _closest(pattern: str, names: list[str], n: int = 5) -> list[str]:
     probe = pattern[3:] if pattern.startswith("re:") else pattern
-    probe = re.sub(r"[\\^$*+?()\[\]{}|]", "", probe).replace(".", ".")
+    probe = re.sub(r"[\\^$*+?()\[\]{}|]", "", probe)  # regex syntax out, names in
     scored = sorted(names, key=lambda x: -difflib.SequenceMatcher(None, probe, x).ratio())
     return scored[:n]
 
