@@ -248,6 +248,12 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:
     result = write_report(recipe, rows, out, subject.is_drafter)
     acc.log({f"quant/{r['variant']}/{r['model']}/{k}": v for r in rows for k, v in r.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    if recipe.wandb.enabled and acc.is_main_process:  # the tables themselves, as wandb tables
+        import wandb
+
+        for key, table in (("quant/rows", rows), ("quant/summary", result["summary"])):
+            columns = list(dict.fromkeys(k for r in table for k in r))
+            acc.log({key: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in table])})
     acc.end_training()
     return result
 
