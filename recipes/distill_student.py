@@ -25,12 +25,13 @@ from distill.config import DistillStudentRecipe
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.kd import evaluate_student, kd_loss_fn
 from distill.models import build_causal_lm, flops_per_token, load_target, model_summary, special_token_ids
-from distill.provenance import write_json_atomic, write_run_header
+from distill.provenance import write_run_header
 from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.model import sample_depths
-from parcae.training import curve_rows, depth_seed, plot_recurrence_curve, recurrence_curve, unwrap
+from parcae.training import depth_seed, recurrence_curve, unwrap
+from recipes.train_lm import finish_lm_run
 
 
 def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
@@ -83,14 +84,8 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     )
     result = trainer.fit()
 
-    ### Final student, evaluated on the whole held-out split
-    out = Path(recipe.output_dir)
-    trainer.save_model(out / "model")
-    trainer.model.eval()
-    final_eval = evaluate(trainer.model, None)
-    summary = {
-        "checkpoint": str(out / "model"),
-        "best_checkpoint": str(out / "checkpoints" / "best"),
+    ### Final student, evaluated on the whole held-out split, and summary
+    return finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, {
         "target": recipe.target.path,
         "student": model_summary(student),
         "divergence": d.divergence,
@@ -101,19 +96,5 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
         "train_tokens_seen": trainer.state.tokens_seen,
         "best_val_kl": result.best_metric,
         "best_step": result.best_step,
-        **final_eval,
         "data": data_record,
-    }
-    if parcae_cfg:
-        summary["recurrence_curve"] = curve_rows(final_eval, parcae_cfg.curve_depths())
-    if quant.enabled:  # quant.mode ptq / qat: the quantized student in model_quantized/, quant_report.{json,md}
-        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model), lambda m: evaluate(m, recipe.train.eval_batches),
-                                        out, "val_loss", tokenizer, is_main_process=acc.is_main_process)
-    if acc.is_main_process:
-        tokenizer.save_pretrained(out / "model")
-        if parcae_cfg:
-            plot_recurrence_curve(summary["recurrence_curve"], out / "recurrence_curve.png", parcae_cfg.mean_recurrence,
-                                  f"{out.name}: held-out perplexity vs recurrences")
-        write_json_atomic(out / "summary.json", summary)
-    acc.end_training()
-    return summary
+    })

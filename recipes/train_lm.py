@@ -87,13 +87,7 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     result = trainer.fit()
 
     ### Final model, evaluated on the whole held-out split, and summary
-    out = Path(recipe.output_dir)
-    trainer.save_model(out / "model")
-    trainer.model.eval()
-    final_eval = evaluate(trainer.model, None)
-    summary = {
-        "checkpoint": str(out / "model"),
-        "best_checkpoint": str(out / "checkpoints" / "best"),
+    return finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, {
         "steps": result.step,
         "skipped_steps": result.skipped_steps,
         "world_size": result.world_size,
@@ -103,13 +97,24 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
         "peak_flops": result.peak_flops,
         "train_tokens_seen": trainer.state.tokens_seen,
         "epochs": round(train.epoch_of(trainer.state.samples_consumed), 3),
-        **final_eval,
         "data": data_record,
-    }
+    })
+
+
+def finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, record: dict) -> dict:
+    """The end of a run that trains a causal LM (``train_lm``, ``distill_student``): save ``model/``,
+    evaluate it on the whole held-out split, add a Parcae model's test-time compute curve (and plot) and
+    the quantization report when the recipe asks, write ``summary.json``."""
+    out = trainer.out
+    trainer.save_model(out / "model")
+    trainer.model.eval()
+    final_eval = evaluate(trainer.model, None)
+    summary = {"checkpoint": str(out / "model"), "best_checkpoint": str(out / "checkpoints" / "best"), **record,
+               **final_eval}
     if parcae_cfg:
-        summary["recurrence_curve"] = curve_rows(final_eval, depths)
+        summary["recurrence_curve"] = curve_rows(final_eval, parcae_cfg.curve_depths())
     if quant.enabled:  # quant.mode ptq / qat: the quantized copy in model_quantized/, quant_report.{json,md}
-        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model), lambda m: evaluate(m, recipe.train.eval_batches),
+        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model), lambda m: evaluate(m, trainer.cfg.eval_batches),
                                         out, "val_loss", tokenizer, is_main_process=acc.is_main_process)
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
