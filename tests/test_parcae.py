@@ -177,3 +177,27 @@ def test_parcae_recipe_errors_name_the_keys(tmp_path):
         parse_recipe(tiny_lm_recipe(tmp_path, model={"parcae": {"core_layers": 2}}))
     with pytest.raises(RecipeError, match="model.parcae.injection"):
         parse_recipe(tiny_lm_recipe(tmp_path, model={"arch": "parcae", "num_layers": 4, "parcae": {"injection": "diag"}}))
+
+
+@pytest.mark.slow
+def test_a_killed_parcae_run_resumes_to_identical_weights(tmp_path):
+    """The depths a step draws come from its data position, so a SIGKILLed and resumed run draws the
+    same ones and ends bit-identical to an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from recipes import train_lm
+
+    from .conftest import run_cli, write_recipe
+
+    model = {"arch": "parcae", "num_layers": 3, "parcae": {"prelude_layers": 1, "core_layers": 1, "coda_layers": 1,
+                                                           "mean_recurrence": 3, "backprop_depth": 1, "eval_recurrences": [1]}}
+    sections = dict(model=model, train={"max_steps": 8, "save_every": 4, "eval_every": 8, "eval_batches": 2},
+                    data={"max_documents": 16})
+    train_lm.main(parse_recipe(tiny_lm_recipe(tmp_path / "reference", **sections)))
+    path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(tmp_path / "killed", **sections))
+    assert run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:6"}).returncode == -9
+    resumed = run_cli("run", str(path))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = load_file(str(tmp_path / "reference" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
