@@ -483,3 +483,23 @@ def test_a_parcae_model_quantizes_keeps_its_dynamics_and_generates(tmp_path):
     assert type(loaded).__name__ == "ParcaeForCausalLM" and Q.quantized_layers(loaded) == Q.quantized_layers(model)
     prompt = ids[0]
     assert plain_generate(loaded, prompt, 8)[0] == plain_generate(model, prompt, 8)[0]
+
+
+def test_ptq_stage_quantizes_a_copy_and_reports_full_vs_ptq(tmp_path):
+    model = tiny_lm()
+    stage = Q.QuantStage(QuantSection(mode="ptq", scheme="w2"), model)
+    stage.prepare()  # nothing to prepare for PTQ
+    assert not Q.fake_quantized_modules(model)
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+
+    def evaluate(m):
+        logits = m(input_ids=ids[:, :-1]).logits
+        return {"val_loss": nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1)).item()}
+
+    result = stage.finish(model, evaluate, tmp_path, "val_loss")
+    rows = {r["model"]: r for r in result["rows"]}
+    assert set(rows) == {"full", "ptq"} and rows["ptq"]["val_loss"] != rows["full"]["val_loss"]
+    assert rows["ptq"]["packed_bytes"] < rows["full"]["packed_bytes"]
+    assert not Q.quantized_layers(model)  # the trained model itself stays in full precision
+    assert len(Q.quantized_layers(Q.load_quantized(tmp_path / "model_quantized"))) == 14
+    assert "| full |" in (tmp_path / "quant_report.md").read_text()
