@@ -77,6 +77,7 @@ import json
 import os
 import re
 import shutil
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -588,12 +589,12 @@ def plot_report(rows: list[dict], metric: str, path: Path, title: str) -> None:
             ax.scatter([r["packed_bytes"] / 1e6 for r in pts], [r[metric] for r in pts], marker=marker, color=color,
                        s=60, label=kind, zorder=3)
             for r in pts:
-                if r.get("variant") not in (None, "-"):
+                if kind in ("qat", "ptq") and r.get("variant") not in (None, "-"):  # one label per point pair
                     ax.annotate(r["variant"], (r["packed_bytes"] / 1e6, r[metric]), fontsize=7,
                                 xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("packed size (MB)")
     ax.set_ylabel(metric)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
