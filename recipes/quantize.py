@@ -104,7 +104,10 @@ class Subject:
             out = model(*batch_features(batch, self.capture), loss_mask=batch.loss_mask)
             return out.loss, out.logs or {}
         from distill.lm import lm_loss
+        from parcae.training import parcae_lm_loss, unwrap
 
+        if unwrap(model).config.model_type == "draftsmith_parcae":  # per-sequence depths, as it was trained
+            return parcae_lm_loss(self.recipe.seed)(model, batch)
         return lm_loss(model, batch)
 
     def evaluate(self, model, acc=None) -> dict:
