@@ -4,7 +4,9 @@ One iteration, with ``b`` the target's newest token (the *bonus*, not yet read b
 position ``a`` and every earlier position verified and cached:
 
 1. **Draft.** The drafter proposes ``d_1 .. d_{K-1}`` for positions ``a+1 .. a+K-1`` from the target
-   features of positions ``< a`` and ``b`` (a block drafter in one forward; EAGLE-3 autoregressively).
+   features of positions ``< a`` and ``b`` (a block drafter in one forward; EAGLE-3 autoregressively),
+   or, for a plain causal LM drafter (a distilled student; a Parcae model at fewer recurrences than
+   the target, i.e. self-speculation), from the tokens alone, with its own KV cache.
 2. **Verify.** One target forward over ``[b, d_1, .., d_{K-1}]`` at positions ``a .. a+K-1`` (KV
    cache) gives the target's greedy choice ``g_j`` after each of them.
 3. **Accept** the longest prefix with ``d_j == g_{j-1}``, say ``n`` drafts, and the target's own next
