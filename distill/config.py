@@ -67,6 +67,14 @@ def _existing_path(value: str, what: str) -> str:
     return value
 
 
+def _pretrained_folder(value: str, what: str) -> str:
+    """An existing ``save_pretrained`` folder (it has a config.json)."""
+    _existing_path(value, what)
+    if not (Path(value) / "config.json").exists():
+        raise ValueError(f"{what} '{value}' has no config.json (expected a save_pretrained folder)")
+    return value
+
+
 def _local_or_hub(value: str, what: str, probe_file: str) -> str:
     """A local folder that exists, or a hub id (which, offline, must already be in the local cache)."""
     if Path(os.path.expanduser(value)).exists() or not HUB_ID.match(value):
@@ -562,7 +570,7 @@ class EvalRecipe(RecipeBase):
     @field_validator("drafter")
     @classmethod
     def _drafter_exists(cls, v: str) -> str:
-        return _existing_path(v, "drafter folder")
+        return _pretrained_folder(v, "drafter folder")
 
     @field_validator("peer_assistant")
     @classmethod
@@ -606,10 +614,7 @@ class QuantizeRecipe(RecipeBase):
     @field_validator("model")
     @classmethod
     def _model_exists(cls, v: str) -> str:
-        _existing_path(v, "model folder")
-        if not (Path(v) / "config.json").exists():
-            raise ValueError(f"model folder '{v}' has no config.json (expected a save_pretrained folder)")
-        return v
+        return _pretrained_folder(v, "model folder")
 
     @field_validator("variants")
     @classmethod
@@ -680,10 +685,7 @@ class ExportRecipe(RecipeBase):
     @field_validator("drafter")
     @classmethod
     def _drafter_folder(cls, v: str) -> str:
-        _existing_path(v, "drafter folder")
-        if not (Path(v) / "config.json").exists():
-            raise ValueError(f"drafter folder '{v}' has no config.json (expected a save_pretrained folder)")
-        return v
+        return _pretrained_folder(v, "drafter folder")
 
     @field_validator("eval_reports")
     @classmethod

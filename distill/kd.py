@@ -20,9 +20,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from .lm import inputs_and_labels
+from .lm import inputs_and_labels, next_token_ce
 
 DIVERGENCE_BETA = {"forward_kl": 0.0, "reverse_kl": 1.0}
 
@@ -36,7 +35,7 @@ def generalized_jsd(student_logits, teacher_logits, labels, beta: float, tempera
 
 
 def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_weight: float, student_kwargs=None):
-    """A ``loss_fn(model, batch)`` for :class:`distill.trainer.Trainer`. ``student_kwargs(batch)``
+    """A ``loss_fn(model, batch)`` for :class:`distill.trainer.Trainer`. ``student_kwargs(model, batch)``
     returns extra forward arguments for the student (e.g. Parcae's sampled depths)."""
     beta = DIVERGENCE_BETA.get(divergence, beta)
 
@@ -50,11 +49,13 @@ def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_wei
         logs = {"kd/divergence": div.item()}
         loss = div
         if ce_weight:
-            ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            ce = next_token_ce(out.logits, labels)
             loss = (1 - ce_weight) * div + ce_weight * ce
             logs["kd/ce"] = ce.item()
-        if getattr(out, "diagnostics", None):
-            logs.update({f"parcae/{k}": v for k, v in out.diagnostics.items()})
+        if getattr(out, "diagnostics", None):  # a Parcae student: its loop's invariants
+            from parcae.training import diagnostics_logs
+
+            logs.update(diagnostics_logs(out, extra))
         return loss, logs
 
     return loss_fn
@@ -78,7 +79,7 @@ def evaluate_student(student, teacher, windows, batch_size: int, max_batches: in
         s_logp, t_logp = s.log_softmax(-1), t.log_softmax(-1)
         kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
         sums += torch.stack([
-            F.cross_entropy(s.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"),
+            next_token_ce(s, labels, reduction="sum"),
             ((s.argmax(-1) == labels) & scored).sum(),
             kl[scored].sum(),
             ((s.argmax(-1) == t.argmax(-1)) & scored).sum(),

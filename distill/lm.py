@@ -26,11 +26,14 @@ def inputs_and_labels(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], labels
 
 
+def next_token_ce(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``logits`` [B, L, V] against ``labels`` [B, L], -100 ignored."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=reduction)
+
+
 def lm_loss(model, batch: Batch):
     inputs, labels = inputs_and_labels(batch)
-    logits = model(input_ids=inputs).logits
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
-    return loss, {}
+    return next_token_ce(model(input_ids=inputs).logits, labels), {}
 
 
 @torch.no_grad()
@@ -48,8 +51,7 @@ def evaluate_lm(model, windows: PackedWindows, batch_size: int, max_batches: int
         idx = mine[start:start + batch_size]
         inputs, labels = inputs_and_labels(windows.collate(idx).to(device))
         logits = model(input_ids=inputs, **forward_kwargs).logits.float()
-        nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum",
-                               ignore_index=-100).double()
+        nll += next_token_ce(logits, labels, reduction="sum").double()
         correct += (logits.argmax(-1) == labels).sum().double()
         count += (labels != -100).sum().double()
     if accelerator:

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.nn.functional as F
-
-from distill.lm import evaluate_lm, inputs_and_labels
+from distill.lm import evaluate_lm, inputs_and_labels, next_token_ce
 
 from .model import sample_depths
 
@@ -32,31 +30,43 @@ def depth_seed(seed: int, first_sample: int | None) -> int:
     return (seed * 1_000_003 + (first_sample or 0)) % (2**63)
 
 
+def training_forward_kwargs(model, batch, seed: int) -> dict:
+    """The forward arguments of a Parcae training step: this batch's per-sequence depths, and diagnostics."""
+    cfg = unwrap(model).config
+    depths = sample_depths(batch.input_ids.shape[0], cfg.mean_recurrence, cfg.mean_backprop_depth,
+                           depth_seed(seed, batch.first_sample))
+    return {"depths": depths, "return_diagnostics": True}
+
+
+def diagnostics_logs(out, forward_kwargs: dict) -> dict:
+    logs = {f"parcae/{key}": value for key, value in out.diagnostics.items()}
+    logs["parcae/mean_backprop_depth"] = float(forward_kwargs["depths"][1].float().mean())
+    return logs
+
+
 def parcae_lm_loss(seed: int):
     """A ``loss_fn(model, batch)`` for :class:`distill.trainer.Trainer`."""
 
     def loss_fn(model, batch):
-        cfg = unwrap(model).config
+        kwargs = training_forward_kwargs(model, batch, seed)
         inputs, labels = inputs_and_labels(batch)
-        n, k = sample_depths(inputs.shape[0], cfg.mean_recurrence, cfg.mean_backprop_depth,
-                             depth_seed(seed, batch.first_sample))
-        out = model(input_ids=inputs, depths=(n, k), return_diagnostics=True)
-        logits = out.logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
-        logs = {f"parcae/{key}": value for key, value in out.diagnostics.items()}
-        logs["parcae/mean_backprop_depth"] = float(k.float().mean())
-        return loss, logs
+        out = model(input_ids=inputs, **kwargs)
+        return next_token_ce(out.logits, labels), diagnostics_logs(out, kwargs)
 
     return loss_fn
 
 
 def recurrence_curve(model, windows, batch_size: int, depths: list[int], default_depth: int,
-                     max_batches: int | None = None, accelerator=None) -> dict:
+                     max_batches: int | None = None, accelerator=None, at_default: dict | None = None) -> dict:
     """``{"val_loss_T{t}": .., "val_ppl_T{t}": .., "val_acc_T{t}": ..}`` for every depth ``t``, and the
-    plain ``val_*`` metrics at ``default_depth`` (the depth the model runs at outside training)."""
+    plain ``val_*`` metrics at ``default_depth`` (the depth the model runs at outside training);
+    ``at_default``: those metrics when the caller has already measured them."""
     out = {}
     for t in sorted(set(depths) | {default_depth}):
-        metrics = evaluate_lm(model, windows, batch_size, max_batches, accelerator, num_steps=t)
+        if t == default_depth and at_default is not None:
+            metrics = at_default
+        else:
+            metrics = evaluate_lm(model, windows, batch_size, max_batches, accelerator, num_steps=t)
         if t == default_depth:
             out.update(metrics)
         out.update({f"val_loss_T{t}": metrics["val_loss"], f"val_ppl_T{t}": metrics["val_ppl"],

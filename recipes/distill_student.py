@@ -29,8 +29,7 @@ from distill.provenance import write_run_header
 from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
-from parcae.model import sample_depths
-from parcae.training import depth_seed, recurrence_curve, unwrap
+from parcae.training import recurrence_curve, training_forward_kwargs, unwrap
 from recipes.train_lm import finish_lm_run
 
 
@@ -60,19 +59,15 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     ### Loss: the divergence to the target (a Parcae student at a sampled depth per sequence)
     parcae_cfg = recipe.student.parcae
 
-    def parcae_depths(model, batch):
-        cfg = unwrap(model).config
-        return {"depths": sample_depths(batch.input_ids.shape[0], cfg.mean_recurrence, cfg.mean_backprop_depth,
-                                        depth_seed(recipe.seed, batch.first_sample)), "return_diagnostics": True}
-
     d = recipe.distill
-    loss_fn = kd_loss_fn(target, d.divergence, d.beta, d.temperature, d.ce_weight, parcae_depths if parcae_cfg else None)
+    depths = (lambda model, batch: training_forward_kwargs(model, batch, recipe.seed)) if parcae_cfg else None
+    loss_fn = kd_loss_fn(target, d.divergence, d.beta, d.temperature, d.ce_weight, depths)
 
     def evaluate(m, max_batches):
         metrics = evaluate_student(m, target, val, recipe.train.micro_batch_size, max_batches, acc)
-        if parcae_cfg:
+        if parcae_cfg:  # the other depths of the curve; the default one was just measured
             metrics.update(recurrence_curve(m, val, recipe.train.micro_batch_size, parcae_cfg.curve_depths(),
-                                            unwrap(m).config.recurrence, max_batches, acc))
+                                            unwrap(m).config.recurrence, max_batches, acc, at_default=metrics))
         return metrics
 
     fpt = flops_per_token(student, recipe.data.seq_len) + flops_per_token(target, recipe.data.seq_len, training=False)
