@@ -34,24 +34,28 @@ def fault_point(kind: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def write_atomically(accelerator, final: Path, write: Callable[[Path], None], step: int) -> None:
-    """Run ``write(tmp_folder)`` on every process, then publish ``tmp_folder`` as ``final``."""
+def write_atomically(accelerator, final: Path, write: Callable[[Path], None], step: int | None = None) -> None:
+    """Run ``write(tmp_folder)`` on every process (or, with ``accelerator=None``, in this one alone),
+    then publish ``tmp_folder`` as ``final``. ``step``: a training checkpoint's step, for fault tests."""
     final = Path(final)
     tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-    if accelerator.is_main_process:
+    main = accelerator is None or accelerator.is_main_process
+    barrier = (lambda: None) if accelerator is None else accelerator.wait_for_everyone
+    if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
+    barrier()
     write(tmp)
-    accelerator.wait_for_everyone()
-    fault_point("kill_during_save", step)
-    if accelerator.is_main_process:
+    barrier()
+    if step is not None:
+        fault_point("kill_during_save", step)
+    if main:
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    barrier()
 
 
 def find_resumable(folder: Path) -> Path | None:

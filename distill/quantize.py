@@ -76,7 +76,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +84,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from .checkpoint import write_atomically
 from .config import RecipeError, QuantSchemeSpec, QuantSection
 
 #: parameter / module names that are never quantized (Parcae's injection dynamics: A_log, Delta, B)
@@ -342,6 +342,21 @@ def fake_quant_enabled(step: int, after: int) -> bool:
     return step >= after
 
 
+def fake_quant_hook(model: nn.Module, after: int) -> Callable[[int], None]:
+    """The Trainer's ``before_step`` for QAT with a delayed start: sets fake quantization for step 0
+    now, then touches the model only on the step where the switch flips (not on every step)."""
+    state = {"on": fake_quant_enabled(0, after)}
+    set_fake_quant(model, state["on"])
+
+    def hook(step: int) -> None:
+        on = fake_quant_enabled(step, after)
+        if on != state["on"]:
+            set_fake_quant(model, on)
+            state["on"] = on
+
+    return hook
+
+
 def convert(model: nn.Module, spec: QuantSchemeSpec, plan: LayerPlan) -> nn.Module:
     """QAT's last step: fake-quantized Linears become Linears holding real quantized weights."""
     from torchao.quantization import quantize_
@@ -421,20 +436,6 @@ def model_bytes(model: nn.Module, exclude: Iterable[str] = ()) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def _publish(final: Path, write: Callable[[Path], None]) -> None:
-    """Write a folder as ``<final>.tmp``, then rename it into place (the old copy is removed last)."""
-    final = Path(final)
-    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def transformers_quantization_config(plan: LayerPlan):
     """The plan as transformers' ``TorchAoConfig`` (an ``FqnToConfig`` of exact module names): written into
     ``config.json``, so ``from_pretrained`` (transformers, and engines that load through it) reads the
@@ -479,7 +480,7 @@ def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra:
                   "load": "distill.quantize.load_quantized(folder)", **(extra or {}), "plan": plan.to_json()}
         (tmp / PLAN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
-    _publish(Path(folder), write)
+    write_atomically(None, Path(folder), write)
     return Path(folder)
 
 
@@ -641,12 +642,12 @@ class QuantStage:
         """qat: fake quantization on the planned layers (call before the Trainer builds its optimizer)."""
         if self.section.mode == "qat":
             prepare_qat(self.model, self.section, self.plan)
-            set_fake_quant(self.model, fake_quant_enabled(0, self.section.fake_quant_after_steps))
+            self._fake_quant = fake_quant_hook(self.model, self.section.fake_quant_after_steps)
 
     def before_step(self, step: int) -> None:
         """The Trainer's hook: fake quantization on from ``fake_quant_after_steps`` completed steps."""
         if self.section.mode == "qat":
-            set_fake_quant(self.model, fake_quant_enabled(step, self.section.fake_quant_after_steps))
+            self._fake_quant(step)
 
     def finish(self, model: nn.Module, evaluate_fn: Callable[[nn.Module], dict], out_dir: str | Path, metric: str,
                tokenizer=None, exclude_from_bytes: Iterable[str] = (), is_main_process: bool = True) -> dict | None:

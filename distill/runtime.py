@@ -80,11 +80,9 @@ def find_run_record(path: str | Path | None) -> dict | None:
     it or up to three folders above it (``run/checkpoints/best`` -> ``run``)."""
     if not path:
         return None
-    folder = Path(path)
-    if folder.name == "testbed" and not folder.exists():
-        from .testbed import SHIPPED_TARGET
+    from .models import resolve_target_path
 
-        folder = SHIPPED_TARGET
+    folder = Path(resolve_target_path(str(path)))
     for parent in [folder, *list(folder.parents)[:3]]:
         record = parent / RUN_RECORD
         if record.is_file():

@@ -115,9 +115,14 @@ class DiagonalInjection(nn.Module):
     def a_bar(self) -> torch.Tensor:
         return torch.exp(-F.softplus(self.dt_bias) * torch.exp(self.A_log))
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    def prepare(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What does not change across iterations: ``(A_bar, B_bar e)``, computed once per forward."""
         dt = F.softplus(self.dt_bias)
-        return h * torch.exp(-dt * torch.exp(self.A_log)) + dt * (e @ self.B.T)
+        return torch.exp(-dt * torch.exp(self.A_log)), dt * (e @ self.B.T)
+
+    def forward(self, h: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a_bar, b_bar_e = prepared
+        return h * a_bar + b_bar_e
 
     def spectral_radius(self) -> torch.Tensor:
         return self.a_bar().max()
@@ -125,6 +130,9 @@ class DiagonalInjection(nn.Module):
 
 class AddInjection(nn.Module):
     """``u = h + e`` (A_bar = I: marginally stable)."""
+
+    def prepare(self, e: torch.Tensor) -> torch.Tensor:
+        return e
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return h + e
@@ -139,6 +147,9 @@ class LinearInjection(nn.Module):
     def __init__(self, d: int):
         super().__init__()
         self.adapter = nn.Linear(2 * d, d, bias=False)
+
+    def prepare(self, e: torch.Tensor) -> torch.Tensor:
+        return e  # the adapter stays one Linear (so quantization sees it whole): nothing to hoist
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return self.adapter(torch.cat([h, e], dim=-1))
@@ -295,11 +306,12 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         ### Recurrence: n_i iterations without gradients, then k_i with
         h = torch.zeros_like(e)
         h_prev = h
+        injected = self.injection.prepare(e)  # what does not change across iterations, computed once
         iteration = 0
         for phase_steps, grad in ((n, False), (k, True)):
             with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
                 for t in range(int(phase_steps.max())):
-                    u = self.injection(h, e)
+                    u = self.injection(h, injected)
                     for j, block in enumerate(self.core):
                         u = self._run(block, cfg.n_prelude + iteration * cfg.n_core + j, u, **kw)
                     if uniform:

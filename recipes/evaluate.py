@@ -27,7 +27,7 @@ from distill.models import load_target, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import set_threads
 from recipes.regenerate import load_prompts, render
-from serve_eval.engine import make_proposer, plain_generate, speculative_generate
+from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
 
@@ -128,48 +128,6 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
     print(f"wrote {out / 'report.json'}")
     return report
-
-
-def measure(target, drafter, encoded, dec, eos, sampler, budget) -> dict:
-    """Baseline and speculative decoding of every prompt, back to back; the report's numbers."""
-    new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
-    K = new_proposer().block_size
-    totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
-    accepted, drafted = [0] * (K - 1), [0] * (K - 1)
-    per_prompt, lossless = [], True
-    for i, prompt in enumerate(encoded):
-        base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
-        ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
-                                           proposer=new_proposer(), mode=dec.mode, tree_budget=budget or 1)
-        same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
-        lossless = lossless and same if same is not None else None
-        totals["tokens"] += stats.tokens
-        totals["forwards"] += stats.target_forwards
-        totals["spec_s"] += stats.total_seconds
-        totals["draft_s"] += stats.draft_seconds
-        totals["verify_s"] += stats.verify_seconds
-        totals["base_tokens"] += base_stats.tokens
-        totals["base_s"] += base_stats.total_seconds
-        accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
-        drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
-        per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
-                           "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
-    tokens_per_s = totals["tokens"] / totals["spec_s"]
-    baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
-    return {
-        "tree_budget": budget,
-        "tau": round(totals["tokens"] / max(1, totals["forwards"]), 4),
-        "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
-        "tokens_per_s": round(tokens_per_s, 2),
-        "baseline_tokens_per_s": round(baseline_tokens_per_s, 2),
-        "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
-        "time_split": {"draft_s": round(totals["draft_s"], 3), "verify_s": round(totals["verify_s"], 3),
-                       "other_s": round(totals["spec_s"] - totals["draft_s"] - totals["verify_s"], 3),
-                       "draft_fraction": round(totals["draft_s"] / totals["spec_s"], 4),
-                       "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4)},
-        "lossless": lossless,
-        "per_prompt": per_prompt,
-    }
 
 
 def measure_assisted(target, assistant_path: str, encoded, dec, eos, device) -> dict:

@@ -27,19 +27,15 @@ their sub-folders, the card and manifest at the root. The upload plan is built (
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
 from distill.checkpoint import write_atomically
-from distill.provenance import write_json_atomic  # noqa: F401  (re-exported for callers)
 from distill.runtime import set_threads
 
-MAIN_PROCESS = types.SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)  # for write_atomically
 
 
 class ExportRefused(RuntimeError):
@@ -110,8 +106,6 @@ def _gate_settings(gate):
 
 def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     """Write, gate and publish the export folder of ``recipe.drafter``; returns the manifest."""
-    from transformers import AutoModel
-
     import drafters  # noqa: F401
     from distill.models import load_target
     from drafters.export import (check_expressible, formats_for, kind_of, recorded_simulated_tau, source_record,
@@ -183,7 +177,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
         (tmp / "export.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(manifest, cfg, recipe))
 
-    write_atomically(MAIN_PROCESS, out, write, step=0)
+    write_atomically(None, out, write)
     manifest["output_dir"] = str(out)
     if recipe.wandb.enabled:
         manifest["wandb_run"] = track_export(recipe, manifest)
@@ -331,8 +325,3 @@ def main(recipe, dry_run: bool = False) -> dict:
     print(f"  parity gate    {'passed' if gate['passed'] else 'FAILED'}: measured tau {gate['measured_tau']} vs simulated "
           f"{gate['simulated_tau']}, logits max abs diff {gate['logits_max_abs_diff']}")
     return manifest
-
-
-def cleanup_refused(output_dir: str | Path) -> None:
-    """Remove what a refused export left for inspection (``<output_dir>.tmp``)."""
-    shutil.rmtree(Path(str(output_dir) + ".tmp"), ignore_errors=True)

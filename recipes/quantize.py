@@ -40,7 +40,7 @@ import torch
 from distill.config import DecodingSection, PromptsSection, QuantizeRecipe, RecipeError
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.provenance import write_json_atomic, write_run_header
-from distill.quantize import (check_hardware, convert, fake_quant_enabled, is_drafter_config, model_bytes, prepare_qat,
+from distill.quantize import (check_hardware, convert, fake_quant_hook, is_drafter_config, model_bytes, prepare_qat,
                               ptq, quant_report, recovered, resolve_layer_map, save_quantized, set_fake_quant)
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
@@ -69,11 +69,17 @@ class Subject:
             self.capture = FeatureCapture(self.target, self.model.config.target_layer_ids)
             self.metric, self.greater = "val_simulated_tau", True
             self.exclude = ("embed_tokens", "lm_head")  # copies of the target's, shared when served
+            self.loss_fn = self._drafter_loss
         else:
             self.model = AutoModelForCausalLM.from_pretrained(recipe.model, dtype=torch.float32).to(device).train()
             self.tokenizer = AutoTokenizer.from_pretrained(recipe.model)
             self.metric, self.greater = "val_loss", False
             self.exclude = ()
+            from distill.lm import lm_loss
+            from parcae.training import parcae_lm_loss
+
+            # a Parcae model fine-tunes with per-sequence depths, as it was trained
+            self.loss_fn = parcae_lm_loss(recipe.seed) if config.model_type == "draftsmith_parcae" else lm_loss
 
     # ----------------------------------------------------------------------------------------------
     def load_data(self, acc) -> None:
@@ -97,18 +103,11 @@ class Subject:
         return [self.tokenizer(render(p, self.tokenizer), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
                 .to(self.device) for p in corpus_prompts(ns, self.tokenizer)]
 
-    def loss_fn(self, model, batch):
-        if self.is_drafter:
-            from distill.feature_cache import batch_features
+    def _drafter_loss(self, model, batch):
+        from distill.feature_cache import batch_features
 
-            out = model(*batch_features(batch, self.capture), loss_mask=batch.loss_mask)
-            return out.loss, out.logs or {}
-        from distill.lm import lm_loss
-        from parcae.training import parcae_lm_loss, unwrap
-
-        if unwrap(model).config.model_type == "draftsmith_parcae":  # per-sequence depths, as it was trained
-            return parcae_lm_loss(self.recipe.seed)(model, batch)
-        return lm_loss(model, batch)
+        out = model(*batch_features(batch, self.capture), loss_mask=batch.loss_mask)
+        return out.loss, out.logs or {}
 
     def evaluate(self, model, acc=None) -> dict:
         bs, nb = self.recipe.train.micro_batch_size, self.recipe.train.eval_batches
@@ -141,7 +140,7 @@ class Subject:
         eos = self.tokenizer.eos_token_id
         m = self.recipe.measure
         if self.is_drafter:
-            from recipes.evaluate import measure
+            from serve_eval.engine import measure
 
             speculative_generate(self.target, model, self.prompts[0], 4, eos)  # warm-up
             dec = DecodingSection(max_new_tokens=m.max_new_tokens, temperature=0.0, mode="chain")
@@ -234,9 +233,8 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:
             rows.append(measure_row(q, "ptq_ft", name, steps))
         qat_model = copy.deepcopy(model)
         prepare_qat(qat_model, spec, plan)
-        after = recipe.fake_quant_after_steps
         qat_model, result = finetune(qat_model, out / name / "qat",
-                                     before_step=lambda step, m=qat_model: set_fake_quant(m, fake_quant_enabled(step, after)))
+                                     before_step=fake_quant_hook(qat_model, recipe.fake_quant_after_steps))
         set_fake_quant(qat_model, True)
         fake_metric = result.final_eval.get(metric)
         convert(qat_model, spec, plan)

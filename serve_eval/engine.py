@@ -163,7 +163,7 @@ class LMProposer(Proposer):
         self.model = model
         self.block_size = draft_length + 1
         self.forward_kwargs = forward_kwargs
-        self.cache = DynamicCache()
+        self.cache = None  # made by begin()
         self.sequence: list[int] = []  # verified tokens (the bonus last)
         self.read: list[int] = []  # tokens the cache holds, position by position
 
@@ -184,8 +184,8 @@ class LMProposer(Proposer):
         start = len(self.read)
         ids = torch.tensor([tokens], device=device)
         positions = torch.arange(start, start + len(tokens), device=device)[None]
-        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
-                            **self.forward_kwargs).logits[0, -1]
+        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1,
+                            **self.forward_kwargs).logits[0, -1]  # the head on the last position only
         self.read += tokens
         return logits
 
@@ -276,8 +276,9 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     bonus = sampler.choose(logits[-1])
     proposer.observe(None if feats is None else feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
     out = [int(bonus)]
+    done = out[0] == eos_token_id
     anchor_pos = prompt.shape[1]
-    while len(out) < max_new_tokens and eos_token_id not in out:
+    while len(out) < max_new_tokens and not done:
         t0 = time.perf_counter()
         drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler)
         t1 = time.perf_counter()
@@ -301,9 +302,12 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         for k in range(len(drafts)):
             stats.drafted_by_position[k] += int(k <= n)  # depths up to the first miss are verified
             stats.accepted_by_position[k] += int(k < n)
-        out.extend(accepted.tolist() + [int(new_bonus)])
+        emitted = torch.cat([accepted, new_bonus.view(1)])
+        emitted_list = emitted.tolist()  # one host sync for the step's tokens
+        out.extend(emitted_list)
+        done = eos_token_id in emitted_list
         t2 = time.perf_counter()
-        proposer.observe(path_feats, anchor_pos, torch.cat([accepted, new_bonus.view(1)]))
+        proposer.observe(path_feats, anchor_pos, emitted)
         anchor_pos += n + 1
         bonus = new_bonus
         stats.draft_seconds += (t1 - t0) + (time.perf_counter() - t2)  # drafting, and reading the accepted features
@@ -312,3 +316,47 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     stats.tokens = len(out)
     stats.total_seconds = time.perf_counter() - start
     return out, stats
+
+
+def measure(target, drafter, encoded, dec, eos, sampler, budget) -> dict:
+    """Baseline and speculative decoding of every prompt, back to back, as ``dec`` (a
+    :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same
+    seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe."""
+    new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
+    K = new_proposer().block_size
+    totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+    accepted, drafted = [0] * (K - 1), [0] * (K - 1)
+    per_prompt, lossless = [], True
+    for i, prompt in enumerate(encoded):
+        base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
+        ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
+                                           proposer=new_proposer(), mode=dec.mode, tree_budget=budget or 1)
+        same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
+        lossless = lossless and same if same is not None else None
+        totals["tokens"] += stats.tokens
+        totals["forwards"] += stats.target_forwards
+        totals["spec_s"] += stats.total_seconds
+        totals["draft_s"] += stats.draft_seconds
+        totals["verify_s"] += stats.verify_seconds
+        totals["base_tokens"] += base_stats.tokens
+        totals["base_s"] += base_stats.total_seconds
+        accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
+        drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
+        per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
+                           "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
+    tokens_per_s = totals["tokens"] / totals["spec_s"]
+    baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
+    return {
+        "tree_budget": budget,
+        "tau": round(totals["tokens"] / max(1, totals["forwards"]), 4),
+        "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
+        "tokens_per_s": round(tokens_per_s, 2),
+        "baseline_tokens_per_s": round(baseline_tokens_per_s, 2),
+        "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
+        "time_split": {"draft_s": round(totals["draft_s"], 3), "verify_s": round(totals["verify_s"], 3),
+                       "other_s": round(totals["spec_s"] - totals["draft_s"] - totals["verify_s"], 3),
+                       "draft_fraction": round(totals["draft_s"] / totals["spec_s"], 4),
+                       "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4)},
+        "lossless": lossless,
+        "per_prompt": per_prompt,
+    }

@@ -37,10 +37,6 @@ from distill.features import FeatureCapture, decoder_layers, final_norm
 from drafters.core import sample_anchors
 
 
-class ParityError(RuntimeError):
-    """The export does not behave like the trained drafter; the message lists the failed checks."""
-
-
 @dataclass
 class GateSettings:
     logits_atol: float = 0.0
@@ -118,7 +114,9 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simula
 
     import drafters  # noqa: F401  (registers the drafter classes)
     from drafters.export import read_sglang_eagle3, read_speculators
-    from serve_eval.engine import plain_generate, speculative_generate
+    from distill.config import DecodingSection
+    from serve_eval.engine import measure, speculative_generate
+    from serve_eval.sampling import Sampler
 
     settings = settings or GateSettings()
     device = next(target.parameters()).device
@@ -168,27 +166,13 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simula
     # --- acceptance in the decoding loop, with the drafter reloaded from disk
     if reloaded is None:
         raise ValueError("the parity gate needs the transformers export (format 'transformers') to run the engine")
-    tokens = forwards = base_tokens = 0
-    spec_s = base_s = 0.0
-    lossless = True
-    K = reloaded.config.block_size
-    accepted, drafted = [0] * (K - 1), [0] * (K - 1)
-    for prompt in prompts:
-        base, base_stats = plain_generate(target, prompt, max_new_tokens, eos_token_id)
-        ours, stats = speculative_generate(target, reloaded, prompt, max_new_tokens, eos_token_id)
-        lossless &= ours == base
-        base_tokens += base_stats.tokens
-        base_s += base_stats.total_seconds
-        spec_s += stats.total_seconds
-        tokens += stats.tokens
-        forwards += stats.target_forwards
-        accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
-        drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
-    measured = tokens / max(1, forwards)
-    acceptance = {"measured_tau": round(measured, 4), "simulated_tau": None if simulated_tau is None else round(simulated_tau, 4),
+    speculative_generate(target, reloaded, prompts[0], 4, eos_token_id)  # warm-up, as every benchmark here
+    run = measure(target, reloaded, prompts, DecodingSection(max_new_tokens=max_new_tokens), eos_token_id,
+                  lambda i: Sampler(), None)
+    measured, lossless = run["tau"], run["lossless"]
+    acceptance = {"measured_tau": measured, "simulated_tau": None if simulated_tau is None else round(simulated_tau, 4),
                   "prompts": len(prompts), "max_new_tokens": max_new_tokens, "lossless": lossless,
-                  "speedup": round((tokens / spec_s) / (base_tokens / base_s), 4) if spec_s and base_s else None,
-                  "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
+                  "speedup": run["speedup"], "acceptance_by_position": run["acceptance_by_position"],
                   "rel_tolerance": settings.tau_rel_tolerance, "abs_tolerance": settings.tau_abs_tolerance}
     if simulated_tau is None:
         acceptance.update(passed=False, detail="no simulated tau was recorded for this checkpoint at training")
