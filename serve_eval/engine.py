@@ -77,12 +77,15 @@ class TargetSession:
         return self.forward(ids, position_ids=positions, attention_mask=mask)
 
     def keep(self, prefix: int, nodes: list[int]) -> None:
-        """After a tree forward: keep the first ``prefix`` positions and the tree entries ``nodes``."""
-        index = torch.cat([torch.arange(prefix), prefix + torch.tensor(nodes)])
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(2, index.to(layer.keys.device))
-            layer.values = layer.values.index_select(2, index.to(layer.values.device))
-        self.length = prefix + len(nodes)
+        """After a tree forward: keep the first ``prefix`` positions and the tree entries ``nodes``
+        (the accepted path, root first). Only the tree's tail moves; the prefix stays where it is."""
+        if nodes != list(range(len(nodes))):  # a path straight down the first children is already in place
+            source = prefix + torch.tensor(nodes)
+            for layer in self.cache.layers:
+                index = source.to(layer.keys.device)
+                layer.keys[:, :, prefix:prefix + len(nodes)] = layer.keys.index_select(2, index)
+                layer.values[:, :, prefix:prefix + len(nodes)] = layer.values.index_select(2, index)
+        self.rollback(prefix + len(nodes))
 
 
 class Proposer:
