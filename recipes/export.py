@@ -108,7 +108,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     """Write, gate and publish the export folder of ``recipe.drafter``; returns the manifest."""
     import drafters  # noqa: F401
     from distill.models import load_target
-    from drafters.export import (check_expressible, formats_for, kind_of, recorded_simulated_tau, source_record,
+    from drafters.export import (FORMATS, check_expressible, formats_for, kind_of, recorded_simulated_tau, source_record,
                                  write_sglang_eagle3, write_speculators)
     from recipes.evaluate import load_drafter
     from recipes.regenerate import load_prompts, render
@@ -158,7 +158,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
             "target": recipe.target.path,
             "verifier_name_or_path": verifier,
             "formats": {fmt: ({"folder": fmt, "checked_with": CHECKED_WITH[fmt]} if fmt in folders else
-                              {"folder": None, "not_exported": possible[fmt] or "not requested"}) for fmt in FORMATS_ORDER},
+                              {"folder": None, "not_exported": possible[fmt] or "not requested"}) for fmt in FORMATS},
             "gate": gate,
             "source": {k: v for k, v in record.items() if k != "provenance"},
             "data_fingerprint": ((record.get("provenance") or {}).get("data") or {}).get("data_fingerprint"),
@@ -228,7 +228,6 @@ def track_export(recipe, manifest: dict) -> dict:
     return record
 
 
-FORMATS_ORDER = ("transformers", "speculators", "sglang_eagle3")
 CHECKED_WITH = {
     "transformers": "reloaded with transformers AutoModel.from_pretrained; logits and decoding-loop acceptance (parity gate)",
     "speculators": "read back by draftsmith with features from the declared ids (input-of-layer, pre-hooks); logits "
@@ -249,6 +248,8 @@ def _report_row(path: str) -> dict:
 
 
 def model_card(manifest: dict, cfg, recipe) -> str:
+    from serve_eval.parity import describe_check
+
     gate = manifest["gate"]
     acc = gate["checks"]["acceptance"]
     kind = manifest["kind"]
@@ -269,16 +270,8 @@ def model_card(manifest: dict, cfg, recipe) -> str:
              "Every format below was reloaded from disk and its drafts compared with the trained model's on a fixed batch; "
              "the reloaded drafter then ran in draftsmith's lossless decoding loop.", "",
              "| check | result |", "|---|---|"]
-    for name, check in gate["checks"].items():
-        if name.startswith("logits/"):
-            lines.append(f"| {name} | {'pass' if check['passed'] else 'FAIL'}: max abs diff {check['max_abs_diff']:.3g} "
-                         f"(tolerance {check['atol']}) |")
-        elif name == "acceptance":
-            lines.append(f"| acceptance | {'pass' if check['passed'] else 'FAIL'}: measured tau {check['measured_tau']} vs "
-                         f"simulated at training {check['simulated_tau']} (allowed gap {check.get('allowed_gap')}); "
-                         f"lossless {check['lossless']} |")
-        else:
-            lines.append(f"| {name} | {'pass' if check['passed'] else 'FAIL'} |")
+    lines += [f"| {name} | {'pass' if check['passed'] else 'FAIL'}: {describe_check(name, check)} |"
+              for name, check in gate["checks"].items()]
     lines += ["", "## Measured acceptance length and speedup", "",
               "| prompt set | prompts | new tokens | mode | T | tau | speedup | lossless |", "|---|---|---|---|---|---|---|---|",
               f"| parity gate (`{recipe.prompts.file or f'{recipe.prompts.from_corpus} corpus snippets, {recipe.prompts.split}'}`) | "

@@ -187,17 +187,15 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simula
             "logits_max_abs_diff": max((c["max_abs_diff"] for k, c in checks.items() if k.startswith("logits/")), default=None)}
 
 
+def describe_check(name: str, c: dict) -> str:
+    """One gate check in words (the failure message and the model card both use it)."""
+    if name.startswith("logits/"):
+        return f"max |diff| of the drafts {c['max_abs_diff']:.3g} (tolerance {c['atol']}); declared {c['declared']}"
+    if name == "acceptance":
+        return (f"measured tau {c['measured_tau']} vs simulated {c['simulated_tau']} (gap {c.get('gap')}, allowed "
+                f"{c.get('allowed_gap')}), lossless {c['lossless']}" + (f"; {c['detail']}" if "detail" in c else ""))
+    return str(c.get("detail", ""))
+
+
 def describe_failure(result: dict) -> str:
-    lines = []
-    for name in result["failed"]:
-        c = result["checks"][name]
-        if name.startswith("logits/"):
-            lines.append(f"{name}: drafts differ from the trained model's (max |diff| {c['max_abs_diff']:.3g} > {c['atol']}); "
-                         f"declared {c['declared']}")
-        elif name == "acceptance":
-            lines.append(f"acceptance: measured tau {c['measured_tau']} vs simulated {c['simulated_tau']} "
-                         f"(gap {c.get('gap')}, allowed {c.get('allowed_gap')}), lossless {c['lossless']}"
-                         + (f"; {c['detail']}" if "detail" in c else ""))
-        else:
-            lines.append(f"{name}: {c.get('detail', c)}")
-    return "\n".join(lines)
+    return "\n".join(f"{name}: {describe_check(name, result['checks'][name])}" for name in result["failed"])
