@@ -405,12 +405,24 @@ class QuickstartExportStage(Strict):
     overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
 
 
+class QuickstartShippedDrafterStage(Strict):
+    """The drafter shipped for the testbed target (trained once by its recipe), measured in the loop."""
+
+    enabled: bool = True
+    kind: Literal["dflash", "dspark", "eagle3"] = "dflash"
+    recipe: RecipePath = Field("recipes/configs/eval_testbed.yaml", description="an eval recipe")
+    tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
+                                                               "shipped with (results.json)")
+    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
+
+
 class QuickstartRecipe(RecipeBase):
     """The main job on the testbed: the target (shipped or trained) evaluated, a drafter trained,
     measured in the speculative-decoding loop and exported."""
 
     recipe: Literal["quickstart"]
     target: QuickstartTargetStage = Field(default_factory=QuickstartTargetStage)
+    shipped_drafter: QuickstartShippedDrafterStage = Field(default_factory=QuickstartShippedDrafterStage)
     drafter: QuickstartDrafterStage = Field(default_factory=QuickstartDrafterStage)
     eval: QuickstartEvalStage = Field(default_factory=QuickstartEvalStage)
     export: QuickstartExportStage = Field(default_factory=QuickstartExportStage)
@@ -432,11 +444,30 @@ class DrafterSection(Strict):
     num_target_layers: int = Field(3, gt=0, description="used when target_layer_ids is None")
     num_anchors: int = Field(16, gt=0, description="blocks per training sequence (block drafters)")
     mask_token_id: Optional[int] = Field(None, ge=0, description="None = the tokenizer's mask token")
+    loss: Optional[dict[str, float]] = Field(
+        None, description="block drafters: loss term -> weight, terms ce | kl | tv | lk (drafters.losses); "
+                          "None = the kind's default (DFlash {ce: 1}, DSpark {ce: 0.1, tv: 0.9})")
+    position_weighting: Literal["exp", "dpace"] = Field(
+        "exp", description="block positions weighted exp(-(k-1)/gamma), or by the detached probability of reaching them")
     loss_gamma: float = Field(4.0, gt=0, description="position weights exp(-(k-1)/gamma)")
+    init_norm_scale: Optional[float] = Field(
+        None, gt=0, description="start the output norm at this times the target's final norm (None: ones)")
     markov_rank: int = Field(64, gt=0, description="DSpark Markov head rank")
-    ce_weight: float = Field(0.1, ge=0, description="DSpark")
-    tv_weight: float = Field(0.9, ge=0, description="DSpark")
     confidence_weight: float = Field(1.0, ge=0, description="DSpark")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_terms(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        from drafters.losses import LOSS_TERMS
+
+        if v is None:
+            return v
+        unknown = sorted(set(v) - set(LOSS_TERMS))
+        if unknown:
+            raise ValueError(f"unknown loss terms {unknown}; expected some of {list(LOSS_TERMS)}")
+        if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
+            raise ValueError(f"loss weights must be >= 0 with at least one > 0, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _eagle_layers(self) -> "DrafterSection":
@@ -481,6 +512,28 @@ class DistillStudentRecipe(TrainingRecipe):
         return self
 
 
+class RegenerateStage(Strict):
+    """Train on the target's own answers (:mod:`distill.regenerate`): prompts cut from ``data``'s corpus,
+    answered by the target in-process, cached and reused by any later run with the same settings."""
+
+    train_prompts: int = Field(4096, gt=0, description="train-split prompts, shared evenly by the temperatures")
+    val_prompts: int = Field(128, gt=0, description="held-out prompts answered greedily: the evaluation set")
+    prompt_tokens: int = Field(64, gt=0)
+    max_new_tokens: int = Field(128, gt=0)
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7], min_length=1,
+                                      description="0 = greedy; each gets train_prompts / len(temperatures) prompts")
+    top_p: float = Field(0.95, gt=0, le=1, description="sampled temperatures only")
+    top_k: int = Field(0, ge=0, description="0 = off")
+    batch_size: int = Field(64, gt=0)
+
+    @field_validator("temperatures")
+    @classmethod
+    def _non_negative(cls, v: list[float]) -> list[float]:
+        if any(t < 0 for t in v) or len(set(v)) != len(v):
+            raise ValueError(f"temperatures must be distinct and >= 0, got {v}")
+        return v
+
+
 class TrainDrafterRecipe(TrainingRecipe):
     """Distill a drafter from a frozen target whose hidden states are captured while it runs."""
 
@@ -488,6 +541,19 @@ class TrainDrafterRecipe(TrainingRecipe):
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: DrafterSection = Field(default_factory=DrafterSection)
     features: FeaturesSection = Field(default_factory=FeaturesSection)
+    regenerate: Optional[RegenerateStage] = Field(
+        None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)")
+
+    @model_validator(mode="after")
+    def _corpus_for_prompts(self) -> "TrainDrafterRecipe":
+        if self.regenerate is not None and self.data.format != "text":
+            raise ValueError(f"regenerate cuts its prompts from a text corpus: data.format must be 'text', "
+                             f"got {self.data.format!r}")
+        if self.regenerate is not None and self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1 > self.data.seq_len + 1:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) is shorter than a regenerated example "
+                             f"(regenerate.prompt_tokens + max_new_tokens + EOS = "
+                             f"{self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1})")
+        return self
 
     @model_validator(mode="after")
     def _blocks_fit(self) -> "TrainDrafterRecipe":

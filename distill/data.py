@@ -38,6 +38,10 @@ class TextSplits:
     description: str
 
 
+#: columns of regenerated records (:mod:`distill.regenerate`) kept when present: the exact tokens
+TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids", "eos")
+
+
 def _columns_needed(cfg: DataConfig) -> list[str]:
     return {"text": [cfg.text_field], "prompt_response": [cfg.prompt_field, cfg.response_field],
             "messages": [cfg.messages_field]}[cfg.format]
@@ -76,7 +80,7 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
         if cfg.format == "text":
             train_r, val_r = list(ds[cfg.text_field]), list(val_ds[cfg.text_field])
         else:
-            cols = _columns_needed(cfg)
+            cols = _columns_needed(cfg) + [c for c in TOKEN_ID_COLUMNS if c in ds.column_names and c in val_ds.column_names]
             train_r = [{c: row[c] for c in cols} for row in ds]
             val_r = [{c: row[c] for c in cols} for row in val_ds]
         desc = f"{cfg.source} ({cfg.format}): {len(train_r)} train / {len(val_r)} held-out records"
@@ -84,6 +88,14 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
     fp = fingerprint_texts([as_text(r) for r in train_r] + ["\x00split\x00"] + [as_text(r) for r in val_r],
                            f"val_fraction={cfg.val_fraction}", f"format={cfg.format}")
     return TextSplits(train_r, val_r, fp, desc)
+
+
+def regenerated_text_splits(regenerated: dict) -> TextSplits:
+    """The records of a :func:`distill.regenerate.regenerated_splits` result as train / held-out splits."""
+    read = lambda files: [json.loads(line) for f in files for line in Path(f).read_text().splitlines()]  # noqa: E731
+    train, val = read(regenerated["train_files"]), read(regenerated["val_files"])
+    return TextSplits(train, val, regenerated["key"],
+                      f"the target's answers ({regenerated['key']}): {len(train)} train / {len(val)} held-out records")
 
 
 def build_tokenizer(cfg: TokenizerConfig, splits: TextSplits):
@@ -213,10 +225,15 @@ def chat_messages(record: dict, cfg: DataConfig) -> list[dict]:
 def encode_example(record: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[int]]:
     """Token ids of a prompt + response and a mask that is 1 on the (final) response only.
 
-    With a chat template the conversation is rendered by it, the prompt being every turn before the
+    Records of :mod:`distill.regenerate` carry the token ids the target read and wrote; those are used
+    as they are (EOS only where the target ended the response). Otherwise, with a chat template the conversation is rendered by it, the prompt being every turn before the
     last with the generation prompt appended; without one (the testbed) prompt and response are
     concatenated as they are and the response ends with EOS.
     """
+    if "prompt_ids" in record and "response_ids" in record:  # regenerated: the exact tokens the target read and wrote
+        prompt_ids, response_ids = list(record["prompt_ids"]), list(record["response_ids"])
+        response_ids += [tokenizer.eos_token_id] if record.get("eos", True) else []
+        return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
     messages = chat_messages(record, cfg)
     if messages[-1]["role"] != "assistant":
         raise ValueError(f"the last message must be the assistant's response, got role {messages[-1]['role']!r}")

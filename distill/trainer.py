@@ -13,7 +13,8 @@ everything else, on top of ``accelerate`` (so DDP, DeepSpeed and FSDP come from 
   (samples consumed) are restored, so a killed-and-resumed run ends with the same weights as an
   uninterrupted one;
 * a progress bar (loss, tokens/s, MFU, ETA), ``metrics.jsonl``, and any ``accelerate`` tracker
-  (wandb) the recipe initialised.
+  (wandb) the recipe initialised; loss logs named ``count/<name>`` are summed over processes and the
+  run (``perf/<name>_per_s``, ``TrainResult.count_rates``): e.g. the tokens that carry a loss.
 
 Why the data is not ``accelerator.prepare``-d: the sample order is a pure function of the samples
 consumed (see :mod:`distill.data`), which gives O(1) exact resume and identical global batches for
@@ -51,6 +52,7 @@ class TrainerState:
     best_metric: float | None = None
     best_step: int | None = None
     last_eval: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)  # run totals of the loss logs' "count/<name>" entries
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +94,7 @@ class TrainResult:
     best_metric: float | None
     best_step: int | None
     final_eval: dict
+    count_rates: dict = field(default_factory=dict)  # per second of training, e.g. scored_tokens
 
 
 class Trainer:
@@ -251,6 +254,11 @@ class Trainer:
         loss_mean = acc.reduce(loss_sum / cfg.grad_accum, "mean").item()
         out = {"train/loss": loss_mean, "train/lr": lr, "train/grad_norm": float("nan") if grad_norm is None else grad_norm,
                "train/skipped_steps": self.state.skipped_steps}
+        for k in [k for k in logs_sum if k.startswith("count/")]:  # totals (all processes), not means
+            total = acc.reduce(torch.tensor(logs_sum.pop(k), device=acc.device), "sum").item()
+            name = k.removeprefix("count/")
+            self.state.counts[name] = self.state.counts.get(name, 0.0) + total
+            out[f"count/{name}"] = total
         out.update({f"train/{k}": v / cfg.grad_accum for k, v in logs_sum.items()})
         return out
 
@@ -274,6 +282,8 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{window.tokens_per_s:.0f}", mfu=f"{window.mfu:.1%}")
             if step % cfg.log_every == 0 or step == cfg.max_steps:
+                logs.update({f"perf/{k.removeprefix('count/')}_per_s": v * window.tokens_per_s / self.tokens_per_step
+                             for k, v in logs.items() if k.startswith("count/")})
                 logs.update({"perf/tokens_per_s": window.tokens_per_s, "perf/mfu": window.mfu,
                              "train/epoch": self.data.epoch_of(self.state.samples_consumed)})
                 self._log(logs)
@@ -286,7 +296,9 @@ class Trainer:
             fault_point("kill_after_step", step)
         bar.close()
         tokens_per_s = self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else 0.0
+        rates = {name: total / self.state.train_seconds for name, total in self.state.counts.items()} if self.state.train_seconds else {}
         return TrainResult(
+            count_rates=rates,
             step=self.state.step,
             skipped_steps=self.state.skipped_steps,
             train_seconds=self.state.train_seconds,

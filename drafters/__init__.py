@@ -6,7 +6,7 @@ Each is a ``transformers`` ``PreTrainedModel`` with its own config (registered w
 import distill  # noqa: F401  (first: it quiets third-party import-time warnings)
 from transformers import AutoConfig, AutoModel
 
-from .core import DrafterConfig, DrafterOutput  # noqa: F401  (public API)
+from .core import DrafterConfig, DrafterOutput, save_without_target_io, shares_target_io  # noqa: F401  (public API)
 from .dflash import DFlashConfig, DFlashDrafter
 from .dspark import DSparkConfig, DSparkDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter

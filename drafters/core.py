@@ -41,6 +41,8 @@ from transformers.utils import ModelOutput
 
 from distill.features import LAYER_ID_CONVENTION
 
+from .losses import acceptance_probability, block_loss
+
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -145,7 +147,9 @@ class InjectedLayer(nn.Module):
 
 
 class DrafterConfig(PretrainedConfig):
-    """Fields every drafter records: its shape, the target it serves and how it reads the target."""
+    """Fields every drafter records: its shape, the target it serves, how it reads the target, its loss."""
+
+    default_loss_terms = {"ce": 1.0}
 
     def __init__(
         self,
@@ -168,6 +172,9 @@ class DrafterConfig(PretrainedConfig):
         num_anchors: int = 16,
         initializer_range: float = 0.02,
         qk_norm: bool = False,
+        loss_terms: dict[str, float] | None = None,
+        position_weighting: str = "exp",
+        loss_gamma: float = 4.0,
         **kwargs,
     ):
         if block_attention not in ("bidirectional", "causal"):
@@ -191,6 +198,10 @@ class DrafterConfig(PretrainedConfig):
         self.num_anchors = num_anchors
         self.initializer_range = initializer_range
         self.qk_norm = qk_norm
+        # the training loss (:mod:`drafters.losses`): term -> weight, and how block positions are weighted
+        self.loss_terms = dict(loss_terms if loss_terms is not None else self.default_loss_terms)
+        self.position_weighting = position_weighting
+        self.loss_gamma = loss_gamma
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -208,12 +219,17 @@ class DrafterOutput(ModelOutput):
     logs: dict | None = None
 
 
+#: the weights a drafter shares with its target; a shipped drafter leaves them out (:func:`save_without_target_io`)
+TARGET_IO = ("embed_tokens.weight", "lm_head.weight")
+
+
 class DrafterBase(PreTrainedModel):
     """Frozen target embeddings and LM head, weight init, and copying them in from a target."""
 
     base_model_prefix = "drafter"
     supports_gradient_checkpointing = False
     _no_split_modules = ["InjectedLayer"]
+    _keys_to_ignore_on_load_missing = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]  # shipped without them
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -249,6 +265,27 @@ class DrafterBase(PreTrainedModel):
         self.embed_tokens.weight.copy_(emb)
         self.lm_head.weight.copy_(head)
         return self
+
+
+def save_without_target_io(drafter, folder, dtype: torch.dtype = torch.float16) -> None:
+    """``save_pretrained`` of the drafter's own weights in ``dtype``: the target's embeddings and LM head
+    are left out (:func:`load_drafter` copies them from the target, as serving engines do)."""
+    state = {k: v.to(dtype) for k, v in drafter.state_dict().items() if k not in TARGET_IO}
+    drafter.save_pretrained(folder, state_dict=state)
+
+
+def shares_target_io(folder) -> bool:
+    """Whether the drafter folder left the target's embeddings and LM head out (they load from the target)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    keys = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            keys.update(h.keys())
+    return bool(files) and not any(k in keys for k in TARGET_IO)
 
 
 class BlockDrafter(DrafterBase):
@@ -312,6 +349,19 @@ class BlockDrafter(DrafterBase):
         ctx = self.hidden_norm(self.fc(aux))
         return [layer.attn.project_kv(ctx, positions) for layer in self.layers]
 
+    def anchors_for(self, input_ids: torch.Tensor, anchors: torch.Tensor | None, loss_mask: torch.Tensor | None) -> torch.Tensor:
+        """The given anchors, or ``num_anchors`` random ones per sequence where labels are scored."""
+        if anchors is not None:
+            return anchors
+        cfg = self.config
+        return sample_anchors(input_ids.shape[1], cfg.block_size, cfg.num_anchors, input_ids.shape[0],
+                              input_ids.device, loss_mask=loss_mask)
+
+    def block_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor):
+        """The configured loss (:func:`drafters.losses.block_loss`): ``(loss, parts, position weights)``."""
+        cfg = self.config
+        return block_loss(cfg.loss_terms, cfg.position_weighting, cfg.loss_gamma, logits, target_logits, labels, scored)
+
     def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor,
                       loss_mask: torch.Tensor | None = None):
         """For block positions ``k = 1..K-1``: labels ``x[a+k]`` [B, N, K-1], the target's logits for them
@@ -335,16 +385,21 @@ def argmax_choice(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(seq_len: int, block_size: int, count: int, batch: int, device=None,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``count`` distinct anchors per sequence in ``[1, seq_len - block_size]``, sorted ([B, N]).
 
-    Drawn from torch's global RNG unless a generator is given; the trainer checkpoints that RNG, so
-    a resumed run draws the same anchors."""
+    With a ``loss_mask`` [B, seq_len] (responses scored, prompts and padding not), anchors are drawn
+    only where the first label ``x[a + 1]`` is scored, as decoding anchors only on the target's own
+    tokens; a sequence with fewer such positions than ``count`` fills up with unscored anchors, whose
+    blocks carry no loss. Drawn from torch's global RNG unless a generator is given; the trainer
+    checkpoints that RNG, so a resumed run draws the same anchors."""
     hi = seq_len - block_size  # the last label x[a + K - 1] must exist
     if hi < 1:
         raise ValueError(f"sequences of {seq_len} tokens are too short for blocks of {block_size}")
     count = min(count, hi)
     scores = torch.rand(batch, hi, generator=generator)
+    if loss_mask is not None:  # candidate a = 1..hi is useful iff loss_mask[a + 1]
+        scores = scores + loss_mask[:, 2:hi + 2].to(scores.device, scores.dtype)
     anchors = scores.topk(count, dim=1).indices + 1
     return anchors.sort(dim=1).values.to(device)
 
@@ -372,16 +427,6 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx).view(*positions.shape, *x.shape[2:])
 
 
-def position_weights(num: int, gamma: float, device=None) -> torch.Tensor:
-    """Loss weights ``exp(-(k-1)/gamma)`` for block positions ``k = 1..num``."""
-    return torch.exp(-torch.arange(num, device=device, dtype=torch.float32) / gamma)
-
-
-def total_variation(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """``0.5 * ||softmax(p) - softmax(q)||_1`` over the last dimension."""
-    return 0.5 * (p_logits.float().softmax(-1) - q_logits.float().softmax(-1)).abs().sum(-1)
-
-
 def acceptance_stats(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sums for greedy and probabilistic acceptance over chains [M, K] (positions 1..K of each draft).
 
@@ -390,7 +435,7 @@ def acceptance_stats(draft_logits: torch.Tensor, target_logits: torch.Tensor) ->
     argmax, ``prob_prefix[k]`` = sum of prod_{j<=k} (1 - TV_j), ``match[k]`` = per-position matches.
     """
     match = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()
-    accept_p = 1.0 - total_variation(target_logits, draft_logits)
+    accept_p = acceptance_probability(target_logits, draft_logits)
     return {
         "chains": torch.tensor(float(match.shape[0]), device=match.device),
         "greedy_prefix": match.cumprod(-1).sum(0),
@@ -410,12 +455,3 @@ def summarize_acceptance(sums: dict[str, torch.Tensor], prefix: str = "val") -> 
     for k, a in enumerate(cond.tolist(), start=1):
         out[f"{prefix}_acc_{k}"] = a
     return out
-
-
-def weighted_mean(values: torch.Tensor, weights: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean of ``values`` [..., K] with per-position ``weights`` [K], over the ``scored`` entries only."""
-    w = weights.expand_as(values)
-    if scored is not None:
-        w = w * scored
-    return (values * w).sum() / w.sum().clamp_min(1e-12)
-

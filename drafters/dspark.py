@@ -16,6 +16,8 @@ of speculative sampling at that position). ``c_k`` depends only on the prefix, s
 where it is low keeps decoding lossless. Loss, with ``w_k = exp(-(k-1)/gamma)``:
 
     L = a_ce * CE + a_tv * TV + a_conf * BCE(c_k, 1 - TV_k)     (reference: 0.1, 0.9, 1.0, gamma = 4)
+
+(the first two are ``loss_terms``, any mix of :mod:`drafters.losses`, with its position weighting).
 """
 
 from __future__ import annotations
@@ -24,19 +26,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (BlockDrafter, argmax_choice, DrafterConfig, DrafterOutput, gather_positions, position_weights, sample_anchors,
-                   total_variation, weighted_mean)
+from .core import BlockDrafter, DrafterConfig, DrafterOutput, argmax_choice, gather_positions
+from .losses import acceptance_probability, weighted_mean
 
 
 class DSparkConfig(DrafterConfig):
     model_type = "draftsmith_dspark"
+    default_loss_terms = {"ce": 0.1, "tv": 0.9}  # the reference's a_ce, a_tv
 
-    def __init__(self, markov_rank: int = 64, loss_gamma: float = 4.0, ce_weight: float = 0.1, tv_weight: float = 0.9,
-                 confidence_weight: float = 1.0, **kwargs):
+    def __init__(self, markov_rank: int = 64, confidence_weight: float = 1.0, **kwargs):
         self.markov_rank = markov_rank
-        self.loss_gamma = loss_gamma
-        self.ce_weight = ce_weight
-        self.tv_weight = tv_weight
         self.confidence_weight = confidence_weight
         super().__init__(**kwargs)
 
@@ -77,21 +76,18 @@ class DSparkDrafter(BlockDrafter):
                 anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
         cfg = self.config
         K = cfg.block_size
-        if anchors is None:
-            anchors = sample_anchors(input_ids.shape[1], K, cfg.num_anchors, input_ids.shape[0], input_ids.device)
+        anchors = self.anchors_for(input_ids, anchors, loss_mask)
         anchor_tokens = gather_positions(input_ids, anchors)
         hidden = self.block_hidden(aux, anchor_tokens, anchors)
         labels, target_logits, scored = self.block_targets(input_ids, last, anchors, loss_mask)
         prev = gather_positions(input_ids, anchors[:, :, None] + torch.arange(K - 1, device=anchors.device))
         logits, conf_logits = self.heads(hidden[:, :, 1:], prev)  # teacher forcing
 
-        w = position_weights(K - 1, cfg.loss_gamma, logits.device)
-        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(labels)
-        tv = total_variation(target_logits, logits)
-        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), (1.0 - tv).detach(), reduction="none")
-        parts = {"ce": weighted_mean(ce, w, scored), "tv": weighted_mean(tv, w, scored),
-                 "confidence_bce": weighted_mean(bce, w, scored)}
-        loss = cfg.ce_weight * parts["ce"] + cfg.tv_weight * parts["tv"] + cfg.confidence_weight * parts["confidence_bce"]
+        loss, parts, w = self.block_loss(logits, target_logits, labels, scored)
+        accept = acceptance_probability(target_logits, logits).detach()  # 1 - TV: what c_k should predict
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
+        parts["confidence_bce"] = weighted_mean(bce, w, scored)
+        loss = loss + cfg.confidence_weight * parts["confidence_bce"]
 
         if self.training:
             draft_logits, confidence = logits, conf_logits.sigmoid()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from distill.feature_cache import batch_features
-from distill.features import FeatureCapture, default_layer_ids
+from distill.features import FeatureCapture, default_layer_ids, final_norm
 
 from . import DRAFTERS
 from .core import acceptance_stats, sample_anchors, summarize_acceptance
@@ -25,9 +25,8 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
     heads = section.num_heads or tc.num_attention_heads
     config_cls, model_cls = DRAFTERS[section.kind]
     extra = {
-        "dflash": {"loss_gamma": section.loss_gamma},
-        "dspark": {"loss_gamma": section.loss_gamma, "markov_rank": section.markov_rank, "ce_weight": section.ce_weight,
-                   "tv_weight": section.tv_weight, "confidence_weight": section.confidence_weight},
+        "dflash": {},
+        "dspark": {"markov_rank": section.markov_rank, "confidence_weight": section.confidence_weight},
         "eagle3": {},
     }[section.kind]
     config = config_cls(
@@ -48,11 +47,18 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
         block_attention=section.block_attention,
         num_anchors=section.num_anchors,
         qk_norm=section.qk_norm,
+        loss_terms=section.loss,
+        position_weighting=section.position_weighting,
+        loss_gamma=section.loss_gamma,
         **extra,
     )
     if section.kind != "eagle3" and mask_token_id is None:
         raise ValueError("the target's tokenizer has no mask token; block drafters need one (add '<|mask|>')")
-    return model_cls(config).copy_target_io(target)
+    drafter = model_cls(config).copy_target_io(target)
+    if section.init_norm_scale is not None:
+        with torch.no_grad():
+            drafter.norm.weight.copy_(section.init_norm_scale * final_norm(target).weight)
+    return drafter
 
 
 def expected_calibration_error(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
@@ -100,7 +106,8 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
         kwargs = {}
         if cfg.model_type != "draftsmith_eagle3":
             gen = torch.Generator().manual_seed(b)
-            kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen)
+            kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen,
+                                               loss_mask=batch.loss_mask)
         out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
         chains = out.scored.all(-1)  # only drafts whose every label is scored (responses, not prompts)
         stats = acceptance_stats(out.draft_logits[chains], out.target_logits[chains])

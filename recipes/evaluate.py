@@ -25,21 +25,31 @@ import torch
 from distill.config import EvalRecipe
 from distill.models import load_target, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
+from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
-from recipes.regenerate import load_prompts, render
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
 
 def load_drafter(folder: str, target, device):
-    """A DFlash / DSpark / EAGLE-3 drafter, or any causal LM (a student, a Parcae model) by folder."""
+    """A DFlash / DSpark / EAGLE-3 drafter, or any causal LM (a student, a Parcae model) by folder. A
+    drafter folder without the target's embeddings and LM head (a shipped one) gets them from ``target``."""
     import drafters  # noqa: F401  (registers the drafter classes with AutoModel)
     import parcae  # noqa: F401  (and Parcae with AutoModelForCausalLM)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     kind = AutoConfig.from_pretrained(folder).model_type
-    auto = AutoModel if kind in ("draftsmith_dflash", "draftsmith_dspark", "draftsmith_eagle3") else AutoModelForCausalLM
-    drafter = auto.from_pretrained(folder).to(device).eval()
+    if kind not in ("draftsmith_dflash", "draftsmith_dspark", "draftsmith_eagle3"):
+        return _same_vocabulary(AutoModelForCausalLM.from_pretrained(folder).to(device).eval(), target, folder)
+    shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head
+    drafter = AutoModel.from_pretrained(folder, dtype=torch.float32)
+    _same_vocabulary(drafter, target, folder)
+    if shared:
+        drafter.copy_target_io(target)
+    return drafter.to(device).eval()
+
+
+def _same_vocabulary(drafter, target, folder):
     if drafter.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"drafter {folder} has a {drafter.config.vocab_size}-token vocabulary, the target "
                          f"{target.config.vocab_size}: it was trained for another target")
@@ -71,14 +81,12 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     target, tokenizer = load_target(recipe.target, device)
     same = Path(recipe.drafter).resolve() == Path(resolve_target_path(recipe.target.path)).resolve()
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
-    prompts = load_prompts(recipe, tokenizer)
+    encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
     if dry_run:
-        return {"prompts": len(prompts), "drafter": drafter.config.model_type}
+        return {"prompts": len(encoded), "drafter": drafter.config.model_type}
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
-    encoded = [tokenizer(render(p, tokenizer), return_tensors="pt", add_special_tokens=False)["input_ids"][0].to(device)
-               for p in prompts]
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)

@@ -111,7 +111,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     from drafters.export import (FORMATS, check_expressible, formats_for, kind_of, recorded_simulated_tau, source_record,
                                  write_sglang_eagle3, write_speculators)
     from recipes.evaluate import load_drafter
-    from recipes.regenerate import load_prompts, render
+    from distill.regenerate import encoded_prompts
     from serve_eval.parity import describe_failure, run_gate
 
     t0 = time.perf_counter()
@@ -133,8 +133,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     record = source_record(recipe.drafter)
     simulated = recipe.gate.simulated_tau if recipe.gate.simulated_tau is not None else recorded_simulated_tau(record)
     verifier = recipe.verifier_name_or_path or cfg.target_name_or_path or recipe.target.path
-    prompts = [tokenizer(render(p, tokenizer), return_tensors="pt", add_special_tokens=False)["input_ids"][0].to(device)
-               for p in load_prompts(recipe, tokenizer)]
+    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
     out = Path(recipe.output_dir)
     manifest: dict = {}
 

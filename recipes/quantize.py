@@ -93,15 +93,11 @@ class Subject:
         self.prompts = self._encode_prompts() if r.measure.prompts else []
 
     def _encode_prompts(self) -> list[torch.Tensor]:
-        from types import SimpleNamespace
-
-        from recipes.regenerate import corpus_prompts, render
+        from distill.regenerate import encoded_prompts
 
         r = self.recipe
-        ns = SimpleNamespace(prompts=PromptsSection(from_corpus=r.measure.prompts, split="val",
-                                                    prompt_tokens=r.measure.prompt_tokens), data=r.data, seed=r.seed)
-        return [self.tokenizer(render(p, self.tokenizer), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-                .to(self.device) for p in corpus_prompts(ns, self.tokenizer)]
+        section = PromptsSection(from_corpus=r.measure.prompts, split="val", prompt_tokens=r.measure.prompt_tokens)
+        return encoded_prompts(section, r.data, r.seed, self.tokenizer, self.device)
 
     def _drafter_loss(self, model, batch):
         from distill.feature_cache import batch_features

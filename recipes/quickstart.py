@@ -5,17 +5,23 @@ Stage 1, target: the shipped testbed target (``distill/assets/testbed_target``, 
 ``target.train_recipe``. Either way it is evaluated here on the held-out split of the corpus it was
 trained on (same tokenizer, same split, same window length as its training recipe recorded).
 
-Stage 2, drafter: ``drafter.recipe`` (DFlash by default) trained against that target; its best
-checkpoint's simulated acceptance length is reported.
+Stage 2, shipped drafter (shipped target only): the DFlash drafter trained once for the shipped
+target by ``recipes/configs/dflash_testbed.yaml`` and shipped beside it (``distill/assets/testbed_dflash``),
+measured now in the decoding loop against plain decoding: as a chain, and as a tree at the budget
+that was fastest when it was shipped.
 
-Stage 3, eval: that drafter in the speculative-decoding loop against plain greedy decoding on
+Stage 3, drafter: ``drafter.recipe`` (DFlash by default) trained now against that target, on a short
+budget, to show the pipeline (the target's answers regenerated in-process, then distillation); its
+best checkpoint's simulated acceptance length is reported.
+
+Stage 4, eval: that drafter in the speculative-decoding loop against plain greedy decoding on
 held-out prompts (``eval.recipe``): measured tau, speedup and losslessness.
 
-Stage 4, export: that drafter written for serving engines (``export.recipe``: draftsmith's
+Stage 5, export: that drafter written for serving engines (``export.recipe``: draftsmith's
 ``transformers`` folder, the vLLM ``speculators`` folder, the SGLang folder for EAGLE-3, a model card),
 reloaded and checked by the parity gate before it is published (:mod:`recipes.export`).
 
-Writes ``<output_dir>/summary.json`` (sections ``target``, ``drafter``, ``eval``, ``export``) and prints a
+Writes ``<output_dir>/summary.json`` (sections ``target``, ``shipped_drafter``, ``drafter``, ``eval``, ``export``) and prints a
 short table.
 
     make quickstart
@@ -36,6 +42,7 @@ from distill.lm import evaluate_lm
 from distill.models import load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import set_threads
+from distill.testbed import SHIPPED_DRAFTERS
 
 
 def _training_record(target_dir: Path) -> tuple[dict, DataConfig]:
@@ -100,6 +107,12 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
     write_json_atomic(summary_path, summary)
     print_table("target", target)
 
+    ### The drafter shipped for the testbed target, in the decoding loop (chain and tree)
+    if recipe.shipped_drafter.enabled and not trained_now:
+        summary["shipped_drafter"] = stage_shipped_drafter(recipe, out, target_dir)
+        write_json_atomic(summary_path, summary)
+        print_table("shipped drafter", {k: v for k, v in summary["shipped_drafter"].items() if not isinstance(v, dict)})
+
     ### Drafter, distilled from that target
     if recipe.drafter.enabled:
         summary["drafter"] = stage_drafter(recipe, out, target_dir)
@@ -126,6 +139,38 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
         print_table("export", {k: v for k, v in summary["export"].items() if k != "formats"})
     print(f"wrote {summary_path}")
     return summary
+
+
+def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict:
+    """The shipped drafter measured now, as a chain and as a tree at its best shipped budget."""
+    from recipes import evaluate
+
+    stage = recipe.shipped_drafter
+    folder = SHIPPED_DRAFTERS[stage.kind]
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"no shipped {stage.kind} drafter at {folder}; train and ship it (see its recipe header) "
+                                f"or set shipped_drafter.enabled=false")
+    shipped = json.loads((folder / "results.json").read_text()) if (folder / "results.json").exists() else {}
+    budget = stage.tree_budget or best_tree_budget(shipped)
+    section = {"checkpoint": str(folder), "kind": stage.kind,
+               "simulated_tau": json.loads((folder / "trainer_state.json").read_text()).get("val_simulated_tau"),
+               "tree_budget": budget}
+    for mode, extra in (("chain", []), ("tree", ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"])):
+        overrides = [f"output_dir={out / 'shipped_drafter' / mode}", f"drafter={folder}", f"target.path={target_dir}",
+                     *extra, *stage.overrides]
+        report = evaluate.main(load_recipe(stage.recipe, overrides))
+        section[mode] = {k: report[k] for k in ("tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "lossless",
+                                                "acceptance_by_position", "time_split", "prompts", "max_new_tokens",
+                                                "torch_threads")}
+        section[f"{mode}_tau"], section[f"{mode}_speedup"] = report["tau"], report["speedup"]
+    return section
+
+
+def best_tree_budget(results: dict, default: int = 16) -> int:
+    """The tree budget whose measured speedup was best when the drafter was shipped."""
+    rows = [row for rep in results.values() for row in rep.get("by_budget", []) if row.get("tree_budget")]
+    rows += [rep for rep in results.values() if rep.get("mode") == "tree" and rep.get("tree_budget")]
+    return max(rows, key=lambda r: r["speedup"])["tree_budget"] if rows else default
 
 
 def stage_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict:

@@ -1,10 +1,14 @@
-"""Ship a trained ``train_lm`` run as the testbed target: fp16 weights, tokenizer and provenance.
+"""Ship a trained run as a testbed artifact: the target, or a drafter for it.
 
     python -m recipes.ship_testbed runs/testbed_target [--dest distill/assets/testbed_target]
+    python -m recipes.ship_testbed --drafter runs/dflash_testbed --eval-report runs/eval_dflash/report.json ...
 
-Copies ``<run>/model`` in half precision (about 22 MB for the 11M model) with the run's resolved
-``recipe.yaml``, ``provenance.json`` and ``summary.json`` (as ``training_summary.json``) into the
-destination, atomically: the old copy stays in place until the new one is complete.
+A target: ``<run>/model`` in half precision (about 22 MB for the 11M model). A drafter: its best
+checkpoint's own weights in half precision, without the target's embeddings and LM head (they load
+from the target, as serving engines load them), plus the eval reports given (``results.json``: the
+measured tau and speedup). Both get the run's resolved ``recipe.yaml``, ``provenance.json`` and
+``summary.json`` (as ``training_summary.json``), written atomically: the old copy stays in place until
+the new one is complete.
 """
 
 from __future__ import annotations
@@ -16,7 +20,28 @@ import shutil
 from pathlib import Path
 
 from distill.provenance import git_state
-from distill.testbed import SHIPPED_TARGET
+from distill.testbed import SHIPPED_DRAFTERS, SHIPPED_TARGET
+
+
+def _run_files(run_dir: Path, tmp: Path, dtype: str) -> None:
+    shutil.copy(run_dir / "recipe.yaml", tmp / "recipe.yaml")
+    shutil.copy(run_dir / "summary.json", tmp / "training_summary.json")
+    prov = json.loads((run_dir / "provenance.json").read_text())
+    prov["shipped"] = {"from_run": str(run_dir), "dtype": dtype, "git_at_shipping": git_state()}
+    (tmp / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+
+
+def _publish(tmp: Path, dest: Path) -> Path:
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return dest
+
+
+def _check_run(run_dir: Path, *needed: str) -> None:
+    for name in ("recipe.yaml", "provenance.json", "summary.json", *needed):
+        if not (run_dir / name).exists():
+            raise FileNotFoundError(f"{run_dir / name} is missing: is {run_dir} a finished training run?")
 
 
 def ship(run_dir: Path, dest: Path = SHIPPED_TARGET) -> Path:
@@ -24,31 +49,55 @@ def ship(run_dir: Path, dest: Path = SHIPPED_TARGET) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = Path(run_dir)
-    for needed in ("model/config.json", "recipe.yaml", "provenance.json", "summary.json"):
-        if not (run_dir / needed).exists():
-            raise FileNotFoundError(f"{run_dir / needed} is missing: is {run_dir} a finished train_lm run?")
+    _check_run(run_dir, "model/config.json")
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float16)
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(run_dir / "model").save_pretrained(tmp)
-    shutil.copy(run_dir / "recipe.yaml", tmp / "recipe.yaml")
-    shutil.copy(run_dir / "summary.json", tmp / "training_summary.json")
-    prov = json.loads((run_dir / "provenance.json").read_text())
-    prov["shipped"] = {"from_run": str(run_dir), "dtype": "float16", "git_at_shipping": git_state()}
-    (tmp / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(tmp, dest)
-    return dest
+    _run_files(run_dir, tmp, "float16")
+    return _publish(tmp, dest)
+
+
+def ship_drafter(run_dir: Path, eval_reports: list[Path], dest: Path | None = None) -> Path:
+    import torch
+    from transformers import AutoModel
+
+    import drafters
+
+    run_dir = Path(run_dir)
+    best = run_dir / "checkpoints" / "best"
+    _check_run(run_dir, "checkpoints/best/config.json")
+    drafter = AutoModel.from_pretrained(best, dtype=torch.float32)
+    kind = drafter.config.model_type.removeprefix("draftsmith_")
+    dest = Path(dest or SHIPPED_DRAFTERS[kind])
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafters.save_without_target_io(drafter, tmp, torch.float16)
+    shutil.copy(best / "trainer_state.json", tmp / "trainer_state.json")  # the step and the simulated tau it was chosen by
+    _run_files(run_dir, tmp, "float16")
+    results = {}
+    for report in map(Path, eval_reports):
+        rep = json.loads(report.read_text())
+        key = f"{rep['mode']}_t{rep['temperature']:g}"
+        results[key] = {k: v for k, v in rep.items() if k != "per_prompt"}
+    (tmp / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    return _publish(tmp, dest)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--dest", type=Path, default=SHIPPED_TARGET)
+    parser.add_argument("run_dir", type=Path, nargs="?", help="a train_lm run (the target)")
+    parser.add_argument("--drafter", type=Path, help="a train_drafter run, shipped for the testbed target")
+    parser.add_argument("--eval-report", type=Path, action="append", default=[], help="eval report.json (repeatable)")
+    parser.add_argument("--dest", type=Path, default=None)
     args = parser.parse_args()
-    print(f"shipped {ship(args.run_dir, args.dest)}")
+    if args.drafter:
+        print(f"shipped {ship_drafter(args.drafter, args.eval_report, args.dest)}")
+    elif args.run_dir:
+        print(f"shipped {ship(args.run_dir, args.dest or SHIPPED_TARGET)}")
+    else:
+        parser.error("give a target run directory or --drafter RUN")
 
 
 if __name__ == "__main__":

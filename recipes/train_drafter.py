@@ -17,12 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from distill.config import TrainDrafterRecipe
-from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
+from distill.data import load_text_splits, make_windows, regenerated_text_splits, tokenizer_fingerprint
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
 from distill.features import LAYER_ID_CONVENTION, FeatureCapture
 from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.quantize import QuantStage
+from distill.regenerate import regenerated_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters.evaluate import build_drafter, evaluate_drafter
@@ -77,11 +78,19 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     ### Data, tokenized with the target's tokenizer; features online or from a cache
     with acc.main_process_first():
         splits = load_text_splits(recipe.data, recipe.seed)
+        data_cfg, regenerated = recipe.data, None
+        if recipe.regenerate is not None:  # the target's own answers to prompts cut from the corpus, cached
+            regenerated = regenerated_splits(recipe.regenerate, target, tokenizer, splits, recipe.seed,
+                                             target_fingerprint(target), tokenizer_fingerprint(tokenizer))
+            splits = regenerated_text_splits(regenerated)
+            data_cfg = recipe.data.model_copy(update={"format": "prompt_response"})
         # windows of seq_len + 1 tokens; the drafter reads all of them (no shift: targets come from the features)
-        train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed, recipe.features.max_windows)
-        val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed)
+        train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows)
+        val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed)
     data_record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    if regenerated is not None:
+        data_record["regenerated"] = {k: regenerated[k] for k in ("key", "folder", "files", "train_response_tokens", "reused")}
     if recipe.features.mode == "offline":
         train, val = offline_windows(recipe, acc, capture, target, data_record, train, val)
 
@@ -93,7 +102,9 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
 
     def loss_fn(model, batch):
         out = model(*batch_features(batch, capture), loss_mask=batch.loss_mask)
-        return out.loss, out.logs or {}
+        scored_tokens = batch.input_ids.numel() if batch.loss_mask is None else batch.loss_mask.sum()
+        # real tokens: those the data scores (responses, not prompts or padding); labels: drafted positions with a loss
+        return out.loss, {**(out.logs or {}), "count/scored_tokens": scored_tokens, "count/scored_labels": out.scored.sum()}
 
     quant.prepare()  # qat: fake quantization before the optimizer is built
     trainer = Trainer(
@@ -118,6 +129,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         "steps": result.step,
         "train_seconds": round(result.train_seconds, 2),
         "tokens_per_s": round(result.tokens_per_s, 1),
+        **{f"{k}_per_s": round(v, 1) for k, v in result.count_rates.items()},
         "mfu": round(result.mfu, 4),
         "best_simulated_tau": result.best_metric,
         "best_step": result.best_step,

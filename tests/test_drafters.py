@@ -85,6 +85,29 @@ def test_save_load_round_trip_is_exact(tmp_path, tiny_target_dir, kind):
     assert not loaded.embed_tokens.weight.requires_grad and not loaded.lm_head.weight.requires_grad
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_drafter_loads_its_embeddings_and_head_from_the_target(tmp_path, tiny_target_dir, kind):
+    import drafters
+    from drafters.evaluate import build_drafter
+    from recipes.evaluate import load_drafter
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    drafter = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, kind).drafter, target, str(tiny_target_dir),
+                            tok.mask_token_id).eval()
+    drafters.save_without_target_io(drafter, tmp_path / "d", torch.float16)
+    assert drafters.shares_target_io(tmp_path / "d") and not drafters.shares_target_io(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), framework="pt") as f:
+        assert not {"embed_tokens.weight", "lm_head.weight"} & set(f.keys())
+        assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
+    loaded = load_drafter(str(tmp_path / "d"), target, "cpu")
+    assert torch.equal(loaded.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(loaded.lm_head.weight, target.get_output_embeddings().weight)
+    own = {k: v for k, v in drafter.state_dict().items() if k not in drafters.core.TARGET_IO}
+    assert all(torch.equal(loaded.state_dict()[k], v.half().float()) for k, v in own.items())  # fp16 rounding only
+
+
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
 def test_block_sees_only_features_before_its_anchor(attention):
     from drafters import DFlashConfig, DFlashDrafter

@@ -229,7 +229,7 @@ def test_shifted_layer_index_is_refused(tmp_path, target, val_windows, tiny_targ
     # the command line refuses with status 3; the override publishes it, marked as failed
     args = ["export", "--drafter", str(folder), "--target", str(tiny_target_dir), "--output-dir", str(out),
             "--prompts-from-corpus", "2", "--max-new-tokens", "8"]
-    monkeypatch.setattr("recipes.regenerate.load_prompts", lambda recipe, tok: [{"prompt": "import os\n"}] * 2)
+    monkeypatch.setattr("distill.regenerate.load_prompts", lambda section, data, seed, tok: [{"prompt": "import os\n"}] * 2)
     assert cli_main(args) == 3 and not out.exists()
     assert cli_main(args + ["--allow-failed-gate"]) == 0
     manifest = json.loads((out / "export.json").read_text())

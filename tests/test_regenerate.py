@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from distill.config import DataConfig, parse_recipe
+from distill.config import DataConfig, TargetConfig, parse_recipe
 from distill.data import encode_example
 
 from .conftest import reset_accelerate
@@ -65,3 +66,47 @@ def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir):
     raw["data"] = {"source": "files", "train_files": [data], "format": "prompt_response", "seq_len": 32, "val_fraction": 0.34}
     summary = train_drafter.main(parse_recipe(raw))
     assert torch.isfinite(torch.tensor(summary["val_loss"])) and summary["val_simulated_tau"] >= 1.0
+
+
+def test_regenerated_records_keep_the_exact_tokens(tmp_path, tiny_target_dir):
+    from recipes import regenerate
+
+    regenerate.main(regenerate_recipe(tmp_path / "regen", tiny_target_dir))
+    records = [json.loads(l) for l in (tmp_path / "regen" / "data.jsonl").read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    cfg = DataConfig(source="hub", hub_name="unused/unused", format="prompt_response", seq_len=64)
+    for r in records:
+        assert len(r["prompt_ids"]) == 12 and len(r["response_ids"]) + r["eos"] <= 10
+        ids, mask = encode_example(r, tok, cfg)  # what training reads: exactly what the target read and wrote
+        assert ids == r["prompt_ids"] + r["response_ids"] + ([tok.eos_token_id] if r["eos"] else [])
+        assert sum(mask) == len(r["response_ids"]) + r["eos"] and mask[:12] == [0] * 12
+
+
+def test_in_process_regeneration_is_cached_and_reused(tmp_path, tiny_target_dir, monkeypatch):
+    from distill.config import RegenerateStage
+    from distill.data import load_text_splits, tokenizer_fingerprint
+    from distill.feature_cache import target_fingerprint
+    from distill.models import load_target
+    from distill.regenerate import regenerated_splits
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    splits = load_text_splits(DataConfig(source="stdlib", max_documents=40, val_fraction=0.1))
+    stage = RegenerateStage(train_prompts=6, val_prompts=2, prompt_tokens=8, max_new_tokens=6, temperatures=[0.0, 1.0],
+                            batch_size=4)
+    fps = (target_fingerprint(target), tokenizer_fingerprint(tok))
+    first = regenerated_splits(stage, target, tok, splits, 0, *fps)
+    assert not first["reused"] and len(first["train_files"]) == 2 and first["train_response_tokens"] > 0
+    rows = [json.loads(l) for f in first["train_files"] for l in open(f)]
+    assert len(rows) == 6 and {r["temperature"] for r in rows} == {0.0, 1.0}
+    val = [json.loads(l) for l in open(first["val_files"][0])]
+    assert len(val) == 2 and all(r["temperature"] == 0.0 for r in val)
+    assert all(f["tokens_per_s"] for f in first["files"].values())
+
+    monkeypatch.setattr(target, "generate", lambda *a, **k: pytest.fail("a cached regeneration must not generate"))
+    again = regenerated_splits(stage, target, tok, splits, 0, *fps)
+    assert again["reused"] and again["key"] == first["key"]
+    other = stage.model_copy(update={"max_new_tokens": 5})
+    with pytest.raises(pytest.fail.Exception):  # any setting changes the key: new answers are made
+        regenerated_splits(other, target, tok, splits, 0, *fps)

@@ -1,0 +1,198 @@
+"""The target answers prompts itself: drafter training data in the target's own distribution.
+
+A drafter is judged by how often the *target* agrees with it, so it should learn what the target
+writes, not what the corpus says: the reference trainers regenerate responses with the target before
+training (DeepSpec, speculators). Prompts are read from a JSONL file or cut from a corpus split
+(:func:`corpus_prompts`); :func:`answer_prompts` lets the target continue them in batches.
+
+Records (one JSON object per line)::
+
+    {"id", "prompt" | "messages", "response", "prompt_ids", "response_ids", "eos", "temperature"}
+
+``prompt_ids`` / ``response_ids`` are the exact tokens the target read and wrote (re-tokenizing the
+decoded text need not give them back); ``eos`` says whether the target ended the response itself, so
+a response cut at ``max_new_tokens`` is not taught to end there.
+
+Resumable: prompts are cut into fixed batches; each finished batch is appended (and flushed) to
+``<file>.partial``; a re-run keeps the complete batches, drops a torn or half-written one, and
+continues; the file is renamed into place when every prompt is answered. Each batch samples with its
+own seed, so a resumed run writes exactly what an uninterrupted one would.
+
+:func:`regenerated_splits` is the in-process stage of drafter recipes (``regenerate:``): train-split
+prompts answered at each of several temperatures, held-out prompts answered greedily (what serving
+at T=0 sees, so the simulated tau measures it), cached under ``$DRAFTSMITH_CACHE/regenerated/<key>``
+where the key covers the target's weights, the tokenizer, the corpus and every setting: a later run
+with the same settings reuses the answers, any change makes new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .testbed import cache_dir, fingerprint_texts
+
+REGENERATION_VERSION = 1
+
+
+def corpus_prompts(docs: list[str], count: int, prompt_tokens: int, tokenizer, seed: int) -> list[dict]:
+    """``count`` snippets of ``prompt_tokens`` tokens at seeded offsets in ``docs`` (token ids kept)."""
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(len(docs), size=count, replace=count > len(docs))
+    unique = sorted(set(chosen.tolist()))  # each document tokenized once, in one batched call
+    tokens = dict(zip(unique, tokenizer([docs[i] for i in unique], add_special_tokens=False)["input_ids"]))
+    prompts = []
+    for i in chosen:
+        ids = tokens[int(i)]
+        start = int(rng.integers(0, max(1, len(ids) - prompt_tokens)))
+        snippet = ids[start:start + prompt_tokens]
+        prompts.append({"prompt": tokenizer.decode(snippet), "prompt_ids": snippet})
+    return prompts
+
+
+def file_prompts(path: str, field: str) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for i, row in enumerate(rows):
+        if field not in row and "messages" not in row:
+            raise ValueError(f"{path} line {i + 1}: no '{field}' or 'messages' key")
+    return [{"messages": r["messages"]} if "messages" in r else {"prompt": r[field]} for r in rows]
+
+
+def load_prompts(section, data_cfg, seed: int, tokenizer) -> list[dict]:
+    """The prompts a ``PromptsSection`` names: its file, or ``from_corpus`` snippets of ``data_cfg``'s
+    ``section.split`` (the same for every recipe that names the same section, data and seed)."""
+    from .data import load_text_splits
+
+    if section.file:
+        return file_prompts(section.file, section.field)
+    splits = load_text_splits(data_cfg, seed)
+    docs = splits.train if section.split == "train" else splits.val
+    return corpus_prompts(docs, section.from_corpus, section.prompt_tokens, tokenizer, seed)
+
+
+def encoded_prompts(section, data_cfg, seed: int, tokenizer, device="cpu") -> list[torch.Tensor]:
+    """:func:`load_prompts` as the token ids the target reads, one 1-D tensor each."""
+    return [torch.tensor(prompt_token_ids(p, tokenizer), device=device) for p in load_prompts(section, data_cfg, seed, tokenizer)]
+
+
+def render(prompt: dict, tokenizer) -> str:
+    """The text the target continues: its chat template when it has one, else the raw prompt."""
+    messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(m["content"] for m in messages)
+
+
+def prompt_token_ids(prompt: dict, tokenizer) -> list[int]:
+    """The tokens the target reads for ``prompt``: the cut corpus tokens themselves when there is no
+    chat template, else the rendered conversation's."""
+    if "prompt_ids" in prompt and not getattr(tokenizer, "chat_template", None):
+        return list(prompt["prompt_ids"])
+    return tokenizer(render(prompt, tokenizer), add_special_tokens=False)["input_ids"]
+
+
+def read_done(partial: Path, batches: list[list[int]]) -> dict[int, dict]:
+    """Records of the batches that were completely written. A torn last line or a half-written batch
+    (a kill mid-write) is dropped, and the file rewritten to hold exactly the complete batches."""
+    done = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            done[record["id"]] = record
+        done = {i: done[i] for batch in batches if all(j in done for j in batch) for i in batch}
+        tmp = partial.with_name(partial.name + ".tmp")
+        tmp.write_text("".join(json.dumps(done[i]) + "\n" for i in sorted(done)))
+        os.replace(tmp, partial)
+    return done
+
+
+@torch.no_grad()
+def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, max_new_tokens: int,
+                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
+                   seed: int = 0, desc: str = "regenerating") -> dict:
+    """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc). Returns
+    ``{"records", "response_tokens", "tokens_per_s"}`` (tokens/s of this call's generation only)."""
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_file.with_name(out_file.name + ".partial")
+    # fixed batches over all prompts, so a resumed run pads and seeds every batch as the first run did
+    batches = [list(range(b, min(b + batch_size, len(prompts)))) for b in range(0, len(prompts), batch_size)]
+    done = {} if out_file.exists() else read_done(partial, batches)
+    todo = [] if out_file.exists() else [batch for batch in batches if batch[0] not in done]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    device = next(target.parameters()).device
+    sampled = temperature > 0
+    new_tokens, seconds = 0, 0.0
+    with open(partial, "a") as sink:
+        for batch in tqdm(todo, desc=desc, unit="batch"):
+            torch.manual_seed(seed * 1_000_003 + batch[0])  # per-batch seed: resumes reproduce
+            ids = [prompt_token_ids(prompts[i], tokenizer) for i in batch]
+            width = max(map(len, ids))
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)  # left padding
+            attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+            t0 = time.perf_counter()
+            outputs = target.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=sampled,
+                pad_token_id=pad, **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sampled else {}),
+            )
+            seconds += time.perf_counter() - t0
+            for row, i in enumerate(batch):
+                new = outputs[row, width:].tolist()
+                ended = eos in new
+                new = new[:new.index(eos)] if ended else new
+                new_tokens += len(new) + ended
+                record = {"id": i, **prompts[i], "prompt_ids": ids[row], "response": tokenizer.decode(new, skip_special_tokens=True),
+                          "response_ids": new, "eos": ended, "temperature": temperature}
+                sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            os.fsync(sink.fileno())
+    if not out_file.exists():
+        os.replace(partial, out_file)
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    return {"records": len(records), "response_tokens": sum(len(r["response_ids"]) + r["eos"] for r in records),
+            "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None}
+
+
+def regeneration_key(stage, target_fp: str, tokenizer_fp: str, data_fp: str, seed: int) -> str:
+    settings = json.dumps(stage.model_dump(mode="json"), sort_keys=True)
+    return fingerprint_texts([settings], f"v{REGENERATION_VERSION}", target_fp, tokenizer_fp, data_fp, f"seed={seed}")
+
+
+def regenerated_splits(stage, target, tokenizer, splits, seed: int, target_fp: str, tokenizer_fp: str) -> dict:
+    """Answer ``stage``'s train prompts (split over ``stage.temperatures``) and held-out prompts (greedy),
+    or reuse the cached answers. Returns the record: files, key, counts, response tokens and tokens/s."""
+    key = regeneration_key(stage, target_fp, tokenizer_fp, splits.fingerprint, seed)
+    folder = cache_dir() / "regenerated" / key
+    manifest = folder / "manifest.json"
+    if manifest.exists():
+        return {**json.loads(manifest.read_text()), "reused": True}
+    jobs = []  # (file, prompts, temperature, seed)
+    per_temp = -(-stage.train_prompts // len(stage.temperatures))
+    train_prompts = corpus_prompts(splits.train, per_temp * len(stage.temperatures), stage.prompt_tokens, tokenizer, seed)
+    for j, temperature in enumerate(stage.temperatures):
+        jobs.append((folder / f"train_t{temperature:g}.jsonl", train_prompts[j * per_temp:(j + 1) * per_temp], temperature, seed + j))
+    val_prompts = corpus_prompts(splits.val, stage.val_prompts, stage.prompt_tokens, tokenizer, seed + 1)
+    jobs.append((folder / "val_t0.jsonl", val_prompts, 0.0, seed))
+    stats = {}
+    for file, prompts, temperature, job_seed in jobs:
+        stats[file.name] = answer_prompts(
+            target, tokenizer, prompts, file, max_new_tokens=stage.max_new_tokens, temperature=temperature,
+            top_p=stage.top_p, top_k=stage.top_k, batch_size=stage.batch_size, seed=job_seed,
+            desc=f"regenerating {file.stem}")
+    record = {"key": key, "folder": str(folder), "train_files": [str(j[0]) for j in jobs[:-1]], "val_files": [str(jobs[-1][0])],
+              "files": stats, "train_response_tokens": sum(s["response_tokens"] for n, s in stats.items() if n.startswith("train")),
+              "settings": stage.model_dump(mode="json")}
+    tmp = manifest.with_name("manifest.json.tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, manifest)
+    return {**record, "reused": False}

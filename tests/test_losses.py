@@ -1,0 +1,67 @@
+"""The drafter loss library: each term against its definition, D-PACE weights, scored anchors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafters.core import sample_anchors
+from drafters.losses import acceptance_probability, block_loss, block_weights, position_loss, position_weights
+
+
+def _logits(seed, shape=(2, 3, 5, 11)):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_terms_equal_their_definitions():
+    q, p = _logits(0), _logits(1)
+    labels = torch.randint(0, 11, q.shape[:-1], generator=torch.Generator().manual_seed(2))
+    P, Q = p.softmax(-1), q.softmax(-1)
+    assert torch.allclose(position_loss("ce", q, p, labels), F.cross_entropy(q.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels))
+    assert torch.allclose(position_loss("kl", q, p, labels), (P * (P.log() - Q.log())).sum(-1), atol=1e-6)
+    assert torch.allclose(position_loss("tv", q, p, labels), 0.5 * (P - Q).abs().sum(-1), atol=1e-6)
+    assert torch.allclose(position_loss("lk", q, p, labels), -torch.minimum(P, Q).sum(-1).log(), atol=1e-6)
+    for term in ("kl", "tv", "lk"):  # zero exactly where the drafter is the target
+        assert position_loss(term, p, p, labels).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="unknown loss term"):
+        position_loss("mse", q, p, labels)
+
+
+def test_dpace_weights_are_the_detached_probability_of_reaching_each_position():
+    q = _logits(3).requires_grad_()
+    p = _logits(4)
+    w = block_weights("dpace", 4.0, q, p)
+    alpha = acceptance_probability(p, q.detach())
+    assert not w.requires_grad and torch.all(w[..., 0] == 1)
+    assert torch.allclose(w[..., 1:], alpha[..., :-1].cumprod(-1))
+    assert torch.allclose(block_weights("exp", 2.0, q, p), position_weights(5, 2.0))
+
+
+def test_block_loss_mixes_terms_over_scored_positions_only():
+    q, p = _logits(5).requires_grad_(), _logits(6)
+    labels = torch.zeros(q.shape[:-1], dtype=torch.long)
+    scored = torch.zeros(q.shape[:-1], dtype=torch.bool)
+    scored[0, 0] = True
+    loss, parts, _ = block_loss({"ce": 0.5, "kl": 2.0}, "exp", 4.0, q, p, labels, scored)
+    w = position_weights(5, 4.0)
+    ce = position_loss("ce", q, p, labels)[0, 0]
+    assert torch.allclose(parts["ce"], (ce * w).sum() / w.sum())
+    assert torch.allclose(loss, 0.5 * parts["ce"] + 2.0 * parts["kl"])
+    loss.backward()
+    assert q.grad[1].abs().sum() == 0 and q.grad[0, 0].abs().sum() > 0  # unscored blocks get no gradient
+
+
+def test_anchors_land_where_labels_are_scored():
+    mask = torch.zeros(3, 40)
+    mask[0, 20:30] = 1  # a short response: 9 useful anchors (a + 1 in 20..29, a <= 32)
+    mask[1, 5:] = 1
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        anchors = sample_anchors(40, 8, 6, 3, generator=gen, loss_mask=mask)
+        first_label = torch.gather(mask, 1, anchors + 1)
+        assert torch.all(first_label[:2] == 1), anchors
+        assert anchors.max() <= 32 and anchors.min() >= 1
+    # more anchors than scored positions: every scored position is used, the rest are filled in
+    anchors = sample_anchors(40, 8, 12, 3, generator=torch.Generator().manual_seed(0), loss_mask=mask)
+    assert set(range(19, 29)) <= set(anchors[0].tolist())
