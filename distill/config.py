@@ -167,7 +167,9 @@ class TokenizerConfig(Strict):
         return None if v is None else _local_or_hub(v, "tokenizer", "tokenizer_config.json")
 
 
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+#: data file suffix -> how it is read: a ``datasets`` builder, or ``document`` (each file is one text document)
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".py": "document",
+                 ".md": "document"}
 
 
 class DataConfig(Strict):
@@ -198,11 +200,19 @@ class DataConfig(Strict):
     @field_validator("train_files", "val_files")
     @classmethod
     def _files_exist(cls, files: list[str]) -> list[str]:
-        for f in files:
+        import glob
+
+        expanded = []
+        for f in files:  # glob patterns expand to the sorted files they match
+            matches = sorted(glob.glob(f, recursive=True)) if glob.has_magic(f) else [f]
+            if not matches:
+                raise ValueError(f"data file pattern '{f}' matches no file")
+            expanded += matches
+        for f in expanded:
             _existing_path(f, "data file")
             if Path(f).suffix not in DATA_SUFFIXES:
                 raise ValueError(f"data file '{f}' has suffix '{Path(f).suffix}', expected one of {sorted(DATA_SUFFIXES)}")
-        return files
+        return expanded
 
     @model_validator(mode="after")
     def _source_complete(self) -> "DataConfig":

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .config import DATA_SUFFIXES, DataConfig, TokenizerConfig
-from .testbed import atomic_dir, cache_dir, fingerprint_texts, split_documents, stdlib_documents, train_bpe_tokenizer
+from .testbed import Document, atomic_dir, cache_dir, fingerprint_texts, split_documents, stdlib_documents, train_bpe_tokenizer
 
 
 @dataclass
@@ -54,6 +54,14 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
         train, val = split_documents(docs, cfg.val_fraction)
         train_r, val_r = [d.text for d in train], [d.text for d in val]
         desc = f"stdlib source: {len(train)} train / {len(val)} held-out files"
+    elif cfg.source == "files" and DATA_SUFFIXES[Path(cfg.train_files[0]).suffix] == "document":
+        if any(DATA_SUFFIXES[Path(f).suffix] != "document" for f in cfg.train_files + cfg.val_files):
+            raise ValueError(f"data files mix whole documents with datasets: {cfg.train_files + cfg.val_files}")
+        read = lambda files: [Document(f, Path(f).read_text(encoding="utf-8", errors="replace")) for f in files]  # noqa: E731
+        train, val = (read(cfg.train_files), read(cfg.val_files)) if cfg.val_files else split_documents(read(cfg.train_files), cfg.val_fraction)
+        train, val = train[:cfg.max_documents] if cfg.max_documents else train, val
+        train_r, val_r = [d.text for d in train], [d.text for d in val]
+        desc = f"files (one document each): {len(train)} train / {len(val)} held-out files"
     else:
         from datasets import load_dataset
 

@@ -133,7 +133,10 @@ def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, ma
     device = next(target.parameters()).device
     sampled = temperature > 0
     new_tokens, seconds = 0, 0.0
-    with open(partial, "a") as sink:
+    devices = [device] if device.type == "cuda" else []
+    # the per-batch seeds below must not leak into the caller's RNG: a training run that regenerates
+    # and one that reuses cached answers then draw the same anchors and data order
+    with open(partial, "a") as sink, torch.random.fork_rng(devices=devices):
         for batch in tqdm(todo, desc=desc, unit="batch"):
             torch.manual_seed(seed * 1_000_003 + batch[0])  # per-batch seed: resumes reproduce
             ids = [prompt_token_ids(prompts[i], tokenizer) for i in batch]

@@ -213,7 +213,7 @@ class Trainer:
             metrics = self.evaluate_fn(self.model)
         self.model.train()
         self.state.last_eval = metrics
-        self._log(metrics)
+        self._log({**metrics, "train_seconds": self.state.train_seconds, "tokens_seen": self.state.tokens_seen})
         value = metrics[self.best_metric_name]
         if math.isfinite(value) and self._better(value):
             self.state.best_metric, self.state.best_step = value, self.state.step

@@ -167,9 +167,10 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
 
 
 def best_tree_budget(results: dict, default: int = 16) -> int:
-    """The tree budget whose measured speedup was best when the drafter was shipped."""
-    rows = [row for rep in results.values() for row in rep.get("by_budget", []) if row.get("tree_budget")]
-    rows += [rep for rep in results.values() if rep.get("mode") == "tree" and rep.get("tree_budget")]
+    """The tree budget whose measured speedup was best when the drafter was shipped (greedy, held-out
+    prompts: the ``tree_t0`` report of its ``results.json``)."""
+    report = results.get("tree_t0", {})
+    rows = report.get("by_budget") or ([report] if report.get("tree_budget") else [])
     return max(rows, key=lambda r: r["speedup"])["tree_budget"] if rows else default
 
 

@@ -5,8 +5,8 @@
 
 A target: ``<run>/model`` in half precision (about 22 MB for the 11M model). A drafter: its best
 checkpoint's own weights in half precision, without the target's embeddings and LM head (they load
-from the target, as serving engines load them), plus the eval reports given (``results.json``: the
-measured tau and speedup). Both get the run's resolved ``recipe.yaml``, ``provenance.json`` and
+from the target, as serving engines load them), plus the eval reports given (``results.json``, keyed
+by each eval run's folder name: the measured tau and speedup). Both get the run's resolved ``recipe.yaml``, ``provenance.json`` and
 ``summary.json`` (as ``training_summary.json``), written atomically: the old copy stays in place until
 the new one is complete.
 """
@@ -77,10 +77,9 @@ def ship_drafter(run_dir: Path, eval_reports: list[Path], dest: Path | None = No
     shutil.copy(best / "trainer_state.json", tmp / "trainer_state.json")  # the step and the simulated tau it was chosen by
     _run_files(run_dir, tmp, "float16")
     results = {}
-    for report in map(Path, eval_reports):
+    for report in map(Path, eval_reports):  # keyed by the eval run's folder name
         rep = json.loads(report.read_text())
-        key = f"{rep['mode']}_t{rep['temperature']:g}"
-        results[key] = {k: v for k, v in rep.items() if k != "per_prompt"}
+        results[report.parent.name] = {k: v for k, v in rep.items() if k != "per_prompt"}
     (tmp / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return _publish(tmp, dest)
 

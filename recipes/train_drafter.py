@@ -29,15 +29,16 @@ from distill.trainer import Trainer
 from drafters.evaluate import build_drafter, evaluate_drafter
 
 
-def drafter_flops_per_token(drafter, target, seq_len: int) -> float:
+def drafter_flops_per_token(drafter, target, seq_len: int, online: bool = True) -> float:
     """Training FLOPs per sequence token: the drafter's forward + backward over the positions it drafts
-    (blocks per sequence x block size, or TTT steps), plus the frozen target's forward."""
+    (blocks per sequence x block size, or TTT steps), plus the frozen target's forward when it runs
+    beside the drafter (online features; an offline cache computed it once, before training)."""
     from distill.models import flops_per_token
 
     cfg = drafter.config
     weights = sum(p.numel() for p in drafter.parameters() if p.dim() >= 2) - drafter.embed_tokens.weight.numel()
     drafted = cfg.ttt_steps if cfg.model_type == "draftsmith_eagle3" else cfg.num_anchors * cfg.block_size / seq_len
-    return 6 * weights * drafted + flops_per_token(target, seq_len, training=False)
+    return 6 * weights * drafted + (flops_per_token(target, seq_len, training=False) if online else 0.0)
 
 
 def offline_windows(recipe, acc, capture, target, data_record, train, val):
@@ -109,7 +110,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     quant.prepare()  # qat: fake quantization before the optimizer is built
     trainer = Trainer(
         accelerator=acc, model=drafter, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
-        data=train, loss_fn=loss_fn, flops_per_token=drafter_flops_per_token(drafter, target, recipe.data.seq_len),
+        data=train, loss_fn=loss_fn, flops_per_token=drafter_flops_per_token(drafter, target, recipe.data.seq_len, recipe.features.mode == "online"),
         evaluate_fn=lambda m: evaluate_drafter(m, capture, val, recipe.train.micro_batch_size, recipe.train.eval_batches, acc),
         best_metric="val_simulated_tau", greater_is_better=True, save_extra=tokenizer.save_pretrained,
         before_step=quant.before_step,

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from distill.config import parse_recipe
-from distill.testbed import SHIPPED_TARGET
+from distill.testbed import SHIPPED_DRAFTERS, SHIPPED_TARGET
 from recipes import quickstart
 
 from .conftest import tiny_lm_recipe, write_recipe
@@ -19,13 +19,21 @@ TARGET_KEYS = {"checkpoint", "val_loss", "val_ppl", "train_seconds", "tokens_per
 
 def test_quickstart_with_the_shipped_target(tmp_path):
     out = tmp_path / "qs"
+    tiny_eval = ["prompts.from_corpus=2", "prompts.prompt_tokens=16", "decoding.max_new_tokens=16"]
     summary = quickstart.main(parse_recipe({"recipe": "quickstart", "output_dir": str(out), "target": {"eval_batches": 2},
-                                            "drafter": {"enabled": False}}))
-    target = json.loads((out / "summary.json").read_text())["target"]
+                                            "shipped_drafter": {"overrides": tiny_eval}, "drafter": {"enabled": False}}))
+    saved = json.loads((out / "summary.json").read_text())
+    target = saved["target"]
     assert target == summary["target"] and TARGET_KEYS <= target.keys()
     seq_len = yaml.safe_load((SHIPPED_TARGET / "recipe.yaml").read_text())["data"]["seq_len"]
     assert target["source"].startswith("shipped") and target["val_tokens"] == 2 * 8 * seq_len
     assert 1 < target["val_ppl"] < 60 and target["tokens_per_s"] > 0 and 0 < target["mfu"] < 1
+    shipped = saved["shipped_drafter"]  # the shipped DFlash drafter, measured now as a chain and as a tree
+    assert shipped == summary["shipped_drafter"] and shipped["kind"] == "dflash" and shipped["simulated_tau"] > 1
+    for mode in ("chain", "tree"):
+        assert shipped[mode]["lossless"] is True and shipped[mode]["prompts"] == 2 and shipped[mode]["tau"] >= 1
+        assert shipped[f"{mode}_speedup"] == shipped[mode]["speedup"] > 0
+    assert shipped["tree_budget"] == quickstart.best_tree_budget(json.loads((SHIPPED_DRAFTERS["dflash"] / "results.json").read_text()))
 
 
 @pytest.mark.slow
@@ -34,6 +42,8 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     train_recipe = write_recipe(tmp_path / "tiny.yaml", tiny_lm_recipe(tmp_path / "ignored", model={"num_layers": 4},
                                                                         train={"max_steps": 4}))
     tiny_drafter = ["data.max_documents=40", "data.val_fraction=0.1", "data.seq_len=64", "drafter.block_size=4",
+                    "regenerate.train_prompts=8", "regenerate.val_prompts=4", "regenerate.prompt_tokens=12",
+                    "regenerate.max_new_tokens=12", "regenerate.batch_size=4",
                     "train.max_steps=4", "train.eval_every=2", "train.eval_batches=2", "train.micro_batch_size=4",
                     "train.torch_threads=1"]
     recipe = parse_recipe({"recipe": "quickstart", "output_dir": str(out),
@@ -60,5 +70,5 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     export = saved["export"]  # stage 4: the drafter exported behind the parity gate
     assert export["gate"]["passed"] and export["gate"]["logits_max_abs_diff"] == 0.0
     assert export["formats"]["transformers"] == str(out / "export" / "transformers")
-    assert export["formats"]["speculators"].startswith("not exported") and "qk_norm" in export["formats"]["speculators"]
+    assert export["formats"]["speculators"] == str(out / "export" / "speculators")  # the recipe has qk_norm: vLLM loads it
     assert (out / "export" / "README.md").exists() and (out / "export" / "export.json").exists()

@@ -57,6 +57,30 @@ def test_chat_template_scores_the_response_only(tiny_target_dir):
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "    return x<|im_end|>\n"
 
 
+def test_drafter_recipe_regenerates_in_process_online_and_offline_alike(tmp_path, tiny_target_dir):
+    from recipes import train_drafter
+
+    def run(out, **features):
+        reset_accelerate()
+        raw = drafter_recipe(out, tiny_target_dir, "dflash", max_steps=6, eval_every=3).model_dump(mode="json")
+        raw["regenerate"] = {"train_prompts": 12, "val_prompts": 4, "prompt_tokens": 12, "max_new_tokens": 16,
+                             "temperatures": [0.0, 0.7], "batch_size": 4}
+        raw["features"] = features or {"mode": "online"}
+        summary = train_drafter.main(parse_recipe(raw))
+        log = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        return summary, log
+
+    online, online_log = run(tmp_path / "online")
+    offline, offline_log = run(tmp_path / "offline", mode="offline", cache_dir=str(tmp_path / "cache"), dtype="float32")
+    prov = json.loads((tmp_path / "offline" / "provenance.json").read_text())
+    regenerated = prov["data"]["regenerated"]
+    assert regenerated["reused"] and regenerated["train_response_tokens"] > 0  # the second run reused the answers
+    assert [m.get("train/loss") for m in online_log] == [m.get("train/loss") for m in offline_log]
+    assert online["val_simulated_tau"] == offline["val_simulated_tau"]
+    # only the target's answers are scored: every sampled block starts where a label is scored
+    assert 0 < online["scored_tokens_per_s"] < online["tokens_per_s"] and online["scored_labels_per_s"] > 0
+
+
 def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir):
     from recipes import regenerate, train_drafter
 
