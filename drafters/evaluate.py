@@ -2,7 +2,9 @@
 
 Evaluation runs the frozen target over fixed held-out windows, drafts with fixed anchors (a generator
 seeded per batch, so every evaluation of every drafter sees the same blocks), and accumulates
-:func:`drafters.core.acceptance_stats`. For DSpark it also scores the confidence head against the
+:func:`drafters.core.acceptance_stats` (per-position acceptance, ``block_tau``). The *simulated tau*
+replays greedy decoding over every held-out answer (:func:`replay_decoding`): on the target's own
+greedy answers (a ``regenerate:`` recipe's held-out set) that is what the decoding loop measures. For DSpark it also scores the confidence head against the
 event it should predict (the drafted token equals the target's argmax): expected calibration error
 (10 equal-width bins) and AUROC.
 """
@@ -15,7 +17,7 @@ from distill.feature_cache import batch_features
 from distill.features import FeatureCapture, default_layer_ids, final_norm
 
 from . import DRAFTERS
-from .core import acceptance_stats, sample_anchors, summarize_acceptance
+from .core import acceptance_stats, accepted_lengths, decode_walk, sample_anchors, summarize_acceptance
 
 
 def build_drafter(section, target, target_name: str, mask_token_id: int | None):
@@ -61,6 +63,45 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
     return drafter
 
 
+def answer_span(loss_mask: torch.Tensor | None, row: int, length: int) -> tuple[int, int] | None:
+    """First and last position of the scored answer in a window (the whole window without a mask)."""
+    if loss_mask is None:
+        return 1, length - 1
+    scored = loss_mask[row].nonzero()
+    return (int(scored[0]), int(scored[-1])) if len(scored) > 1 else None
+
+
+@torch.no_grad()
+def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64) -> tuple[int, int]:
+    """Greedy decoding replayed over each window's answer (:func:`drafters.core.decode_walk`):
+    ``(tokens, target forwards)`` summed over the batch. Block drafters draft a block at every anchor
+    of the answer (in chunks of ``chunk`` anchors); EAGLE-3's forward already drafts a chain from every
+    position (chain ``t`` is the draft after the bonus token at ``t + 1``)."""
+    B, L = ids.shape
+    if cfg.model_type == "draftsmith_eagle3":
+        kept = accepted_lengths(out.draft_logits, out.target_logits, out.scored)  # [B, chains]
+        anchors = torch.arange(1, kept.shape[1] + 1, device=ids.device)[None].expand(B, -1)
+    else:
+        spans = [answer_span(loss_mask, r, L) for r in range(B)]
+        lo = min((s[0] for s in spans if s), default=1)
+        hi = L - cfg.block_size  # the last anchor whose block fits the window
+        every = torch.arange(max(lo, 1), hi + 1, device=ids.device)
+        kept = []
+        for part in every.split(chunk):
+            anchors = part[None].expand(B, -1)
+            o = model(ids, aux, last, anchors=anchors, loss_mask=loss_mask)
+            kept.append(accepted_lengths(o.draft_logits, o.target_logits, o.scored))
+        kept, anchors = torch.cat(kept, dim=1), every[None].expand(B, -1)
+    tokens = forwards = 0
+    for r in range(B):
+        span = answer_span(loss_mask, r, L)
+        if span is None:
+            continue
+        t, f = decode_walk(dict(zip(anchors[r].tolist(), kept[r].tolist())), *span)
+        tokens, forwards = tokens + t, forwards + f
+    return tokens, forwards
+
+
 def expected_calibration_error(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
     idx = (conf * bins).long().clamp(max=bins - 1)
     ece = torch.zeros((), dtype=torch.float64)
@@ -99,6 +140,7 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     batches = torch.zeros((), dtype=torch.float64, device=device)
     confs, labels = [], []
+    walk = torch.zeros(2, dtype=torch.float64, device=device)  # tokens, target forwards of the replayed decoding
     starts = list(range(0, n, batch_size))
     for b in starts[rank::world]:
         batch = windows.collate(list(range(b, min(b + batch_size, n)))).to(device)
@@ -109,6 +151,7 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
             kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen,
                                                loss_mask=batch.loss_mask)
         out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
+        walk += torch.tensor(replay_decoding(model, cfg, ids, aux, last, batch.loss_mask, out), dtype=torch.float64, device=device)
         chains = out.scored.all(-1)  # only drafts whose every label is scored (responses, not prompts)
         stats = acceptance_stats(out.draft_logits[chains], out.target_logits[chains])
         for k, v in stats.items():
@@ -121,7 +164,9 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
     if accelerator:
         sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
         loss_sum, batches = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(batches, "sum")
-    metrics = {f"{prefix}_loss": (loss_sum / batches).item(), **summarize_acceptance(sums, prefix)}
+        walk = accelerator.reduce(walk, "sum")
+    metrics = {f"{prefix}_loss": (loss_sum / batches).item(), **summarize_acceptance(sums, prefix),
+               f"{prefix}_simulated_tau": (walk[0] / walk[1].clamp_min(1)).item()}
     if confs:
         from accelerate.utils import gather_object
 

@@ -152,9 +152,9 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
                                 f"or set shipped_drafter.enabled=false")
     shipped = json.loads((folder / "results.json").read_text()) if (folder / "results.json").exists() else {}
     budget = stage.tree_budget or best_tree_budget(shipped)
-    section = {"checkpoint": str(folder), "kind": stage.kind,
-               "simulated_tau": json.loads((folder / "trainer_state.json").read_text()).get("val_simulated_tau"),
-               "tree_budget": budget}
+    evaluation = json.loads((folder / "evaluation.json").read_text())  # on its held-out answers, at shipping
+    section = {"checkpoint": str(folder), "kind": stage.kind, "simulated_tau": round(evaluation["val_simulated_tau"], 4),
+               "block_tau": round(evaluation["val_block_tau"], 4), "tree_budget": budget}
     for mode, extra in (("chain", []), ("tree", ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"])):
         overrides = [f"output_dir={out / 'shipped_drafter' / mode}", f"drafter={folder}", f"target.path={target_dir}",
                      *extra, *stage.overrides]

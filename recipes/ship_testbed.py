@@ -6,7 +6,8 @@
 A target: ``<run>/model`` in half precision (about 22 MB for the 11M model). A drafter: its best
 checkpoint's own weights in half precision, without the target's embeddings and LM head (they load
 from the target, as serving engines load them), plus the eval reports given (``results.json``, keyed
-by each eval run's folder name: the measured tau and speedup). Both get the run's resolved ``recipe.yaml``, ``provenance.json`` and
+by each eval run's folder name: the measured tau and speedup) and ``evaluation.json`` (the shipped weights on the run's held-out set, by the
+current evaluator). Both get the run's resolved ``recipe.yaml``, ``provenance.json`` and
 ``summary.json`` (as ``training_summary.json``), written atomically: the old copy stays in place until
 the new one is complete.
 """
@@ -74,7 +75,9 @@ def ship_drafter(run_dir: Path, eval_reports: list[Path], dest: Path | None = No
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     drafters.save_without_target_io(drafter, tmp, torch.float16)
-    shutil.copy(best / "trainer_state.json", tmp / "trainer_state.json")  # the step and the simulated tau it was chosen by
+    shutil.copy(best / "trainer_state.json", tmp / "trainer_state.json")  # the step and the metrics it was chosen by
+    # the held-out metrics of the shipped weights, by this code's evaluator (a run may predate it)
+    (tmp / "evaluation.json").write_text(json.dumps(evaluate_shipped(run_dir, tmp), indent=2) + "\n")
     _run_files(run_dir, tmp, "float16")
     results = {}
     for report in map(Path, eval_reports):  # keyed by the eval run's folder name
@@ -82,6 +85,25 @@ def ship_drafter(run_dir: Path, eval_reports: list[Path], dest: Path | None = No
         results[report.parent.name] = {k: v for k, v in rep.items() if k != "per_prompt"}
     (tmp / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return _publish(tmp, dest)
+
+
+def evaluate_shipped(run_dir: Path, folder: Path) -> dict:
+    """The drafter in ``folder`` evaluated on its training run's held-out windows (its recipe's data:
+    the regenerated answers are read from their cache, or made again)."""
+    from distill.config import load_recipe
+    from distill.features import FeatureCapture
+    from distill.models import load_target
+    from drafters.evaluate import evaluate_drafter
+    from recipes.evaluate import load_drafter
+    from recipes.train_drafter import drafter_windows
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    target, tokenizer = load_target(recipe.target)
+    drafter = load_drafter(str(folder), target, "cpu")
+    _, val, _ = drafter_windows(recipe, target, tokenizer)
+    metrics = evaluate_drafter(drafter, FeatureCapture(target, drafter.config.target_layer_ids), val,
+                               recipe.train.micro_batch_size, None)
+    return {"held_out_windows": len(val), **metrics}
 
 
 def main() -> None:

@@ -61,6 +61,26 @@ def offline_windows(recipe, acc, capture, target, data_record, train, val):
     return out
 
 
+def drafter_windows(recipe: TrainDrafterRecipe, target, tokenizer):
+    """``(train, val, data record)``: the recipe's token windows (the corpus, or the target's answers,
+    regenerated now or read from their cache) of ``seq_len + 1`` tokens; the drafter reads all of them
+    (no shift: its targets come from the features)."""
+    splits = load_text_splits(recipe.data, recipe.seed)
+    data_cfg, regenerated = recipe.data, None
+    if recipe.regenerate is not None:  # the target's own answers to prompts cut from the corpus, cached
+        regenerated = regenerated_splits(recipe.regenerate, target, tokenizer, splits, recipe.seed,
+                                         target_fingerprint(target), tokenizer_fingerprint(tokenizer))
+        splits = regenerated_text_splits(regenerated)
+        data_cfg = recipe.data.model_copy(update={"format": "prompt_response"})
+    train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows)
+    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed)
+    record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
+              "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    if regenerated is not None:
+        record["regenerated"] = {k: regenerated[k] for k in ("key", "folder", "files", "train_response_tokens", "reused")}
+    return train, val, record
+
+
 def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     set_threads(recipe.train.torch_threads)
 
@@ -78,20 +98,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
 
     ### Data, tokenized with the target's tokenizer; features online or from a cache
     with acc.main_process_first():
-        splits = load_text_splits(recipe.data, recipe.seed)
-        data_cfg, regenerated = recipe.data, None
-        if recipe.regenerate is not None:  # the target's own answers to prompts cut from the corpus, cached
-            regenerated = regenerated_splits(recipe.regenerate, target, tokenizer, splits, recipe.seed,
-                                             target_fingerprint(target), tokenizer_fingerprint(tokenizer))
-            splits = regenerated_text_splits(regenerated)
-            data_cfg = recipe.data.model_copy(update={"format": "prompt_response"})
-        # windows of seq_len + 1 tokens; the drafter reads all of them (no shift: targets come from the features)
-        train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows)
-        val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed)
-    data_record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
-                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
-    if regenerated is not None:
-        data_record["regenerated"] = {k: regenerated[k] for k in ("key", "folder", "files", "train_response_tokens", "reused")}
+        train, val, data_record = drafter_windows(recipe, target, tokenizer)
     if recipe.features.mode == "offline":
         train, val = offline_windows(recipe, acc, capture, target, data_record, train, val)
 

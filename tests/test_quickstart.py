@@ -43,7 +43,7 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
                                                                         train={"max_steps": 4}))
     tiny_drafter = ["data.max_documents=40", "data.val_fraction=0.1", "data.seq_len=64", "drafter.block_size=4",
                     "regenerate.train_prompts=8", "regenerate.val_prompts=4", "regenerate.prompt_tokens=12",
-                    "regenerate.max_new_tokens=12", "regenerate.batch_size=4",
+                    "regenerate.max_new_tokens=12", "regenerate.batch_size=4", f"features.cache_dir={out / 'features'}",
                     "train.max_steps=4", "train.eval_every=2", "train.eval_batches=2", "train.micro_batch_size=4",
                     "train.torch_threads=1"]
     recipe = parse_recipe({"recipe": "quickstart", "output_dir": str(out),
