@@ -425,6 +425,16 @@ class QuickstartShippedDrafterStage(Strict):
                                                                "shipped with (results.json)")
     overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
 
+    @model_validator(mode="after")
+    def _shipped(self) -> "QuickstartShippedDrafterStage":
+        from .testbed import SHIPPED_DRAFTERS
+
+        if self.enabled and not (SHIPPED_DRAFTERS[self.kind] / "config.json").exists():
+            shipped = sorted(k for k, f in SHIPPED_DRAFTERS.items() if (f / "config.json").exists())
+            raise ValueError(f"no {self.kind} drafter is shipped at {SHIPPED_DRAFTERS[self.kind]} (shipped: {shipped}); "
+                             "train and ship it (its recipe's header says how) or set shipped_drafter.enabled=false")
+        return self
+
 
 class QuickstartRecipe(RecipeBase):
     """The main job on the testbed: the target (shipped or trained) evaluated, a drafter trained,

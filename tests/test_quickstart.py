@@ -72,3 +72,11 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     assert export["formats"]["transformers"] == str(out / "export" / "transformers")
     assert export["formats"]["speculators"] == str(out / "export" / "speculators")  # the recipe has qk_norm: vLLM loads it
     assert (out / "export" / "README.md").exists() and (out / "export" / "export.json").exists()
+
+
+def test_a_shipped_drafter_that_does_not_exist_is_refused_before_any_compute():
+    from distill.config import RecipeError
+
+    with pytest.raises(RecipeError, match="no eagle3 drafter is shipped"):
+        parse_recipe({"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": "eagle3"}})
+    parse_recipe({"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": "eagle3", "enabled": False}})
