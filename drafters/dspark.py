@@ -17,7 +17,7 @@ where it is low keeps decoding lossless. Loss, with ``w_k = exp(-(k-1)/gamma)``:
 
     L = a_ce * CE + a_tv * TV + a_conf * BCE(c_k, 1 - TV_k)     (reference: 0.1, 0.9, 1.0, gamma = 4)
 
-(the first two are ``loss_terms``, any mix of :mod:`drafters.losses`, with its position weighting).
+(the first two are ``loss_terms`` (recipe key ``drafter.loss``), any mix of :mod:`drafters.losses`, with its position weighting).
 """
 
 from __future__ import annotations

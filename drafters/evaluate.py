@@ -78,11 +78,11 @@ def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64)
     of the answer (in chunks of ``chunk`` anchors); EAGLE-3's forward already drafts a chain from every
     position (chain ``t`` is the draft after the bonus token at ``t + 1``)."""
     B, L = ids.shape
+    spans = [answer_span(loss_mask, r, L) for r in range(B)]
     if cfg.model_type == "draftsmith_eagle3":
         kept = accepted_lengths(out.draft_logits, out.target_logits, out.scored)  # [B, chains]
         anchors = torch.arange(1, kept.shape[1] + 1, device=ids.device)[None].expand(B, -1)
     else:
-        spans = [answer_span(loss_mask, r, L) for r in range(B)]
         lo = min((s[0] for s in spans if s), default=1)
         hi = L - cfg.block_size  # the last anchor whose block fits the window
         every = torch.arange(max(lo, 1), hi + 1, device=ids.device)
@@ -93,8 +93,7 @@ def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64)
             kept.append(accepted_lengths(o.draft_logits, o.target_logits, o.scored))
         kept, anchors = torch.cat(kept, dim=1), every[None].expand(B, -1)
     tokens = forwards = 0
-    for r in range(B):
-        span = answer_span(loss_mask, r, L)
+    for r, span in enumerate(spans):
         if span is None:
             continue
         t, f = decode_walk(dict(zip(anchors[r].tolist(), kept[r].tolist())), *span)
