@@ -144,6 +144,48 @@ class InjectedLayer(nn.Module):
         x = x + self.attn.attend(h, x_pos, k, v, mask)
         return x + self.mlp(self.post_norm(x))
 
+    def decode(self, x, x_pos, keys: torch.Tensor, values: torch.Tensor, length: int, mask):
+        """:meth:`forward` for one block after a cached context of ``length`` positions, without
+        copying the context: ``keys`` / ``values`` are :class:`ContextCache` buffers; the block's own
+        entries are written after the context (scratch space, overwritten by the next append)."""
+        h = self.input_norm(x)
+        k, v = self.attn.project_kv(h, x_pos)
+        end = length + k.shape[2]
+        keys[:, :, length:end], values[:, :, length:end] = k, v
+        x = x + self.attn.attend(h, x_pos, keys[:, :, :end], values[:, :, :end], mask)
+        return x + self.mlp(self.post_norm(x))
+
+
+class ContextCache:
+    """Decode-time keys and values of the verified context, per drafter layer, in buffers that grow by
+    doubling: appending the newly verified positions writes in place instead of re-copying the whole
+    context every step, and one block's own entries fit after the context (``spare`` positions)."""
+
+    def __init__(self, spare: int):
+        self.spare = spare
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.length = 0
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add per-layer ``(keys, values)`` [1, heads, n, head_dim] of the next ``n`` positions."""
+        n = kv[0][0].shape[2]
+        need = self.length + n + self.spare
+        if not self.keys or need > self.keys[0].shape[2]:
+            grown = []
+            for buffers in (self.keys, self.values):
+                grown.append([])
+                for i, (k, _) in enumerate(kv):
+                    new = k.new_empty(k.shape[0], k.shape[1], max(need, 2 * self.length + n + self.spare, 64), k.shape[3])
+                    if buffers:
+                        new[:, :, :self.length] = buffers[i][:, :, :self.length]
+                    grown[-1].append(new)
+            self.keys, self.values = grown
+        for layer, (k, v) in enumerate(kv):
+            self.keys[layer][:, :, self.length:self.length + n] = k
+            self.values[layer][:, :, self.length:self.length + n] = v
+        self.length += n
+
 
 # --------------------------------------------------------------------------------------------------
 # Shared config and model base
@@ -270,6 +312,18 @@ class DrafterBase(PreTrainedModel):
         self.lm_head.weight.copy_(head)
         return self
 
+    def share_target_io(self, target) -> "DrafterBase":
+        """Use the target's own embedding and LM head tensors (no copy), as serving engines do: the
+        drafter reads the very bytes the target's head just read, still in cache, and holds no second
+        copy. Falls back to :meth:`copy_target_io` when dtype or device differ."""
+        emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        if (emb.dtype, emb.device, head.dtype, head.device) != (self.embed_tokens.weight.dtype, self.embed_tokens.weight.device,
+                                                              self.lm_head.weight.dtype, self.lm_head.weight.device):
+            return self.copy_target_io(target)
+        self.copy_target_io(target)  # checks the shapes
+        self.embed_tokens.weight, self.lm_head.weight = emb, head  # the target's Parameters, left as they are
+        return self
+
 
 def save_without_target_io(drafter, folder, dtype: torch.dtype = torch.float16) -> None:
     """``save_pretrained`` of the drafter's own weights in ``dtype``: the target's embeddings and LM head
@@ -340,6 +394,26 @@ class BlockDrafter(DrafterBase):
         for layer, kv in zip(self.layers, ctx_kv):
             x = layer(x, x_pos, kv, mask)
         return self.norm(x).view(B, N, K, -1)
+
+    def decode_hidden(self, anchor_token: torch.Tensor, anchor_pos: int, cache: ContextCache) -> torch.Tensor:
+        """:meth:`block_hidden` [1, 1, K, H] of one block at ``anchor_pos`` whose context (every position
+        before it) is in ``cache``: the decoding fast path, with no mask for bidirectional blocks (the
+        whole context is visible) and no copy of the context's keys and values."""
+        cfg = self.config
+        K = cfg.block_size
+        if cache.length != anchor_pos:
+            raise ValueError(f"the context cache holds {cache.length} positions, the block is anchored at {anchor_pos}")
+        tokens = torch.full((1, K), cfg.mask_token_id, dtype=torch.long, device=anchor_token.device)
+        tokens[0, 0] = anchor_token
+        x = self.embed_tokens(tokens)
+        x_pos = torch.arange(anchor_pos, anchor_pos + K, device=tokens.device)[None]
+        mask = None
+        if self.causal_blocks:  # every context key, and block keys up to the query's own position
+            mask = torch.ones(K, anchor_pos + K, dtype=torch.bool, device=tokens.device)
+            mask[:, anchor_pos:] = torch.ones(K, K, dtype=torch.bool, device=tokens.device).tril()
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+            x = layer.decode(x, x_pos, keys, values, anchor_pos, mask)
+        return self.norm(x).view(1, 1, K, -1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):
         """Decode-time drafts for block positions 1..K-1 from :meth:`block_hidden`: (tokens [B, N, K-1],

@@ -44,9 +44,8 @@ def load_drafter(folder: str, target, device):
     shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head
     drafter = AutoModel.from_pretrained(folder, dtype=torch.float32)
     _same_vocabulary(drafter, target, folder)
-    if shared:
-        drafter.copy_target_io(target)
-    return drafter.to(device).eval()
+    drafter = drafter.to(device).eval()
+    return drafter.share_target_io(target) if shared else drafter
 
 
 def _same_vocabulary(drafter, target, folder):

@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from distill.features import FeatureCapture, TargetFeatures
+from drafters.core import ContextCache
 
 from .sampling import Sampler, verify_chain
 from .tree import build_best_first_tree, walk_tree
@@ -111,20 +112,20 @@ class BlockProposer(Proposer):
         self.drafter = drafter
         self.block_size = drafter.config.block_size
         self.confidence_threshold = confidence_threshold
-        self.ctx_kv: list | None = None
+        self.context = ContextCache(spare=self.block_size)
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.context = ContextCache(spare=self.block_size)
 
     @torch.no_grad()
     def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
         pos = torch.arange(start, start + aux.shape[1], device=aux.device)[None]
-        new = self.drafter.context_kv(aux, pos)
-        self.ctx_kv = new if self.ctx_kv is None else [
-            (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(self.ctx_kv, new)]
+        self.context.append(self.drafter.context_kv(aux, pos))
 
     @torch.no_grad()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
-        hidden = self.drafter.block_hidden(None, anchor.view(1, 1), torch.tensor([[anchor_pos]], device=anchor.device),
-                                           ctx_kv=self.ctx_kv)
+        hidden = self.drafter.decode_hidden(anchor, anchor_pos, self.context)
         tokens, logits, confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
         tokens, logits = tokens[0, 0], logits[0, 0]
         if confidence is not None and self.confidence_threshold > 0:

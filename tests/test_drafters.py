@@ -132,6 +132,31 @@ def test_block_sees_only_features_before_its_anchor(attention):
     assert not torch.allclose(other[:, 0, 3], base[:, 0, 3]) and torch.equal(other[:, 1], base[:, 1])
 
 
+@pytest.mark.parametrize("attention", ["bidirectional", "causal"])
+def test_cached_decoding_block_equals_the_training_block(attention):
+    """The decoding fast path (context keys/values appended in place, the block written after them,
+    no mask for bidirectional blocks) gives the training forward's block, across buffer growth."""
+    from drafters import DFlashConfig, DFlashDrafter
+    from drafters.core import ContextCache
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, target_layer_ids=[0],
+                       target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention, num_hidden_layers=2)
+    m = DFlashDrafter(cfg).eval()
+    aux = torch.randn(1, 150, 32)
+    cache, done = ContextCache(spare=cfg.block_size), 0
+    with torch.no_grad():
+        for anchor in (7, 9, 70, 71, 140):  # appends of 7, 2, 61, 1 and 69 positions; buffers grow past 64
+            cache.append(m.context_kv(aux[:, done:anchor], torch.arange(done, anchor)[None]))
+            done = anchor
+            token = torch.tensor(5 + anchor % 7)
+            fast = m.decode_hidden(token, anchor, cache)
+            reference = m.block_hidden(aux[:, :anchor], token.view(1, 1), torch.tensor([[anchor]]))
+            torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="anchored at"):
+            m.decode_hidden(torch.tensor(5), done + 1, cache)
+
+
 def test_eagle3_ttt_chain_sees_only_its_own_past():
     from drafters.eagle3 import ttt_mask
 
