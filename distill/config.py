@@ -633,6 +633,9 @@ class DecodingSection(Strict):
     mode: Literal["chain", "tree"] = Field("chain", description="chain, or DDTree trees (block drafters)")
     tree_budgets: list[int] = Field(default_factory=lambda: [16], min_length=1,
                                     description="tree nodes per step; several budgets are each measured and plotted")
+    adaptive: bool = Field(True, description="verify, every step, the prefix of the draft (chain) or tree (of at most "
+                                              "the tree budget) with the most expected tokens/s under measured costs "
+                                              "(serve_eval.budget)")
     confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
     draft_length: int = Field(7, gt=0, description="causal-LM drafters (students, Parcae): tokens drafted per step")
     draft_recurrence: Optional[int] = Field(

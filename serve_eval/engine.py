@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from distill.features import FeatureCapture, TargetFeatures
 from drafters.core import ContextCache
 
+from .budget import Budget, measure_verify_costs
 from .sampling import Sampler, verify_chain
 from .tree import build_best_first_tree, walk_tree
 
@@ -217,6 +218,18 @@ def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int 
     return LMProposer(drafter, draft_length, **({"num_steps": draft_recurrence} if draft_recurrence else {}))
 
 
+def _next_outcome(sampler: Sampler, drafts, draft_logits, target_logits, verified: int, accepted: int) -> float | None:
+    """Whether (T = 0), or with what probability (T > 0), the first draft left unverified would have
+    been kept, from the target's logits after the kept ones; None when it does not apply."""
+    if accepted < verified or verified >= len(drafts):
+        return None
+    draft = int(drafts[verified])
+    if sampler.greedy:
+        return float(int(target_logits[accepted].argmax()) == draft)
+    p, q = sampler.probs(target_logits[accepted])[draft], sampler.probs(draft_logits[verified])[draft]
+    return float(min(1.0, p / q)) if q > 0 else 1.0
+
+
 @dataclass
 class GenerationStats:
     tokens: int = 0
@@ -263,9 +276,11 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          sampler: Sampler | None = None, proposer=None, verify=verify_chain,
                          confidence_threshold: float = 0.0, mode: str = "chain", tree_budget: int = 16,
-                         walk=walk_tree):
+                         walk=walk_tree, budget: Budget | None = None):
     """Speculative decoding with chain or tree verification (see the module docstrings of this file
-    and of :mod:`serve_eval.tree`); ``verify`` and ``walk`` are test hooks."""
+    and of :mod:`serve_eval.tree`). With a :class:`~serve_eval.budget.Budget` each step verifies the
+    prefix of the drafts (chain) or of the ``tree_budget``-node tree with the most expected tokens per
+    second; ``verify`` and ``walk`` are test hooks."""
     sampler = sampler or Sampler()
     proposer = proposer or make_proposer(drafter, confidence_threshold)
     K = proposer.block_size
@@ -288,6 +303,9 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         t1 = time.perf_counter()
         if mode == "tree":
             tree = build_best_first_tree(draft_logits.float().log_softmax(-1), tree_budget)
+            if budget is not None:
+                full, node_q, parents = tree, tree.log_q.exp().tolist(), tree.parents.tolist()
+                tree = tree.prefix(budget.tree_size(node_q, parents))
             ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
             depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
             logits, feats = session.forward_tree(ids, depths, tree.ancestor_mask())
@@ -295,12 +313,22 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             accepted = ids[0, path[1:]]
             session.keep(anchor_pos, path)
             path_feats = None if feats is None else feats.aux[:, path]
+            if budget is not None:
+                budget.record_tree(node_q, parents, path, len(tree), full.tokens.tolist(), int(new_bonus))
         else:
+            if budget is not None:  # ranked by the top probability at each position, never the drawn token's
+                q = draft_logits.float().softmax(-1) if sampler.greedy else sampler.probs(draft_logits)
+                top_q = q.amax(-1).tolist()
+                keep = budget.chain_length(top_q)
+                all_drafts, all_draft_logits = drafts, draft_logits
+                drafts, draft_logits = drafts[:keep], draft_logits[:keep]
             logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
             n, new_bonus = verify(sampler, drafts, draft_logits, logits)
             accepted = drafts[:n]
             session.rollback(anchor_pos + n + 1)
             path_feats = None if feats is None else feats.aux[:, :n + 1]
+            if budget is not None:
+                budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, all_draft_logits, logits, keep, n))
         stats.target_forwards += 1
         n = len(accepted)
         for k in range(len(drafts)):
@@ -314,7 +342,10 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         proposer.observe(path_feats, anchor_pos, emitted)
         anchor_pos += n + 1
         bonus = new_bonus
-        stats.draft_seconds += (t1 - t0) + (time.perf_counter() - t2)  # drafting, and reading the accepted features
+        draft_seconds = (t1 - t0) + (time.perf_counter() - t2)  # drafting, and reading the accepted features
+        stats.draft_seconds += draft_seconds
+        if budget is not None:
+            budget.observe_draft(draft_seconds)
         stats.verify_seconds += t2 - t1
     out = _truncate(out, max_new_tokens, eos_token_id)
     stats.tokens = len(out)
@@ -322,19 +353,26 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     return out, stats
 
 
-def measure(target, drafter, encoded, dec, eos, sampler, budget) -> dict:
+def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
     """Baseline and speculative decoding of every prompt, back to back, as ``dec`` (a
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same
     seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe."""
     new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
     K = new_proposer().block_size
+    budget = None
+    if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
+        largest = (budget_nodes or 1) + 1 if dec.mode == "tree" else K
+        sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < largest] + [largest]
+        capture = FeatureCapture(target, drafter.config.target_layer_ids) if new_proposer().needs_features else None
+        budget = Budget(measure_verify_costs(target, sizes, capture))
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless = [], True
     for i, prompt in enumerate(encoded):
         base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
         ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
-                                           proposer=new_proposer(), mode=dec.mode, tree_budget=budget or 1)
+                                           proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
+                                           budget=budget)
         same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
         lossless = lossless and same if same is not None else None
         totals["tokens"] += stats.tokens
@@ -351,7 +389,8 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget) -> dict:
     tokens_per_s = totals["tokens"] / totals["spec_s"]
     baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
     return {
-        "tree_budget": budget,
+        "tree_budget": budget_nodes,
+        "adaptive": None if budget is None else budget.summary(),
         "tau": round(totals["tokens"] / max(1, totals["forwards"]), 4),
         "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
         "tokens_per_s": round(tokens_per_s, 2),

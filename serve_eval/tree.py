@@ -32,9 +32,15 @@ class DraftTree:
     tokens: torch.Tensor  # [N] node tokens (the root, the bonus token, is not stored)
     parents: torch.Tensor  # [N] index of the parent node, -1 for the root
     depths: torch.Tensor  # [N] 1-based depth
+    log_q: torch.Tensor | None = None  # [N] the drafter's log-probability of each node's token at its depth
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def prefix(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes: a tree whenever every parent comes before its children (pop order)."""
+        log_q = None if self.log_q is None else self.log_q[:n]
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], log_q)
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over [root, nodes]: True where the row's node may attend (itself, ancestors)."""
@@ -60,7 +66,7 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     depth_max, vocab = log_probs.shape
     ranked, order = log_probs.topk(min(budget, vocab), dim=-1)  # sorted; a full argsort costs 50x more
     ranked, order = ranked.tolist(), order.tolist()
-    tokens, parents, depths = [], [], []
+    tokens, parents, depths, log_q = [], [], [], []
     heap = [(-ranked[0][0], 0, 1, 0, -1)]  # (-score, tie-break, depth, rank, parent)
     tie = 1
     while heap and len(tokens) < budget:
@@ -69,6 +75,7 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
         tokens.append(order[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
+        log_q.append(ranked[depth - 1][rank])
         if rank + 1 < len(order[depth - 1]):
             sibling = -neg - ranked[depth - 1][rank] + ranked[depth - 1][rank + 1]
             heapq.heappush(heap, (-sibling, tie, depth, rank + 1, parent))
@@ -76,7 +83,7 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
         if depth < depth_max:
             heapq.heappush(heap, (neg - ranked[depth][0], tie, depth + 1, 0, node))
             tie += 1
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(log_q))
 
 
 def walk_tree(tree: DraftTree, logits: torch.Tensor, choose) -> tuple[list[int], torch.Tensor]:

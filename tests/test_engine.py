@@ -9,6 +9,7 @@ import torch
 from distill.config import DataConfig, TargetConfig
 from distill.data import load_text_splits
 from distill.models import load_target
+from serve_eval.budget import Budget
 from serve_eval.engine import Proposer, TargetSession, make_proposer, plain_generate, speculative_generate
 
 from .conftest import reset_accelerate
@@ -61,13 +62,17 @@ class ScriptedProposer(Proposer):
 def test_greedy_speculative_equals_greedy(target_and_prompts, trained_drafters, kind):
     target, tok, prompts = target_and_prompts
     drafter = trained_drafters[kind]
-    taus = []
+    taus, chosen = [], set()
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert len(reference) == MAX_NEW
         ours, stats = speculative_generate(target, drafter, prompt, MAX_NEW)
         assert ours == reference
         taus.append(stats.tau)
+        for mode in ("chain", "tree"):  # per-step budgets from (made-up) costs: other steps, the same tokens
+            budget = Budget({1: 1.0, 2: 1.02, 16: 1.3})
+            assert speculative_generate(target, drafter, prompt, MAX_NEW, mode=mode, budget=budget)[0] == reference
+            chosen.update(budget.chosen)
         K = drafter.config.block_size
         for wrong, mode in ((True, "chain"), (False, "chain"), (True, "tree"), (False, "tree")):
             scripted = ScriptedProposer(reference, len(prompt), K, len(tok), wrong)
@@ -78,6 +83,7 @@ def test_greedy_speculative_equals_greedy(target_and_prompts, trained_drafters, 
             else:  # every draft accepted: K tokens per forward but for the last, cut by max_new_tokens
                 assert s.target_forwards == 1 + -(-(MAX_NEW - 1) // K), (mode, s)
     assert max(taus) > 1.0, f"a trained {kind} drafter should get some drafts accepted: {taus}"
+    assert len(chosen) > 2, f"the budgets should have verified steps of several sizes: {chosen}"
 
 
 def test_eos_stops_both_loops_identically(target_and_prompts, trained_drafters):
@@ -157,7 +163,7 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     assert torch.equal(decoded, trained)
 
 
-@pytest.mark.parametrize("decoding", [{}, {"mode": "tree", "tree_budgets": [2, 8]}])
+@pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from distill.config import parse_recipe
     from recipes import evaluate
@@ -171,7 +177,11 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     report = evaluate.main(recipe)
     peer = report["peer_transformers_assisted"]
     assert peer["same_as_greedy"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
-    if decoding:
+    if decoding.get("adaptive", True):  # the budget's cost table and its choices are reported
+        assert set(report["adaptive"]["verify_ms"]) >= {"1", "3"} and 1 <= report["adaptive"]["mean_verified"] <= 9
+    else:
+        assert report["adaptive"] is None
+    if "mode" in decoding:
         assert [row["tree_budget"] for row in report["by_budget"]] == [2, 8]
         assert (tmp_path / "tau_speedup_by_budget.png").stat().st_size > 1000
     saved = __import__("json").loads((tmp_path / "report.json").read_text())

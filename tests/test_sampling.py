@@ -12,10 +12,12 @@ import torch
 from distill.config import DrafterSection, ModelConfig
 from distill.models import build_causal_lm
 from drafters.evaluate import build_drafter
+from serve_eval.budget import Budget
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler, verify_chain
 
 VOCAB, PROMPT, SAMPLES = 6, torch.tensor([1, 2, 3]), 1500
+VARIED_COSTS = {1: 1.0, 2: 1.4, 3: 1.7, 6: 2.6}  # seconds per verified tokens: some steps verify 0 drafts, some all
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +89,8 @@ def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, 
     exact = exact_joint(toy_target, Sampler(**sampler_args))
     counts = sampled_joint(toy_target, drafter, sampler_args)
     assert chi_square_pvalue(counts, exact) > 1e-3, "speculative samples do not follow the target"
+    adaptive = sampled_joint(toy_target, drafter, sampler_args, budget=Budget(VARIED_COSTS))  # chain lengths vary
+    assert chi_square_pvalue(adaptive, exact) > 1e-3, "a per-step budget changed the distribution"
     broken = sampled_joint(toy_target, drafter, sampler_args, verify=accept_everything)
     assert chi_square_pvalue(broken, exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
@@ -98,6 +102,9 @@ def test_tree_sampling_matches_the_target_distribution(toy_target):
     args = {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5), exact) > 1e-3
+    budget = Budget(VARIED_COSTS)
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, budget=budget), exact) > 1e-3
+    assert len(set(budget.chosen)) > 2  # trees of several sizes were verified
     broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
     assert chi_square_pvalue(broken, exact) < 1e-6
 

@@ -1,0 +1,168 @@
+"""Speculation budgets chosen every step from measured costs and measured acceptance.
+
+A step reads ``n`` tokens in one target forward (the bonus and ``n - 1`` drafts, or the root and a
+tree of ``n - 1`` nodes) at a cost ``c(n)`` measured on this machine (:func:`measure_verify_costs`),
+after a draft that costs ``d`` (measured as decoding runs). It emits ``1 + sum_i P_i`` tokens on
+average, ``P_i`` the probability that node ``i`` is accepted (in a chain: drafts ``1..i`` all are).
+Of the candidate prefixes ``i <= B`` -- the first ``B`` drafts of a chain, or the first ``B`` nodes a
+best-first tree popped, which always form a tree because a node is popped after its parent -- the
+step verifies the one with the most tokens per second:
+
+    B* = argmax_{B >= 0}  (1 + sum_{i <= B} P_i) / (c(B + 1) + d)
+
+``P_i`` is the product, along the node's path, of the *calibrated* acceptance ``a(q)`` of each of its
+tokens, ``q`` the drafter's probability of that token given its parent: the rate at which tokens the
+drafter gave about ``q`` were accepted when their parent was, counted in bins of ``q`` as decoding
+runs and starting from ``a(q) = q`` with the weight of ``prior`` observations. (At temperature 0 a
+drafter trained towards the target's distribution is under-confident: a token it gives 0.3 is the
+target's argmax about half the time. The counts correct that for the drafter at hand.)
+
+Lossless. ``B*`` depends on the drafter's distributions and on earlier steps only, never on the
+target's logits for this step nor on the value of a sampled draft: a chain ranks position ``k`` by
+the drafter's *top* probability there, not by the probability of the token it drew, so a kept draft
+is still distributed as ``q`` and speculative sampling stays exact; at temperature 0 the emitted
+tokens are the target's greedy ones whatever is verified. Trees are built from ``q`` alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+#: bin edges over the drafter's probability q; fine near 0, where most tree nodes sit
+Q_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
+
+
+@torch.no_grad()
+def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target forward over ``n`` new tokens after ``context`` cached ones, for each ``n``
+    in ``sizes`` (the median of ``repeats``), with the loop's feature capture when it needs one. The
+    tokens are random (a private generator: the caller's RNG is untouched); cost does not depend on them."""
+    from .engine import TargetSession  # the engine imports this module
+
+    device = next(target.parameters()).device
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    session = TargetSession(target, capture)
+    session.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device))
+    costs = {}
+    for n in sorted(set(sizes)):
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        times = []
+        for _ in range(repeats + 1):  # the first call warms this shape up
+            start = time.perf_counter()
+            session.forward(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            session.rollback(context)
+        costs[n] = sorted(times[1:])[len(times[1:]) // 2]
+    return costs
+
+
+class Budget:
+    """Chooses how many drafts (chain) or tree nodes (tree) each step verifies; see the module doc."""
+
+    def __init__(self, verify_costs: dict[int, float], prior: float = 4.0):
+        if 1 not in verify_costs:
+            raise ValueError("verify_costs must include n = 1 (a plain decoding step)")
+        self.sizes = sorted(verify_costs)
+        self.seconds = [verify_costs[n] for n in self.sizes]
+        self.draft_seconds = 0.0  # running mean of the measured draft cost
+        self.drafts_seen = 0
+        centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]
+        self.prior = prior
+        self.accepted = [prior * c for c in centres]
+        self.trials = [prior] * len(centres)
+        self.chosen: list[int] = []  # B* of every step, for the report
+
+    # -- costs -------------------------------------------------------------------------------------
+    def verify_seconds(self, n: int) -> float:
+        """``c(n)``, linear between measured sizes (and beyond the largest, at its last slope)."""
+        sizes, secs = self.sizes, self.seconds
+        if len(sizes) == 1:
+            return secs[0]
+        i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)
+        lo, hi = sizes[i - 1], sizes[i]
+        return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
+
+    def observe_draft(self, seconds: float) -> None:
+        self.drafts_seen += 1
+        self.draft_seconds += (seconds - self.draft_seconds) / self.drafts_seen
+
+    # -- acceptance --------------------------------------------------------------------------------
+    @staticmethod
+    def _bin(q: float) -> int:
+        return min(bisect.bisect_right(Q_EDGES, q) - 1, len(Q_EDGES) - 2)
+
+    def acceptance(self, q: float) -> float:
+        b = self._bin(q)
+        return self.accepted[b] / self.trials[b]
+
+    def _count(self, q: float, accepted: float) -> None:
+        b = self._bin(q)
+        self.trials[b] += 1
+        self.accepted[b] += accepted
+
+    # -- choices -----------------------------------------------------------------------------------
+    def best_prefix(self, reach: list[float]) -> int:
+        """``B*`` for nodes whose acceptance probabilities, in candidate order, are ``reach``."""
+        best, best_rate, gain = 0, 1.0 / (self.verify_seconds(1) + self.draft_seconds), 1.0
+        for b, p in enumerate(reach, start=1):
+            gain += p
+            rate = gain / (self.verify_seconds(b + 1) + self.draft_seconds)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        self.chosen.append(best)
+        return best
+
+    def chain_length(self, top_q: list[float]) -> int:
+        """How many drafts of a chain to verify, from the drafter's top probability at each position."""
+        reach, p = [], 1.0
+        for q in top_q:
+            p *= self.acceptance(q)
+            reach.append(p)
+        return self.best_prefix(reach)
+
+    def tree_size(self, node_q: list[float], parents: list[int]) -> int:
+        """How many of a best-first tree's nodes (pop order) to verify; ``parents[i] < i`` (-1: root)."""
+        reach: list[float] = []
+        for q, parent in zip(node_q, parents):
+            reach.append(self.acceptance(q) * (reach[parent] if parent >= 0 else 1.0))
+        return self.best_prefix(reach)
+
+    def record_chain(self, top_q: list[float], verified: int, accepted: int, next_outcome: float | None = None) -> None:
+        """After a chain step that verified the first ``verified`` of the drafts ranked by ``top_q`` and
+        kept ``accepted`` of them. Every verified position up to the first miss counts; when all were
+        kept, the first unverified one counts too, with ``next_outcome``: whether (T = 0), or with what
+        probability (T > 0), the target would have kept it -- its logits there come with the step, so
+        a budget that verified nothing still learns whether it should have."""
+        for k, q in enumerate(top_q[:min(accepted + 1, verified)]):
+            self._count(q, float(k < accepted))
+        if accepted == verified < len(top_q) and next_outcome is not None:
+            self._count(top_q[verified], next_outcome)
+
+    def record_tree(self, node_q: list[float], parents: list[int], path: list[int], verified: int,
+                    tokens: list[int] | None = None, next_token: int | None = None) -> None:
+        """After a tree walk over the first ``verified`` nodes: ``path`` the accepted ones as indices into
+        [root, nodes] (root = 0), ``next_token`` the target's choice after the path. Verified nodes whose
+        parent was accepted count; so do the unverified children of the path's last node, kept iff their
+        token is the target's choice (exactly the walk's rule, at any temperature)."""
+        on_path = set(path)
+        for i, (q, parent) in enumerate(zip(node_q[:verified], parents[:verified])):
+            if parent + 1 in on_path:
+                self._count(q, float(i + 1 in on_path))
+        if tokens is not None and next_token is not None:
+            for i in range(verified, len(node_q)):
+                if parents[i] + 1 == path[-1]:
+                    self._count(node_q[i], float(tokens[i] == next_token))
+
+    def summary(self) -> dict:
+        steps = max(1, len(self.chosen))
+        return {"mean_verified": round(1 + sum(self.chosen) / steps, 3),
+                "verify_ms": {str(n): round(s * 1e3, 3) for n, s in zip(self.sizes, self.seconds)},  # JSON keys
+                "draft_ms": round(self.draft_seconds * 1e3, 3),
+                "calibration": [{"q": [lo, hi], "acceptance": round(a / t, 4), "seen": int(t - self.prior)}
+                                for lo, hi, a, t in zip(Q_EDGES[:-1], Q_EDGES[1:], self.accepted, self.trials)]}

@@ -1,0 +1,118 @@
+"""Speculation budgets from measured costs: the choice maximises expected tokens per second, the
+acceptance calibration follows what was measured, and a truncated best-first tree is still a tree."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from serve_eval.budget import Budget, measure_verify_costs
+from serve_eval.tree import build_best_first_tree
+
+
+def test_verify_costs_interpolate_between_measured_sizes():
+    budget = Budget({1: 1.0, 2: 1.5, 8: 3.0})
+    assert budget.verify_seconds(1) == 1.0 and budget.verify_seconds(2) == 1.5
+    assert budget.verify_seconds(5) == pytest.approx(2.25)
+    assert budget.verify_seconds(10) == pytest.approx(3.5)  # past the largest: its last slope
+    with pytest.raises(ValueError, match="n = 1"):
+        Budget({2: 1.0})
+
+
+def test_best_prefix_maximises_expected_tokens_per_second():
+    budget = Budget({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.0})
+    budget.observe_draft(0.5)
+    for reach in ([0.9, 0.8, 0.7, 0.2, 0.1, 0.05], [0.05, 0.01], [0.99] * 12, []):
+        rates = [(1 + sum(reach[:b])) / (budget.verify_seconds(b + 1) + 0.5) for b in range(len(reach) + 1)]
+        assert budget.best_prefix(reach) == max(range(len(rates)), key=rates.__getitem__)
+    assert budget.chosen == [3, 0, 12, 0]
+    costly = Budget({1: 1.0, 2: 3.0})  # a second token costs two plain steps: never worth it here
+    assert costly.best_prefix([0.9, 0.9]) == 0
+
+
+def test_acceptance_calibrates_towards_what_was_measured():
+    budget = Budget({1: 1.0}, prior=4.0)
+    assert budget.acceptance(0.33) == pytest.approx(0.35)  # the prior: the bin's centre
+    for _ in range(200):  # drafts at q = 0.33 that the target kept 90% of the time
+        budget.record_chain([0.33, 0.33, 0.5], 2, 2)  # both verified kept; the third was not verified
+        budget.record_chain([0.33] * 10, 10, 9)
+        budget.record_chain([0.99, 0.99], 1, 0)  # a confident miss; nothing after it counts
+    # counted: every verified position up to the first miss, none after it
+    assert budget.acceptance(0.33) == pytest.approx((4 * 0.35 + 200 * 11) / (4 + 200 * 12), abs=1e-9)
+    assert budget.acceptance(0.99) < 0.05 and budget.acceptance(0.5) == pytest.approx(0.55)
+    # a step that verified nothing still learns what its first draft would have done
+    for _ in range(100):
+        budget.record_chain([0.5, 0.5], 0, 0, next_outcome=1.0)
+    assert budget.acceptance(0.5) == pytest.approx((4 * 0.55 + 100) / 104)
+    budget.record_chain([0.5, 0.5], 1, 0, next_outcome=1.0)  # a miss: the next draft's outcome is not known
+    assert budget.acceptance(0.5) == pytest.approx((4 * 0.55 + 100) / 105)
+
+
+def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
+    torch.manual_seed(0)
+    log_probs = (torch.randn(4, 12) * 2).log_softmax(-1)
+    tree = build_best_first_tree(log_probs, 10)
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()))  # pop order: parents first
+    for i, (d, t, lq) in enumerate(zip(tree.depths.tolist(), tree.tokens.tolist(), tree.log_q.tolist())):
+        assert lq == pytest.approx(float(log_probs[d - 1, t]))
+    budget = Budget({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5})
+    q, parents = tree.log_q.exp().tolist(), tree.parents.tolist()
+    n = budget.tree_size(q, parents)
+    reach = []
+    for qi, p in zip(q, parents):
+        reach.append(budget.acceptance(qi) * (reach[p] if p >= 0 else 1.0))
+    best = max(range(11), key=lambda b: (1 + sum(reach[:b])) / (budget.verify_seconds(b + 1) + 0.0))
+    assert n == best and 0 < n < 10
+    small = tree.prefix(n)
+    assert len(small) == n and all(p < n for p in small.parents.tolist())
+    # a walk root -> node 0 -> its first child: node 0 counted as kept, its siblings and child's siblings as missed
+    child = parents.index(0)
+    before = list(budget.trials)
+    budget.record_tree(q, parents, [0, 1, child + 1], verified=len(q))
+    counted = [i for i, p in enumerate(parents) if p in (-1, 0, child)]
+    assert sum(budget.trials) - sum(before) == len(counted)
+    # truncated to node 0 alone, which the target kept: node 0's unverified children count, kept iff
+    # their token is the target's next choice; node 0's unverified siblings do not
+    grandchildren = [i for i, p in enumerate(parents) if p == 0]
+    before_trials, before_accepted = sum(budget.trials), sum(budget.accepted)
+    budget.record_tree(q, parents, [0, 1], 1, tree.tokens.tolist(), tree.tokens[grandchildren[-1]].item())
+    assert sum(budget.trials) - before_trials == 1 + len(grandchildren)
+    assert sum(budget.accepted) - before_accepted == pytest.approx(2.0)  # node 0 and the chosen grandchild
+
+
+def test_measured_verify_costs_cover_the_sizes_and_leave_the_rng_alone(tiny_target_dir):
+    from distill.config import TargetConfig
+    from distill.models import load_target
+
+    target, _ = load_target(TargetConfig(path=str(tiny_target_dir)))
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    costs = measure_verify_costs(target, [1, 4, 2], context=16, repeats=2)
+    assert torch.equal(torch.rand(3), expected)
+    assert sorted(costs) == [1, 2, 4] and all(c > 0 for c in costs.values())
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_a_budget_changes_what_is_verified_but_not_what_is_emitted(mode):
+    """Greedy decoding with a budget that makes long drafts costly: shorter steps, the same tokens."""
+    from distill.config import DrafterSection, ModelConfig
+    from distill.models import build_causal_lm
+    from drafters.evaluate import build_drafter
+    from serve_eval.engine import plain_generate, speculative_generate
+
+    torch.manual_seed(0)
+    target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
+                                         max_position_embeddings=128, initializer_range=0.4), 6).eval()
+    drafter = build_drafter(DrafterSection(kind="dflash", block_size=4, target_layer_ids=[0, 1, 2]), target, "toy",
+                            mask_token_id=5).eval()
+    prompt = torch.tensor([1, 2, 3])
+    reference, _ = plain_generate(target, prompt, 30)
+    for costs in ({1: 1.0, 2: 1.05, 8: 1.3}, {1: 1.0, 2: 1.6, 8: 5.0}):
+        budget = Budget(costs)
+        out, stats = speculative_generate(target, drafter, prompt, 30, mode=mode, tree_budget=6, budget=budget)
+        assert out == reference
+        assert len(budget.chosen) == stats.target_forwards - 1  # one choice per step (the prefill has none)
+    assert any(b == 0 for b in budget.chosen) and max(itertools.chain(budget.chosen)) <= 6
