@@ -8,7 +8,8 @@ trained on (same tokenizer, same split, same window length as its training recip
 Stage 2, shipped drafter (shipped target only): the DFlash drafter trained once for the shipped
 target by ``recipes/configs/dflash_testbed.yaml`` and shipped beside it (``distill/assets/testbed_dflash``),
 measured now in the decoding loop against plain decoding: as a chain, and as a tree at the budget
-that was fastest when it was shipped.
+that was fastest when it was shipped, each step verifying what measured costs say pays
+(:mod:`serve_eval.budget`); and as a chain verifying every draft, beside the simulated tau.
 
 Stage 3, drafter: ``drafter.recipe`` (DFlash by default) trained now against that target, on a short
 budget, to show the pipeline (the target's answers regenerated in-process, then distillation); its
@@ -142,7 +143,9 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
 
 
 def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict:
-    """The shipped drafter measured now, as a chain and as a tree at its best shipped budget."""
+    """The shipped drafter measured now: as a chain and as a tree (at its best shipped budget), each with
+    per-step budgets (``decoding.adaptive``), and as a chain verifying every draft, to set beside the
+    simulated tau recorded when it was trained."""
     from recipes import evaluate
 
     stage = recipe.shipped_drafter
@@ -155,7 +158,11 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
     evaluation = json.loads((folder / "evaluation.json").read_text())  # on its held-out answers, at shipping
     section = {"checkpoint": str(folder), "kind": stage.kind, "simulated_tau": round(evaluation["val_simulated_tau"], 4),
                "block_tau": round(evaluation["val_block_tau"], 4), "tree_budget": budget}
-    for mode, extra in (("chain", []), ("tree", ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"])):
+    # chain and tree with per-step budgets (the default); the chain once more verifying every draft, the
+    # decoding the simulated tau replays, so the two compare
+    runs = (("chain", []), ("tree", ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"]),
+            ("chain_full_draft", ["decoding.adaptive=false"]))
+    for mode, extra in runs:
         overrides = [f"output_dir={out / 'shipped_drafter' / mode}", f"drafter={folder}", f"target.path={target_dir}",
                      *extra, *stage.overrides]
         report = evaluate.main(load_recipe(stage.recipe, overrides))
@@ -163,6 +170,7 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
                                                 "acceptance_by_position", "time_split", "prompts", "max_new_tokens",
                                                 "torch_threads")}
         section[f"{mode}_tau"], section[f"{mode}_speedup"] = report["tau"], report["speedup"]
+    section["simulated_minus_measured_tau"] = round(section["simulated_tau"] - section["chain_full_draft_tau"], 4)
     return section
 
 

@@ -8,7 +8,9 @@ position ``a`` and every earlier position verified and cached:
    or, for a plain causal LM drafter (a distilled student; a Parcae model at fewer recurrences than
    the target, i.e. self-speculation), from the tokens alone, with its own KV cache.
 2. **Verify.** One target forward over ``[b, d_1, .., d_{K-1}]`` at positions ``a .. a+K-1`` (KV
-   cache) gives the target's greedy choice ``g_j`` after each of them.
+   cache) gives the target's greedy choice ``g_j`` after each of them. With a budget
+   (:mod:`serve_eval.budget`) only the prefix of the drafts (or of the tree) that measured costs and
+   measured acceptance say pays is read.
 3. **Accept** the longest prefix with ``d_j == g_{j-1}``, say ``n`` drafts, and the target's own next
    token ``g_n`` as the new bonus: ``n + 1`` tokens from one target forward. At temperature > 0 the
    drafts are sampled and accepted by speculative rejection sampling (:mod:`serve_eval.sampling`).
