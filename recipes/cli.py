@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--top-p", type=float, default=1.0)
     ev.add_argument("--draft-length", type=int, default=7, help="tokens per draft for a causal-LM drafter (student, Parcae)")
     ev.add_argument("--draft-recurrence", type=int, help="Parcae drafter: recurrences while drafting")
+    ev.add_argument("--fixed-budget", action="store_true",
+                    help="verify every draft (the whole tree) each step, not what measured costs say pays")
     ev.add_argument("--threads", type=int, default=1)
     ev.add_argument("--output-dir", default="runs/eval")
     ex = sub.add_parser("export", help="export a drafter (transformers, vLLM speculators, SGLang EAGLE-3) behind the parity gate")
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "decoding": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                                                 "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
-                                                "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence}},
+                                                "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
+                                                "adaptive": not args.fixed_budget}},
                                   source="draftsmith eval")
             run_recipe(recipe)
             return 0

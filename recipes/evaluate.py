@@ -6,7 +6,9 @@ the speedup. At temperature 0 ``lossless`` checks every speculative output again
 for token; at temperature > 0 outputs differ draw by draw (``lossless`` is null) and exactness is the
 distribution test in ``tests/test_sampling.py``.
 
-Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus included),
+Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus included), ``adaptive``
+(with ``decoding.adaptive``: the measured verify costs, the mean tokens verified per step and the
+acceptance calibration, :mod:`serve_eval.budget`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
 per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve.
@@ -127,6 +129,10 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     split = report["time_split"]
     print(f"  {'time split':<22} draft {split['draft_fraction']:.0%}, verify {split['verify_fraction']:.0%}, "
           f"other {1 - split['draft_fraction'] - split['verify_fraction']:.0%}")
+    if report.get("adaptive"):
+        budget = report["adaptive"]
+        print(f"  {'per-step budget':<22} {budget['mean_verified']} tokens verified per step on average; "
+              f"verify ms by tokens {budget['verify_ms']}, draft {budget['draft_ms']} ms")
     if "peer_transformers_assisted" in report:
         peer = report["peer_transformers_assisted"]
         print(f"  {'transformers assisted':<22} speedup {peer['speedup']}, tokens/s {peer['tokens_per_s']}, "
