@@ -75,9 +75,13 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     assert (out / "export" / "README.md").exists() and (out / "export" / "export.json").exists()
 
 
-def test_a_shipped_drafter_that_does_not_exist_is_refused_before_any_compute():
+def test_a_shipped_drafter_that_does_not_exist_is_refused_before_any_compute(tmp_path, monkeypatch):
+    from distill import testbed
     from distill.config import RecipeError
 
+    for kind in ("dflash", "dspark", "eagle3"):  # every kind shipped now
+        parse_recipe({"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": kind}})
+    monkeypatch.setitem(testbed.SHIPPED_DRAFTERS, "eagle3", tmp_path / "not_shipped")
     with pytest.raises(RecipeError, match="no eagle3 drafter is shipped"):
         parse_recipe({"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": "eagle3"}})
     parse_recipe({"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": "eagle3", "enabled": False}})
