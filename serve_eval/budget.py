@@ -27,6 +27,7 @@ tokens are the target's greedy ones whatever is verified. Trees are built from `
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 
 import torch
@@ -69,7 +70,8 @@ class Budget:
         if 1 not in verify_costs:
             raise ValueError("verify_costs must include n = 1 (a plain decoding step)")
         self.sizes = sorted(verify_costs)
-        self.seconds = [verify_costs[n] for n in self.sizes]
+        # reading more tokens never costs less: a running max smooths timing noise out of the table
+        self.seconds = list(itertools.accumulate((verify_costs[n] for n in self.sizes), max))
         self.draft_seconds = 0.0  # running mean of the measured draft cost
         self.drafts_seen = 0
         centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]

@@ -17,6 +17,8 @@ def test_verify_costs_interpolate_between_measured_sizes():
     assert budget.verify_seconds(1) == 1.0 and budget.verify_seconds(2) == 1.5
     assert budget.verify_seconds(5) == pytest.approx(2.25)
     assert budget.verify_seconds(10) == pytest.approx(3.5)  # past the largest: its last slope
+    noisy = Budget({1: 1.0, 2: 1.5, 3: 1.4, 4: 1.6})  # a timing dip at 3 tokens is smoothed out
+    assert noisy.verify_seconds(3) == 1.5 and noisy.verify_seconds(4) == 1.6
     with pytest.raises(ValueError, match="n = 1"):
         Budget({2: 1.0})
 
