@@ -27,7 +27,6 @@ tokens are the target's greedy ones whatever is verified. Trees are built from `
 from __future__ import annotations
 
 import bisect
-import itertools
 import time
 
 import torch
@@ -63,6 +62,19 @@ def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeat
     return costs
 
 
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators): a dip or a spike
+    at one size is averaged with its neighbours instead of dragging every larger size along."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 class Budget:
     """Chooses how many drafts (chain) or tree nodes (tree) each step verifies; see the module doc."""
 
@@ -70,8 +82,8 @@ class Budget:
         if 1 not in verify_costs:
             raise ValueError("verify_costs must include n = 1 (a plain decoding step)")
         self.sizes = sorted(verify_costs)
-        # reading more tokens never costs less: a running max smooths timing noise out of the table
-        self.seconds = list(itertools.accumulate((verify_costs[n] for n in self.sizes), max))
+        # reading more tokens never costs less: the closest non-decreasing table smooths timing noise out
+        self.seconds = non_decreasing([verify_costs[n] for n in self.sizes])
         self.draft_seconds = 0.0  # running mean of the measured draft cost
         self.drafts_seen = 0
         centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]
