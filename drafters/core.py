@@ -140,9 +140,7 @@ class InjectedLayer(nn.Module):
         computed once per context position; decoding caches them."""
         h = self.input_norm(x)
         k, v = self.attn.project_kv(h, x_pos)
-        k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
-        x = x + self.attn.attend(h, x_pos, k, v, mask)
-        return x + self.mlp(self.post_norm(x))
+        return self._attend_and_mlp(x, h, x_pos, torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2), mask)
 
     def decode(self, x, x_pos, keys: torch.Tensor, values: torch.Tensor, length: int, mask):
         """:meth:`forward` for one block after a cached context of ``length`` positions, without
@@ -152,7 +150,10 @@ class InjectedLayer(nn.Module):
         k, v = self.attn.project_kv(h, x_pos)
         end = length + k.shape[2]
         keys[:, :, length:end], values[:, :, length:end] = k, v
-        x = x + self.attn.attend(h, x_pos, keys[:, :, :end], values[:, :, :end], mask)
+        return self._attend_and_mlp(x, h, x_pos, keys[:, :, :end], values[:, :, :end], mask)
+
+    def _attend_and_mlp(self, x, h, x_pos, keys, values, mask):
+        x = x + self.attn.attend(h, x_pos, keys, values, mask)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -170,21 +171,21 @@ class ContextCache:
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add per-layer ``(keys, values)`` [1, heads, n, head_dim] of the next ``n`` positions."""
         n = kv[0][0].shape[2]
-        need = self.length + n + self.spare
-        if not self.keys or need > self.keys[0].shape[2]:
-            grown = []
-            for buffers in (self.keys, self.values):
-                grown.append([])
-                for i, (k, _) in enumerate(kv):
-                    new = k.new_empty(k.shape[0], k.shape[1], max(need, 2 * self.length + n + self.spare, 64), k.shape[3])
-                    if buffers:
-                        new[:, :, :self.length] = buffers[i][:, :, :self.length]
-                    grown[-1].append(new)
-            self.keys, self.values = grown
+        end = self.length + n
+        if not self.keys or end + self.spare > self.keys[0].shape[2]:
+            capacity = max(2 * self.length + n + self.spare, 64)
+            self.keys = [self._grown(old, k, capacity) for old, (k, _) in zip(self.keys or [None] * len(kv), kv)]
+            self.values = [self._grown(old, v, capacity) for old, (_, v) in zip(self.values or [None] * len(kv), kv)]
         for layer, (k, v) in enumerate(kv):
-            self.keys[layer][:, :, self.length:self.length + n] = k
-            self.values[layer][:, :, self.length:self.length + n] = v
-        self.length += n
+            self.keys[layer][:, :, self.length:end] = k
+            self.values[layer][:, :, self.length:end] = v
+        self.length = end
+
+    def _grown(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        new = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3])
+        if old is not None:
+            new[:, :, :self.length] = old[:, :, :self.length]
+        return new
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,13 +302,18 @@ class DrafterBase(PreTrainedModel):
         model.freeze_target_io()  # loading builds fresh Parameters, which would be trainable
         return model
 
-    @torch.no_grad()
-    def copy_target_io(self, target) -> "DrafterBase":
-        """Copy (and keep frozen) the target's token embeddings and LM head."""
+    def _target_io(self, target) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's embedding and LM head weights, checked against the drafter's shapes."""
         emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
         if emb.shape != self.embed_tokens.weight.shape or head.shape != self.lm_head.weight.shape:
             raise ValueError(f"drafter vocab/hidden {tuple(self.embed_tokens.weight.shape)} does not match the "
                              f"target's embeddings {tuple(emb.shape)}: build the drafter with the target's sizes")
+        return emb, head
+
+    @torch.no_grad()
+    def copy_target_io(self, target) -> "DrafterBase":
+        """Copy (and keep frozen) the target's token embeddings and LM head."""
+        emb, head = self._target_io(target)
         self.embed_tokens.weight.copy_(emb)
         self.lm_head.weight.copy_(head)
         return self
@@ -316,11 +322,10 @@ class DrafterBase(PreTrainedModel):
         """Use the target's own embedding and LM head tensors (no copy), as serving engines do: the
         drafter reads the very bytes the target's head just read, still in cache, and holds no second
         copy. Falls back to :meth:`copy_target_io` when dtype or device differ."""
-        emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-        if (emb.dtype, emb.device, head.dtype, head.device) != (self.embed_tokens.weight.dtype, self.embed_tokens.weight.device,
-                                                              self.lm_head.weight.dtype, self.lm_head.weight.device):
+        emb, head = self._target_io(target)
+        mine = self.embed_tokens.weight
+        if any((w.dtype, w.device) != (mine.dtype, mine.device) for w in (emb, head)):
             return self.copy_target_io(target)
-        self.copy_target_io(target)  # checks the shapes
         self.embed_tokens.weight, self.lm_head.weight = emb, head  # the target's Parameters, left as they are
         return self
 

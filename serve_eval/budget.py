@@ -1,7 +1,7 @@
 """Speculation budgets chosen every step from measured costs and measured acceptance.
 
 A step reads ``n`` tokens in one target forward (the bonus and ``n - 1`` drafts, or the root and a
-tree of ``n - 1`` nodes) at a cost ``c(n)`` measured on this machine (:func:`measure_verify_costs`),
+tree of ``n - 1`` nodes) at a cost ``c(n)`` measured on this machine (:func:`serve_eval.engine.measure_verify_costs`),
 after a draft that costs ``d`` (measured as decoding runs). It emits ``1 + sum_i P_i`` tokens on
 average, ``P_i`` the probability that node ``i`` is accepted (in a chain: drafts ``1..i`` all are).
 Of the candidate prefixes ``i <= B`` -- the first ``B`` drafts of a chain, or the first ``B`` nodes a
@@ -27,39 +27,9 @@ tokens are the target's greedy ones whatever is verified. Trees are built from `
 from __future__ import annotations
 
 import bisect
-import time
-
-import torch
 
 #: bin edges over the drafter's probability q; fine near 0, where most tree nodes sit
 Q_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
-
-
-@torch.no_grad()
-def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one target forward over ``n`` new tokens after ``context`` cached ones, for each ``n``
-    in ``sizes`` (the median of ``repeats``), with the loop's feature capture when it needs one. The
-    tokens are random (a private generator: the caller's RNG is untouched); cost does not depend on them."""
-    from .engine import TargetSession  # the engine imports this module
-
-    device = next(target.parameters()).device
-    vocab = target.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    session = TargetSession(target, capture)
-    session.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device))
-    costs = {}
-    for n in sorted(set(sizes)):
-        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-        times = []
-        for _ in range(repeats + 1):  # the first call warms this shape up
-            start = time.perf_counter()
-            session.forward(ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            session.rollback(context)
-        costs[n] = sorted(times[1:])[len(times[1:]) // 2]
-    return costs
 
 
 def non_decreasing(values: list[float]) -> list[float]:

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from distill.features import FeatureCapture, TargetFeatures
 from drafters.core import ContextCache
 
-from .budget import Budget, measure_verify_costs
+from .budget import Budget
 from .sampling import Sampler, verify_chain
 from .tree import build_best_first_tree, walk_tree
 
@@ -90,6 +90,32 @@ class TargetSession:
                 layer.keys[:, :, prefix:prefix + len(nodes)] = layer.keys.index_select(2, index)
                 layer.values[:, :, prefix:prefix + len(nodes)] = layer.values.index_select(2, index)
         self.rollback(prefix + len(nodes))
+
+
+@torch.no_grad()
+def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target forward over ``n`` new tokens after ``context`` cached ones, for each ``n``
+    in ``sizes`` (the median of ``repeats``), with the loop's feature capture when it needs one. The
+    tokens are random (a private generator: the caller's RNG is untouched); cost does not depend on them."""
+    device = next(target.parameters()).device
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    session = TargetSession(target, capture)
+    session.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device))
+    costs = {}
+    for n in sorted(set(sizes)):
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        times = []
+        for _ in range(repeats + 1):  # the first call warms this shape up
+            start = time.perf_counter()
+            session.forward(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            session.rollback(context)
+        costs[n] = sorted(times[1:])[len(times[1:]) // 2]
+    return costs
+
 
 
 class Proposer:
@@ -220,16 +246,17 @@ def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int 
     return LMProposer(drafter, draft_length, **({"num_steps": draft_recurrence} if draft_recurrence else {}))
 
 
-def _next_outcome(sampler: Sampler, drafts, draft_logits, target_logits, verified: int, accepted: int) -> float | None:
+def _next_outcome(sampler: Sampler, drafts, draft_probs, target_logits, verified: int, accepted: int) -> float | None:
     """Whether (T = 0), or with what probability (T > 0), the first draft left unverified would have
-    been kept, from the target's logits after the kept ones; None when it does not apply."""
+    been kept, from the target's logits after the kept ones (``draft_probs``: the distributions the
+    drafts were drawn from); None when it does not apply."""
     if accepted < verified or verified >= len(drafts):
         return None
     draft = int(drafts[verified])
     if sampler.greedy:
         return float(int(target_logits[accepted].argmax()) == draft)
-    p, q = sampler.probs(target_logits[accepted])[draft], sampler.probs(draft_logits[verified])[draft]
-    return float(min(1.0, p / q)) if q > 0 else 1.0
+    p, q = float(sampler.probs(target_logits[accepted])[draft]), float(draft_probs[verified, draft])
+    return min(1.0, p / q) if q > 0 else 1.0
 
 
 @dataclass
@@ -322,7 +349,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 q = draft_logits.float().softmax(-1) if sampler.greedy else sampler.probs(draft_logits)
                 top_q = q.amax(-1).tolist()
                 keep = budget.chain_length(top_q)
-                all_drafts, all_draft_logits = drafts, draft_logits
+                all_drafts = drafts
                 drafts, draft_logits = drafts[:keep], draft_logits[:keep]
             logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
             n, new_bonus = verify(sampler, drafts, draft_logits, logits)
@@ -330,7 +357,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             session.rollback(anchor_pos + n + 1)
             path_feats = None if feats is None else feats.aux[:, :n + 1]
             if budget is not None:
-                budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, all_draft_logits, logits, keep, n))
+                budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n))
         stats.target_forwards += 1
         n = len(accepted)
         for k in range(len(drafts)):
@@ -360,12 +387,13 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same
     seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe."""
     new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
-    K = new_proposer().block_size
+    probe = new_proposer()
+    K = probe.block_size
     budget = None
     if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
         largest = (budget_nodes or 1) + 1 if dec.mode == "tree" else K
         sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < largest] + [largest]
-        capture = FeatureCapture(target, drafter.config.target_layer_ids) if new_proposer().needs_features else None
+        capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
         budget = Budget(measure_verify_costs(target, sizes, capture))
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)

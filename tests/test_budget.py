@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from serve_eval.budget import Budget, measure_verify_costs
+from serve_eval.budget import Budget
+from serve_eval.engine import measure_verify_costs
 from serve_eval.tree import build_best_first_tree
 
 
