@@ -53,19 +53,21 @@ class DSparkDrafter(BlockDrafter):
         if module is getattr(self, "markov_out", None):
             nn.init.zeros_(module.weight)  # start as plain DFlash
 
-    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and confidence logits for block positions with hidden ``hidden`` after ``prev_tokens``."""
+    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor, base: torch.Tensor | None = None):
+        """Logits and confidence logits for block positions with hidden ``hidden`` after ``prev_tokens``
+        (``base``: ``lm_head(hidden)`` when already computed)."""
         code = self.markov_in(prev_tokens)
-        logits = self.lm_head(hidden) + self.markov_out(code)
+        logits = (self.lm_head(hidden) if base is None else base) + self.markov_out(code)
         return logits, self.confidence(torch.cat([hidden, code], dim=-1)).squeeze(-1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):
         """Decode-time drafting over block positions 1..K-1: each uses the previous *drafted* token.
         Returns tokens, logits and confidence (probabilities) [B, N, K-1]."""
         choose = choose or argmax_choice
+        base = self.lm_head(hidden[:, :, 1:])  # the wide matmul once for the block; only the code is sequential
         prev, tokens, all_logits, all_conf = anchor_tokens, [], [], []
         for k in range(1, hidden.shape[2]):
-            logits, conf = self.heads(hidden[:, :, k], prev)
+            logits, conf = self.heads(hidden[:, :, k], prev, base[:, :, k - 1])
             prev = choose(logits)
             tokens.append(prev)
             all_logits.append(logits)

@@ -129,19 +129,17 @@ class Budget:
             self._count(top_q[verified], next_outcome)
 
     def record_tree(self, node_q: list[float], parents: list[int], path: list[int], verified: int,
-                    tokens: list[int] | None = None, next_token: int | None = None) -> None:
+                    unverified: dict[int, float] | None = None) -> None:
         """After a tree walk over the first ``verified`` nodes: ``path`` the accepted ones as indices into
-        [root, nodes] (root = 0), ``next_token`` the target's choice after the path. Verified nodes whose
-        parent was accepted count; so do the unverified children of the path's last node, kept iff their
-        token is the target's choice (exactly the walk's rule, at any temperature)."""
+        [root, nodes] (root = 0). Verified nodes whose parent was accepted count, kept or not; so do
+        the unverified nodes in ``unverified`` (node -> whether, or with what probability, the target
+        would have kept it: its logits after the path come with the step)."""
         on_path = set(path)
         for i, (q, parent) in enumerate(zip(node_q[:verified], parents[:verified])):
             if parent + 1 in on_path:
                 self._count(q, float(i + 1 in on_path))
-        if tokens is not None and next_token is not None:
-            for i in range(verified, len(node_q)):
-                if parents[i] + 1 == path[-1]:
-                    self._count(node_q[i], float(tokens[i] == next_token))
+        for i, outcome in (unverified or {}).items():
+            self._count(node_q[i], outcome)
 
     def summary(self) -> dict:
         steps = max(1, len(self.chosen))

@@ -38,7 +38,7 @@ from drafters.core import ContextCache
 
 from .budget import Budget
 from .sampling import Sampler, verify_chain
-from .tree import build_best_first_tree, walk_tree
+from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
 
 
 class TargetSession:
@@ -259,6 +259,26 @@ def _next_outcome(sampler: Sampler, drafts, draft_probs, target_logits, verified
     return min(1.0, p / q) if q > 0 else 1.0
 
 
+def _unverified_outcomes(sampler: Sampler, full: DraftTree, verified: int, path: list[int], logits, q) -> dict[int, float]:
+    """For the calibration: the nodes past the verified ones (indices into ``full``, the whole best-first
+    tree) that would have been tried after the walk's last node, and whether (T = 0), or with what
+    probability (T > 0), each would have been kept, from the target's logits there. At T = 0 every such
+    child counts (kept iff it is the target's argmax); at T > 0 the first one only, when the last node
+    had no verified child: a fresh draw from ``q`` is kept with probability ``sum_x min(p, q)``."""
+    last = path[-1]
+    children = [i for i in range(verified, len(full)) if int(full.parents[i]) + 1 == last]
+    if not children:
+        return {}
+    row = logits[last]
+    if sampler.greedy:
+        choice = int(row.argmax())
+        return {i: float(int(full.tokens[i]) == choice) for i in children}
+    if any(int(full.parents[i]) + 1 == last for i in range(verified)):
+        return {}  # its verified children were rejected: the residual, not p, would meet the next one
+    depth = int(full.depths[children[0]])
+    return {children[0]: float(torch.minimum(sampler.probs(row), q[depth - 1]).sum())}
+
+
 @dataclass
 class GenerationStats:
     tokens: int = 0
@@ -331,19 +351,23 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler)
         t1 = time.perf_counter()
         if mode == "tree":
-            tree = build_best_first_tree(draft_logits.float().log_softmax(-1), tree_budget)
+            q = None if sampler.greedy else sampler.probs(draft_logits)
+            tree = build_best_first_tree(draft_logits.float().log_softmax(-1) if q is None else q.log(), tree_budget)
             if budget is not None:
                 full, node_q, parents = tree, tree.log_q.exp().tolist(), tree.parents.tolist()
                 tree = tree.prefix(budget.tree_size(node_q, parents))
+            if q is not None:  # the shape depends on q alone; its tokens are draws (see serve_eval.tree)
+                tree = sample_tree(tree, q, sampler)
             ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
             depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
             logits, feats = session.forward_tree(ids, depths, tree.ancestor_mask())
-            path, new_bonus = walk(tree, logits, sampler.choose)
+            path, new_bonus = walk(tree, logits, sampler, q)
             accepted = ids[0, path[1:]]
             session.keep(anchor_pos, path)
             path_feats = None if feats is None else feats.aux[:, path]
             if budget is not None:
-                budget.record_tree(node_q, parents, path, len(tree), full.tokens.tolist(), int(new_bonus))
+                budget.record_tree(node_q, parents, path, len(tree),
+                                   _unverified_outcomes(sampler, full, len(tree), path, logits, q))
         else:
             if budget is not None:  # ranked by the top probability at each position, never the drawn token's
                 q = draft_logits.float().softmax(-1) if sampler.greedy else sampler.probs(draft_logits)

@@ -12,11 +12,23 @@ best-scoring paths' nodes that form a tree.
 
 Verification. The root (the bonus token, position ``a``) and all nodes are read by the target in one
 forward: node ``i`` sits at position ``a + depth_i`` and attends to the cached prefix and to its own
-ancestors only. Walking down from the root, the target *chooses* the next token from its own
-distribution at the current node (argmax, or a sample with the run's sampler); if a child carries that
-token the walk moves there, otherwise the chosen token is the new bonus. Every emitted token is thus
-the target's own choice given the emitted prefix: lossless at any temperature, for any tree. The KV
-cache keeps the prefix and the accepted path's entries only.
+ancestors only. The KV cache then keeps the prefix and the accepted path's entries only.
+
+Greedy walk (temperature 0). Walking down from the root, the target *chooses* its argmax at the
+current node; if a child carries that token the walk moves there, otherwise the argmax is the new
+bonus. Every emitted token is the target's greedy choice given the emitted prefix, for any tree.
+
+Sampled trees (temperature > 0). Fixed top-ranked children would be accepted only with the target's
+mass ``p(S)`` on them; a sampled chain is accepted with ``sum_x min(p, q)``, usually more. So at T > 0
+the tree keeps the best-first *shape* (which depends on ``q`` alone) and fills it by sampling: the
+children of a node are drawn from ``q_d`` without replacement, in sibling order. The walk is
+recursive rejection sampling (SpecTr, Sun et al. 2023; RSD, Jeon et al. 2024): with ``p_1 = p`` the
+target's distribution at the node and ``q_i`` the drafter's over the tokens not drawn before child
+``i``, child ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; on a rejection
+``p_{i+1} = norm(max(0, p_i - q_i))``, and when every child is rejected the token is drawn from the
+last residual. Each stage outputs exactly ``p_i`` (the one-draft speculative-sampling identity with
+the later stages as its residual draw), so the emitted token follows ``p`` given the prefix. A chain is
+the tree with one child per node.
 """
 
 from __future__ import annotations
@@ -76,7 +88,7 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
         parents.append(parent)
         depths.append(depth)
         log_q.append(ranked[depth - 1][rank])
-        if rank + 1 < len(order[depth - 1]):
+        if rank + 1 < len(order[depth - 1]) and ranked[depth - 1][rank + 1] > float("-inf"):  # q > 0 only
             sibling = -neg - ranked[depth - 1][rank] + ranked[depth - 1][rank + 1]
             heapq.heappush(heap, (-sibling, tie, depth, rank + 1, parent))
             tie += 1
@@ -86,16 +98,66 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(log_q))
 
 
-def walk_tree(tree: DraftTree, logits: torch.Tensor, choose) -> tuple[list[int], torch.Tensor]:
-    """Follow the target down the tree. ``logits`` [N+1, V] are the target's at [root, nodes];
-    ``choose(logits_row) -> token``. Returns the accepted path (indices into [root, nodes], starting
-    with the root) and the token that follows it."""
-    kids = tree.children()
+def sample_tree(tree: DraftTree, probs: torch.Tensor, sampler) -> DraftTree:
+    """``tree``'s shape with tokens drawn from ``probs`` [D, V] (the drafter's sampling distributions
+    per depth): each node's children without replacement, in sibling order. Siblings of one rank are
+    drawn together; a shape built from the same ``probs`` never asks for more children than tokens
+    of positive probability."""
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    tokens = [0] * len(tree)
+    drawn: dict[int, list[int]] = {parent: [] for parent in parents}  # tokens a parent's children hold so far
+    ranks: dict[int, list[int]] = {}  # sibling rank -> nodes of that rank
+    seen: dict[int, int] = {}
+    for i, parent in enumerate(parents):
+        seen[parent] = seen.get(parent, -1) + 1
+        ranks.setdefault(seen[parent], []).append(i)
+    for nodes in ranks.values():
+        weights = probs[[depths[i] - 1 for i in nodes]].clone()
+        for row, i in enumerate(nodes):
+            weights[row, drawn[parents[i]]] = 0.0
+        for i, token in zip(nodes, sampler.sample(weights).tolist()):
+            tokens[i] = token
+            drawn[parents[i]].append(token)
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), tree.parents, tree.depths, tree.log_q)
+
+
+def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tensor | None = None):
+    """Follow the target down the tree. ``logits`` [N+1, V] are the target's at [root, nodes]. At
+    temperature 0 the walk follows the target's argmax; otherwise ``probs`` [D, V] are the drafter's
+    distributions the tree was sampled from (:func:`sample_tree`) and each node's children are tried by
+    recursive rejection sampling. Returns the accepted path (indices into [root, nodes], starting with
+    the root) and the token that follows it."""
+    if sampler.greedy:
+        kids = tree.children()
+        path, current = [0], 0
+        while True:
+            token = logits[current].argmax()
+            child = kids[current].get(int(token))
+            if child is None:
+                return path, token
+            path.append(child)
+            current = child
+    kids: list[list[int]] = [[] for _ in range(len(tree) + 1)]  # children in sibling (draw) order
+    for i, parent in enumerate(tree.parents.tolist()):
+        kids[parent + 1].append(i + 1)
+    tokens, depths = tree.tokens.tolist(), tree.depths.tolist()
     path, current = [0], 0
     while True:
-        token = choose(logits[current])
-        child = kids[current].get(int(token))
-        if child is None:
-            return path, token
-        path.append(child)
-        current = child
+        p = sampler.probs(logits[current])
+        accepted = None
+        if kids[current]:
+            q = probs[depths[kids[current][0] - 1] - 1].clone()
+            for child in kids[current]:
+                x = tokens[child - 1]
+                q_i = q / q.sum()
+                if sampler.uniform() * float(q_i[x]) < float(p[x]):
+                    accepted = child
+                    break
+                residual = (p - q_i).clamp_min(0)
+                if float(residual.sum()) > 0:  # zero only when p == q_i, which never rejects
+                    p = residual / residual.sum()
+                q[x] = 0.0
+        if accepted is None:
+            return path, sampler.sample(p)
+        path.append(accepted)
+        current = accepted

@@ -82,7 +82,8 @@ def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
     # their token is the target's next choice; node 0's unverified siblings do not
     grandchildren = [i for i, p in enumerate(parents) if p == 0]
     before_trials, before_accepted = sum(budget.trials), sum(budget.accepted)
-    budget.record_tree(q, parents, [0, 1], 1, tree.tokens.tolist(), tree.tokens[grandchildren[-1]].item())
+    outcomes = {i: float(i == grandchildren[-1]) for i in grandchildren}
+    budget.record_tree(q, parents, [0, 1], 1, outcomes)
     assert sum(budget.trials) - before_trials == 1 + len(grandchildren)
     assert sum(budget.accepted) - before_accepted == pytest.approx(2.0)  # node 0 and the chosen grandchild
 

@@ -58,13 +58,13 @@ def accept_everything(sampler, drafts, draft_logits, target_logits):
     return len(drafts), sampler.sample(sampler.probs(target_logits[-1]))
 
 
-def follow_the_best_child(tree, logits, choose):
-    """A broken tree walk: takes the drafter's favourite child whatever the target chooses."""
+def follow_the_best_child(tree, logits, sampler, probs):
+    """A broken tree walk: takes the drafter's first child whatever the target chooses."""
     kids = tree.children()
     path = [0]
     while kids[path[-1]]:
         path.append(min(kids[path[-1]].values()))
-    return path, choose(logits[path[-1]])
+    return path, sampler.choose(logits[path[-1]])
 
 
 def sampled_joint(target, drafter, sampler_args, verify=verify_chain, plain=False, **kwargs) -> torch.Tensor:
@@ -95,16 +95,18 @@ def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, 
     assert chi_square_pvalue(broken, exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
 
-def test_tree_sampling_matches_the_target_distribution(toy_target):
+@pytest.mark.parametrize("args", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 2}])
+def test_tree_sampling_matches_the_target_distribution(toy_target, args):
+    """Sampled trees walked by recursive rejection sampling; with top-k 2 a node has at most two children
+    of positive probability however many the budget would give it."""
     torch.manual_seed(2)
     section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
     drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
-    args = {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5), exact) > 1e-3
     budget = Budget(VARIED_COSTS)
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, budget=budget), exact) > 1e-3
-    assert len(set(budget.chosen)) > 2  # trees of several sizes were verified
+    assert len(set(budget.chosen)) > 1  # trees of several sizes were verified
     broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
     assert chi_square_pvalue(broken, exact) < 1e-6
 

@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from serve_eval.sampling import Sampler
 from serve_eval.tree import build_best_first_tree, walk_tree
 
 
@@ -40,5 +41,5 @@ def test_ancestor_mask_and_walk():
                              [True, True, False, True]]
     logits = torch.full((4, 10), -1.0)
     logits[0, 5] = logits[1, 6] = logits[3, 2] = 1.0  # the target picks 5, then 6, then 2
-    path, nxt = walk_tree(tree, logits, lambda row: row.argmax())
+    path, nxt = walk_tree(tree, logits, Sampler())
     assert path == [0, 1, 3] and int(nxt) == 2
