@@ -424,7 +424,7 @@ class BlockDrafter(DrafterBase):
         """Decode-time drafts for block positions 1..K-1 from :meth:`block_hidden`: (tokens [B, N, K-1],
         logits [B, N, K-1, V], confidence or None). ``choose(logits) -> tokens`` picks each draft
         (argmax by default, or a sampler's draw). The base (DFlash) drafts all positions in parallel."""
-        logits = self.lm_head(hidden[:, :, 1:])
+        logits = self.lm_head(hidden)[:, :, 1:]  # all K rows: MKL multiplies 8 rows faster than 7
         return (choose or argmax_choice)(logits), logits, None
 
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

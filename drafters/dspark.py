@@ -64,7 +64,7 @@ class DSparkDrafter(BlockDrafter):
         """Decode-time drafting over block positions 1..K-1: each uses the previous *drafted* token.
         Returns tokens, logits and confidence (probabilities) [B, N, K-1]."""
         choose = choose or argmax_choice
-        base = self.lm_head(hidden[:, :, 1:])  # the wide matmul once for the block; only the code is sequential
+        base = self.lm_head(hidden)[:, :, 1:]  # once per block (all K rows: faster than K-1 with MKL)
         prev, tokens, all_logits, all_conf = anchor_tokens, [], [], []
         for k in range(1, hidden.shape[2]):
             logits, conf = self.heads(hidden[:, :, k], prev, base[:, :, k - 1])

@@ -10,6 +10,9 @@ step verifies the one with the most tokens per second:
 
     B* = argmax_{B >= 0}  (1 + sum_{i <= B} P_i) / (c(B + 1) + d)
 
+The costs are measured at every size up to 33 tokens (and sparsely beyond, linear in between), and
+used as measured: they are not monotone (see :class:`Budget`).
+
 ``P_i`` is the product, along the node's path, of the *calibrated* acceptance ``a(q)`` of each of its
 tokens, ``q`` the drafter's probability of that token given its parent: the rate at which tokens the
 drafter gave about ``q`` were accepted when their parent was, counted in bins of ``q`` as decoding
@@ -21,28 +24,18 @@ Lossless. ``B*`` depends on the drafter's distributions and on earlier steps onl
 target's logits for this step nor on the value of a sampled draft: a chain ranks position ``k`` by
 the drafter's *top* probability there, not by the probability of the token it drew, so a kept draft
 is still distributed as ``q`` and speculative sampling stays exact; at temperature 0 the emitted
-tokens are the target's greedy ones whatever is verified. Trees are built from ``q`` alone.
+tokens are the target's greedy ones whatever is verified. Trees are built best-first by ``log a(q)``,
+from ``q`` and earlier steps alone, so their ``P_i`` come out in the order they are popped.
 """
 
 from __future__ import annotations
 
 import bisect
 
+import torch
+
 #: bin edges over the drafter's probability q; fine near 0, where most tree nodes sit
 Q_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
-
-
-def non_decreasing(values: list[float]) -> list[float]:
-    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators): a dip or a spike
-    at one size is averaged with its neighbours instead of dragging every larger size along."""
-    blocks: list[list[float]] = []  # [sum, count] of pooled runs
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 class Budget:
@@ -52,8 +45,10 @@ class Budget:
         if 1 not in verify_costs:
             raise ValueError("verify_costs must include n = 1 (a plain decoding step)")
         self.sizes = sorted(verify_costs)
-        # reading more tokens never costs less: the closest non-decreasing table smooths timing noise out
-        self.seconds = non_decreasing([verify_costs[n] for n in self.sizes])
+        # used as measured, not smoothed to be non-decreasing: small-matrix kernels make some sizes
+        # cheaper than the size below them (on this CPU 4 tokens cost less than 3, 8 less than 7), and
+        # the argmax below then never verifies 3 tokens when it could verify 4
+        self.seconds = [verify_costs[n] for n in self.sizes]
         self.draft_seconds = 0.0  # running mean of the measured draft cost
         self.drafts_seen = 0
         centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]
@@ -84,6 +79,13 @@ class Budget:
     def acceptance(self, q: float) -> float:
         b = self._bin(q)
         return self.accepted[b] / self.trials[b]
+
+    def log_acceptance(self, q: torch.Tensor) -> torch.Tensor:
+        """``log a(q)`` elementwise for a tensor of drafter probabilities, ties within a bin broken by
+        ``q`` (a vanishing ``1e-3 log q``), so that ranking by it ranks by calibrated acceptance."""
+        edges = torch.tensor(Q_EDGES[1:-1], dtype=q.dtype, device=q.device)
+        table = torch.tensor([a / t for a, t in zip(self.accepted, self.trials)], dtype=q.dtype, device=q.device)
+        return table[torch.bucketize(q, edges, right=True)].log() + 1e-3 * q.log()
 
     def _count(self, q: float, accepted: float) -> None:
         b = self._bin(q)

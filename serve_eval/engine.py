@@ -352,9 +352,12 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         t1 = time.perf_counter()
         if mode == "tree":
             q = None if sampler.greedy else sampler.probs(draft_logits)
-            tree = build_best_first_tree(draft_logits.float().log_softmax(-1) if q is None else q.log(), tree_budget)
+            probs = draft_logits.float().softmax(-1) if q is None else q
+            # best-first by calibrated acceptance when there is a budget (its calibration), else by q
+            tree = build_best_first_tree(probs.log() if budget is None else budget.log_acceptance(probs), tree_budget)
             if budget is not None:
-                full, node_q, parents = tree, tree.log_q.exp().tolist(), tree.parents.tolist()
+                full, parents = tree, tree.parents.tolist()
+                node_q = probs[tree.depths - 1, tree.tokens].tolist()
                 tree = tree.prefix(budget.tree_size(node_q, parents))
             if q is not None:  # the shape depends on q alone; its tokens are draws (see serve_eval.tree)
                 tree = sample_tree(tree, q, sampler)
@@ -416,7 +419,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
     budget = None
     if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
         largest = (budget_nodes or 1) + 1 if dec.mode == "tree" else K
-        sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < largest] + [largest]
+        sizes = [n for n in [*range(1, 34), *range(40, 129, 8)] if n < largest] + [largest]  # every size to 33
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
         budget = Budget(measure_verify_costs(target, sizes, capture))
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}

@@ -44,15 +44,13 @@ class DraftTree:
     tokens: torch.Tensor  # [N] node tokens (the root, the bonus token, is not stored)
     parents: torch.Tensor  # [N] index of the parent node, -1 for the root
     depths: torch.Tensor  # [N] 1-based depth
-    log_q: torch.Tensor | None = None  # [N] the drafter's log-probability of each node's token at its depth
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def prefix(self, n: int) -> "DraftTree":
         """The first ``n`` nodes: a tree whenever every parent comes before its children (pop order)."""
-        log_q = None if self.log_q is None else self.log_q[:n]
-        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], log_q)
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n])
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over [root, nodes]: True where the row's node may attend (itself, ancestors)."""
@@ -74,11 +72,13 @@ class DraftTree:
 
 
 def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
-    """The ``budget`` best nodes under per-depth log-probabilities ``log_probs`` [D, V]."""
+    """The ``budget`` best nodes under per-depth log-scores ``log_probs`` [D, V]: ``log q``, or any
+    scores ``<= 0`` (the loop's budget passes the log of its calibrated acceptance ``a(q)``); tokens
+    scored ``-inf`` (probability 0) are never nodes."""
     depth_max, vocab = log_probs.shape
     ranked, order = log_probs.topk(min(budget, vocab), dim=-1)  # sorted; a full argsort costs 50x more
     ranked, order = ranked.tolist(), order.tolist()
-    tokens, parents, depths, log_q = [], [], [], []
+    tokens, parents, depths = [], [], []
     heap = [(-ranked[0][0], 0, 1, 0, -1)]  # (-score, tie-break, depth, rank, parent)
     tie = 1
     while heap and len(tokens) < budget:
@@ -87,7 +87,6 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
         tokens.append(order[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
-        log_q.append(ranked[depth - 1][rank])
         if rank + 1 < len(order[depth - 1]) and ranked[depth - 1][rank + 1] > float("-inf"):  # q > 0 only
             sibling = -neg - ranked[depth - 1][rank] + ranked[depth - 1][rank + 1]
             heapq.heappush(heap, (-sibling, tie, depth, rank + 1, parent))
@@ -95,7 +94,7 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
         if depth < depth_max:
             heapq.heappush(heap, (neg - ranked[depth][0], tie, depth + 1, 0, node))
             tie += 1
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(log_q))
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
 
 
 def sample_tree(tree: DraftTree, probs: torch.Tensor, sampler) -> DraftTree:
@@ -118,7 +117,7 @@ def sample_tree(tree: DraftTree, probs: torch.Tensor, sampler) -> DraftTree:
         for i, token in zip(nodes, sampler.sample(weights).tolist()):
             tokens[i] = token
             drawn[parents[i]].append(token)
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), tree.parents, tree.depths, tree.log_q)
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), tree.parents, tree.depths)
 
 
 def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tensor | None = None):
