@@ -131,8 +131,11 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
           f"other {1 - split['draft_fraction'] - split['verify_fraction']:.0%}")
     if report.get("adaptive"):
         budget = report["adaptive"]
-        print(f"  {'per-step budget':<22} {budget['mean_verified']} tokens verified per step on average; "
-              f"verify ms by tokens {budget['verify_ms']}, draft {budget['draft_ms']} ms")
+        print(f"  {'per-step budget':<22} {budget['mean_verified']} tokens verified per step on average "
+              f"(steps by tokens verified: {budget['verified_histogram']}); draft {budget['draft_ms']} ms")
+        for key in ("predicted", "measured"):
+            row = budget[key]
+            print(f"  {'  ' + key:<22} tau {row['tau']}, {row['step_ms']} ms a step, {row['tokens_per_s']} tokens/s")
     if "peer_transformers_assisted" in report:
         peer = report["peer_transformers_assisted"]
         print(f"  {'transformers assisted':<22} speedup {peer['speedup']}, tokens/s {peer['tokens_per_s']}, "

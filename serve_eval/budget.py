@@ -56,6 +56,8 @@ class Budget:
         self.accepted = [prior * c for c in centres]
         self.trials = [prior] * len(centres)
         self.chosen: list[int] = []  # B* of every step, for the report
+        self.predicted_tokens = 0.0  # sums over steps of the expected tokens and seconds of each choice
+        self.predicted_seconds = 0.0
 
     # -- costs -------------------------------------------------------------------------------------
     def verify_seconds(self, n: int) -> float:
@@ -95,13 +97,16 @@ class Budget:
     # -- choices -----------------------------------------------------------------------------------
     def best_prefix(self, reach: list[float]) -> int:
         """``B*`` for nodes whose acceptance probabilities, in candidate order, are ``reach``."""
-        best, best_rate, gain = 0, 1.0 / (self.verify_seconds(1) + self.draft_seconds), 1.0
+        cost = self.verify_seconds(1) + self.draft_seconds
+        best, best_gain, best_cost, gain = 0, 1.0, cost, 1.0
         for b, p in enumerate(reach, start=1):
             gain += p
-            rate = gain / (self.verify_seconds(b + 1) + self.draft_seconds)
-            if rate > best_rate:
-                best, best_rate = b, rate
+            cost = self.verify_seconds(b + 1) + self.draft_seconds
+            if gain / cost > best_gain / best_cost:
+                best, best_gain, best_cost = b, gain, cost
         self.chosen.append(best)
+        self.predicted_tokens += best_gain
+        self.predicted_seconds += best_cost
         return best
 
     def chain_length(self, top_q: list[float]) -> int:
@@ -145,7 +150,12 @@ class Budget:
 
     def summary(self) -> dict:
         steps = max(1, len(self.chosen))
-        return {"mean_verified": round(1 + sum(self.chosen) / steps, 3),
+        verified = [1 + b for b in self.chosen]
+        return {"mean_verified": round(sum(verified) / steps, 3),
+                "verified_histogram": {str(n): verified.count(n) for n in sorted(set(verified))},
+                "predicted": {"tau": round(self.predicted_tokens / steps, 4),  # what the choices expected
+                              "step_ms": round(1e3 * self.predicted_seconds / steps, 3),
+                              "tokens_per_s": round(self.predicted_tokens / max(self.predicted_seconds, 1e-12), 2)},
                 "verify_ms": {str(n): round(s * 1e3, 3) for n, s in zip(self.sizes, self.seconds)},  # JSON keys
                 "draft_ms": round(self.draft_seconds * 1e3, 3),
                 "calibration": [{"q": [lo, hi], "acceptance": round(a / t, 4), "seen": int(t - self.prior)}

@@ -445,9 +445,16 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
                            "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
     tokens_per_s = totals["tokens"] / totals["spec_s"]
     baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
+    adaptive = None
+    if budget is not None:  # the cost model's prediction beside what the steps measured (prefill excluded)
+        adaptive = budget.summary()
+        steps = totals["forwards"] - len(encoded)
+        adaptive["measured"] = {"tau": round((totals["tokens"] - len(encoded)) / max(1, steps), 4),
+                                "step_ms": round(1e3 * (totals["draft_s"] + totals["verify_s"]) / max(1, steps), 3)}
+        adaptive["measured"]["tokens_per_s"] = round(1e3 * adaptive["measured"]["tau"] / max(adaptive["measured"]["step_ms"], 1e-9), 2)
     return {
         "tree_budget": budget_nodes,
-        "adaptive": None if budget is None else budget.summary(),
+        "adaptive": adaptive,
         "tau": round(totals["tokens"] / max(1, totals["forwards"]), 4),
         "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
         "tokens_per_s": round(tokens_per_s, 2),

@@ -178,7 +178,14 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     peer = report["peer_transformers_assisted"]
     assert peer["same_as_greedy"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
     if decoding.get("adaptive", True):  # the budget's cost table and its choices are reported
-        assert set(report["adaptive"]["verify_ms"]) >= {"1", "3"} and 1 <= report["adaptive"]["mean_verified"] <= 9
+        adaptive = report["adaptive"]
+        assert set(adaptive["verify_ms"]) >= {"1", "3"} and 1 <= adaptive["mean_verified"] <= 9
+        histogram = {int(n): c for n, c in adaptive["verified_histogram"].items()}
+        assert sum(n * c for n, c in histogram.items()) / sum(histogram.values()) == pytest.approx(adaptive["mean_verified"], abs=1e-3)
+        for key in ("predicted", "measured"):  # the cost model's tokens/s beside the steps' own
+            row = adaptive[key]
+            assert 1.0 <= row["tau"] <= 9 and row["step_ms"] > 0
+            assert row["tokens_per_s"] == pytest.approx(1e3 * row["tau"] / row["step_ms"], rel=0.01)
     else:
         assert report["adaptive"] is None
     if "mode" in decoding:
