@@ -641,6 +641,15 @@ class DecodingSection(Strict):
     draft_recurrence: Optional[int] = Field(
         None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
+    batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
+                                   "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive_batches(cls, v: list[int]) -> list[int]:
+        if any(b < 1 for b in v):
+            raise ValueError(f"batch sizes must be >= 1, got {v}")
+        return v
 
 
 class EvalRecipe(RecipeBase):

@@ -8,7 +8,9 @@ distribution test in ``tests/test_sampling.py``.
 
 Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus included), ``adaptive``
 (with ``decoding.adaptive``: the measured verify costs, the mean tokens verified per step and the
-acceptance calibration, :mod:`serve_eval.budget`),
+acceptance calibration, the cost model's predicted tau / step time / tokens per second beside the
+measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batch_sizes``: batched
+speculative vs batched plain decoding per batch size, :mod:`serve_eval.batch`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
 per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve.
@@ -24,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from distill.config import EvalRecipe
+from distill.config import EvalRecipe, RecipeError
 from distill.models import load_target, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
+from serve_eval.batch import measure_batches
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
@@ -83,6 +86,14 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     same = Path(recipe.drafter).resolve() == Path(resolve_target_path(recipe.target.path)).resolve()
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
+    if dec.batch_sizes:
+        kind = drafter.config.model_type
+        if kind not in ("draftsmith_dflash", "draftsmith_dspark") or dec.mode != "chain":
+            raise RecipeError(f"decoding.batch_sizes: batched decoding runs block drafters (dflash, dspark) in chain "
+                              f"mode; this drafter is {kind!r} in {dec.mode!r} mode")
+        if max(dec.batch_sizes) > len(encoded):
+            raise RecipeError(f"decoding.batch_sizes: {max(dec.batch_sizes)} rows need at least as many prompts, "
+                              f"the recipe has {len(encoded)}")
     if dry_run:
         return {"prompts": len(encoded), "drafter": drafter.config.model_type}
     out = Path(recipe.output_dir)
@@ -114,6 +125,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     }
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
+    if dec.batch_sizes:
+        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes)
     if recipe.peer_assistant and dec.temperature == 0:
         report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
     write_json_atomic(out / "report.json", report)
@@ -140,6 +153,11 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         peer = report["peer_transformers_assisted"]
         print(f"  {'transformers assisted':<22} speedup {peer['speedup']}, tokens/s {peer['tokens_per_s']}, "
               f"same as greedy: {peer['same_as_greedy']}")
+    for row in report.get("by_batch", []):
+        scheduler = row["scheduler"] or {}
+        print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
+              f"tokens/s batched plain, speedup {row['speedup']:.3f}, lossless {row['lossless']}"
+              + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else ""))
     for row in report.get("by_budget", []):
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
     print(f"wrote {out / 'report.json'}")

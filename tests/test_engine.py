@@ -230,3 +230,30 @@ def test_tree_beats_chain_on_acceptance(target_and_prompts, trained_drafters):
     tree = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW, mode="tree", tree_budget=32)[1].target_forwards
                for p in prompts)
     assert tree <= chain
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_drafters, kind):
+    """Rows of different lengths, a row that stops at EOS early, drafts kept and rejected per row: every
+    row emits exactly its own greedy tokens, with every draft verified, with a scheduler that always
+    drafts and with one that finds speculation too dear and mostly reads the bonus only."""
+    from serve_eval.batch import BatchScheduler, batched_plain_generate, batched_speculative_generate
+
+    target, _, prompts = target_and_prompts
+    drafter = trained_drafters[kind]
+    prompts = [prompts[0], prompts[1][:17], prompts[2][:9], prompts[0][:20]]
+    first = plain_generate(target, prompts[1], MAX_NEW)[0]
+    stop = max(i for i in range(MAX_NEW - 8) if first[i] not in first[:i])
+    eos = first[stop]  # row 1 stops early, at its first occurrence of this token
+    reference = [plain_generate(target, p, MAX_NEW, eos)[0] for p in prompts]
+    assert len(reference[1]) == stop + 1 and len(set(map(len, reference))) > 1
+    assert batched_plain_generate(target, prompts, MAX_NEW, eos)[0] == reference
+    ours, stats = batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos)
+    assert ours == reference and stats.tokens > stats.row_steps + len(prompts)  # more tokens than row forwards: drafts kept
+    K = drafter.config.block_size
+    cheap = BatchScheduler(Budget({1: 1.0, 4 * K: 1.0}), K)  # reading more costs nothing: always all drafts
+    dear = BatchScheduler(Budget({1: 1.0, 2: 10.0, 4 * K: 300.0}), K)
+    for scheduler in (cheap, dear):
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos, scheduler=scheduler)[0] == reference
+    assert set(cheap.chosen) == {K} and cheap.summary()["drafted_fraction"] == 1.0
+    assert set(dear.chosen) == {1} and dear.summary()["drafted_fraction"] < 0.5  # the off switch, with probes

@@ -1,0 +1,389 @@
+"""Speculative decoding of several prompts at once, and batched plain decoding of the same target.
+
+Rows. Each prompt is a row of one batched forward. Rows keep different numbers of drafts, so their
+lengths drift apart. The target's KV cache holds one *slot* per token read, with a validity mask per
+row: every step appends the same ``n`` slots to every row, and afterwards a row marks the slots of
+the drafts it rejected invalid (a hole that is never attended again). Positions (RoPE) follow each
+row's own count of valid tokens, so a row computes exactly what it would alone. Rows that finish
+(``max_new_tokens`` or EOS) leave the batch. The drafter's context (target features of each row's
+verified tokens) is kept compact per row and right-padded, so a block anchored at row ``i``'s length
+sees exactly row ``i``'s context (:func:`drafters.core.block_attention_mask`).
+
+A step. The drafter drafts ``K - 1`` tokens for every row in one batched block forward; the scheduler
+picks one ``n`` for the batch (each row reads its bonus and ``n - 1`` drafts); each row verifies its
+own drafts, greedily or by speculative sampling with its own generator (:mod:`serve_eval.sampling`):
+lossless per row, as in :mod:`serve_eval.engine`. With ``R`` rows the choice maximises expected
+tokens per second,
+
+    n* = argmax_n  (R + sum_rows sum_{j < n} P_row,j) / (c(R n) + d_R),
+
+``P`` from the calibrated acceptance of :class:`~serve_eval.budget.Budget` (the drafter's top
+probability per position, never a drawn token's), ``c(m)`` the measured cost of a target forward over
+``m`` tokens (a matmul over ``R n`` rows costs what one row of ``R n`` tokens costs) and ``d_R`` the
+measured drafting cost at ``R`` rows. Where speculation stops paying (large batches on a compute-bound
+CPU) the scheduler also stops drafting: while the best rate its calibration predicts is below plain
+decoding's, steps read the bonus only and the drafter just reads the new features, with a drafted
+probe step now and then (after 2, 4, 8, .. 64 plain steps) to notice when that changes (Nightjar's
+off switch; it acts only after 8 drafted steps, once the calibration has seen some). Every choice uses earlier steps and this step's drafter outputs only: lossless.
+
+Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one row at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from distill.features import FeatureCapture
+
+from .budget import Budget
+from .engine import _next_outcome, _truncate, measure_verify_costs
+from .sampling import Sampler, verify_chain
+
+
+class BatchTarget:
+    """The target over a batch of rows: a KV cache of slots, which slots each row may attend, and
+    each row's length (its next position)."""
+
+    def __init__(self, target, capture: FeatureCapture | None = None):
+        self.target, self.capture = target, capture
+        self.cache = DynamicCache(config=target.config)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, slots]
+        self.lengths = torch.zeros(0, dtype=torch.long)  # [R]
+
+    @torch.no_grad()
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], cache=self.cache, use_cache=True)
+        if self.capture is None:
+            return self.target(**kwargs).logits, None
+        with self.capture.hooks() as captured:
+            out = self.target(**kwargs)
+        return out.logits, self.capture.features(captured).aux
+
+    def prefill(self, prompts: list[torch.Tensor]):
+        """Read right-padded prompts: each row's logits after its last prompt token [R, V], and the
+        features [R, L, F] (row ``i`` valid up to its length)."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        L = int(lengths.max())
+        device = prompts[0].device
+        ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = p
+        valid = torch.arange(L)[None] < lengths[:, None]
+        mask = torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]  # causal, real tokens only
+        logits, aux = self._run(ids, torch.arange(L, device=device)[None].expand(len(prompts), L), mask.to(device))
+        self.valid, self.lengths = valid, lengths.clone()
+        return logits[torch.arange(len(prompts)), lengths - 1], aux
+
+    def step(self, ids: torch.Tensor):
+        """Read ``ids`` [R, n] after each row's valid tokens: logits [R, n, V] and features."""
+        R, n = ids.shape
+        positions = self.lengths[:, None] + torch.arange(n)
+        mask = torch.cat([self.valid[:, None, :].expand(R, n, -1),
+                          torch.ones(n, n, dtype=torch.bool).tril()[None].expand(R, n, n)], dim=2)
+        out = self._run(ids, positions.to(ids.device), mask.to(ids.device))
+        self.valid = torch.cat([self.valid, torch.ones(R, n, dtype=torch.bool)], dim=1)
+        return out
+
+    def keep(self, counts: torch.Tensor, n: int) -> None:
+        """After a step of ``n`` slots: row ``i`` keeps the first ``counts[i]`` of them."""
+        self.valid[:, -n:] = torch.arange(n)[None] < counts[:, None]
+        self.lengths += counts
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` of the batch."""
+        for layer in self.cache.layers:
+            layer.batch_select_indices(rows.to(layer.keys.device))
+        self.valid, self.lengths = self.valid[rows], self.lengths[rows]
+
+
+class BatchContext:
+    """A block drafter's context keys/values per row, compact and right-padded: row ``i`` holds its
+    first ``lengths[i]`` positions."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths = torch.zeros(0, dtype=torch.long)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def append(self, aux: torch.Tensor, counts: torch.Tensor) -> None:
+        """Row ``i`` appends the first ``counts[i]`` of ``aux`` [R, m, F] (features of its next positions)."""
+        R, m, _ = aux.shape
+        if not self.keys:
+            self.lengths = torch.zeros(R, dtype=torch.long)
+        positions = self.lengths[:, None] + torch.arange(m)
+        kv = self.drafter.context_kv(aux, positions.to(aux.device))
+        end = int(self.lengths.max()) + m
+        if not self.keys:
+            self.keys = [k.new_zeros(R, k.shape[1], max(2 * end, 64), k.shape[3]) for k, _ in kv]
+            self.values = [v.new_zeros(R, v.shape[1], max(2 * end, 64), v.shape[3]) for _, v in kv]
+        elif end > self.keys[0].shape[2]:  # grow by doubling
+            more = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], end, t.shape[3])], dim=2)  # noqa: E731
+            self.keys, self.values = [more(k) for k in self.keys], [more(v) for v in self.values]
+        # every row writes all m entries after its length; those past its new length are never attended
+        # (a block sees positions < its anchor only) and the next append overwrites them
+        rows, slots = torch.arange(R)[:, None], self.lengths[:, None] + torch.arange(m)
+        for (k, v), keys, values in zip(kv, self.keys, self.values):
+            keys[rows, :, slots] = k.transpose(1, 2)
+            values[rows, :, slots] = v.transpose(1, 2)
+        self.lengths = self.lengths + counts
+
+    def defer(self, aux: torch.Tensor, counts: torch.Tensor) -> None:
+        """:meth:`append` later, at the next :meth:`flush`: steps that draft nothing only queue their
+        features, and a run of steps where every row keeps every slot is appended in one call."""
+        self.pending.append((aux, counts))
+
+    def flush(self) -> None:
+        run: list[torch.Tensor] = []
+        for aux, counts in self.pending + [(None, None)]:
+            if aux is not None and bool((counts == aux.shape[1]).all()):
+                run.append(aux)
+                continue
+            if run:
+                merged = torch.cat(run, dim=1)
+                self.append(merged, torch.full((merged.shape[0],), merged.shape[1], dtype=torch.long))
+                run = []
+            if aux is not None:
+                self.append(aux, counts)
+        self.pending = []
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.flush()
+        C = int(self.lengths.max())
+        return [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.pending = [(aux[rows], counts[rows]) for aux, counts in self.pending]
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.lengths = self.lengths[rows]
+
+
+class BatchScheduler:
+    """Chooses ``n`` for each batched step and when to stop drafting (see the module doc)."""
+
+    def __init__(self, budget: Budget, block_size: int, probe_limit: int = 64, min_drafts: int = 8):
+        self.budget, self.K = budget, block_size
+        self.min_drafts = min_drafts  # drafted steps seen before the off switch may act
+        self.draft_seconds: dict[int, float] = {}  # rows -> running mean of the drafting cost
+        self.top_q_mean = [0.0] * (block_size - 1)  # per position, running mean over drafted rows of the top q
+        self.drafts_seen = 0
+        self.plain_run, self.probe_after, self.probe_limit = 0, 2, probe_limit
+        self.chosen: list[int] = []  # n of every step (1: no drafts verified)
+        self.drafted_steps = 0
+
+    def _draft_cost(self, rows: int) -> float:
+        return self.draft_seconds.get(rows, max(self.draft_seconds.values(), default=0.0))
+
+    def _best(self, rows: int, gains: list[float]) -> tuple[int, float]:
+        """The best ``n >= 2`` of a drafted step and its rate, drafting included."""
+        rates = {n: (rows + sum(gains[:n - 1])) / (self.budget.verify_seconds(rows * n) + self._draft_cost(rows))
+                 for n in range(2, self.K + 1)}
+        n = max(rates, key=rates.__getitem__)
+        return n, rates[n]
+
+    def should_draft(self, rows: int) -> bool:
+        """Whether this step drafts: while the acceptance seen so far predicts that drafting beats plain
+        decoding, or when a probe is due."""
+        if self.drafts_seen < self.min_drafts or self.plain_run >= self.probe_after:
+            self.plain_run = 0
+            return True
+        reach, p = [], 1.0
+        for q in self.top_q_mean:  # a typical row under the calibration as it stands now
+            p *= self.budget.acceptance(q)
+            reach.append(rows * p)
+        if self._best(rows, reach)[1] > rows / self.budget.verify_seconds(rows):
+            return True
+        self.plain_run += 1
+        return False
+
+    def choose(self, top_q: torch.Tensor) -> int:
+        """``n`` for a drafted step from the drafter's top probabilities [R, K-1]."""
+        rows = top_q.shape[0]
+        acceptance = torch.tensor([[self.budget.acceptance(q) for q in row] for row in top_q.tolist()])
+        gains = acceptance.cumprod(1).sum(0).tolist()  # per position, summed over rows: P_row,j
+        self.drafts_seen += 1
+        weight = max(1 / self.drafts_seen, 0.05)  # a running mean that forgets slowly
+        self.top_q_mean = [m + (q - m) * weight for m, q in zip(self.top_q_mean, top_q.mean(0).tolist())]
+        n, rate = self._best(rows, gains)
+        plain = self.budget.verify_seconds(rows)
+        if rate <= rows / (plain + self._draft_cost(rows)):  # the drafts, already paid for, would not pay
+            n = 1
+        # drafting pays against plain decoding: keep drafting; else wait longer before the next probe
+        self.probe_after = 2 if rate > rows / plain else min(2 * self.probe_after, self.probe_limit)
+        self.drafted_steps += 1
+        return n
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        old = self.draft_seconds.get(rows)
+        self.draft_seconds[rows] = seconds if old is None else 0.9 * old + 0.1 * seconds
+
+    def summary(self) -> dict:
+        steps = max(1, len(self.chosen))
+        return {"mean_verified": round(sum(self.chosen) / steps, 3),
+                "verified_histogram": {str(n): self.chosen.count(n) for n in sorted(set(self.chosen))},
+                "drafted_fraction": round(self.drafted_steps / steps, 4)}
+
+
+@dataclass
+class BatchStats:
+    tokens: int = 0
+    steps: int = 0  # batched target forwards after the prefill
+    row_steps: int = 0  # sum over steps of the rows in the batch
+    seconds: float = 0.0
+
+
+def _finish(outs, eos, max_new, stats, start):
+    stats.tokens = sum(len(o) for o in outs)
+    stats.seconds = time.perf_counter() - start
+    return [_truncate(o, max_new, eos) for o in outs], stats
+
+
+def _done(out: list[int], max_new: int, eos: int | None) -> bool:
+    return len(out) >= max_new or (eos is not None and eos in out)
+
+
+def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [R, ..., V], each with its row's sampler."""
+    if samplers[0].greedy:
+        return logits.argmax(-1)
+    return torch.stack([s.choose(row) for s, row in zip(samplers, logits)])
+
+
+@torch.no_grad()
+def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
+                           samplers: list[Sampler] | None = None):
+    """Plain decoding of several prompts at once (rows leave the batch when they finish)."""
+    samplers = samplers or [Sampler() for _ in prompts]
+    start, stats = time.perf_counter(), BatchStats()
+    session = BatchTarget(target)
+    logits, _ = session.prefill(prompts)
+    live = list(range(len(prompts)))
+    outs = [[int(t)] for t in _choose_rows(samplers, logits).tolist()]
+    bonus = torch.tensor([o[-1] for o in outs])
+    while True:
+        keep = [j for j, i in enumerate(live) if not _done(outs[i], max_new_tokens, eos_token_id)]
+        if not keep:
+            return _finish(outs, eos_token_id, max_new_tokens, stats, start)
+        if len(keep) < len(live):
+            rows = torch.tensor(keep)
+            session.select(rows)
+            live, bonus = [live[j] for j in keep], bonus[rows]
+        logits, _ = session.step(bonus[:, None].to(prompts[0].device))
+        session.keep(torch.ones(len(live), dtype=torch.long), 1)
+        bonus = _choose_rows([samplers[i] for i in live], logits[:, 0]).cpu()
+        for i, t in zip(live, bonus.tolist()):
+            outs[i].append(t)
+        stats.steps += 1
+        stats.row_steps += len(live)
+
+
+@torch.no_grad()
+def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
+                                 eos_token_id: int | None = None, samplers: list[Sampler] | None = None,
+                                 scheduler: BatchScheduler | None = None):
+    """Speculative decoding of several prompts at once with a block drafter (see the module doc).
+    Without a scheduler every step verifies all ``K - 1`` drafts of every row."""
+    samplers = samplers or [Sampler() for _ in prompts]
+    greedy = samplers[0].greedy
+    K = drafter.config.block_size
+    start, stats = time.perf_counter(), BatchStats()
+    session = BatchTarget(target, FeatureCapture(target, drafter.config.target_layer_ids))
+    context = BatchContext(drafter)
+    logits, aux = session.prefill(prompts)
+    live = list(range(len(prompts)))
+    bonus = _choose_rows(samplers, logits).cpu()
+    outs = [[t] for t in bonus.tolist()]
+    context.append(aux, session.lengths.clone())
+    while True:
+        keep = [j for j, i in enumerate(live) if not _done(outs[i], max_new_tokens, eos_token_id)]
+        if not keep:
+            return _finish(outs, eos_token_id, max_new_tokens, stats, start)
+        if len(keep) < len(live):
+            rows = torch.tensor(keep)
+            session.select(rows)
+            context.select(rows)
+            live, bonus = [live[j] for j in keep], bonus[rows]
+        R = len(live)
+        row_samplers = [samplers[i] for i in live]
+        t0 = time.perf_counter()
+        n, drafts = 1, None
+        if scheduler is None or scheduler.should_draft(R):
+            device = next(drafter.parameters()).device
+            anchors = bonus.to(device)[:, None]
+            hidden = drafter.block_hidden(None, anchors, context.lengths.to(device)[:, None], context.kv())
+            choose = (lambda x: x.argmax(-1)) if greedy else (lambda x: _choose_rows(row_samplers, x))
+            drafts, draft_logits, _ = drafter.propose(hidden, anchors, choose)
+            drafts, draft_logits = drafts[:, 0], draft_logits[:, 0]  # [R, K-1], [R, K-1, V]
+            q = draft_logits.float().softmax(-1) if greedy else torch.stack(
+                [s.probs(row) for s, row in zip(row_samplers, draft_logits)])
+            top_q = q.amax(-1)
+            n = K if scheduler is None else scheduler.choose(top_q)
+            if scheduler is not None:
+                scheduler.observe_draft(R, time.perf_counter() - t0)
+        ids = bonus[:, None] if n == 1 else torch.cat([bonus[:, None], drafts[:, :n - 1].cpu()], dim=1)
+        logits, aux = session.step(ids.to(prompts[0].device))
+        if greedy:
+            choice = logits.argmax(-1).cpu()  # [R, n]
+            kept = (ids[:, 1:] == choice[:, :-1]).int().cumprod(1).sum(1) if n > 1 else torch.zeros(R, dtype=torch.long)
+            new_bonus = choice[torch.arange(R), kept]
+        else:
+            kept_list, bonus_list = [], []
+            for r in range(R):
+                k, b = verify_chain(row_samplers[r], ids[r, 1:], (draft_logits[r] if n > 1 else logits[r])[:n - 1], logits[r])
+                kept_list.append(k)
+                bonus_list.append(int(b))
+            kept, new_bonus = torch.tensor(kept_list), torch.tensor(bonus_list)
+        if scheduler is not None:
+            scheduler.chosen.append(n)
+            if drafts is not None:
+                for r in range(R):
+                    outcome = _next_outcome(row_samplers[r], drafts[r], q[r], logits[r], n - 1, int(kept[r]))
+                    scheduler.budget.record_chain(top_q[r].tolist(), n - 1, int(kept[r]), outcome)
+        session.keep(kept + 1, n)
+        context.defer(aux, kept + 1)
+        for r, i in enumerate(live):
+            outs[i].extend(ids[r, 1:1 + int(kept[r])].tolist() + [int(new_bonus[r])])
+        bonus = new_bonus
+        stats.steps += 1
+        stats.row_steps += R
+
+
+
+def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int]) -> list[dict]:
+    """Batched plain and batched speculative decoding of the prompts in groups of each batch size,
+    back to back (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
+    calibration and one cost table serve every batch size; each has its own scheduler."""
+    K = drafter.config.block_size
+    budget = None
+    if dec.adaptive:
+        largest = max(batch_sizes) * K
+        sizes = [m for m in [*range(1, 34), *range(40, 129, 8), *range(160, 1025, 32)] if m < largest] + [largest]
+        budget = Budget(measure_verify_costs(target, sizes, FeatureCapture(target, drafter.config.target_layer_ids)))
+    rows = []
+    for B in batch_sizes:
+        groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]
+        scheduler = None if budget is None else BatchScheduler(budget, K)
+        tokens = base_tokens = forwards = 0
+        spec_s = base_s = 0.0
+        lossless = True
+        for group in groups:
+            prompts = [encoded[i] for i in group]
+            base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group])
+            ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos,
+                                                       [sampler(i) for i in group], scheduler)
+            lossless = lossless and ours == base if dec.temperature == 0 else None
+            tokens, base_tokens = tokens + stats.tokens, base_tokens + base_stats.tokens
+            spec_s, base_s = spec_s + stats.seconds, base_s + base_stats.seconds
+            forwards += stats.row_steps + len(group)  # the prefill reads every row once
+        tokens_per_s, baseline = tokens / spec_s, base_tokens / base_s
+        rows.append({"batch": B, "prompts": B * len(groups), "tau": round(tokens / forwards, 4),
+                     "tokens_per_s": round(tokens_per_s, 2), "baseline_tokens_per_s": round(baseline, 2),
+                     "speedup": round(tokens_per_s / baseline, 4), "lossless": lossless,
+                     "scheduler": None if scheduler is None else scheduler.summary()})
+    return rows
