@@ -661,6 +661,8 @@ class EvalRecipe(RecipeBase):
                                           "with the target's vocabulary (a student; the target itself for Parcae self-speculation)")
     peer_assistant: Optional[str] = Field(
         None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)")
+    peer_prompt_lookup: int = Field(0, ge=0, description="tokens per draft of transformers' prompt-lookup decoding, "
+                                                         "measured as a drafter-free peer (greedy); 0 = off")
     prompts: PromptsSection
     decoding: DecodingSection = Field(default_factory=DecodingSection)
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")

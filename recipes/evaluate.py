@@ -129,6 +129,12 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes)
     if recipe.peer_assistant and dec.temperature == 0:
         report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
+    if recipe.peer_prompt_lookup and dec.temperature == 0:  # drafter-free: n-grams of the prompt and output so far
+        report["peer_prompt_lookup"] = {"tokens": recipe.peer_prompt_lookup, **measure_generate_peer(
+            target, encoded, dec, eos, prompt_lookup_num_tokens=recipe.peer_prompt_lookup)}
+    for key in ("peer_transformers_assisted", "peer_prompt_lookup"):
+        if key in report:  # our loop's tokens/s over the peer's, measured in this run
+            report[key]["ours_over_peer"] = round(report["tokens_per_s"] / report[key]["tokens_per_s"], 4)
     write_json_atomic(out / "report.json", report)
     plot_acceptance(report["acceptance_by_position"], report["tau"], out / "acceptance_by_position.png",
                     f"{report['drafter_kind']}, {dec.mode}")
@@ -149,10 +155,11 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         for key in ("predicted", "measured"):
             row = budget[key]
             print(f"  {'  ' + key:<22} tau {row['tau']}, {row['step_ms']} ms a step, {row['tokens_per_s']} tokens/s")
-    if "peer_transformers_assisted" in report:
-        peer = report["peer_transformers_assisted"]
-        print(f"  {'transformers assisted':<22} speedup {peer['speedup']}, tokens/s {peer['tokens_per_s']}, "
-              f"same as greedy: {peer['same_as_greedy']}")
+    for key, name in (("peer_transformers_assisted", "transformers assisted"), ("peer_prompt_lookup", "prompt lookup")):
+        if key in report:
+            peer = report[key]
+            print(f"  {name:<22} speedup {peer['speedup']} over generate, tokens/s {peer['tokens_per_s']} "
+                  f"(ours {peer['ours_over_peer']}x that), same as greedy: {peer['same_as_greedy']}")
     for row in report.get("by_batch", []):
         scheduler = row["scheduler"] or {}
         print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
@@ -165,11 +172,16 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
 
 
 def measure_assisted(target, assistant_path: str, encoded, dec, eos, device) -> dict:
-    """transformers' own assisted generation (an autoregressive assistant, its default dynamic schedule)
-    on the same prompts, against ``generate`` without an assistant: an outside reference point."""
+    """transformers' own assisted generation (an autoregressive assistant, its default dynamic schedule)."""
     from transformers import AutoModelForCausalLM
 
     assistant = AutoModelForCausalLM.from_pretrained(assistant_path, dtype=target.dtype).to(device).eval()
+    return {"assistant": assistant_path, **measure_generate_peer(target, encoded, dec, eos, assistant_model=assistant)}
+
+
+def measure_generate_peer(target, encoded, dec, eos, **peer_kwargs) -> dict:
+    """transformers ``generate(**peer_kwargs)`` (assisted generation, prompt lookup) against ``generate``
+    without them, greedy, on the same prompts: an outside reference point."""
     common = dict(max_new_tokens=dec.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
     tokens = base_tokens = 0
     seconds = base_seconds = 0.0
@@ -178,13 +190,12 @@ def measure_assisted(target, assistant_path: str, encoded, dec, eos, device) -> 
         t0 = time.perf_counter()
         plain = target.generate(prompt[None], **common)[0, prompt.shape[0]:]
         t1 = time.perf_counter()
-        assisted = target.generate(prompt[None], assistant_model=assistant, **common)[0, prompt.shape[0]:]
+        peer = target.generate(prompt[None], **peer_kwargs, **common)[0, prompt.shape[0]:]
         t2 = time.perf_counter()
-        same &= torch.equal(plain, assisted)
-        base_tokens, tokens = base_tokens + plain.numel(), tokens + assisted.numel()
+        same &= torch.equal(plain, peer)
+        base_tokens, tokens = base_tokens + plain.numel(), tokens + peer.numel()
         base_seconds, seconds = base_seconds + t1 - t0, seconds + t2 - t1
-    return {"assistant": assistant_path, "tokens_per_s": round(tokens / seconds, 2),
-            "generate_tokens_per_s": round(base_tokens / base_seconds, 2),
+    return {"tokens_per_s": round(tokens / seconds, 2), "generate_tokens_per_s": round(base_tokens / base_seconds, 2),
             "speedup": round((tokens / seconds) / (base_tokens / base_seconds), 4), "same_as_greedy": same}
 
 

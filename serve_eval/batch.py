@@ -194,8 +194,8 @@ class BatchScheduler:
             self.plain_run = 0
             return True
         reach, p = [], 1.0
-        for q in self.top_q_mean:  # a typical row under the calibration as it stands now
-            p *= self.budget.acceptance(q)
+        for depth, q in enumerate(self.top_q_mean, start=1):  # a typical row under the calibration as it stands now
+            p *= self.budget.acceptance(q, depth)
             reach.append(rows * p)
         if self._best(rows, reach)[1] > rows / self.budget.verify_seconds(rows):
             return True
@@ -205,7 +205,7 @@ class BatchScheduler:
     def choose(self, top_q: torch.Tensor) -> int:
         """``n`` for a drafted step from the drafter's top probabilities [R, K-1]."""
         rows = top_q.shape[0]
-        acceptance = torch.tensor([[self.budget.acceptance(q) for q in row] for row in top_q.tolist()])
+        acceptance = torch.tensor([[self.budget.acceptance(q, d) for d, q in enumerate(row, start=1)] for row in top_q.tolist()])
         gains = acceptance.cumprod(1).sum(0).tolist()  # per position, summed over rows: P_row,j
         self.drafts_seen += 1
         weight = max(1 / self.drafts_seen, 0.05)  # a running mean that forgets slowly

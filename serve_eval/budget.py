@@ -53,8 +53,9 @@ class Budget:
         self.drafts_seen = 0
         centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]
         self.prior = prior
-        self.accepted = [prior * c for c in centres]
+        self.accepted = [prior * c for c in centres]  # pooled over depths
         self.trials = [prior] * len(centres)
+        self.by_depth: dict[int, tuple[list[float], list[float]]] = {}  # depth -> (accepted, trials) per bin
         self.chosen: list[int] = []  # B* of every step, for the report
         self.predicted_tokens = 0.0  # sums over steps of the expected tokens and seconds of each choice
         self.predicted_seconds = 0.0
@@ -78,21 +79,35 @@ class Budget:
     def _bin(q: float) -> int:
         return min(bisect.bisect_right(Q_EDGES, q) - 1, len(Q_EDGES) - 2)
 
-    def acceptance(self, q: float) -> float:
+    def acceptance(self, q: float, depth: int | None = None) -> float:
+        """``a(q)`` at ``depth`` (1-based; the draft position, or a tree node's depth): that depth's own
+        counts in ``q``'s bin, shrunk towards the bin's rate over all depths with the weight of
+        ``prior`` observations. (Tokens at a deep position given the same ``q`` are kept more often:
+        the contexts that reach it are the easy ones.) Without a depth, the pooled rate."""
         b = self._bin(q)
-        return self.accepted[b] / self.trials[b]
+        pooled = self.accepted[b] / self.trials[b]
+        if depth is None or depth not in self.by_depth:
+            return pooled
+        accepted, trials = self.by_depth[depth]
+        return (accepted[b] + self.prior * pooled) / (trials[b] + self.prior)
 
     def log_acceptance(self, q: torch.Tensor) -> torch.Tensor:
-        """``log a(q)`` elementwise for a tensor of drafter probabilities, ties within a bin broken by
-        ``q`` (a vanishing ``1e-3 log q``), so that ranking by it ranks by calibrated acceptance."""
+        """``log a(q)`` for per-depth drafter probabilities ``q`` [D, V] (row ``d`` at depth ``d + 1``),
+        ties within a bin broken by ``q`` (a vanishing ``1e-3 log q``): ranking by it ranks by
+        calibrated acceptance."""
         edges = torch.tensor(Q_EDGES[1:-1], dtype=q.dtype, device=q.device)
-        table = torch.tensor([a / t for a, t in zip(self.accepted, self.trials)], dtype=q.dtype, device=q.device)
-        return table[torch.bucketize(q, edges, right=True)].log() + 1e-3 * q.log()
+        centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]
+        table = torch.tensor([[self.acceptance(c, d + 1) for c in centres] for d in range(q.shape[0])],
+                             dtype=q.dtype, device=q.device)
+        return table.gather(1, torch.bucketize(q, edges, right=True)).log() + 1e-3 * q.log()
 
-    def _count(self, q: float, accepted: float) -> None:
+    def _count(self, q: float, accepted: float, depth: int) -> None:
         b = self._bin(q)
         self.trials[b] += 1
         self.accepted[b] += accepted
+        cells = self.by_depth.setdefault(depth, ([0.0] * len(self.trials), [0.0] * len(self.trials)))
+        cells[0][b] += accepted
+        cells[1][b] += 1
 
     # -- choices -----------------------------------------------------------------------------------
     def best_prefix(self, reach: list[float]) -> int:
@@ -112,16 +127,16 @@ class Budget:
     def chain_length(self, top_q: list[float]) -> int:
         """How many drafts of a chain to verify, from the drafter's top probability at each position."""
         reach, p = [], 1.0
-        for q in top_q:
-            p *= self.acceptance(q)
+        for depth, q in enumerate(top_q, start=1):
+            p *= self.acceptance(q, depth)
             reach.append(p)
         return self.best_prefix(reach)
 
-    def tree_size(self, node_q: list[float], parents: list[int]) -> int:
+    def tree_size(self, node_q: list[float], parents: list[int], depths: list[int]) -> int:
         """How many of a best-first tree's nodes (pop order) to verify; ``parents[i] < i`` (-1: root)."""
         reach: list[float] = []
-        for q, parent in zip(node_q, parents):
-            reach.append(self.acceptance(q) * (reach[parent] if parent >= 0 else 1.0))
+        for q, parent, depth in zip(node_q, parents, depths):
+            reach.append(self.acceptance(q, depth) * (reach[parent] if parent >= 0 else 1.0))
         return self.best_prefix(reach)
 
     def record_chain(self, top_q: list[float], verified: int, accepted: int, next_outcome: float | None = None) -> None:
@@ -131,11 +146,11 @@ class Budget:
         probability (T > 0), the target would have kept it -- its logits there come with the step, so
         a budget that verified nothing still learns whether it should have."""
         for k, q in enumerate(top_q[:min(accepted + 1, verified)]):
-            self._count(q, float(k < accepted))
+            self._count(q, float(k < accepted), k + 1)
         if accepted == verified < len(top_q) and next_outcome is not None:
-            self._count(top_q[verified], next_outcome)
+            self._count(top_q[verified], next_outcome, verified + 1)
 
-    def record_tree(self, node_q: list[float], parents: list[int], path: list[int], verified: int,
+    def record_tree(self, node_q: list[float], parents: list[int], depths: list[int], path: list[int], verified: int,
                     unverified: dict[int, float] | None = None) -> None:
         """After a tree walk over the first ``verified`` nodes: ``path`` the accepted ones as indices into
         [root, nodes] (root = 0). Verified nodes whose parent was accepted count, kept or not; so do
@@ -144,9 +159,9 @@ class Budget:
         on_path = set(path)
         for i, (q, parent) in enumerate(zip(node_q[:verified], parents[:verified])):
             if parent + 1 in on_path:
-                self._count(q, float(i + 1 in on_path))
+                self._count(q, float(i + 1 in on_path), depths[i])
         for i, outcome in (unverified or {}).items():
-            self._count(node_q[i], outcome)
+            self._count(node_q[i], outcome, depths[i])
 
     def summary(self) -> dict:
         steps = max(1, len(self.chosen))

@@ -356,9 +356,9 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             # best-first by calibrated acceptance when there is a budget (its calibration), else by q
             tree = build_best_first_tree(probs.log() if budget is None else budget.log_acceptance(probs), tree_budget)
             if budget is not None:
-                full, parents = tree, tree.parents.tolist()
+                full, parents, node_depths = tree, tree.parents.tolist(), tree.depths.tolist()
                 node_q = probs[tree.depths - 1, tree.tokens].tolist()
-                tree = tree.prefix(budget.tree_size(node_q, parents))
+                tree = tree.prefix(budget.tree_size(node_q, parents, node_depths))
             if q is not None:  # the shape depends on q alone; its tokens are draws (see serve_eval.tree)
                 tree = sample_tree(tree, q, sampler)
             ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
@@ -369,7 +369,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             session.keep(anchor_pos, path)
             path_feats = None if feats is None else feats.aux[:, path]
             if budget is not None:
-                budget.record_tree(node_q, parents, path, len(tree),
+                budget.record_tree(node_q, parents, node_depths, path, len(tree),
                                    _unverified_outcomes(sampler, full, len(tree), path, logits, q))
         else:
             if budget is not None:  # ranked by the top probability at each position, never the drawn token's

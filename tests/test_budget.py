@@ -60,12 +60,23 @@ def test_acceptance_calibrates_towards_what_was_measured():
 def test_log_acceptance_ranks_by_the_calibration():
     budget = Budget({1: 1.0})
     for _ in range(50):
-        budget._count(0.35, 1.0)  # tokens given ~0.35 were always kept
+        budget._count(0.35, 1.0, depth=1)  # tokens given ~0.35 at depth 1 were always kept
     q = torch.tensor([0.0, 0.03, 0.35, 0.5])
-    scores = budget.log_acceptance(q)
+    scores = budget.log_acceptance(q[None])[0]
     assert scores[0] == float("-inf")  # never a node
-    assert torch.allclose(scores[1:].exp(), torch.tensor([budget.acceptance(x) for x in q[1:].tolist()]), rtol=1e-2)
+    assert torch.allclose(scores[1:].exp(), torch.tensor([budget.acceptance(x, 1) for x in q[1:].tolist()]), rtol=1e-2)
     assert scores[2] > scores[3]  # 0.35 now outranks 0.5
+
+
+def test_acceptance_is_calibrated_per_depth_and_shrunk_to_the_pooled_rate():
+    budget = Budget({1: 1.0}, prior=4.0)
+    for _ in range(100):
+        budget.record_chain([0.55, 0.55], 2, 1)  # same q: depth 1 always kept, depth 2 never
+    pooled = (4 * 0.55 + 100) / (4 + 200)
+    assert budget.acceptance(0.55) == pytest.approx(pooled)
+    assert budget.acceptance(0.55, 1) == pytest.approx((100 + 4 * pooled) / 104)
+    assert budget.acceptance(0.55, 2) == pytest.approx(4 * pooled / 104)
+    assert budget.acceptance(0.55, 5) == pytest.approx(pooled)  # a depth never seen: the pooled rate
 
 
 def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
@@ -74,8 +85,8 @@ def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
     tree = build_best_first_tree(log_probs, 10)
     assert all(p < i for i, p in enumerate(tree.parents.tolist()))  # pop order: parents first
     budget = Budget({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5})
-    q, parents = log_probs[tree.depths - 1, tree.tokens].exp().tolist(), tree.parents.tolist()
-    n = budget.tree_size(q, parents)
+    q, parents, depths = log_probs[tree.depths - 1, tree.tokens].exp().tolist(), tree.parents.tolist(), tree.depths.tolist()
+    n = budget.tree_size(q, parents, depths)
     reach = []
     for qi, p in zip(q, parents):
         reach.append(budget.acceptance(qi) * (reach[p] if p >= 0 else 1.0))
@@ -86,7 +97,7 @@ def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
     # a walk root -> node 0 -> its first child: node 0 counted as kept, its siblings and child's siblings as missed
     child = parents.index(0)
     before = list(budget.trials)
-    budget.record_tree(q, parents, [0, 1, child + 1], verified=len(q))
+    budget.record_tree(q, parents, depths, [0, 1, child + 1], verified=len(q))
     counted = [i for i, p in enumerate(parents) if p in (-1, 0, child)]
     assert sum(budget.trials) - sum(before) == len(counted)
     # truncated to node 0 alone, which the target kept: node 0's unverified children count, kept iff
@@ -94,7 +105,7 @@ def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
     grandchildren = [i for i, p in enumerate(parents) if p == 0]
     before_trials, before_accepted = sum(budget.trials), sum(budget.accepted)
     outcomes = {i: float(i == grandchildren[-1]) for i in grandchildren}
-    budget.record_tree(q, parents, [0, 1], 1, outcomes)
+    budget.record_tree(q, parents, depths, [0, 1], 1, outcomes)
     assert sum(budget.trials) - before_trials == 1 + len(grandchildren)
     assert sum(budget.accepted) - before_accepted == pytest.approx(2.0)  # node 0 and the chosen grandchild
 

@@ -173,10 +173,13 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
                            "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
                            "decoding": {"max_new_tokens": 24, **decoding},
                            "peer_assistant": str(tiny_target_dir),  # the target assisting itself: all accepted
+                           "peer_prompt_lookup": 3,
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     report = evaluate.main(recipe)
-    peer = report["peer_transformers_assisted"]
-    assert peer["same_as_greedy"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
+    for key in ("peer_transformers_assisted", "peer_prompt_lookup"):
+        peer = report[key]
+        assert peer["same_as_greedy"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
+        assert peer["ours_over_peer"] == pytest.approx(report["tokens_per_s"] / peer["tokens_per_s"], rel=1e-3)
     if decoding.get("adaptive", True):  # the budget's cost table and its choices are reported
         adaptive = report["adaptive"]
         assert set(adaptive["verify_ms"]) >= {"1", "3"} and 1 <= adaptive["mean_verified"] <= 9
