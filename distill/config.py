@@ -641,6 +641,8 @@ class DecodingSection(Strict):
     draft_recurrence: Optional[int] = Field(
         None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
+    lookup: int = Field(0, ge=0, description="trees, greedy: graft a prompt-lookup continuation of up to this many "
+                                             "tokens onto every tree (serve_eval.lookup); 0 = off")
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
 
@@ -650,6 +652,13 @@ class DecodingSection(Strict):
         if any(b < 1 for b in v):
             raise ValueError(f"batch sizes must be >= 1, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _lookup_on_greedy_trees(self):
+        if self.lookup and (self.mode != "tree" or self.temperature != 0):
+            raise ValueError(f"lookup = {self.lookup} grafts copied tokens onto greedy trees: it needs mode: tree and "
+                             f"temperature: 0 (got mode {self.mode!r}, temperature {self.temperature})")
+        return self
 
 
 class EvalRecipe(RecipeBase):

@@ -59,6 +59,8 @@ class Budget:
         self.chosen: list[int] = []  # B* of every step, for the report
         self.predicted_tokens = 0.0  # sums over steps of the expected tokens and seconds of each choice
         self.predicted_seconds = 0.0
+        self._last = (1.0, 1)  # expected tokens and verify size of the last choice
+        self.lookup = None  # a Budget calibrating grafted prompt-lookup tokens per depth (serve_eval.lookup)
 
     # -- costs -------------------------------------------------------------------------------------
     def verify_seconds(self, n: int) -> float:
@@ -122,6 +124,24 @@ class Budget:
         self.chosen.append(best)
         self.predicted_tokens += best_gain
         self.predicted_seconds += best_cost
+        self._last = (best_gain, best + 1)
+        return best
+
+    def extend_last(self, extra: list[tuple[float, int]]) -> int:
+        """After a choice: how many of the further candidates ``extra`` (in order; each the expected
+        tokens it adds and the tokens it adds to the verify forward) to verify as well, by the same
+        rate. The last choice's record grows accordingly."""
+        gain, size = self._last
+        best, best_gain, best_size = 0, gain, size
+        for i, (g, n) in enumerate(extra, start=1):
+            gain, size = gain + g, size + n
+            if gain / (self.verify_seconds(size) + self.draft_seconds) >= \
+                    best_gain / (self.verify_seconds(best_size) + self.draft_seconds):  # ties: the longer (shared nodes are free)
+                best, best_gain, best_size = i, gain, size
+        self.chosen[-1] = best_size - 1
+        self.predicted_tokens += best_gain - self._last[0]
+        self.predicted_seconds += self.verify_seconds(best_size) - self.verify_seconds(self._last[1])
+        self._last = (best_gain, best_size)
         return best
 
     def chain_length(self, top_q: list[float]) -> int:

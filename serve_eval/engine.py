@@ -38,6 +38,7 @@ from drafters.core import ContextCache
 
 from .budget import Budget
 from .sampling import Sampler, verify_chain
+from .lookup import graft, lookup_continuation
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
 
 
@@ -279,6 +280,41 @@ def _unverified_outcomes(sampler: Sampler, full: DraftTree, verified: int, path:
     return {children[0]: float(torch.minimum(sampler.probs(row), q[depth - 1]).sum())}
 
 
+def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None):
+    """Graft ``copied`` onto ``tree``; with a budget, only as many of its tokens as pay (the per-depth
+    acceptance of copied tokens is calibrated apart, in ``budget.lookup``). Returns the tree and the
+    node of each kept copied token."""
+    if not copied:
+        return tree, []
+    grafted, nodes = graft(tree, copied)
+    if budget is None:
+        return grafted, nodes
+    if budget.lookup is None:
+        budget.lookup = Budget({1: 1.0})
+    extra, p = [], 1.0
+    for depth, node in enumerate(nodes, start=1):
+        p *= budget.lookup.acceptance(0.5, depth)
+        new = node >= len(tree)  # a node the drafter's tree already holds is already counted
+        extra.append((p if new else 0.0, int(new)))
+    keep = budget.extend_last(extra)
+    copied, nodes = copied[:keep], nodes[:keep]
+    return graft(tree, copied) if keep else (tree, [])
+
+
+def _record_lookup(calibration: Budget, copied: list[int], nodes: list[int], path: list[int], emitted: list[int]) -> None:
+    """Count each copied token whose parent was accepted (kept iff on the accepted path); when every
+    verified one was, the next copied token counts too, kept iff it is the target's choice after the
+    last one (``emitted``: the step's accepted tokens and the new bonus, in path order)."""
+    on_path = set(path)
+    for depth, node in enumerate(nodes, start=1):
+        kept = node + 1 in on_path
+        calibration._count(0.5, float(kept), depth)
+        if not kept:
+            return
+    if len(nodes) < len(copied):
+        calibration._count(0.5, float(copied[len(nodes)] == emitted[len(nodes)]), len(nodes) + 1)
+
+
 @dataclass
 class GenerationStats:
     tokens: int = 0
@@ -325,11 +361,14 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          sampler: Sampler | None = None, proposer=None, verify=verify_chain,
                          confidence_threshold: float = 0.0, mode: str = "chain", tree_budget: int = 16,
-                         walk=walk_tree, budget: Budget | None = None):
+                         walk=walk_tree, budget: Budget | None = None, lookup: int = 0):
     """Speculative decoding with chain or tree verification (see the module docstrings of this file
     and of :mod:`serve_eval.tree`). With a :class:`~serve_eval.budget.Budget` each step verifies the
     prefix of the drafts (chain) or of the ``tree_budget``-node tree with the most expected tokens per
-    second; ``verify`` and ``walk`` are test hooks."""
+    second; ``lookup`` (trees, greedy) grafts a prompt-lookup continuation of up to that many tokens
+    onto every tree (:mod:`serve_eval.lookup`); ``verify`` and ``walk`` are test hooks."""
+    if lookup and (mode != "tree" or (sampler is not None and not sampler.greedy)):
+        raise ValueError("lookup drafts are grafted onto greedy trees only (mode='tree', temperature 0)")
     sampler = sampler or Sampler()
     proposer = proposer or make_proposer(drafter, confidence_threshold)
     K = proposer.block_size
@@ -344,6 +383,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     bonus = sampler.choose(logits[-1])
     proposer.observe(None if feats is None else feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
     out = [int(bonus)]
+    prompt_list = prompt[0].tolist() if lookup else []
     done = out[0] == eos_token_id
     anchor_pos = prompt.shape[1]
     while len(out) < max_new_tokens and not done:
@@ -361,6 +401,10 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 tree = tree.prefix(budget.tree_size(node_q, parents, node_depths))
             if q is not None:  # the shape depends on q alone; its tokens are draws (see serve_eval.tree)
                 tree = sample_tree(tree, q, sampler)
+            drafter_nodes, copied = len(tree), []
+            if lookup:
+                copied = lookup_continuation(prompt_list + out, lookup)
+                tree, copied_nodes = _graft_lookup(tree, copied, budget)
             ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
             depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
             logits, feats = session.forward_tree(ids, depths, tree.ancestor_mask())
@@ -369,8 +413,11 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             session.keep(anchor_pos, path)
             path_feats = None if feats is None else feats.aux[:, path]
             if budget is not None:
-                budget.record_tree(node_q, parents, node_depths, path, len(tree),
-                                   _unverified_outcomes(sampler, full, len(tree), path, logits, q))
+                unverified = _unverified_outcomes(sampler, full, drafter_nodes, path, logits, q) \
+                    if path[-1] <= drafter_nodes else {}  # past a copied node the drafter's tree does not apply
+                budget.record_tree(node_q, parents, node_depths, path, drafter_nodes, unverified)
+                if copied:
+                    _record_lookup(budget.lookup, copied, copied_nodes, path, ids[0, path[1:]].tolist() + [int(new_bonus)])
         else:
             if budget is not None:  # ranked by the top probability at each position, never the drawn token's
                 q = draft_logits.float().softmax(-1) if sampler.greedy else sampler.probs(draft_logits)
@@ -418,7 +465,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
     K = probe.block_size
     budget = None
     if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
-        largest = (budget_nodes or 1) + 1 if dec.mode == "tree" else K
+        largest = (budget_nodes or 1) + 1 + dec.lookup if dec.mode == "tree" else K
         sizes = [n for n in [*range(1, 34), *range(40, 129, 8)] if n < largest] + [largest]  # every size to 33
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
         budget = Budget(measure_verify_costs(target, sizes, capture))
@@ -429,7 +476,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
         base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
         ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
                                            proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
-                                           budget=budget)
+                                           budget=budget, lookup=dec.lookup)
         same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
         lossless = lossless and same if same is not None else None
         totals["tokens"] += stats.tokens

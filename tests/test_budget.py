@@ -144,3 +144,12 @@ def test_a_budget_changes_what_is_verified_but_not_what_is_emitted(mode):
         assert out == reference
         assert len(budget.chosen) == stats.target_forwards - 1  # one choice per step (the prefill has none)
     assert any(b == 0 for b in budget.chosen) and max(itertools.chain(budget.chosen)) <= 6
+
+
+def test_extend_last_adds_candidates_while_the_rate_grows():
+    budget = Budget({1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0, 8: 3.0})
+    assert budget.best_prefix([0.9]) == 1  # 2 tokens, 1.9 expected
+    # two more free (size 3 costs what 2 does), a third that costs a second step
+    assert budget.extend_last([(0.8, 1), (0.0, 0), (0.1, 1)]) == 2
+    assert budget.chosen == [2] and budget.predicted_tokens == pytest.approx(2.7)
+    assert budget.predicted_seconds == pytest.approx(1.0)

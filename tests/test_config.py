@@ -85,3 +85,14 @@ def test_cli_exits_2_and_writes_nothing(tmp_path, capsys):
 def test_load_recipe_applies_overrides(tmp_path):
     path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(tmp_path / "out"))
     assert load_recipe(path, ["train.max_steps=3"]).train.max_steps == 3
+
+
+def test_lookup_drafts_need_greedy_trees():
+    from pydantic import ValidationError
+
+    from distill.config import DecodingSection
+
+    assert DecodingSection(mode="tree", lookup=8).lookup == 8
+    for bad in ({"lookup": 8}, {"mode": "tree", "lookup": 8, "temperature": 1.0}):
+        with pytest.raises(ValidationError, match="greedy trees"):
+            DecodingSection(**bad)

@@ -260,3 +260,21 @@ def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_draf
         assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos, scheduler=scheduler)[0] == reference
     assert set(cheap.chosen) == {K} and cheap.summary()["drafted_fraction"] == 1.0
     assert set(dear.chosen) == {1} and dear.summary()["drafted_fraction"] < 0.5  # the off switch, with probes
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_trees_with_lookup_drafts_equal_greedy(target_and_prompts, trained_drafters, kind):
+    """Prompt-lookup continuations grafted onto the drafter's tree, with and without a budget: the
+    output is the target's greedy output, and copying from a repetitive prompt saves forwards."""
+    target, _, prompts = target_and_prompts
+    budget = Budget({1: 1.0, 4: 1.1, 16: 1.5, 40: 3.0})
+    repetitive = torch.cat([prompts[0], prompts[0]])  # the target is likely to continue by copying
+    for prompt in [*prompts, repetitive]:
+        reference, base = plain_generate(target, prompt, MAX_NEW)
+        for b in (None, budget):
+            ours, stats = speculative_generate(target, trained_drafters[kind], prompt, MAX_NEW, mode="tree",
+                                               tree_budget=4, lookup=8, budget=b)
+            assert ours == reference
+    assert budget.lookup is not None and sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
+    with pytest.raises(ValueError, match="greedy trees"):
+        speculative_generate(target, trained_drafters[kind], prompts[0], 4, mode="chain", lookup=8)

@@ -43,3 +43,26 @@ def test_ancestor_mask_and_walk():
     logits[0, 5] = logits[1, 6] = logits[3, 2] = 1.0  # the target picks 5, then 6, then 2
     path, nxt = walk_tree(tree, logits, Sampler())
     assert path == [0, 1, 3] and int(nxt) == 2
+
+
+def test_lookup_continuation_copies_what_followed_the_last_match():
+    from serve_eval.lookup import lookup_continuation
+
+    seq = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert lookup_continuation(seq, 3) == [7, 8, 5]  # "2 3" last occurred before 7 (the longest n-gram that recurs)
+    assert lookup_continuation(seq, 10) == [7, 8, 5, 2, 3]
+    assert lookup_continuation([4, 5, 6], 3) == []  # nothing recurs
+    assert lookup_continuation([5, 1, 5], 2, max_ngram=3) == [1, 5]
+
+
+def test_graft_shares_the_agreeing_prefix_and_appends_the_rest():
+    from serve_eval.lookup import graft
+    from serve_eval.tree import DraftTree
+
+    tree = DraftTree(torch.tensor([5, 7, 6]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]))  # 5 -> 6; 7
+    grafted, nodes = graft(tree, [5, 6, 4, 3])
+    assert nodes == [0, 2, 3, 4]  # 5 and 6 were already there
+    assert grafted.tokens.tolist() == [5, 7, 6, 4, 3] and grafted.parents.tolist() == [-1, -1, 0, 2, 3]
+    assert grafted.depths.tolist() == [1, 1, 2, 3, 4]
+    _, nodes = graft(tree, [8])
+    assert nodes == [3]

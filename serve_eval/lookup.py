@@ -1,0 +1,51 @@
+"""Prompt lookup (n-gram) drafts grafted onto a draft tree: a drafter-free branch that copies.
+
+Text often repeats what came before it (code above all: names, calls, whole lines). Prompt-lookup
+decoding (Saxena 2023; ``generate(prompt_lookup_num_tokens=...)`` in transformers) finds the last
+earlier occurrence of the sequence's final ``n`` tokens (longest ``n`` first) and proposes the tokens
+that followed it. Here that continuation is *grafted* onto the drafter's best-first tree as one more
+path from the root: where it agrees with the drafter it shares nodes, where it departs it adds a
+branch, so one verify forward checks both. The walk is unchanged (greedy: follow the target's argmax),
+so the tree stays lossless; only the candidates grow. Greedy decoding only: a sampled tree's children
+must be draws from the drafter's distribution (:mod:`serve_eval.tree`), and a copied token is not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import DraftTree
+
+
+def lookup_continuation(sequence: list[int], length: int, max_ngram: int = 3) -> list[int]:
+    """Up to ``length`` tokens that followed the last earlier occurrence of ``sequence``'s final
+    ``n``-gram, for the longest ``n <= max_ngram`` that occurs earlier; [] when none does."""
+    end = len(sequence)
+    for n in range(min(max_ngram, end - 1), 0, -1):
+        pattern = sequence[end - n:]
+        for start in range(end - n - 1, -1, -1):  # latest match first
+            if sequence[start:start + n] == pattern:
+                return sequence[start + n:start + n + length]
+    return []
+
+
+def graft(tree: DraftTree, tokens: list[int]) -> tuple[DraftTree, list[int]]:
+    """``tree`` with the path ``tokens`` from the root merged in: returns the new tree (new nodes
+    appended, so parents still come first) and, per path token, its node index."""
+    parents, depths, node_tokens = tree.parents.tolist(), tree.depths.tolist(), tree.tokens.tolist()
+    children: dict[tuple[int, int], int] = {}
+    for i, (p, t) in enumerate(zip(parents, node_tokens)):
+        children.setdefault((p, t), i)
+    path, current = [], -1
+    for depth, token in enumerate(tokens, start=1):
+        node = children.get((current, token))
+        if node is None:
+            node = len(node_tokens)
+            parents.append(current)
+            depths.append(depth)
+            node_tokens.append(token)
+            children[(current, token)] = node
+        path.append(node)
+        current = node
+    return DraftTree(torch.tensor(node_tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                     torch.tensor(depths, dtype=torch.long)), path
