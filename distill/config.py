@@ -424,6 +424,8 @@ class QuickstartShippedDrafterStage(Strict):
     tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
                                                                "shipped with (results.json)")
     overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
+    lookup: int = Field(10, ge=0, description="also measure the tree with prompt-lookup continuations of up to this "
+                                              "many tokens grafted on (decoding.lookup); 0 = not")
 
     @model_validator(mode="after")
     def _shipped(self) -> "QuickstartShippedDrafterStage":

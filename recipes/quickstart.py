@@ -144,8 +144,8 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
 
 def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict:
     """The shipped drafter measured now: as a chain and as a tree (at its best shipped budget), each with
-    per-step budgets (``decoding.adaptive``), and as a chain verifying every draft, to set beside the
-    simulated tau recorded when it was trained."""
+    per-step budgets (``decoding.adaptive``), as a chain verifying every draft, to set beside the
+    simulated tau recorded when it was trained, and as the tree with prompt-lookup drafts grafted on."""
     from recipes import evaluate
 
     stage = recipe.shipped_drafter
@@ -160,8 +160,10 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
                "block_tau": round(evaluation["val_block_tau"], 4), "tree_budget": budget}
     # chain and tree with per-step budgets (the default); the chain once more verifying every draft, the
     # decoding the simulated tau replays, so the two compare
-    runs = (("chain", []), ("tree", ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"]),
-            ("chain_full_draft", ["decoding.adaptive=false"]))
+    tree = ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"]
+    runs = [("chain", []), ("tree", tree), ("chain_full_draft", ["decoding.adaptive=false"])]
+    if stage.lookup:  # the tree again, with prompt-lookup continuations grafted on (serve_eval.lookup)
+        runs.append(("tree_lookup", [*tree, f"decoding.lookup={stage.lookup}"]))
     for mode, extra in runs:
         overrides = [f"output_dir={out / 'shipped_drafter' / mode}", f"drafter={folder}", f"target.path={target_dir}",
                      *extra, *stage.overrides]
