@@ -32,6 +32,7 @@ from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from serve_eval.batch import measure_batches
+from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
@@ -110,7 +111,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         return Sampler(dec.temperature, dec.top_k, dec.top_p, gen)
 
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
-    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget) for budget in budgets]
+    calibration = Budget({1: 1.0}) if dec.batch_sizes and dec.adaptive else None  # the chain's, lent to the batches
+    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration) for budget in budgets]
     report = {
         "target": recipe.target.path,
         "drafter": recipe.drafter,
@@ -126,7 +128,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
     if dec.batch_sizes:
-        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes)
+        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes, calibration)
     if recipe.peer_assistant and dec.temperature == 0:
         report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
     if recipe.peer_prompt_lookup and dec.temperature == 0:  # drafter-free: n-grams of the prompt and output so far

@@ -152,10 +152,12 @@ class BatchContext:
                 self.append(aux, counts)
         self.pending = []
 
-    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def view(self) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each row's length [R] and the per-layer keys/values [R, H, C, D] (C the longest row), with
+        every queued feature appended first."""
         self.flush()
         C = int(self.lengths.max())
-        return [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
+        return self.lengths, [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
 
     def select(self, rows: torch.Tensor) -> None:
         self.pending = [(aux[rows], counts[rows]) for aux, counts in self.pending]
@@ -244,8 +246,16 @@ def _finish(outs, eos, max_new, stats, start):
     return [_truncate(o, max_new, eos) for o in outs], stats
 
 
-def _done(out: list[int], max_new: int, eos: int | None) -> bool:
-    return len(out) >= max_new or (eos is not None and eos in out)
+def _without_finished(outs, live: list[int], bonus: torch.Tensor, max_new: int, eos: int | None, *states):
+    """The rows of ``live`` (indices into ``outs``) still decoding, and their bonus tokens; the
+    ``states`` (target session, drafter context) drop the others' rows."""
+    keep = [j for j, i in enumerate(live) if len(outs[i]) < max_new and (eos is None or eos not in outs[i])]
+    if 0 < len(keep) < len(live):
+        rows = torch.tensor(keep)
+        for state in states:
+            state.select(rows)
+        bonus = bonus[rows]
+    return [live[j] for j in keep], bonus
 
 
 def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
@@ -267,13 +277,9 @@ def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: 
     outs = [[int(t)] for t in _choose_rows(samplers, logits).tolist()]
     bonus = torch.tensor([o[-1] for o in outs])
     while True:
-        keep = [j for j, i in enumerate(live) if not _done(outs[i], max_new_tokens, eos_token_id)]
-        if not keep:
+        live, bonus = _without_finished(outs, live, bonus, max_new_tokens, eos_token_id, session)
+        if not live:
             return _finish(outs, eos_token_id, max_new_tokens, stats, start)
-        if len(keep) < len(live):
-            rows = torch.tensor(keep)
-            session.select(rows)
-            live, bonus = [live[j] for j in keep], bonus[rows]
         logits, _ = session.step(bonus[:, None].to(prompts[0].device))
         session.keep(torch.ones(len(live), dtype=torch.long), 1)
         bonus = _choose_rows([samplers[i] for i in live], logits[:, 0]).cpu()
@@ -301,14 +307,9 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
     outs = [[t] for t in bonus.tolist()]
     context.append(aux, session.lengths.clone())
     while True:
-        keep = [j for j, i in enumerate(live) if not _done(outs[i], max_new_tokens, eos_token_id)]
-        if not keep:
+        live, bonus = _without_finished(outs, live, bonus, max_new_tokens, eos_token_id, session, context)
+        if not live:
             return _finish(outs, eos_token_id, max_new_tokens, stats, start)
-        if len(keep) < len(live):
-            rows = torch.tensor(keep)
-            session.select(rows)
-            context.select(rows)
-            live, bonus = [live[j] for j in keep], bonus[rows]
         R = len(live)
         row_samplers = [samplers[i] for i in live]
         t0 = time.perf_counter()
@@ -316,7 +317,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
         if scheduler is None or scheduler.should_draft(R):
             device = next(drafter.parameters()).device
             anchors = bonus.to(device)[:, None]
-            hidden = drafter.block_hidden(None, anchors, context.lengths.to(device)[:, None], context.kv())
+            lengths, ctx_kv = context.view()
+            hidden = drafter.block_hidden(None, anchors, lengths.to(device)[:, None], ctx_kv)
             choose = (lambda x: x.argmax(-1)) if greedy else (lambda x: _choose_rows(row_samplers, x))
             drafts, draft_logits, _ = drafter.propose(hidden, anchors, choose)
             drafts, draft_logits = drafts[:, 0], draft_logits[:, 0]  # [R, K-1], [R, K-1, V]
@@ -355,16 +357,20 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
 
 
 
-def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int]) -> list[dict]:
+def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int],
+                    calibration: Budget | None = None) -> list[dict]:
     """Batched plain and batched speculative decoding of the prompts in groups of each batch size,
     back to back (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
-    calibration and one cost table serve every batch size; each has its own scheduler."""
+    calibration (``calibration``'s, when given: e.g. that of a one-row run of the same drafter, which
+    learns on every step, where a batch scheduler that stops drafting learns only from its probes)
+    and one cost table serve every batch size; each has its own scheduler."""
     K = drafter.config.block_size
     budget = None
     if dec.adaptive:
         largest = max(batch_sizes) * K
         sizes = [m for m in [*range(1, 34), *range(40, 129, 8), *range(160, 1025, 32)] if m < largest] + [largest]
-        budget = Budget(measure_verify_costs(target, sizes, FeatureCapture(target, drafter.config.target_layer_ids)))
+        budget = Budget(measure_verify_costs(target, sizes, FeatureCapture(target, drafter.config.target_layer_ids)),
+                        share=calibration)
     rows = []
     for B in batch_sizes:
         groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]

@@ -41,7 +41,7 @@ Q_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 
 class Budget:
     """Chooses how many drafts (chain) or tree nodes (tree) each step verifies; see the module doc."""
 
-    def __init__(self, verify_costs: dict[int, float], prior: float = 4.0):
+    def __init__(self, verify_costs: dict[int, float], prior: float = 4.0, share: "Budget | None" = None):
         if 1 not in verify_costs:
             raise ValueError("verify_costs must include n = 1 (a plain decoding step)")
         self.sizes = sorted(verify_costs)
@@ -56,6 +56,8 @@ class Budget:
         self.accepted = [prior * c for c in centres]  # pooled over depths
         self.trials = [prior] * len(centres)
         self.by_depth: dict[int, tuple[list[float], list[float]]] = {}  # depth -> (accepted, trials) per bin
+        if share is not None:  # one acceptance calibration for budgets of different costs (batch sizes)
+            self.prior, self.accepted, self.trials, self.by_depth = share.prior, share.accepted, share.trials, share.by_depth
         self.chosen: list[int] = []  # B* of every step, for the report
         self.predicted_tokens = 0.0  # sums over steps of the expected tokens and seconds of each choice
         self.predicted_seconds = 0.0

@@ -389,6 +389,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     while len(out) < max_new_tokens and not done:
         t0 = time.perf_counter()
         drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler)
+        copied = lookup_continuation(prompt_list + out, lookup) if lookup else []  # drafting too
         t1 = time.perf_counter()
         if mode == "tree":
             q = None if sampler.greedy else sampler.probs(draft_logits)
@@ -401,10 +402,8 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 tree = tree.prefix(budget.tree_size(node_q, parents, node_depths))
             if q is not None:  # the shape depends on q alone; its tokens are draws (see serve_eval.tree)
                 tree = sample_tree(tree, q, sampler)
-            drafter_nodes, copied = len(tree), []
-            if lookup:
-                copied = lookup_continuation(prompt_list + out, lookup)
-                tree, copied_nodes = _graft_lookup(tree, copied, budget)
+            drafter_nodes = len(tree)
+            tree, copied_nodes = _graft_lookup(tree, copied, budget)
             ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
             depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
             logits, feats = session.forward_tree(ids, depths, tree.ancestor_mask())
@@ -456,10 +455,11 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     return out, stats
 
 
-def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
+def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibration: Budget | None = None) -> dict:
     """Baseline and speculative decoding of every prompt, back to back, as ``dec`` (a
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same
-    seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe."""
+    seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe.
+    ``calibration``: a budget whose acceptance calibration the run's budget shares (and extends)."""
     new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
     probe = new_proposer()
     K = probe.block_size
@@ -468,7 +468,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes) -> dict:
         largest = (budget_nodes or 1) + 1 + dec.lookup if dec.mode == "tree" else K
         sizes = [n for n in [*range(1, 34), *range(40, 129, 8)] if n < largest] + [largest]  # every size to 33
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
-        budget = Budget(measure_verify_costs(target, sizes, capture))
+        budget = Budget(measure_verify_costs(target, sizes, capture), share=calibration)
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless = [], True

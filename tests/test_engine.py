@@ -253,9 +253,12 @@ def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_draf
     assert batched_plain_generate(target, prompts, MAX_NEW, eos)[0] == reference
     ours, stats = batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos)
     assert ours == reference and stats.tokens > stats.row_steps + len(prompts)  # more tokens than row forwards: drafts kept
+    # a row drafts what it would alone (same context, same positions), so it takes as many steps
+    alone = sum(speculative_generate(target, drafter, p, MAX_NEW, eos)[1].target_forwards - 1 for p in prompts)
+    assert abs(stats.row_steps - alone) <= len(prompts)
     K = drafter.config.block_size
-    cheap = BatchScheduler(Budget({1: 1.0, 4 * K: 1.0}), K)  # reading more costs nothing: always all drafts
-    dear = BatchScheduler(Budget({1: 1.0, 2: 10.0, 4 * K: 300.0}), K)
+    cheap = BatchScheduler(Budget({1: 100.0, 4 * K: 100.0}), K)  # reading more costs nothing (drafting ~0): all drafts
+    dear = BatchScheduler(Budget({1: 1.0, 2: 100.0, 4 * K: 3000.0}), K)
     for scheduler in (cheap, dear):
         assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos, scheduler=scheduler)[0] == reference
     assert set(cheap.chosen) == {K} and cheap.summary()["drafted_fraction"] == 1.0
@@ -278,3 +281,34 @@ def test_greedy_trees_with_lookup_drafts_equal_greedy(target_and_prompts, traine
     assert budget.lookup is not None and sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
     with pytest.raises(ValueError, match="greedy trees"):
         speculative_generate(target, trained_drafters[kind], prompts[0], 4, mode="chain", lookup=8)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, trained_drafters, kind):
+    """Rows of different lengths, features appended at once and queued in two parts: each row's block
+    logits equal the one-row decoding path's (its own context, positions and mask)."""
+    from distill.features import FeatureCapture
+    from serve_eval.batch import BatchContext
+    from serve_eval.engine import BlockProposer
+    from serve_eval.sampling import Sampler
+
+    target, _, prompts = target_and_prompts
+    drafter = trained_drafters[kind]
+    rows = [prompts[0][:20], prompts[1][:13]]
+    capture = FeatureCapture(target, drafter.config.target_layer_ids)
+    feats = [capture(p[None]).aux for p in rows]
+    context = BatchContext(drafter)
+    head, tail = torch.zeros(2, 15, feats[0].shape[-1]), torch.zeros(2, 5, feats[0].shape[-1])
+    head[0], head[1, :8] = feats[0][0, :15], feats[1][0, :8]  # row 1 keeps 8 of its 15 slots
+    tail[0], tail[1] = feats[0][0, 15:], feats[1][0, 8:]
+    context.append(head, torch.tensor([15, 8]))
+    context.defer(tail, torch.tensor([5, 5]))  # queued, appended by view()
+    lengths, kv = context.view()
+    assert lengths.tolist() == [20, 13]
+    anchors = torch.stack([p[-1] for p in rows])[:, None]
+    batched = drafter.propose(drafter.block_hidden(None, anchors, lengths[:, None], kv), anchors)[1]
+    for i, (p, f) in enumerate(zip(rows, feats)):
+        alone = BlockProposer(drafter)
+        alone.observe(f, 0, p[1:])
+        _, logits = alone.propose(p[-1], len(p), Sampler())
+        assert torch.allclose(batched[i, 0], logits, atol=1e-4)
