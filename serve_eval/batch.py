@@ -241,9 +241,10 @@ class BatchStats:
 
 
 def _finish(outs, eos, max_new, stats, start):
+    outs = [_truncate(o, max_new, eos) for o in outs]  # a last step may overshoot; only kept tokens count
     stats.tokens = sum(len(o) for o in outs)
     stats.seconds = time.perf_counter() - start
-    return [_truncate(o, max_new, eos) for o in outs], stats
+    return outs, stats
 
 
 def _without_finished(outs, live: list[int], bonus: torch.Tensor, max_new: int, eos: int | None, *states):
