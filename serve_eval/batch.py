@@ -23,7 +23,7 @@ probability per position, never a drawn token's), ``c(m)`` the measured cost of 
 measured drafting cost at ``R`` rows. Where speculation stops paying (large batches on a compute-bound
 CPU) the scheduler also stops drafting: while the best rate its calibration predicts is below plain
 decoding's, steps read the bonus only and the drafter just reads the new features, with a drafted
-probe step now and then (after 2, 4, 8, .. 64 plain steps) to notice when that changes (Nightjar's
+probe step now and then (after 8, 16, 32, 64 plain steps) to notice when that changes (Nightjar's
 off switch; it acts only after 8 drafted steps, once the calibration has seen some). Every choice uses earlier steps and this step's drafter outputs only: lossless.
 
 Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one row at a time.
@@ -169,13 +169,14 @@ class BatchContext:
 class BatchScheduler:
     """Chooses ``n`` for each batched step and when to stop drafting (see the module doc)."""
 
-    def __init__(self, budget: Budget, block_size: int, probe_limit: int = 64, min_drafts: int = 8):
+    def __init__(self, budget: Budget, block_size: int, probe_first: int = 8, probe_limit: int = 64,
+                 min_drafts: int = 8):
         self.budget, self.K = budget, block_size
-        self.min_drafts = min_drafts  # drafted steps seen before the off switch may act
+        self.min_drafts = min_drafts  # drafted steps seen before the off switch may act (1: a calibrated budget)
         self.draft_seconds: dict[int, float] = {}  # rows -> running mean of the drafting cost
         self.top_q_mean = [0.0] * (block_size - 1)  # per position, running mean over drafted rows of the top q
         self.drafts_seen = 0
-        self.plain_run, self.probe_after, self.probe_limit = 0, 2, probe_limit
+        self.plain_run, self.probe_after, self.probe_first, self.probe_limit = 0, probe_first, probe_first, probe_limit
         self.chosen: list[int] = []  # n of every step (1: no drafts verified)
         self.drafted_steps = 0
 
@@ -217,7 +218,7 @@ class BatchScheduler:
         if rate <= rows / (plain + self._draft_cost(rows)):  # the drafts, already paid for, would not pay
             n = 1
         # drafting pays against plain decoding: keep drafting; else wait longer before the next probe
-        self.probe_after = 2 if rate > rows / plain else min(2 * self.probe_after, self.probe_limit)
+        self.probe_after = self.probe_first if rate > rows / plain else min(2 * self.probe_after, self.probe_limit)
         self.drafted_steps += 1
         return n
 
@@ -375,7 +376,8 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
     rows = []
     for B in batch_sizes:
         groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]
-        scheduler = None if budget is None else BatchScheduler(budget, K)
+        # a calibration lent by a one-row run is trusted from the first drafted step on
+        scheduler = None if budget is None else BatchScheduler(budget, K, min_drafts=1 if calibration else 8)
         tokens = base_tokens = forwards = 0
         spec_s = base_s = 0.0
         lossless = True
