@@ -23,6 +23,10 @@ decoding token for token, whatever the drafter proposes; at temperature > 0 ever
 distributed as the target's (sampler-processed) distribution given the prefix. The tests check this for every drafter, for drafts that are
 always rejected and drafts that are always accepted, and that a rolled-back cache equals a cache
 recomputed from scratch.
+
+Trees (``mode="tree"``) verify a best-first draft tree instead of a chain (:mod:`serve_eval.tree`),
+optionally with prompt-lookup continuations grafted on (:mod:`serve_eval.lookup`); several prompts
+at once decode in :mod:`serve_eval.batch`.
 """
 
 from __future__ import annotations
