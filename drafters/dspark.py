@@ -12,7 +12,9 @@ same previous-token code, the probability that position ``k`` is accepted:
     c_k = sigmoid(w . [h_k ; W_in[x_{k-1}]]),   trained towards  1 - TV(p_k, q_k) = 1 - 0.5 ||p_k - q_k||_1
 
 (``p`` the target's distribution, ``q`` the drafter's; ``1 - TV`` is exactly the acceptance probability
-of speculative sampling at that position). ``c_k`` depends only on the prefix, so stopping a draft
+of speculative sampling at that position). After training, per-position temperatures ``T_k`` fitted on
+held-out blocks against greedy acceptance (DSpark's temporal temperature scaling), with offsets ``b_k``
+too, make ``sigmoid(z_k / T_k + b_k)`` calibrated (``recipes/calibrate_confidence.py``). ``c_k`` depends only on the prefix, so stopping a draft
 where it is low keeps decoding lossless. Loss, with ``w_k = exp(-(k-1)/gamma)``:
 
     L = a_ce * CE + a_tv * TV + a_conf * BCE(c_k, 1 - TV_k)     (reference: 0.1, 0.9, 1.0, gamma = 4)
@@ -34,9 +36,14 @@ class DSparkConfig(DrafterConfig):
     model_type = "draftsmith_dspark"
     default_loss_terms = {"ce": 0.1, "tv": 0.9}  # the reference's a_ce, a_tv
 
-    def __init__(self, markov_rank: int = 64, confidence_weight: float = 1.0, **kwargs):
+    def __init__(self, markov_rank: int = 64, confidence_weight: float = 1.0,
+                 confidence_temperature: list[float] | None = None, confidence_offset: list[float] | None = None,
+                 **kwargs):
         self.markov_rank = markov_rank
         self.confidence_weight = confidence_weight
+        # per block position 1..K-1, fitted on held-out blocks after training (recipes/calibrate_confidence.py)
+        self.confidence_temperature = confidence_temperature
+        self.confidence_offset = confidence_offset
         super().__init__(**kwargs)
 
 
@@ -72,7 +79,19 @@ class DSparkDrafter(BlockDrafter):
             tokens.append(prev)
             all_logits.append(logits)
             all_conf.append(conf)
-        return torch.stack(tokens, dim=2), torch.stack(all_logits, dim=2), torch.stack(all_conf, dim=2).sigmoid()
+        return torch.stack(tokens, dim=2), torch.stack(all_logits, dim=2), self.calibrated(torch.stack(all_conf, dim=2))
+
+    def calibrated(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """Confidence probabilities from confidence logits [..., K-1]: ``sigmoid(z_k / T_k + b_k)`` with
+        the per-position temperatures (and offsets) fitted on held-out blocks, or ``sigmoid(z_k)``
+        before any are fitted. A monotone map per position: lossless wherever used."""
+        cfg = self.config
+        like = dict(dtype=conf_logits.dtype, device=conf_logits.device)
+        if cfg.confidence_temperature is not None:
+            conf_logits = conf_logits / torch.tensor(cfg.confidence_temperature, **like)
+        if cfg.confidence_offset is not None:
+            conf_logits = conf_logits + torch.tensor(cfg.confidence_offset, **like)
+        return conf_logits.sigmoid()
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
                 anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:

@@ -188,3 +188,31 @@ def test_offline_cache_trains_like_online_and_refuses_a_mismatch(tmp_path, tiny_
     assert online["val_simulated_tau"] == offline["val_simulated_tau"]
     with pytest.raises(FeatureCacheMismatch, match="layer_ids"):
         run(tmp_path / "other", {"mode": "offline", "cache_dir": str(cache), "dtype": "float32"}, target_layer_ids=[0, 1, 2])
+
+
+def test_confidence_calibration_fits_known_temperatures_and_offsets():
+    """The fit recovers a per-position temperature and offset from synthetic drafts, and a DSpark
+    drafter applies the fitted map (sigmoid(z / T + b) per block position)."""
+    from recipes.calibrate_confidence import fit_temperatures
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(20000, generator=gen, dtype=torch.float64) * 3
+    positions = torch.arange(20000) % 2
+    true_t, true_b = torch.tensor([2.0, 0.5], dtype=torch.float64), torch.tensor([0.0, -1.0], dtype=torch.float64)
+    kept = torch.rand(20000, generator=gen, dtype=torch.float64) < (z / true_t[positions] + true_b[positions]).sigmoid()
+    temps, offsets = fit_temperatures(z, positions, kept, block_size=3, bias=True)
+    assert temps == pytest.approx([2.0, 0.5], rel=0.15) and offsets == pytest.approx([0.0, -1.0], abs=0.2)
+    only_t, zero = fit_temperatures(z, positions, kept, block_size=3)
+    assert zero == [0.0, 0.0] and only_t[0] == pytest.approx(2.0, rel=0.15)
+
+    from distill.config import DrafterSection, ModelConfig
+    from distill.models import build_causal_lm
+    from drafters.evaluate import build_drafter
+
+    target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                                         max_position_embeddings=64), 12)
+    drafter = build_drafter(DrafterSection(kind="dspark", block_size=3, target_layer_ids=[0, 1]), target, "toy", 11)
+    logits = torch.tensor([[0.5, -2.0]])
+    assert torch.allclose(drafter.calibrated(logits), logits.sigmoid())
+    drafter.config.confidence_temperature, drafter.config.confidence_offset = [2.0, 0.5], [0.0, -1.0]
+    assert torch.allclose(drafter.calibrated(logits), torch.tensor([[0.25, -5.0]]).sigmoid())
