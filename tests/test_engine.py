@@ -312,3 +312,21 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
         alone.observe(f, 0, p[1:])
         _, logits = alone.propose(p[-1], len(p), Sampler())
         assert torch.allclose(batched[i, 0], logits, atol=1e-4)
+
+
+def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
+    from distill.config import RecipeError, parse_recipe
+    from recipes import evaluate
+
+    def recipe(kind, **decoding):
+        return parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / kind), "target": {"path": str(tiny_target_dir)},
+                             "drafter": str(trained_drafters[kind].folder),
+                             "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
+                             "decoding": {"max_new_tokens": 8, **decoding},
+                             "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
+
+    with pytest.raises(RecipeError, match="decoding.batch_sizes: batched decoding runs block drafters"):
+        evaluate.main(recipe("eagle3", batch_sizes=[2]))
+    with pytest.raises(RecipeError, match="need at least as many prompts"):
+        evaluate.main(recipe("dflash", batch_sizes=[4]))
+    assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
