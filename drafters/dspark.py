@@ -72,14 +72,16 @@ class DSparkDrafter(BlockDrafter):
         Returns tokens, logits and confidence (probabilities) [B, N, K-1]."""
         choose = choose or argmax_choice
         base = self.lm_head(hidden)[:, :, 1:]  # once per block (all K rows: faster than K-1 with MKL)
-        prev, tokens, all_logits, all_conf = anchor_tokens, [], [], []
-        for k in range(1, hidden.shape[2]):
-            logits, conf = self.heads(hidden[:, :, k], prev, base[:, :, k - 1])
+        prev, tokens, all_logits, codes = anchor_tokens, [], [], []
+        for k in range(1, hidden.shape[2]):  # only the Markov code of the previous draft is sequential
+            code = self.markov_in(prev)
+            logits = base[:, :, k - 1] + self.markov_out(code)
             prev = choose(logits)
             tokens.append(prev)
             all_logits.append(logits)
-            all_conf.append(conf)
-        return torch.stack(tokens, dim=2), torch.stack(all_logits, dim=2), self.calibrated(torch.stack(all_conf, dim=2))
+            codes.append(code)
+        conf = self.confidence(torch.cat([hidden[:, :, 1:], torch.stack(codes, dim=2)], dim=-1)).squeeze(-1)  # heads(), batched
+        return torch.stack(tokens, dim=2), torch.stack(all_logits, dim=2), self.calibrated(conf)
 
     def calibrated(self, conf_logits: torch.Tensor) -> torch.Tensor:
         """Confidence probabilities from confidence logits [..., K-1]: ``sigmoid(z_k / T_k + b_k)`` with
