@@ -60,11 +60,11 @@ class DSparkDrafter(BlockDrafter):
         if module is getattr(self, "markov_out", None):
             nn.init.zeros_(module.weight)  # start as plain DFlash
 
-    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor, base: torch.Tensor | None = None):
+    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
         """Logits and confidence logits for block positions with hidden ``hidden`` after ``prev_tokens``
-        (``base``: ``lm_head(hidden)`` when already computed)."""
+        (teacher forcing; :meth:`propose` runs the same heads position by position)."""
         code = self.markov_in(prev_tokens)
-        logits = (self.lm_head(hidden) if base is None else base) + self.markov_out(code)
+        logits = self.lm_head(hidden) + self.markov_out(code)
         return logits, self.confidence(torch.cat([hidden, code], dim=-1)).squeeze(-1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):

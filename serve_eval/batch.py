@@ -40,7 +40,7 @@ from transformers import DynamicCache
 from distill.features import FeatureCapture
 
 from .budget import Budget
-from .engine import _next_outcome, _truncate, measure_verify_costs
+from .engine import _next_outcome, _truncate, measure_verify_costs, verify_sizes
 from .sampling import Sampler, verify_chain
 
 
@@ -369,10 +369,8 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
     K = drafter.config.block_size
     budget = None
     if dec.adaptive:
-        largest = max(batch_sizes) * K
-        sizes = [m for m in [*range(1, 34), *range(40, 129, 8), *range(160, 1025, 32)] if m < largest] + [largest]
-        budget = Budget(measure_verify_costs(target, sizes, FeatureCapture(target, drafter.config.target_layer_ids)),
-                        share=calibration)
+        capture = FeatureCapture(target, drafter.config.target_layer_ids)
+        budget = Budget(measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture), share=calibration)
     rows = []
     for B in batch_sizes:
         groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]

@@ -105,7 +105,9 @@ class Budget:
                              dtype=q.dtype, device=q.device)
         return table.gather(1, torch.bucketize(q, edges, right=True)).log() + 1e-3 * q.log()
 
-    def _count(self, q: float, accepted: float, depth: int) -> None:
+    def count(self, q: float, accepted: float, depth: int) -> None:
+        """One observation: a token given ``q`` at ``depth`` was kept (``accepted`` 1), not (0), or kept
+        with that probability."""
         b = self._bin(q)
         self.trials[b] += 1
         self.accepted[b] += accepted
@@ -168,9 +170,9 @@ class Budget:
         probability (T > 0), the target would have kept it -- its logits there come with the step, so
         a budget that verified nothing still learns whether it should have."""
         for k, q in enumerate(top_q[:min(accepted + 1, verified)]):
-            self._count(q, float(k < accepted), k + 1)
+            self.count(q, float(k < accepted), k + 1)
         if accepted == verified < len(top_q) and next_outcome is not None:
-            self._count(top_q[verified], next_outcome, verified + 1)
+            self.count(top_q[verified], next_outcome, verified + 1)
 
     def record_tree(self, node_q: list[float], parents: list[int], depths: list[int], path: list[int], verified: int,
                     unverified: dict[int, float] | None = None) -> None:
@@ -181,9 +183,9 @@ class Budget:
         on_path = set(path)
         for i, (q, parent) in enumerate(zip(node_q[:verified], parents[:verified])):
             if parent + 1 in on_path:
-                self._count(q, float(i + 1 in on_path), depths[i])
+                self.count(q, float(i + 1 in on_path), depths[i])
         for i, outcome in (unverified or {}).items():
-            self._count(node_q[i], outcome, depths[i])
+            self.count(node_q[i], outcome, depths[i])
 
     def summary(self) -> dict:
         steps = max(1, len(self.chosen))

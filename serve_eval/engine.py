@@ -122,6 +122,12 @@ def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeat
     return costs
 
 
+def verify_sizes(largest: int) -> list[int]:
+    """The forward sizes a budget's cost table measures: every size up to 33 tokens (small-matrix
+    kernels make neighbouring sizes differ, see :mod:`serve_eval.budget`), sparser beyond, and ``largest``."""
+    grid = [*range(1, 34), *range(40, 129, 8), *range(160, 1025, 32)]
+    return [n for n in grid if n < largest] + [largest]
+
 
 class Proposer:
     """What the loop asks of a drafter: ``begin(prompt)``; ``observe`` the verified tokens (and, when
@@ -301,8 +307,8 @@ def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None):
         new = node >= len(tree)  # a node the drafter's tree already holds is already counted
         extra.append((p if new else 0.0, int(new)))
     keep = budget.extend_last(extra)
-    copied, nodes = copied[:keep], nodes[:keep]
-    return graft(tree, copied) if keep else (tree, [])
+    # the graft appends its new nodes in path order, so keeping the first copied tokens keeps a prefix
+    return grafted.prefix(len(tree) + sum(new for _, new in extra[:keep])), nodes[:keep]
 
 
 def _record_lookup(calibration: Budget, copied: list[int], nodes: list[int], path: list[int], emitted: list[int]) -> None:
@@ -312,11 +318,11 @@ def _record_lookup(calibration: Budget, copied: list[int], nodes: list[int], pat
     on_path = set(path)
     for depth, node in enumerate(nodes, start=1):
         kept = node + 1 in on_path
-        calibration._count(0.5, float(kept), depth)
+        calibration.count(0.5, float(kept), depth)
         if not kept:
             return
     if len(nodes) < len(copied):
-        calibration._count(0.5, float(copied[len(nodes)] == emitted[len(nodes)]), len(nodes) + 1)
+        calibration.count(0.5, float(copied[len(nodes)] == emitted[len(nodes)]), len(nodes) + 1)
 
 
 @dataclass
@@ -470,9 +476,8 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     budget = None
     if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
         largest = (budget_nodes or 1) + 1 + dec.lookup if dec.mode == "tree" else K
-        sizes = [n for n in [*range(1, 34), *range(40, 129, 8)] if n < largest] + [largest]  # every size to 33
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
-        budget = Budget(measure_verify_costs(target, sizes, capture), share=calibration)
+        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture), share=calibration)
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless = [], True

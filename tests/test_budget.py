@@ -60,7 +60,7 @@ def test_acceptance_calibrates_towards_what_was_measured():
 def test_log_acceptance_ranks_by_the_calibration():
     budget = Budget({1: 1.0})
     for _ in range(50):
-        budget._count(0.35, 1.0, depth=1)  # tokens given ~0.35 at depth 1 were always kept
+        budget.count(0.35, 1.0, depth=1)  # tokens given ~0.35 at depth 1 were always kept
     q = torch.tensor([0.0, 0.03, 0.35, 0.5])
     scores = budget.log_acceptance(q[None])[0]
     assert scores[0] == float("-inf")  # never a node
