@@ -355,7 +355,11 @@ class BlockDrafter(DrafterBase):
     """The parallel block backbone: ``fc`` + ``hidden_norm`` over target features, KV-injected layers.
 
     Subclasses (DFlash, DSpark) add their heads and losses on top of :meth:`block_hidden`.
+    ``conditional_drafts``: whether a draft's distribution depends on the drafts before it in the
+    block (DSpark's Markov head) or only on the anchor and the context (DFlash).
     """
+
+    conditional_drafts = False
 
     def __init__(self, config):
         super().__init__(config)

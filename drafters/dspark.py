@@ -48,6 +48,7 @@ class DSparkConfig(DrafterConfig):
 
 
 class DSparkDrafter(BlockDrafter):
+    conditional_drafts = True  # the Markov head reads the previous draft
     config_class = DSparkConfig
 
     def build_heads(self, config: DSparkConfig) -> None:

@@ -135,9 +135,10 @@ class Eagle3Drafter(DrafterBase):
         g = h + self.layer.mlp(self.layer.post_norm(h))
         return {"k": keys, "v": values, "g": g[:, -1:], "length": start + n}
 
-    def propose_chain(self, state: dict, steps: int, choose=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_chain(self, state: dict, steps: int, choose=None, stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts for the ``steps`` tokens after the newest token's successor: (tokens [B, steps],
-        logits [B, steps, V]); ``choose(logits) -> tokens`` picks each (argmax by default)."""
+        logits [B, steps, V]); ``choose(logits) -> tokens`` picks each (argmax by default); drafting
+        ends early after the first position whose logits ``stop(logits)`` is true for (fewer tokens)."""
         choose = choose or argmax_choice
         g, keys, values = state["g"], state["k"], state["v"]
         p = state["length"] - 1
@@ -146,7 +147,7 @@ class Eagle3Drafter(DrafterBase):
             step_logits = self.lm_head(self.norm(g))
             logits.append(step_logits)
             tokens.append(choose(step_logits))
-            if s == steps - 1:
+            if s == steps - 1 or (stop is not None and stop(step_logits)):
                 break
             pos = torch.full((g.shape[0], 1), p + s + 1, device=g.device)
             x = self.layer.layer_input(self.embed_tokens(tokens[-1]), g)

@@ -39,7 +39,7 @@ from transformers import DynamicCache
 
 from distill.features import FeatureCapture
 
-from .budget import Budget
+from .budget import Budget, Probes
 from .engine import _next_outcome, _truncate, measure_verify_costs, verify_sizes
 from .sampling import Sampler, verify_chain
 
@@ -176,7 +176,7 @@ class BatchScheduler:
         self.draft_seconds: dict[int, float] = {}  # rows -> running mean of the drafting cost
         self.top_q_mean = [0.0] * (block_size - 1)  # per position, running mean over drafted rows of the top q
         self.drafts_seen = 0
-        self.plain_run, self.probe_after, self.probe_first, self.probe_limit = 0, probe_first, probe_first, probe_limit
+        self.probes = Probes(probe_first, probe_limit)
         self.chosen: list[int] = []  # n of every step (1: no drafts verified)
         self.drafted_steps = 0
 
@@ -193,8 +193,7 @@ class BatchScheduler:
     def should_draft(self, rows: int) -> bool:
         """Whether this step drafts: while the acceptance seen so far predicts that drafting beats plain
         decoding, or when a probe is due."""
-        if self.drafts_seen < self.min_drafts or self.plain_run >= self.probe_after:
-            self.plain_run = 0
+        if self.drafts_seen < self.min_drafts or self.probes.due():
             return True
         reach, p = [], 1.0
         for depth, q in enumerate(self.top_q_mean, start=1):  # a typical row under the calibration as it stands now
@@ -202,23 +201,38 @@ class BatchScheduler:
             reach.append(rows * p)
         if self._best(rows, reach)[1] > rows / self.budget.verify_seconds(rows):
             return True
-        self.plain_run += 1
+        self.probes.skipped()
         return False
 
-    def choose(self, top_q: torch.Tensor) -> int:
-        """``n`` for a drafted step from the drafter's top probabilities [R, K-1]."""
+    def _causal(self, rows: int, top_q: torch.Tensor) -> tuple[int, float]:
+        """``n`` and its rate when position ``k`` is chosen from positions ``<= k`` alone (sampled drafts
+        drawn one after another; :meth:`~serve_eval.budget.Budget.pays_to_include`)."""
+        cost = lambda m: self.budget.verify_seconds(rows * (m + 1)) + self._draft_cost(rows)  # noqa: E731
+        gain, reach, n = float(rows), [1.0] * rows, 1
+        for k, qs in enumerate(top_q.t().tolist(), start=1):
+            reach_k = [r * self.budget.acceptance(q, k) for r, q in zip(reach, qs)]
+            if not self.budget.pays_to_include(gain, sum(reach_k), k, self.K - 1, cost):
+                break
+            gain, reach, n = gain + sum(reach_k), reach_k, k + 1
+        return n, gain / cost(n - 1)
+
+    def choose(self, top_q: torch.Tensor, causal: bool = False) -> int:
+        """``n`` for a drafted step from the drafter's top probabilities [R, K-1]; ``causal`` when
+        drafts are sampled one after another (DSpark at temperature > 0, see :mod:`serve_eval.budget`)."""
         rows = top_q.shape[0]
-        acceptance = torch.tensor([[self.budget.acceptance(q, d) for d, q in enumerate(row, start=1)] for row in top_q.tolist()])
-        gains = acceptance.cumprod(1).sum(0).tolist()  # per position, summed over rows: P_row,j
         self.drafts_seen += 1
         weight = max(1 / self.drafts_seen, 0.05)  # a running mean that forgets slowly
         self.top_q_mean = [m + (q - m) * weight for m, q in zip(self.top_q_mean, top_q.mean(0).tolist())]
-        n, rate = self._best(rows, gains)
         plain = self.budget.verify_seconds(rows)
-        if rate <= rows / (plain + self._draft_cost(rows)):  # the drafts, already paid for, would not pay
-            n = 1
+        if causal:
+            n, rate = self._causal(rows, top_q)
+        else:
+            acceptance = torch.tensor([[self.budget.acceptance(q, d) for d, q in enumerate(row, start=1)] for row in top_q.tolist()])
+            n, rate = self._best(rows, acceptance.cumprod(1).sum(0).tolist())  # gains: P_row,j summed over rows
+            if rate <= rows / (plain + self._draft_cost(rows)):  # the drafts, already paid for, would not pay
+                n = 1
         # drafting pays against plain decoding: keep drafting; else wait longer before the next probe
-        self.probe_after = self.probe_first if rate > rows / plain else min(2 * self.probe_after, self.probe_limit)
+        self.probes.drafted(rate > rows / plain)
         self.drafted_steps += 1
         return n
 
@@ -327,7 +341,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             q = draft_logits.float().softmax(-1) if greedy else torch.stack(
                 [s.probs(row) for s, row in zip(row_samplers, draft_logits)])
             top_q = q.amax(-1)
-            n = K if scheduler is None else scheduler.choose(top_q)
+            n = K if scheduler is None else scheduler.choose(top_q, causal=drafter.conditional_drafts and not greedy)
             if scheduler is not None:
                 scheduler.observe_draft(R, time.perf_counter() - t0)
         ids = bonus[:, None] if n == 1 else torch.cat([bonus[:, None], drafts[:, :n - 1].cpu()], dim=1)

@@ -22,10 +22,20 @@ target's argmax about half the time. The counts correct that for the drafter at 
 
 Lossless. ``B*`` depends on the drafter's distributions and on earlier steps only, never on the
 target's logits for this step nor on the value of a sampled draft: a chain ranks position ``k`` by
-the drafter's *top* probability there, not by the probability of the token it drew, so a kept draft
-is still distributed as ``q`` and speculative sampling stays exact; at temperature 0 the emitted
-tokens are the target's greedy ones whatever is verified. Trees are built best-first by ``log a(q)``,
-from ``q`` and earlier steps alone, so their ``P_i`` come out in the order they are popped.
+the drafter's *top* probability there, not by the probability of the token it drew; at temperature 0
+the emitted tokens are the target's greedy ones whatever is verified. Trees are built best-first by
+``log a(q)``, from ``q`` and earlier steps alone, so their ``P_i`` come out in the order they are popped.
+
+Causal choices. Speculative sampling keeps draft ``d_k`` with probability ``min(1, p/q_k)``, which
+is exact only if whether ``d_k`` is verified at all does not depend on ``d_k``. When the drafts are
+drawn one after another -- ``q_{k+1}`` computed from ``d_k``: EAGLE-3, a causal LM, DSpark's Markov
+head -- the best prefix above looks at ``q_{k+1}`` and so, through it, at ``d_k``. For those drafters
+at temperature > 0, and for autoregressive drafters always (they stop drafting where the rule stops,
+which saves their forwards), :meth:`Budget.causal_length` decides position ``k`` from ``q_1 .. q_k``
+alone: it verifies ``d_k`` iff some length ``m >= k`` beats stopping before it, ``P_j`` for ``j > k``
+forecast from ``P_k`` and the acceptance measured at depths ``k+1 .. j``. Autoregressive drafting costs ``d(m) = d_0 + t min(m + 1, K - 1)``
+for ``m`` verified drafts (``t`` one drafter forward, measured as decoding runs; the ``+ 1`` is the
+forward that showed position ``m + 1`` does not pay); a block drafter's ``t`` is 0.
 """
 
 from __future__ import annotations
@@ -49,13 +59,16 @@ class Budget:
         # cheaper than the size below them (on this CPU 4 tokens cost less than 3, 8 less than 7), and
         # the argmax below then never verifies 3 tokens when it could verify 4
         self.seconds = [verify_costs[n] for n in self.sizes]
-        self.draft_seconds = 0.0  # running mean of the measured draft cost
-        self.drafts_seen = 0
+        self.draft_seconds = 0.0  # running mean of a step's measured drafting cost
+        self.token_seconds = 0.0  # running mean of one sequential drafter forward (0: a block drafter)
+        self.draft_fixed = 0.0  # running mean of a step's drafting cost beyond its sequential forwards
+        self.drafts_seen = self.forwards_seen = 0
         centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]
         self.prior = prior
         self.accepted = [prior * c for c in centres]  # pooled over depths
         self.trials = [prior] * len(centres)
         self.by_depth: dict[int, tuple[list[float], list[float]]] = {}  # depth -> (accepted, trials) per bin
+        self._depth_rates: dict[int, float] = {}
         if share is not None:  # one acceptance calibration for budgets of different costs (batch sizes)
             self.prior, self.accepted, self.trials, self.by_depth = share.prior, share.accepted, share.trials, share.by_depth
         self.chosen: list[int] = []  # B* of every step, for the report
@@ -63,6 +76,7 @@ class Budget:
         self.predicted_seconds = 0.0
         self._last = (1.0, 1)  # expected tokens and verify size of the last choice
         self.lookup = None  # a Budget calibrating grafted prompt-lookup tokens per depth (serve_eval.lookup)
+        self.switch = DraftSwitch(self.verify_seconds(1))  # whether a chain step drafts at all
 
     # -- costs -------------------------------------------------------------------------------------
     def verify_seconds(self, n: int) -> float:
@@ -74,9 +88,20 @@ class Budget:
         lo, hi = sizes[i - 1], sizes[i]
         return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
 
-    def observe_draft(self, seconds: float) -> None:
+    def observe_draft(self, seconds: float, forward_seconds: list[float] = ()) -> None:
+        """A step's drafting took ``seconds``, ``forward_seconds`` of them the sequential drafter
+        forwards it timed one by one (an autoregressive drafter's; none for a block drafter)."""
+        for t in forward_seconds:
+            self.forwards_seen += 1
+            self.token_seconds += (t - self.token_seconds) / self.forwards_seen
         self.drafts_seen += 1
         self.draft_seconds += (seconds - self.draft_seconds) / self.drafts_seen
+        fixed = seconds - self.token_seconds * len(forward_seconds)
+        self.draft_fixed += (fixed - self.draft_fixed) / self.drafts_seen
+
+    def draft_cost(self, drafts: int, horizon: int) -> float:
+        """``d(m)`` of a step verifying ``drafts`` of at most ``horizon`` (see the module doc)."""
+        return self.draft_fixed + self.token_seconds * min(drafts + 1, horizon)
 
     # -- acceptance --------------------------------------------------------------------------------
     @staticmethod
@@ -109,6 +134,7 @@ class Budget:
         """One observation: a token given ``q`` at ``depth`` was kept (``accepted`` 1), not (0), or kept
         with that probability."""
         b = self._bin(q)
+        self._depth_rates.clear()
         self.trials[b] += 1
         self.accepted[b] += accepted
         cells = self.by_depth.setdefault(depth, ([0.0] * len(self.trials), [0.0] * len(self.trials)))
@@ -125,11 +151,18 @@ class Budget:
             cost = self.verify_seconds(b + 1) + self.draft_seconds
             if gain / cost > best_gain / best_cost:
                 best, best_gain, best_cost = b, gain, cost
-        self.chosen.append(best)
-        self.predicted_tokens += best_gain
-        self.predicted_seconds += best_cost
-        self._last = (best_gain, best + 1)
+        self._record_choice(best, best_gain, best_cost)
         return best
+
+    def record_plain(self) -> None:
+        """A step that did not draft (:class:`DraftSwitch`): one token for a plain step's cost."""
+        self._record_choice(0, 1.0, self.verify_seconds(1))
+
+    def _record_choice(self, drafts: int, gain: float, seconds: float) -> None:
+        self.chosen.append(drafts)
+        self.predicted_tokens += gain
+        self.predicted_seconds += seconds
+        self._last = (gain, drafts + 1)
 
     def extend_last(self, extra: list[tuple[float, int]]) -> int:
         """After a choice: how many of the further candidates ``extra`` (in order; each the expected
@@ -147,6 +180,41 @@ class Budget:
         self.predicted_seconds += self.verify_seconds(best_size) - self.verify_seconds(self._last[1])
         self._last = (best_gain, best_size)
         return best
+
+    def causal_length(self, top_q: list[float], horizon: int | None = None) -> int:
+        """How many drafts of a chain to verify when draft ``k`` may be chosen from ``top_q[:k]`` only
+        (drafts drawn one after another; see the module doc): those before the first that does not pay,
+        lengths up to ``horizon`` (default ``len(top_q)``) forecast. Recorded as a step's choice, like
+        :meth:`best_prefix`."""
+        chain = CausalChain(self, horizon or len(top_q))
+        for q in top_q:
+            if not chain.offer(q):
+                break
+        self._record_choice(chain.kept, chain.gain, chain.cost(chain.kept))
+        return chain.kept
+
+    def pays_to_include(self, gain: float, reach: float, k: int, horizon: int, cost) -> bool:
+        """Whether verifying position ``k`` beats stopping before it, from what is known up to ``k``:
+        ``gain`` the expected tokens of positions ``< k`` (bonus tokens included), ``reach`` the expected
+        tokens position ``k`` adds (``P_k``, summed over rows), ``cost(m)`` a step's seconds when it
+        verifies ``m`` drafts per row. Lengths ``k .. horizon`` are tried (costs are not monotone),
+        each further position kept at the rate measured at its depth (:meth:`depth_acceptance`)."""
+        stop = gain / cost(k - 1)
+        for m in range(k, horizon + 1):
+            gain += reach
+            if gain / cost(m) > stop:
+                return True
+            reach *= self.depth_acceptance(m + 1)
+        return False
+
+    def depth_acceptance(self, depth: int) -> float:
+        """The rate at which drafts at ``depth`` were kept when their parent was, whatever their ``q``
+        (shrunk to the rate over all depths with the weight of ``prior`` observations)."""
+        if depth not in self._depth_rates:  # cached until the next count
+            pooled = sum(self.accepted) / sum(self.trials)
+            accepted, trials = self.by_depth.get(depth, ([0.0], [0.0]))
+            self._depth_rates[depth] = (sum(accepted) + self.prior * pooled) / (sum(trials) + self.prior)
+        return self._depth_rates[depth]
 
     def chain_length(self, top_q: list[float]) -> int:
         """How many drafts of a chain to verify, from the drafter's top probability at each position."""
@@ -197,5 +265,111 @@ class Budget:
                               "tokens_per_s": round(self.predicted_tokens / max(self.predicted_seconds, 1e-12), 2)},
                 "verify_ms": {str(n): round(s * 1e3, 3) for n, s in zip(self.sizes, self.seconds)},  # JSON keys
                 "draft_ms": round(self.draft_seconds * 1e3, 3),
+                **({"switch": self.switch.summary()} if self.switch.skipped else {}),
+                **({"draft_forward_ms": round(self.token_seconds * 1e3, 3)} if self.forwards_seen else {}),
                 "calibration": [{"q": [lo, hi], "acceptance": round(a / t, 4), "seen": int(t - self.prior)}
                                 for lo, hi, a, t in zip(Q_EDGES[:-1], Q_EDGES[1:], self.accepted, self.trials)]}
+
+
+class CausalChain:
+    """:meth:`Budget.causal_length` one position at a time: :meth:`offer` each position's top ``q`` in
+    order; it answers whether that position is verified, from it and the earlier ones alone. An
+    autoregressive drafter asks after each distribution and stops drafting at the first no."""
+
+    def __init__(self, budget: Budget, horizon: int):
+        self.budget, self.horizon = budget, horizon
+        self.gain, self.reach, self.kept, self.open = 1.0, 1.0, 0, True
+
+    def cost(self, drafts: int) -> float:
+        return self.budget.verify_seconds(drafts + 1) + self.budget.draft_cost(drafts, self.horizon)
+
+    def offer(self, q: float) -> bool:
+        if not self.open:
+            return False
+        depth = self.kept + 1
+        reach = self.reach * self.budget.acceptance(q, depth)
+        self.open = self.budget.pays_to_include(self.gain, reach, depth, self.horizon, self.cost)
+        if self.open:
+            self.gain, self.reach, self.kept = self.gain + reach, reach, depth
+        return self.open
+
+
+class Probes:
+    """When a loop that stopped drafting drafts again to see whether it should: after ``first`` plain
+    steps, then, while the probes keep saying drafting does not pay, after twice as many (up to
+    ``limit``); a probe that pays resets the wait (Nightjar's off switch)."""
+
+    def __init__(self, first: int = 8, limit: int = 64):
+        self.first, self.limit = first, limit
+        self.after, self.run = first, 0
+
+    def due(self) -> bool:
+        return self.run >= self.after
+
+    def skipped(self) -> None:
+        self.run += 1
+
+    def drafted(self, paid: bool) -> None:
+        """A drafted step; ``paid``: whether drafting, as measured now, beats plain decoding."""
+        if paid:
+            self.after = self.first
+        elif self.due():  # a probe that did not pay
+            self.after = min(2 * self.after, self.limit)
+        self.run = 0
+
+
+class DraftSwitch:
+    """Whether a one-row step drafts at all, from the tokens per second that drafted steps measured,
+    apart after a step that kept a draft and after one that did not (acceptance runs in streaks),
+    against what plain steps measured in the same loop: in a state where drafted steps ran clearly
+    slower (below ``margin`` times the plain rate), the step reads the bonus alone and the drafter only catches up, with :class:`Probes` now and then.
+    Until the loop has run plain steps their cost is ``plain_seconds`` (a bare target forward, an
+    optimistic reference); the first time a state's drafted steps fall below it, ``measure`` plain
+    steps are run to measure them. It decides from earlier steps only: lossless at every temperature."""
+
+    def __init__(self, plain_seconds: float, min_drafts: int = 16, measure: int = 3, margin: float = 0.9,
+                 probes: Probes | None = None):
+        self.min_drafts, self.measure = min_drafts, measure
+        self.margin = margin  # skip only below this fraction of the plain rate: noise must not switch a drafter that pays off
+        self.bare_seconds = plain_seconds
+        self.plain = [0.0, 0]  # measured plain steps: running mean of seconds, count
+        self.stats = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # last step kept a draft -> tokens, seconds, steps
+        self.hit = True
+        self.probes = probes or Probes()
+        self.skipped = 0
+
+    @property
+    def plain_rate(self) -> float:
+        return 1 / (self.plain[0] if self.plain[1] else self.bare_seconds)
+
+    def _rate(self, hit: bool) -> float:
+        tokens, seconds, _ = self.stats[hit]
+        return tokens / max(seconds, 1e-12)
+
+    def should_draft(self) -> bool:
+        measuring = 0 < self.plain[1] < self.measure
+        if not measuring and (self.stats[self.hit][2] < self.min_drafts or self.probes.due()
+                              or self._rate(self.hit) > self.margin * self.plain_rate):
+            return True
+        self.probes.skipped()
+        self.skipped += 1
+        return False
+
+    def record(self, drafted: bool, kept: int, seconds: float) -> None:
+        """A step that drafted (or not) kept ``kept`` drafts and took ``seconds`` (drafting included)."""
+        if drafted:
+            cell, forget = self.stats[self.hit], 0.995  # running sums over the last few hundred steps
+            cell[0], cell[1], cell[2] = forget * cell[0] + kept + 1, forget * cell[1] + seconds, cell[2] + 1
+            if cell[2] >= self.min_drafts:
+                self.probes.drafted(self._rate(self.hit) > self.plain_rate)
+        else:
+            mean, count = self.plain
+            weight = 1 / (count + 1) if count < self.measure else 0.05  # a mean, then a slow running mean
+            self.plain = [mean + weight * (seconds - mean), count + 1]
+        self.hit = kept > 0
+
+    def summary(self) -> dict:
+        return {"skipped_steps": self.skipped,
+                "drafted_tokens_per_s": {("after a kept draft" if h else "after a miss"): round(self._rate(h), 2)
+                                         for h in (True, False) if self.stats[h][2]},
+                "plain_tokens_per_s": round(self.plain_rate, 2)}

@@ -40,7 +40,7 @@ from transformers import DynamicCache
 from distill.features import FeatureCapture, TargetFeatures
 from drafters.core import ContextCache
 
-from .budget import Budget
+from .budget import Budget, CausalChain
 from .sampling import Sampler, verify_chain
 from .lookup import graft, lookup_continuation
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
@@ -131,9 +131,15 @@ def verify_sizes(largest: int) -> list[int]:
 
 class Proposer:
     """What the loop asks of a drafter: ``begin(prompt)``; ``observe`` the verified tokens (and, when
-    ``needs_features``, the target's features of their positions); ``propose`` drafts after the bonus."""
+    ``needs_features``, the target's features of their positions); ``propose`` drafts after the bonus.
+
+    ``conditional``: each draft's distribution depends on the drafts before it, so a budget must choose
+    causally at temperature > 0 (:mod:`serve_eval.budget`). ``incremental``: ``propose`` runs one
+    forward per draft and takes ``stop(logits) -> bool``, asked with each position's logits: on yes it
+    draws that position's token (kept for calibration, not verified) and drafts no further."""
 
     needs_features = True
+    conditional = incremental = False
     block_size: int
 
     def begin(self, prompt: torch.Tensor) -> None:
@@ -151,6 +157,7 @@ class BlockProposer(Proposer):
     def __init__(self, drafter, confidence_threshold: float = 0.0):
         self.drafter = drafter
         self.block_size = drafter.config.block_size
+        self.conditional = drafter.conditional_drafts
         self.confidence_threshold = confidence_threshold
         self.context = ContextCache(spare=self.block_size)
 
@@ -179,6 +186,8 @@ class BlockProposer(Proposer):
 class Eagle3Proposer(Proposer):
     """EAGLE-3: a KV cache of step-0 entries for verified positions; drafts autoregressively."""
 
+    conditional = incremental = True
+
     def __init__(self, drafter):
         self.drafter = drafter
         self.block_size = drafter.config.block_size
@@ -189,8 +198,8 @@ class Eagle3Proposer(Proposer):
         self.state = self.drafter.extend(self.state, aux, next_tokens.view(1, -1), start)
 
     @torch.no_grad()
-    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, logits = self.drafter.propose_chain(self.state, self.block_size - 1, sampler.choose)
+    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler, stop=None) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logits = self.drafter.propose_chain(self.state, self.block_size - 1, sampler.choose, stop)
         return tokens[0], logits[0]
 
 
@@ -202,6 +211,7 @@ class LMProposer(Proposer):
     draft, or a tree branch the target did not take), then catches up from there on the next draft."""
 
     needs_features = False
+    conditional = incremental = True
 
     def __init__(self, model, draft_length: int, **forward_kwargs):
         self.model = model
@@ -234,7 +244,7 @@ class LMProposer(Proposer):
         return logits
 
     @torch.no_grad()
-    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler, stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, all_logits = [], []
         pending = self.sequence[len(self.read):anchor_pos + 1]  # catch up to the bonus (at anchor_pos)
         for _ in range(self.block_size - 1):
@@ -242,6 +252,8 @@ class LMProposer(Proposer):
             token = sampler.choose(logits)
             tokens.append(token)
             all_logits.append(logits)
+            if stop is not None and stop(logits):
+                break
             pending = [int(token)]
         return torch.stack(tokens).view(-1), torch.stack(all_logits)
 
@@ -255,6 +267,25 @@ def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int 
     if kind in ("draftsmith_dflash", "draftsmith_dspark"):
         return BlockProposer(drafter, confidence_threshold)
     return LMProposer(drafter, draft_length, **({"num_steps": draft_recurrence} if draft_recurrence else {}))
+
+
+class _Stopper:
+    """The ``stop`` an incremental proposer asks after each position (:class:`~serve_eval.budget.CausalChain`),
+    timing the drafter forwards between the questions (the first from the draft's start)."""
+
+    def __init__(self, budget: Budget, sampler: Sampler, horizon: int, start: float):
+        self.chain, self.sampler = CausalChain(budget, horizon), sampler
+        self.top_q: list[float] = []
+        self.times = [start]
+
+    def __call__(self, logits: torch.Tensor) -> bool:
+        self.times.append(time.perf_counter())
+        q = logits.float().softmax(-1) if self.sampler.greedy else self.sampler.probs(logits)
+        self.top_q.append(float(q.max()))
+        return not self.chain.offer(self.top_q[-1])
+
+    def forward_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 def _next_outcome(sampler: Sampler, drafts, draft_probs, target_logits, verified: int, accepted: int) -> float | None:
@@ -396,9 +427,15 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     prompt_list = prompt[0].tolist() if lookup else []
     done = out[0] == eos_token_id
     anchor_pos = prompt.shape[1]
+    causal = proposer.incremental or (proposer.conditional and not sampler.greedy)  # see serve_eval.budget
     while len(out) < max_new_tokens and not done:
         t0 = time.perf_counter()
-        drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler)
+        stopper = _Stopper(budget, sampler, K - 1, t0) if budget is not None and mode == "chain" and proposer.incremental else None
+        drafting = budget is None or mode != "chain" or budget.switch.should_draft()
+        if drafting:
+            drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler, **({"stop": stopper} if stopper else {}))
+        else:  # a plain step: the bonus alone (the drafter catches up in observe / its next draft)
+            drafts, draft_logits = bonus.new_empty(0), logits.new_empty(0, logits.shape[-1])
         copied = lookup_continuation(prompt_list + out, lookup) if lookup else []  # drafting too
         t1 = time.perf_counter()
         if mode == "tree":
@@ -428,10 +465,13 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 if copied:
                     _record_lookup(budget.lookup, copied, copied_nodes, path, ids[0, path[1:]].tolist() + [int(new_bonus)])
         else:
-            if budget is not None:  # ranked by the top probability at each position, never the drawn token's
+            if budget is not None and not drafting:
+                keep, top_q, q, all_drafts = 0, [], None, drafts
+                budget.record_plain()
+            elif budget is not None:  # ranked by the top probability at each position, never the drawn token's
                 q = draft_logits.float().softmax(-1) if sampler.greedy else sampler.probs(draft_logits)
-                top_q = q.amax(-1).tolist()
-                keep = budget.chain_length(top_q)
+                top_q = stopper.top_q if stopper is not None else q.amax(-1).tolist()
+                keep = budget.causal_length(top_q, K - 1) if causal else budget.chain_length(top_q)
                 all_drafts = drafts
                 drafts, draft_logits = drafts[:keep], draft_logits[:keep]
             logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
@@ -457,7 +497,10 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         draft_seconds = (t1 - t0) + (time.perf_counter() - t2)  # drafting, and reading the accepted features
         stats.draft_seconds += draft_seconds
         if budget is not None:
-            budget.observe_draft(draft_seconds)
+            if drafting:
+                budget.observe_draft(draft_seconds, stopper.forward_seconds() if stopper is not None else ())
+            if mode == "chain":
+                budget.switch.record(drafting, n, time.perf_counter() - t0)
         stats.verify_seconds += t2 - t1
     out = _truncate(out, max_new_tokens, eos_token_id)
     stats.tokens = len(out)

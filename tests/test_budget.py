@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from serve_eval.budget import Budget
+from serve_eval.budget import Budget, CausalChain, DraftSwitch
 from serve_eval.engine import measure_verify_costs
 from serve_eval.tree import build_best_first_tree
 
@@ -37,6 +37,30 @@ def test_best_prefix_maximises_expected_tokens_per_second():
     assert budget.chosen == [3, 0, 12, 0]
     costly = Budget({1: 1.0, 2: 3.0})  # a second token costs two plain steps: never worth it here
     assert costly.best_prefix([0.9, 0.9]) == 0
+
+
+def test_causal_length_decides_each_draft_from_the_positions_up_to_it():
+    """What the loop needs for drafts drawn one after another: whether draft k is verified depends on
+    ``top_q[:k]`` alone, so nothing computed from draft k (later positions) can change it; a drafter that
+    stops where :class:`CausalChain` first says no drafts exactly what the budget verifies, plus that one."""
+    gen = torch.Generator().manual_seed(0)
+    budget = Budget({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.4, 8: 2.0})  # a dip at 4: the forecast looks past it
+    budget.observe_draft(0.2, [0.05, 0.05])
+    assert budget.token_seconds == pytest.approx(0.05) and budget.draft_fixed == pytest.approx(0.1)
+    lengths = set()
+    for _ in range(300):
+        top_q = torch.rand(7, generator=gen).tolist()
+        kept = budget.causal_length(top_q)
+        lengths.add(kept)
+        tail = torch.rand(7, generator=gen).tolist()
+        for k in range(1, 8):  # positions up to k fixed, anything after them
+            assert (budget.causal_length(top_q[:k] + tail[k:], 7) >= k) == (kept >= k)
+        chain = CausalChain(budget, 7)
+        offered = [chain.offer(q) for q in top_q]
+        assert offered == [k < kept for k in range(7)]
+    assert len(lengths) > 2  # the choices do vary
+    # a confident chain is verified whole, a hopeless one not at all
+    assert budget.causal_length([0.99] * 7) == 7 and budget.causal_length([0.001] * 7) == 0
 
 
 def test_acceptance_calibrates_towards_what_was_measured():
@@ -123,13 +147,12 @@ def test_measured_verify_costs_cover_the_sizes_and_leave_the_rng_alone(tiny_targ
     assert sorted(costs) == [1, 2, 4] and all(c > 0 for c in costs.values())
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_a_budget_changes_what_is_verified_but_not_what_is_emitted(mode):
-    """Greedy decoding with a budget that makes long drafts costly: shorter steps, the same tokens."""
+def _toy_greedy_run():
+    """A toy target, an untrained DFlash drafter for it, a prompt and the target's 30 greedy tokens."""
     from distill.config import DrafterSection, ModelConfig
     from distill.models import build_causal_lm
     from drafters.evaluate import build_drafter
-    from serve_eval.engine import plain_generate, speculative_generate
+    from serve_eval.engine import plain_generate
 
     torch.manual_seed(0)
     target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
@@ -137,13 +160,59 @@ def test_a_budget_changes_what_is_verified_but_not_what_is_emitted(mode):
     drafter = build_drafter(DrafterSection(kind="dflash", block_size=4, target_layer_ids=[0, 1, 2]), target, "toy",
                             mask_token_id=5).eval()
     prompt = torch.tensor([1, 2, 3])
-    reference, _ = plain_generate(target, prompt, 30)
+    return target, drafter, prompt, plain_generate(target, prompt, 30)[0]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_a_budget_changes_what_is_verified_but_not_what_is_emitted(mode):
+    """Greedy decoding with a budget that makes long drafts costly: shorter steps, the same tokens."""
+    from serve_eval.engine import speculative_generate
+
+    target, drafter, prompt, reference = _toy_greedy_run()
     for costs in ({1: 1.0, 2: 1.05, 8: 1.3}, {1: 1.0, 2: 1.6, 8: 5.0}):
         budget = Budget(costs)
         out, stats = speculative_generate(target, drafter, prompt, 30, mode=mode, tree_budget=6, budget=budget)
         assert out == reference
         assert len(budget.chosen) == stats.target_forwards - 1  # one choice per step (the prefill has none)
     assert any(b == 0 for b in budget.chosen) and max(itertools.chain(budget.chosen)) <= 6
+
+
+def test_the_draft_switch_stops_drafting_where_it_does_not_pay_and_probes():
+    """Drafted steps measured slower than plain steps: after ``min_drafts`` of them the switch skips,
+    drafting again after 8, then 16, 32, 64, 64 skipped steps while the probes keep not paying; a
+    probe that pays turns drafting back on. Each state (after a kept draft / a miss) counts apart."""
+    switch = DraftSwitch(plain_seconds=1.0, min_drafts=4)
+    decisions = []
+    for _ in range(300):
+        drafting = switch.should_draft()
+        decisions.append(drafting)
+        switch.record(drafting, 0, 2.0 if drafting else 1.0)  # a draft that kept nothing, at twice a plain step
+    gaps = [i for i, d in enumerate(decisions) if d]
+    assert gaps[:5] == [0, 1, 2, 3, 4]  # one step after a kept draft (the start), four after a miss
+    assert [b - a - 1 for a, b in zip(gaps[4:], gaps[5:])] == [8, 16, 32, 64, 64, 64][:len(gaps) - 5]
+    assert switch.summary()["skipped_steps"] == 300 - len(gaps)
+    for _ in range(3):  # probes that pay: 4 tokens in 2 plain steps' time
+        while not switch.should_draft():
+            switch.record(False, 0, 1.0)
+        switch.record(True, 3, 2.0)
+    assert all(switch.should_draft() for _ in range(5))  # after a kept draft, drafting pays
+
+
+def test_skipped_drafts_leave_the_output_alone(monkeypatch):
+    """Greedy chain decoding whose switch skips every other step (plain steps in between drafted
+    ones, the drafter catching up) emits the target's greedy tokens, for a block drafter and an
+    autoregressive one."""
+    from serve_eval.engine import LMProposer, speculative_generate
+
+    calls = itertools.count()
+    monkeypatch.setattr(DraftSwitch, "should_draft", lambda self: next(calls) % 2 == 0)
+    target, drafter, prompt, reference = _toy_greedy_run()
+    for proposer in (None, LMProposer(target, 3)):  # the target drafting for itself: every draft kept
+        budget = Budget({1: 1.0, 2: 1.05, 8: 1.3})
+        out, stats = speculative_generate(target, drafter, prompt, 30, budget=budget, proposer=proposer)
+        assert out == reference
+        assert 0 < budget.chosen.count(0) < len(budget.chosen)
+    assert stats.tokens / stats.target_forwards > 1.5  # drafted steps did keep drafts
 
 
 def test_extend_last_adds_candidates_while_the_rate_grows():

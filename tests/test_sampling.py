@@ -6,13 +6,15 @@ passes for the real verifier and fails for a deliberately broken one (accept eve
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from distill.config import DrafterSection, ModelConfig
 from distill.models import build_causal_lm
 from drafters.evaluate import build_drafter
-from serve_eval.budget import Budget
+from serve_eval.budget import Budget, DraftSwitch
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler, verify_chain
 
@@ -82,7 +84,7 @@ def sampled_joint(target, drafter, sampler_args, verify=verify_chain, plain=Fals
 @pytest.mark.parametrize("kind,sampler_args", [("dflash", {"temperature": 1.0}),
                                                ("dspark", {"temperature": 0.8, "top_k": 4}),
                                                ("eagle3", {"temperature": 1.0, "top_p": 0.9})])
-def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, sampler_args):
+def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, sampler_args, monkeypatch):
     torch.manual_seed(1)
     section = DrafterSection(kind=kind, block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])
     drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
@@ -91,6 +93,11 @@ def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, 
     assert chi_square_pvalue(counts, exact) > 1e-3, "speculative samples do not follow the target"
     adaptive = sampled_joint(toy_target, drafter, sampler_args, budget=Budget(VARIED_COSTS))  # chain lengths vary
     assert chi_square_pvalue(adaptive, exact) > 1e-3, "a per-step budget changed the distribution"
+    calls = itertools.count()  # a draft switch that skips every third step (plain steps between drafted ones)
+    monkeypatch.setattr(DraftSwitch, "should_draft", lambda self: next(calls) % 3 != 0)
+    skipping = sampled_joint(toy_target, drafter, sampler_args, budget=Budget(VARIED_COSTS))
+    assert chi_square_pvalue(skipping, exact) > 1e-3, "skipped drafts changed the distribution"
+    monkeypatch.undo()
     broken = sampled_joint(toy_target, drafter, sampler_args, verify=accept_everything)
     assert chi_square_pvalue(broken, exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
@@ -135,6 +142,38 @@ def test_causal_lm_drafters_sample_the_target_distribution(toy_target, drafter_k
     if drafter_kind == "student" and mode == "chain":  # the test's power, once (the verifiers are shared)
         broken = sampled_joint(target, drafter, args, proposer=proposer, verify=accept_everything, **tree)
         assert chi_square_pvalue(broken, exact) < 1e-6
+
+
+def test_budgets_choose_causally_for_drafts_drawn_one_after_another(monkeypatch):
+    """A causal-LM drafter (its next distribution depends on its last draft) with a budget at T = 1
+    whose costs make it verify either no draft or both. Choosing that from both drafted positions
+    looks, through ``q_2``, at ``d_1`` and biases the output (the test catches it); the causal rule of
+    :mod:`serve_eval.budget`, with which the drafter also stops drafting early, does not."""
+    from serve_eval import engine
+
+    torch.manual_seed(3)  # a pair whose bias the test sees at this sample size
+    target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
+                                         max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+    drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
+                                          max_position_embeddings=64, initializer_range=0.8), VOCAB).eval()
+    args = {"temperature": 1.0}
+    exact = exact_joint(target, Sampler(**args))
+
+    def joint() -> tuple[torch.Tensor, Budget]:
+        counts, budget = torch.zeros(VOCAB, VOCAB), Budget({1: 1.0, 2: 1.5, 3: 1.55})
+        sampler = Sampler(**args, generator=torch.Generator().manual_seed(1))
+        for _ in range(4000):
+            out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler,
+                                          proposer=LMProposer(drafter, 2), budget=budget)
+            counts[out[1], out[2]] += 1
+        return counts, budget
+
+    counts, budget = joint()
+    assert chi_square_pvalue(counts, exact) > 1e-3, "a causal budget changed the distribution"
+    assert {0, 2} <= set(budget.chosen)
+    monkeypatch.setattr(engine.LMProposer, "incremental", False)  # the best prefix over every drafted position
+    monkeypatch.setattr(engine.LMProposer, "conditional", False)
+    assert chi_square_pvalue(joint()[0], exact) < 1e-4, "the test cannot tell a non-causal choice apart"
 
 
 def test_plain_sampling_matches_too(toy_target):
