@@ -33,9 +33,13 @@ head -- the best prefix above looks at ``q_{k+1}`` and so, through it, at ``d_k`
 at temperature > 0, and for autoregressive drafters always (they stop drafting where the rule stops,
 which saves their forwards), :meth:`Budget.causal_length` decides position ``k`` from ``q_1 .. q_k``
 alone: it verifies ``d_k`` iff some length ``m >= k`` beats stopping before it, ``P_j`` for ``j > k``
-forecast from ``P_k`` and the acceptance measured at depths ``k+1 .. j``. Autoregressive drafting costs ``d(m) = d_0 + t min(m + 1, K - 1)``
-for ``m`` verified drafts (``t`` one drafter forward, measured as decoding runs; the ``+ 1`` is the
-forward that showed position ``m + 1`` does not pay); a block drafter's ``t`` is 0.
+forecast from ``P_k`` and the acceptance measured at depths ``k+1 .. j``. Autoregressive drafting
+costs ``d(m) = d_0 + t min(m + 1, K - 1)`` for ``m`` verified drafts (``t`` one drafter forward,
+measured as decoding runs; the ``+ 1`` is the forward that showed position ``m + 1`` does not pay);
+a block drafter's ``t`` is 0.
+
+Whether a one-row chain step drafts at all is :class:`DraftSwitch`'s call, from the speed drafted
+and plain steps measured earlier in the same loop.
 """
 
 from __future__ import annotations
@@ -322,7 +326,8 @@ class DraftSwitch:
     """Whether a one-row step drafts at all, from the tokens per second that drafted steps measured,
     apart after a step that kept a draft and after one that did not (acceptance runs in streaks),
     against what plain steps measured in the same loop: in a state where drafted steps ran clearly
-    slower (below ``margin`` times the plain rate), the step reads the bonus alone and the drafter only catches up, with :class:`Probes` now and then.
+    slower (below ``margin`` times the plain rate), the step reads the bonus alone and the drafter
+    only catches up, with :class:`Probes` now and then.
     Until the loop has run plain steps their cost is ``plain_seconds`` (a bare target forward, an
     optimistic reference); the first time a state's drafted steps fall below it, ``measure`` plain
     steps are run to measure them. It decides from earlier steps only: lossless at every temperature."""
@@ -330,7 +335,7 @@ class DraftSwitch:
     def __init__(self, plain_seconds: float, min_drafts: int = 16, measure: int = 3, margin: float = 0.9,
                  probes: Probes | None = None):
         self.min_drafts, self.measure = min_drafts, measure
-        self.margin = margin  # skip only below this fraction of the plain rate: noise must not switch a drafter that pays off
+        self.margin = margin  # skip only below this fraction of the plain rate: noise must not switch off a drafter that pays
         self.bare_seconds = plain_seconds
         self.plain = [0.0, 0]  # measured plain steps: running mean of seconds, count
         self.stats = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # last step kept a draft -> tokens, seconds, steps

@@ -83,3 +83,15 @@ def test_every_accelerate_config_is_named_in_the_readme():
     readme = (REPO / "README.md").read_text()
     for cfg in (REPO / "accelerate_configs").glob("*.yaml"):
         assert f"accelerate_configs/{cfg.name}" in readme
+
+
+def test_the_step_profiler_times_the_loop_pieces(capsys):
+    """``python -m recipes.profile_step`` on the shipped target and DFlash drafter, briefly: every piece
+    it wraps was timed, and the parts fit inside the step they belong to."""
+    from recipes.profile_step import main
+
+    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24"])
+    parts = report["ms_per_step"]
+    assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length"} <= set(parts)
+    assert 0 < parts["  drafter.decode_hidden"] < parts["proposer.propose"] < report["spec_step_ms"]
+    assert "plain steps" in capsys.readouterr().out

@@ -1,0 +1,99 @@
+"""Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
+
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8]
+
+Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
+plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
+speculative step for the drafter's parts (the proposer's ``propose`` and ``observe`` and, for block
+drafters, the layer forward ``decode_hidden``, the heads and the context keys/values) and the
+budget's bookkeeping, beside the plain step and the step as a whole. The timers wrap the methods as
+they run, so what is printed is what the loop spends; the first prompt warms up and is not counted.
+A benchmark: run it on an otherwise idle core (``taskset -c 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+
+def _timed(obj, name: str, label: str, totals: dict, calls: collections.Counter) -> None:
+    inner = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        totals[label] += time.perf_counter() - start
+        calls[label] += 1
+        return out
+
+    setattr(obj, name, timed)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--recipe", default="recipes/configs/eval_testbed.yaml")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts, the first a warm-up")
+    parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
+    args = parser.parse_args(argv)
+
+    from distill.config import load_recipe
+    from distill.features import FeatureCapture
+    from distill.models import load_target
+    from distill.regenerate import encoded_prompts
+    from distill.runtime import set_threads
+    from recipes.evaluate import load_drafter
+    from serve_eval import engine
+    from serve_eval.budget import Budget
+    from serve_eval.sampling import Sampler
+
+    recipe = load_recipe(args.recipe, [f"drafter={args.drafter}"])
+    max_new = args.max_new_tokens or recipe.decoding.max_new_tokens
+    set_threads(recipe.decoding.torch_threads)
+    target, tokenizer = load_target(recipe.target, "cpu")
+    drafter = load_drafter(recipe.drafter, target, "cpu")
+    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
+    totals: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    proposer_class = type(engine.make_proposer(drafter))
+    for name in ("propose", "observe"):
+        _timed(proposer_class, name, f"proposer.{name}", totals, calls)
+    if proposer_class is engine.BlockProposer:
+        for name in ("decode_hidden", "propose", "context_kv"):
+            _timed(drafter, name, f"  drafter.{name}", totals, calls)
+    for name in ("chain_length", "causal_length", "record_chain"):
+        _timed(Budget, name, f"budget.{name}", totals, calls)
+    capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer_class.needs_features else None
+    budget = Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture))
+    plain_s = spec_s = 0.0
+    plain_tokens = spec_tokens = steps = 0
+    for i, prompt in enumerate(prompts):
+        sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731
+        _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
+        _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(), budget=budget)
+        if i == 0:  # warm-up
+            totals.clear()
+            calls.clear()
+            continue
+        plain_s, plain_tokens = plain_s + plain.total_seconds, plain_tokens + plain.tokens
+        spec_s, spec_tokens, steps = spec_s + spec.total_seconds, spec_tokens + spec.tokens, steps + spec.target_forwards - 1
+    plain_ms = 1e3 * plain_s / plain_tokens
+    report = {"plain_step_ms": round(plain_ms, 3), "spec_step_ms": round(1e3 * spec_s / steps, 3),
+              "tokens_per_step": round(spec_tokens / steps, 3), "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 4),
+              "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in totals.items()}}
+    print(f"plain step {plain_ms:.3f} ms; speculative step {report['spec_step_ms']:.3f} ms for "
+          f"{report['tokens_per_step']:.2f} tokens ({report['spec_step_ms'] / plain_ms:.2f} plain steps); "
+          f"speedup {report['speedup']:.3f} ({args.prompts - 1} prompts after a warm-up, T = {args.temperature})")
+    for label, seconds in totals.items():
+        ms = 1e3 * seconds / steps
+        print(f"  {label:28s} {ms:7.3f} ms a step = {ms / plain_ms:.3f} plain steps  ({calls[label]} calls)")
+    return report
+
+
+if __name__ == "__main__":
+    main()
