@@ -68,11 +68,21 @@ def _existing_path(value: str, what: str) -> str:
 
 
 def _pretrained_folder(value: str, what: str) -> str:
-    """An existing ``save_pretrained`` folder (it has a config.json)."""
+    """An existing ``save_pretrained`` folder: a config.json that parses and weight files that are whole."""
+    from .checks import check_checkpoint
+
     _existing_path(value, what)
-    if not (Path(value) / "config.json").exists():
-        raise ValueError(f"{what} '{value}' has no config.json (expected a save_pretrained folder)")
+    check_checkpoint(value, what)
     return value
+
+
+def _local_config(path: str) -> dict | None:
+    """The config.json of a target named by ``path`` when it is on disk ('testbed' or a folder), else None."""
+    from .checks import read_config
+    from .testbed import SHIPPED_TARGET
+
+    folder = SHIPPED_TARGET if path == "testbed" else Path(os.path.expanduser(path))
+    return read_config(folder, "target") if (folder / "config.json").exists() else None
 
 
 def _local_or_hub(value: str, what: str, probe_file: str) -> str:
@@ -270,7 +280,15 @@ class TargetConfig(Strict):
     @field_validator("path")
     @classmethod
     def _target_exists(cls, v: str) -> str:
-        return v if v == "testbed" else _local_or_hub(v, "target", "config.json")
+        if v == "testbed":
+            return v
+        _local_or_hub(v, "target", "config.json")
+        if Path(os.path.expanduser(v)).is_dir():  # a local folder: whole weights and a tokenizer
+            from .checks import check_checkpoint, check_tokenizer
+
+            check_checkpoint(v, "target")
+            check_tokenizer(v, "target")
+        return v
 
 
 #: quantization schemes (see distill/quantize.py): 8da<N>w = int8 dynamic activations + intN weights,
@@ -603,6 +621,10 @@ class PromptsSection(Strict):
     def _one_source(self) -> "PromptsSection":
         if (self.file is None) == (self.from_corpus == 0):
             raise ValueError("give exactly one of prompts.file or prompts.from_corpus")
+        if self.file is not None:
+            from .checks import read_prompts
+
+            read_prompts(self.file, self.field)  # every line, before any compute
         return self
 
 
@@ -687,6 +709,20 @@ class EvalRecipe(RecipeBase):
     @classmethod
     def _assistant_exists(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None else _local_or_hub(v, "peer assistant", "config.json")
+
+    @model_validator(mode="after")
+    def _drafter_fits_target(self) -> "EvalRecipe":
+        _check_fit(self.drafter, self.target.path)
+        return self
+
+
+def _check_fit(drafter: str, target: str) -> None:
+    """A drafter folder against a target on disk (a hub target is checked when it loads)."""
+    from .checks import check_drafter_fits, read_config
+
+    target_config = _local_config(target)
+    if target_config is not None:
+        check_drafter_fits(read_config(drafter, "drafter folder"), target_config, drafter, target)
 
 
 class QuantMeasureSection(Strict):
@@ -804,6 +840,11 @@ class ExportRecipe(RecipeBase):
         for r in reports:
             _existing_path(r, "eval report")
         return reports
+
+    @model_validator(mode="after")
+    def _drafter_fits_target(self) -> "ExportRecipe":
+        _check_fit(self.drafter, self.target.path)
+        return self
 
 
 Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe, EvalRecipe, QuantizeRecipe,

@@ -12,9 +12,11 @@ applied per token (embedding lookups excluded, a tied LM head counted once) plus
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from .config import ModelConfig, TargetConfig
+from .config import ModelConfig, RecipeError, TargetConfig
 from .testbed import SHIPPED_TARGET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,9 +96,15 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu"):
     import parcae  # noqa: F401  (registers Parcae with the Auto classes)
 
     path = resolve_target_path(cfg.path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:  # a hub id that cannot be fetched (no network, no cache, no access)
+        if Path(path).exists():
+            raise
+        raise RecipeError(f"target.path: '{path}' could not be loaded from the hub ({str(e).splitlines()[0]}); with "
+                          f"no network, set HF_HUB_OFFLINE=1 to use the local cache, or give a local folder") from None
     model.to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 

@@ -57,11 +57,9 @@ def corpus_prompts(docs: list[str], count: int, prompt_tokens: int, tokenizer, s
 
 
 def file_prompts(path: str, field: str) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    for i, row in enumerate(rows):
-        if field not in row and "messages" not in row:
-            raise ValueError(f"{path} line {i + 1}: no '{field}' or 'messages' key")
-    return [{"messages": r["messages"]} if "messages" in r else {"prompt": r[field]} for r in rows]
+    from .checks import read_prompts
+
+    return [{"messages": r["messages"]} if "messages" in r else {"prompt": r[field]} for r in read_prompts(path, field)]
 
 
 def load_prompts(section, data_cfg, seed: int, tokenizer) -> list[dict]:

@@ -35,12 +35,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from distill.features import FeatureCapture
 
 from .budget import Budget, Probes
 from .engine import _next_outcome, _truncate, measure_verify_costs, verify_sizes
+from .kv import inplace_cache
 from .sampling import Sampler, verify_chain
 
 
@@ -50,7 +50,7 @@ class BatchTarget:
 
     def __init__(self, target, capture: FeatureCapture | None = None):
         self.target, self.capture = target, capture
-        self.cache = DynamicCache(config=target.config)
+        self.cache = inplace_cache(target.config)
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, slots]
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R]
 

@@ -41,8 +41,9 @@ from distill.features import FeatureCapture, TargetFeatures
 from drafters.core import ContextCache
 
 from .budget import Budget, CausalChain
-from .sampling import Sampler, verify_chain
+from .kv import inplace_cache
 from .lookup import graft, lookup_continuation
+from .sampling import Sampler, verify_chain
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
 
 
@@ -52,7 +53,7 @@ class TargetSession:
     def __init__(self, target, capture: FeatureCapture | None = None):
         self.target = target
         self.capture = capture
-        self.cache = DynamicCache(config=target.config)
+        self.cache = inplace_cache(target.config)
         self.length = 0
 
     @torch.no_grad()

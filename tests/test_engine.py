@@ -330,3 +330,32 @@ def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trai
     with pytest.raises(RecipeError, match="need at least as many prompts"):
         evaluate.main(recipe("dflash", batch_sizes=[4]))
     assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
+
+
+def test_the_in_place_cache_holds_what_a_dynamic_cache_holds(target_and_prompts):
+    """The loop's target cache (serve_eval.kv) against transformers' own under the calls the loop
+    makes: appends across buffer growth, crops, row selection; the same keys, values and logits."""
+    from transformers import DynamicCache
+
+    from serve_eval.kv import inplace_cache
+
+    target = target_and_prompts[0]
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = inplace_cache(target.config), DynamicCache(config=target.config)
+    length = 0
+    for n, crop, rows in [(3, 0, None), (40, 5, None), (1, 0, [0, 2]), (70, 30, None), (8, 7, [1])]:
+        batch = theirs.layers[0].keys.shape[0] if length else 3
+        ids = torch.randint(0, target.config.vocab_size, (batch, n), generator=gen)
+        pos = torch.arange(length, length + n)[None].expand(batch, -1)
+        a = target(input_ids=ids, position_ids=pos, cache=ours, use_cache=True).logits
+        b = target(input_ids=ids, position_ids=pos, cache=theirs, use_cache=True).logits
+        assert torch.allclose(a, b, atol=1e-5)
+        for cache in (ours, theirs):
+            cache.crop(-crop)
+            if rows is not None:
+                for layer in cache.layers:
+                    layer.batch_select_indices(torch.tensor(rows))
+        length += n - crop
+        assert ours.get_seq_length() == theirs.get_seq_length() == length
+        for mine, ref in zip(ours.layers, theirs.layers):
+            assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
