@@ -24,7 +24,12 @@ measured drafting cost at ``R`` rows. Where speculation stops paying (large batc
 CPU) the scheduler also stops drafting: while the best rate its calibration predicts is below plain
 decoding's, steps read the bonus only and the drafter just reads the new features, with a drafted
 probe step now and then (after 8, 16, 32, 64 plain steps) to notice when that changes (Nightjar's
-off switch; it acts only after 8 drafted steps, once the calibration has seen some). Every choice uses earlier steps and this step's drafter outputs only: lossless.
+off switch; it acts only after 8 drafted steps, once the calibration has seen some). With a
+calibration lent by a one-row run, a batch size is also judged before it starts: if a typical row
+at the acceptance measured at each depth, with the drafting cost measured at that many rows
+(:func:`measure_draft_seconds`), is predicted slower than plain decoding, that batch size runs plain
+decoding outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size, from
+measured costs). Every choice uses earlier steps and this step's drafter outputs only: lossless.
 
 Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one row at a time.
 """
@@ -179,6 +184,17 @@ class BatchScheduler:
         self.probes = Probes(probe_first, probe_limit)
         self.chosen: list[int] = []  # n of every step (1: no drafts verified)
         self.drafted_steps = 0
+        self.off: float | None = None  # the predicted speedup, when it turned this batch size off up front
+
+    def predicted_speedup(self, rows: int) -> float:
+        """Before a batch of ``rows`` drafts at all: the best predicted rate of drafted steps against
+        plain steps, for a typical row kept at the acceptance measured at each depth (the calibration,
+        when lent by a one-row run) and the drafting cost measured at ``rows`` (:func:`measure_draft_seconds`)."""
+        reach, p = [], 1.0
+        for depth in range(1, self.K):
+            p *= self.budget.depth_acceptance(depth)
+            reach.append(rows * p)
+        return self._best(rows, reach)[1] / (rows / self.budget.verify_seconds(rows))
 
     def _draft_cost(self, rows: int) -> float:
         return self.draft_seconds.get(rows, max(self.draft_seconds.values(), default=0.0))
@@ -242,9 +258,33 @@ class BatchScheduler:
 
     def summary(self) -> dict:
         steps = max(1, len(self.chosen))
+        if not self.chosen and self.off is not None:
+            return {"off": True, "predicted_speedup": round(self.off, 4), "drafted_fraction": 0.0}
         return {"mean_verified": round(sum(self.chosen) / steps, 3),
                 "verified_histogram": {str(n): self.chosen.count(n) for n in sorted(set(self.chosen))},
                 "drafted_fraction": round(self.drafted_steps / steps, 4)}
+
+
+@torch.no_grad()
+def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5) -> float:
+    """Seconds of one batched block draft over ``rows`` rows of ``context`` cached positions (the
+    layers and heads; median of ``repeats`` after a warm-up), on random features: the cost does not
+    depend on them. A private generator leaves the caller's RNG alone."""
+    device = next(drafter.parameters()).device
+    cfg = drafter.config
+    gen = torch.Generator().manual_seed(0)
+    aux = torch.randn(rows, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=gen).to(device)
+    ctx_kv = drafter.context_kv(aux, torch.arange(context, device=device)[None].expand(rows, -1))
+    anchors = torch.randint(0, cfg.vocab_size, (rows, 1), generator=gen).to(device)
+    lengths = torch.full((rows, 1), context, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        drafter.propose(drafter.block_hidden(None, anchors, lengths, ctx_kv), anchors)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 @dataclass
@@ -390,14 +430,22 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]
         # a calibration lent by a one-row run is trusted from the first drafted step on
         scheduler = None if budget is None else BatchScheduler(budget, K, min_drafts=1 if calibration else 8)
+        if scheduler is not None:
+            scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
+            predicted = scheduler.predicted_speedup(B)
+            if calibration is not None and predicted < 1.0:  # a calibrated prediction: drafting cannot pay here
+                scheduler.off = predicted
         tokens = base_tokens = forwards = 0
         spec_s = base_s = 0.0
         lossless = True
         for group in groups:
             prompts = [encoded[i] for i in group]
             base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group])
-            ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos,
-                                                       [sampler(i) for i in group], scheduler)
+            if scheduler is not None and scheduler.off is not None:  # speculation off: the loop is plain decoding
+                ours, stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group])
+            else:
+                ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos,
+                                                           [sampler(i) for i in group], scheduler)
             lossless = lossless and ours == base if dec.temperature == 0 else None
             tokens, base_tokens = tokens + stats.tokens, base_tokens + base_stats.tokens
             spec_s, base_s = spec_s + stats.seconds, base_s + base_stats.seconds

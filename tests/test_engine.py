@@ -265,6 +265,26 @@ def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_draf
     assert set(dear.chosen) == {1} and dear.summary()["drafted_fraction"] < 0.5  # the off switch, with probes
 
 
+def test_a_batch_size_is_judged_before_it_drafts(trained_drafters):
+    """The up-front prediction for a batch size: a typical row at the measured per-depth acceptance,
+    the drafting cost measured at that many rows, against a plain step. Where a forward costs what its
+    tokens cost (compute-bound) drafting cannot pay; where extra tokens are nearly free it does."""
+    from serve_eval.batch import BatchScheduler, measure_draft_seconds
+
+    drafter = trained_drafters["dflash"]
+    K = drafter.config.block_size
+    seconds = measure_draft_seconds(drafter, 4, context=16, repeats=2)
+    assert 0 < seconds < 1
+    for costs, pays in (({1: 1.0, 4 * K: 4.0 * K}, False), ({1: 1.0, 4 * K: 1.2}, True)):
+        budget = Budget(costs)
+        for _ in range(50):  # drafts at every depth kept 90% of the time
+            budget.record_chain([0.5] * (K - 1), K - 1, K - 1)
+            budget.record_chain([0.5] * (K - 1), 1, 0)
+        scheduler = BatchScheduler(budget, K)
+        scheduler.draft_seconds[4] = 0.05
+        assert (scheduler.predicted_speedup(4) > 1) == pays
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_trees_with_lookup_drafts_equal_greedy(target_and_prompts, trained_drafters, kind):
     """Prompt-lookup continuations grafted onto the drafter's tree, with and without a budget: the
