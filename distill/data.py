@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import DATA_SUFFIXES, DataConfig, TokenizerConfig
+from .checks import jsonl_records
+from .config import DATA_SUFFIXES, DataConfig, RecipeError, TokenizerConfig
 from .testbed import Document, atomic_dir, cache_dir, fingerprint_texts, split_documents, stdlib_documents, train_bpe_tokenizer
 
 
@@ -56,7 +57,7 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
         desc = f"stdlib source: {len(train)} train / {len(val)} held-out files"
     elif cfg.source == "files" and DATA_SUFFIXES[Path(cfg.train_files[0]).suffix] == "document":
         if any(DATA_SUFFIXES[Path(f).suffix] != "document" for f in cfg.train_files + cfg.val_files):
-            raise ValueError(f"data files mix whole documents with datasets: {cfg.train_files + cfg.val_files}")
+            raise RecipeError(f"data files mix whole documents with datasets: {cfg.train_files + cfg.val_files}")
         read = lambda files: [Document(f, Path(f).read_text(encoding="utf-8", errors="replace")) for f in files]  # noqa: E731
         train, val = (read(cfg.train_files), read(cfg.val_files)) if cfg.val_files else split_documents(read(cfg.train_files), cfg.val_fraction)
         train, val = train[:cfg.max_documents] if cfg.max_documents else train, val
@@ -69,8 +70,13 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             def load(files):
                 kind = DATA_SUFFIXES[Path(files[0]).suffix]
                 if any(DATA_SUFFIXES[Path(f).suffix] != kind for f in files):
-                    raise ValueError(f"data files mix formats: {files}")
-                return load_dataset(kind, data_files=files, split="train")
+                    raise RecipeError(f"data files mix formats: {files}")
+                try:
+                    return load_dataset(kind, data_files=files, split="train")
+                except Exception as e:  # datasets wraps a malformed file in its own generation error
+                    cause = e.__cause__ or e
+                    raise RecipeError(f"data files {files}: could not be read as {kind} "
+                                      f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from None
             ds = load(cfg.train_files)
             val_ds = load(cfg.val_files) if cfg.val_files else None
         else:
@@ -78,7 +84,7 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             val_ds = None
         for column in _columns_needed(cfg):
             if column not in ds.column_names:
-                raise ValueError(f"data: column '{column}' (format '{cfg.format}') is not in the data "
+                raise RecipeError(f"data: column '{column}' (format '{cfg.format}') is not in the data "
                                  f"(columns: {ds.column_names}); set data.text_field / prompt_field / response_field / messages_field")
         if cfg.max_documents:
             ds = ds.select(range(min(cfg.max_documents, len(ds))))
@@ -100,7 +106,8 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
 
 def regenerated_text_splits(regenerated: dict) -> TextSplits:
     """The records of a :func:`distill.regenerate.regenerated_splits` result as train / held-out splits."""
-    read = lambda files: [json.loads(line) for f in files for line in Path(f).read_text().splitlines()]  # noqa: E731
+    hint = f"; delete {regenerated.get('folder', 'the cache folder')} to regenerate the answers"
+    read = lambda files: [row for f in files for _, row in jsonl_records(f, "regenerated answers", hint)]  # noqa: E731
     train, val = read(regenerated["train_files"]), read(regenerated["val_files"])
     return TextSplits(train, val, regenerated["key"],
                       f"the target's answers ({regenerated['key']}): {len(train)} train / {len(val)} held-out records")

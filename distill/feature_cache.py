@@ -33,6 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .checks import check_safetensors
+from .config import RecipeError
 from .data import Batch, PackedWindows
 from .features import LAYER_ID_CONVENTION, FeatureCapture
 
@@ -42,7 +44,7 @@ CHECKED_FIELDS = ("target_fingerprint", "tokenizer_fingerprint", "data_fingerpri
                   "layer_id_convention", "seq_len", "num_windows", "dtype", "split")
 
 
-class FeatureCacheMismatch(ValueError):
+class FeatureCacheMismatch(RecipeError):
     """The cache on disk was produced for something other than this recipe."""
 
 
@@ -108,7 +110,10 @@ def read_manifest(folder: Path) -> dict:
     path = Path(folder) / "manifest.json"
     if not path.exists():
         raise FileNotFoundError(f"{folder} is not a feature cache (no manifest.json)")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"feature cache {folder}: manifest.json is not valid JSON ({e}); delete the folder to rebuild it") from None
 
 
 def check_manifest(manifest: dict, expected: dict, folder: Path) -> None:
@@ -136,6 +141,8 @@ class CachedFeatureWindows(PackedWindows):
         for shard in self.manifest["shards"]:
             self._starts.append(total)
             total += shard["windows"]
+            check_safetensors(self.folder / shard["file"], f"feature cache {self.folder}",
+                              hint="; delete the folder to rebuild it")
         self._handles: dict[int, object] = {}
 
     def _locate(self, index: int) -> tuple[object, int]:

@@ -113,3 +113,48 @@ def test_an_unreachable_hub_target_is_one_clear_error(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert "target.path: 'someone/missing-model' could not be loaded from the hub" in err and "HF_HUB_OFFLINE=1" in err
     assert not out.exists()
+
+
+def test_a_data_file_that_does_not_parse_names_itself(tmp_path):
+    from distill.config import DataConfig, RecipeError
+    from distill.data import load_text_splits
+
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"text": "def f(): pass"}\n{"text": "x" "y"}\n')
+    with pytest.raises(RecipeError, match=r"data files \[.*train.jsonl'\]: could not be read as json"):
+        load_text_splits(DataConfig(source="files", train_files=[str(bad)], format="text"))
+
+
+def test_a_truncated_feature_cache_shard_is_refused_when_opened(tmp_path):
+    """A feature cache whose shard was cut short (a full disk, a copy that stopped) fails when the
+    cache is opened, naming the shard and what to do, not at the first batch that reads it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from distill.config import RecipeError
+    from distill.feature_cache import FORMAT_VERSION, CachedFeatureWindows
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    save_file({"input_ids": torch.zeros(4, 9, dtype=torch.int32), "aux": torch.zeros(4, 9, 6), "last": torch.zeros(4, 9, 2)},
+              str(folder / "shard_00000.safetensors"))
+    (folder / "manifest.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "seq_len": 8, "num_windows": 4,
+                                                      "shards": [{"file": "shard_00000.safetensors", "windows": 4}]}))
+    assert CachedFeatureWindows(folder, {}).num_windows == 4
+    _truncate(folder / "shard_00000.safetensors")
+    with pytest.raises(RecipeError, match=r"shard_00000.safetensors .* is truncated or corrupted: .*delete the folder"):
+        CachedFeatureWindows(folder, {})
+    (folder / "manifest.json").write_text("{")
+    with pytest.raises(RecipeError, match="manifest.json is not valid JSON"):
+        CachedFeatureWindows(folder, {})
+
+
+def test_corrupted_regenerated_answers_say_how_to_regenerate(tmp_path):
+    from distill.config import RecipeError
+    from distill.data import regenerated_text_splits
+
+    answers = tmp_path / "train_t0.jsonl"
+    answers.write_text('{"prompt_ids": [1], "response_ids": [2], "eos": true}\n{"prompt_ids": [1], "resp\n')
+    record = {"key": "k", "folder": str(tmp_path), "train_files": [str(answers)], "val_files": [str(answers)]}
+    with pytest.raises(RecipeError, match=rf"train_t0.jsonl line 2: not valid JSON .*delete {tmp_path} to regenerate"):
+        regenerated_text_splits(record)
