@@ -70,6 +70,11 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
     os.replace(tmp, path)
 
 
+def update_json_atomic(path: str | os.PathLike, **fields) -> None:
+    """Add ``fields`` to the JSON object in ``path`` (write then rename)."""
+    write_json_atomic(path, {**json.loads(Path(path).read_text()), **fields})
+
+
 def write_run_header(output_dir: str | os.PathLike, recipe, **extra) -> dict:
     """Write ``recipe.yaml`` (resolved) and ``provenance.json`` into ``output_dir``; return the record."""
     out = Path(output_dir)

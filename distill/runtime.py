@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -20,15 +21,29 @@ def make_accelerator(train: TrainConfig, seed: int, project_dir: str | Path, wan
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"  # set by accelerate launch
     acc = Accelerator(
-        cpu=not torch.cuda.is_available(),
+        cpu=not torch.cuda.is_available() and not deepspeed,  # cpu=True would silently drop DeepSpeed for DDP
         mixed_precision=train.mixed_precision,
         gradient_accumulation_steps=train.grad_accum,
         log_with="wandb" if wandb and wandb.enabled else None,
         project_dir=str(project_dir),
     )
+    if acc.state.deepspeed_plugin is not None:  # no dataloader is prepared (see distill.trainer): say the batch size
+        acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = train.micro_batch_size
     set_seed(seed)
     return acc
+
+
+def run_strategy(acc, model) -> dict:
+    """How this run is parallelised, read from what really ran: accelerate's distributed type, the
+    world size, the class ``prepare`` wrapped the model in (``DeepSpeedEngine``, ``FullyShardedDataParallel``,
+    ``DistributedDataParallel``, or the model itself) and, under DeepSpeed, the ZeRO stage."""
+    record = {"distributed_type": acc.distributed_type.value, "num_processes": acc.num_processes,
+              "model_wrapper": type(model).__name__, "mixed_precision": acc.mixed_precision, "device": acc.device.type}
+    if acc.state.deepspeed_plugin is not None:
+        record["zero_stage"] = acc.state.deepspeed_plugin.zero_stage
+    return record
 
 
 def init_tracking(acc, wandb: WandbConfig, output_dir: str | Path, config: dict, default_name: str) -> None:

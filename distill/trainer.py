@@ -37,7 +37,8 @@ from .checkpoint import fault_point, find_resumable, write_atomically
 from .config import OptimConfig, TrainConfig
 from .data import PackedWindows
 from .perf import Throughput, measured_matmul_peak
-from .runtime import log_acceptance, log_checkpoint_artifact
+from .provenance import update_json_atomic
+from .runtime import log_acceptance, log_checkpoint_artifact, run_strategy
 
 
 @dataclass
@@ -131,10 +132,14 @@ class Trainer:
         self.state = TrainerState()
 
         optimizer = build_optimizer(model, optim_cfg)
-        self.scheduler = build_scheduler(optimizer, optim_cfg, train_cfg.max_steps)
-        # The scheduler is deliberately not prepared: accelerate would step it once per process.
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # The scheduler is built on the prepared optimizer (DeepSpeed ZeRO-3 regroups the parameters)
+        # and deliberately not prepared: accelerate would step it once per process.
+        self.scheduler = build_scheduler(self.optimizer, optim_cfg, train_cfg.max_steps)
         accelerator.register_for_checkpointing(self.scheduler, self.state)
+        self.strategy = run_strategy(accelerator, self.model)
+        if accelerator.is_main_process and (self.out / "provenance.json").exists():  # the run records what ran
+            update_json_atomic(self.out / "provenance.json", strategy=self.strategy)
         self.grad_clip = optim_cfg.grad_clip
 
         self.world = accelerator.num_processes
