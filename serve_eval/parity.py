@@ -17,7 +17,8 @@ then measures acceptance in the real decoding loop:
     equal the trained model's within ``logits_atol`` (0 by default on CPU: same weights, same maths).
 ``acceptance``
     the reloaded ``transformers`` drafter runs in the speculative-decoding loop
-    (:func:`serve_eval.engine.speculative_generate`, greedy) on the evaluation prompts; the measured
+    (:func:`serve_eval.engine.speculative_generate`, greedy, every draft verified: what the
+    simulation replays) on the evaluation prompts; the measured
     acceptance length must match the simulated tau recorded at training: ``|(measured - 1) - (simulated
     - 1)| <= tau_rel_tolerance * (simulated - 1) + tau_abs_tolerance``. Greedy decoding also checks the
     output equals plain decoding (lossless).
@@ -167,7 +168,9 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simula
     if reloaded is None:
         raise ValueError("the parity gate needs the transformers export (format 'transformers') to run the engine")
     speculative_generate(target, reloaded, prompts[0], 4, eos_token_id)  # warm-up, as every benchmark here
-    run = measure(target, reloaded, prompts, DecodingSection(max_new_tokens=max_new_tokens), eos_token_id,
+    # every draft verified: the simulated tau replays exactly that (a budget, or the draft switch, would
+    # make the measured tau a property of this machine's costs rather than of the drafter)
+    run = measure(target, reloaded, prompts, DecodingSection(max_new_tokens=max_new_tokens, adaptive=False), eos_token_id,
                   lambda i: Sampler(), None)
     measured, lossless = run["tau"], run["lossless"]
     acceptance = {"measured_tau": measured, "simulated_tau": None if simulated_tau is None else round(simulated_tau, 4),
