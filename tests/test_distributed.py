@@ -105,18 +105,23 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     DeepSpeed engine at that stage ran, survives a SIGKILL after step 6 (resuming from its step-4
     DeepSpeed checkpoint) and saves a whole model. ZeRO-2 ends with the weights of the same recipe run
     in-process without DeepSpeed (same arithmetic, up to the order of floating-point reductions).
-    ZeRO-3 does not yet: its first loss already differs (6.219 against 6.251 before any update, with
-    clipping and weight decay off too), so it is held to training only (its loss falls)."""
+    Under ZeRO-3 transformers builds the model inside ``deepspeed.zero.Init`` (parameters partitioned
+    as they are created), which draws another random initialisation; its reference is therefore the
+    same ZeRO-3 launch run without the kill."""
     from distill.config import parse_recipe
     from recipes import train_lm
 
     base = dict(train={"max_steps": 8, "save_every": 4, "eval_every": 8})
-    reference = tmp_path / "reference"
-    train_lm.main(parse_recipe(tiny_lm_recipe(reference, **base)))
-    out = tmp_path / f"zero{stage}"
-    path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(out, **base))
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(REPO / f"accelerate_configs/cpu_zero{stage}.yaml")]
+    reference = tmp_path / "reference"
+    if stage == 2:
+        train_lm.main(parse_recipe(tiny_lm_recipe(reference, **base)))
+    else:
+        done = run_cli("run", str(write_recipe(tmp_path / "ref.yaml", tiny_lm_recipe(reference, **base))), launcher=launcher)
+        assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / f"zero{stage}"
+    path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(out, **base))
     killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:6"}, launcher=launcher)
     assert killed.returncode != 0 and not (out / "model").exists(), killed.stderr[-2000:]
     resumed = run_cli("run", str(path), launcher=launcher)
@@ -125,18 +130,16 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     strategy = json.loads((out / "provenance.json").read_text())["strategy"]
     assert strategy == {"distributed_type": "DEEPSPEED", "num_processes": 1, "model_wrapper": "DeepSpeedEngine",
                         "mixed_precision": "no", "device": "cpu", "zero_stage": stage}
-    single = json.loads((reference / "provenance.json").read_text())["strategy"]
-    assert single["distributed_type"] != "DEEPSPEED" and single["model_wrapper"] != "DeepSpeedEngine"
+    if stage == 2:
+        single = json.loads((reference / "provenance.json").read_text())["strategy"]
+        assert single["distributed_type"] != "DEEPSPEED" and single["model_wrapper"] != "DeepSpeedEngine"
     a, b = load_file(str(reference / "model/model.safetensors")), load_file(str(out / "model/model.safetensors"))
-    if "lm_head.weight" in b.keys() - a.keys():  # ZeRO-3 gathers the tied head as a tensor of its own
+    if "lm_head.weight" in b.keys() - a.keys():  # DeepSpeed's gathered state dict holds the tied head apart
         assert torch.equal(b.pop("lm_head.weight"), b["model.embed_tokens.weight"])
     assert a.keys() == b.keys()
     losses = lambda run: [round(json.loads(line)["train/loss"], 4) for line in (run / "metrics.jsonl").read_text().splitlines()  # noqa: E731
                           if "train/loss" in line]
-    if stage == 3:
-        assert losses(out)[-1] < losses(out)[0]
-        return
-    assert losses(out) == losses(reference)
+    assert losses(out) == losses(reference) and losses(out)[-1] < losses(out)[0]
     for k in a:
         assert b[k].dtype == torch.float32 and torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), \
             f"{k}: max difference {(a[k] - b[k]).abs().max():.2e}"
