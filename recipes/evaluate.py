@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from distill.config import EvalRecipe, RecipeError
+from distill.checks import check_drafter_fits
 from distill.models import load_target, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import encoded_prompts
@@ -44,21 +45,14 @@ def load_drafter(folder: str, target, device):
     import parcae  # noqa: F401  (and Parcae with AutoModelForCausalLM)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    kind = AutoConfig.from_pretrained(folder).model_type
-    if kind not in ("draftsmith_dflash", "draftsmith_dspark", "draftsmith_eagle3"):
-        return _same_vocabulary(AutoModelForCausalLM.from_pretrained(folder).to(device).eval(), target, folder)
+    config = AutoConfig.from_pretrained(folder)
+    # recipe validation checked this already for a target on disk; a hub target is known only now
+    check_drafter_fits(config.to_dict(), target.config.to_dict(), folder, target.config.name_or_path)
+    if config.model_type not in ("draftsmith_dflash", "draftsmith_dspark", "draftsmith_eagle3"):
+        return AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
     shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head
-    drafter = AutoModel.from_pretrained(folder, dtype=torch.float32)
-    _same_vocabulary(drafter, target, folder)
-    drafter = drafter.to(device).eval()
+    drafter = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     return drafter.share_target_io(target) if shared else drafter
-
-
-def _same_vocabulary(drafter, target, folder):
-    if drafter.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"drafter {folder} has a {drafter.config.vocab_size}-token vocabulary, the target "
-                         f"{target.config.vocab_size}: it was trained for another target")
-    return drafter
 
 
 def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:

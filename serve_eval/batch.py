@@ -43,8 +43,8 @@ import torch
 
 from distill.features import FeatureCapture
 
-from .budget import Budget, Probes
-from .engine import _next_outcome, _truncate, measure_verify_costs, verify_sizes
+from .budget import Budget, CausalChain, Probes
+from .engine import _next_outcome, _truncate, measure_verify_costs, median_seconds, verify_sizes
 from .kv import inplace_cache
 from .sampling import Sampler, verify_chain
 
@@ -222,15 +222,13 @@ class BatchScheduler:
 
     def _causal(self, rows: int, top_q: torch.Tensor) -> tuple[int, float]:
         """``n`` and its rate when position ``k`` is chosen from positions ``<= k`` alone (sampled drafts
-        drawn one after another; :meth:`~serve_eval.budget.Budget.pays_to_include`)."""
+        drawn one after another; :class:`~serve_eval.budget.CausalChain` over every row)."""
         cost = lambda m: self.budget.verify_seconds(rows * (m + 1)) + self._draft_cost(rows)  # noqa: E731
-        gain, reach, n = float(rows), [1.0] * rows, 1
-        for k, qs in enumerate(top_q.t().tolist(), start=1):
-            reach_k = [r * self.budget.acceptance(q, k) for r, q in zip(reach, qs)]
-            if not self.budget.pays_to_include(gain, sum(reach_k), k, self.K - 1, cost):
+        chain = CausalChain(self.budget, self.K - 1, cost, rows)
+        for qs in top_q.t().tolist():
+            if not chain.offer(*qs):
                 break
-            gain, reach, n = gain + sum(reach_k), reach_k, k + 1
-        return n, gain / cost(n - 1)
+        return chain.kept + 1, chain.gain / cost(chain.kept)
 
     def choose(self, top_q: torch.Tensor, causal: bool = False) -> int:
         """``n`` for a drafted step from the drafter's top probabilities [R, K-1]; ``causal`` when
@@ -277,14 +275,7 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
     ctx_kv = drafter.context_kv(aux, torch.arange(context, device=device)[None].expand(rows, -1))
     anchors = torch.randint(0, cfg.vocab_size, (rows, 1), generator=gen).to(device)
     lengths = torch.full((rows, 1), context, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        drafter.propose(drafter.block_hidden(None, anchors, lengths, ctx_kv), anchors)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return median_seconds(lambda: drafter.propose(drafter.block_hidden(None, anchors, lengths, ctx_kv), anchors), repeats, device)
 
 
 @dataclass

@@ -194,6 +194,10 @@ class Budget:
         for q in top_q:
             if not chain.offer(q):
                 break
+        return self.record_causal(chain)
+
+    def record_causal(self, chain: "CausalChain") -> int:
+        """Record the choice a :class:`CausalChain` made (its positions already offered); its length."""
         self._record_choice(chain.kept, chain.gain, chain.cost(chain.kept))
         return chain.kept
 
@@ -276,25 +280,25 @@ class Budget:
 
 
 class CausalChain:
-    """:meth:`Budget.causal_length` one position at a time: :meth:`offer` each position's top ``q`` in
-    order; it answers whether that position is verified, from it and the earlier ones alone. An
-    autoregressive drafter asks after each distribution and stops drafting at the first no."""
+    """:meth:`Budget.causal_length` one position at a time: :meth:`offer` each position's top ``q`` (one
+    per row) in order; it answers whether that position is verified, from it and the earlier ones
+    alone. An autoregressive drafter asks after each distribution and stops drafting at the first no;
+    the batch scheduler offers every row's ``q`` at once, with its batched ``cost``."""
 
-    def __init__(self, budget: Budget, horizon: int):
+    def __init__(self, budget: Budget, horizon: int, cost=None, rows: int = 1):
         self.budget, self.horizon = budget, horizon
-        self.gain, self.reach, self.kept, self.open = 1.0, 1.0, 0, True
+        self.cost = cost or (lambda m: budget.verify_seconds(m + 1) + budget.draft_cost(m, horizon))
+        self.reach = [1.0] * rows  # each row's P of the last verified position
+        self.gain, self.kept, self.open = float(rows), 0, True
 
-    def cost(self, drafts: int) -> float:
-        return self.budget.verify_seconds(drafts + 1) + self.budget.draft_cost(drafts, self.horizon)
-
-    def offer(self, q: float) -> bool:
+    def offer(self, *qs: float) -> bool:
         if not self.open:
             return False
         depth = self.kept + 1
-        reach = self.reach * self.budget.acceptance(q, depth)
-        self.open = self.budget.pays_to_include(self.gain, reach, depth, self.horizon, self.cost)
+        reach = [r * self.budget.acceptance(q, depth) for r, q in zip(self.reach, qs)]
+        self.open = self.budget.pays_to_include(self.gain, sum(reach), depth, self.horizon, self.cost)
         if self.open:
-            self.gain, self.reach, self.kept = self.gain + reach, reach, depth
+            self.gain, self.reach, self.kept = self.gain + sum(reach), reach, depth
         return self.open
 
 

@@ -111,16 +111,23 @@ def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeat
     costs = {}
     for n in sorted(set(sizes)):
         ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-        times = []
-        for _ in range(repeats + 1):  # the first call warms this shape up
-            start = time.perf_counter()
-            session.forward(ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            session.rollback(context)
-        costs[n] = sorted(times[1:])[len(times[1:]) // 2]
+        costs[n] = median_seconds(lambda: session.forward(ids), repeats, device, after=lambda: session.rollback(context))
     return costs
+
+
+def median_seconds(run, repeats: int, device, after=None) -> float:
+    """The median seconds of ``repeats`` calls of ``run()`` after one warm-up call (CUDA synchronised;
+    ``after()`` runs untimed after each call, e.g. to undo it)."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        if after is not None:
+            after()
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def verify_sizes(largest: int) -> list[int]:
@@ -431,8 +438,9 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     causal = proposer.incremental or (proposer.conditional and not sampler.greedy)  # see serve_eval.budget
     while len(out) < max_new_tokens and not done:
         t0 = time.perf_counter()
-        stopper = _Stopper(budget, sampler, K - 1, t0) if budget is not None and mode == "chain" and proposer.incremental else None
         drafting = budget is None or mode != "chain" or budget.switch.should_draft()
+        stopper = _Stopper(budget, sampler, K - 1, t0) if drafting and budget is not None and mode == "chain" \
+            and proposer.incremental else None
         if drafting:
             drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler, **({"stop": stopper} if stopper else {}))
         else:  # a plain step: the bonus alone (the drafter catches up in observe / its next draft)
@@ -471,8 +479,11 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 budget.record_plain()
             elif budget is not None:  # ranked by the top probability at each position, never the drawn token's
                 q = draft_logits.float().softmax(-1) if sampler.greedy else sampler.probs(draft_logits)
-                top_q = stopper.top_q if stopper is not None else q.amax(-1).tolist()
-                keep = budget.causal_length(top_q, K - 1) if causal else budget.chain_length(top_q)
+                if stopper is not None:  # the drafter stopped where its chain said: that choice is the step's
+                    top_q, keep = stopper.top_q, budget.record_causal(stopper.chain)
+                else:
+                    top_q = q.amax(-1).tolist()
+                    keep = budget.causal_length(top_q, K - 1) if causal else budget.chain_length(top_q)
                 all_drafts = drafts
                 drafts, draft_logits = drafts[:keep], draft_logits[:keep]
             logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
