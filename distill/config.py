@@ -490,10 +490,22 @@ class DrafterSection(Strict):
     position_weighting: Literal["exp", "dpace"] = Field(
         "exp", description="block positions weighted exp(-(k-1)/gamma), or by the detached probability of reaching them")
     loss_gamma: float = Field(4.0, gt=0, description="position weights exp(-(k-1)/gamma)")
+    loss_chunk: Optional[int] = Field(
+        None, gt=0, description="positions whose vocabulary-sized logits the loss holds at once (whole blocks; "
+                                "recomputed in backward); None = the whole batch at once. Set it for large "
+                                "vocabularies: 8 x 512 anchors x 15 positions x 152k tokens is 37 GB of fp32 logits")
     init_norm_scale: Optional[float] = Field(
         None, gt=0, description="start the output norm at this times the target's final norm (None: ones)")
     markov_rank: int = Field(64, gt=0, description="DSpark Markov head rank")
     confidence_weight: float = Field(1.0, ge=0, description="DSpark")
+    init_from: Optional[str] = Field(
+        None, description="a saved drafter folder of the same kind and sizes whose weights start training (a second "
+                          "schedule after a first; the optimizer and schedule start fresh); None = random init")
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_folder(cls, v: Optional[str]) -> Optional[str]:
+        return v if v is None else _pretrained_folder(v, "drafter.init_from")
 
     @field_validator("loss")
     @classmethod
@@ -513,6 +525,20 @@ class DrafterSection(Strict):
     def _eagle_layers(self) -> "DrafterSection":
         if self.kind == "eagle3" and (len(self.target_layer_ids or []) not in (0, 3) or self.num_target_layers != 3):
             raise ValueError("eagle3 fuses exactly 3 target layers (low, mid, high)")
+        return self
+
+    @model_validator(mode="after")
+    def _init_matches(self) -> "DrafterSection":
+        if self.init_from is None:
+            return self
+        from .checks import read_config
+
+        saved = read_config(self.init_from, "drafter.init_from")
+        want = {"model_type": f"draftsmith_{self.kind}", "num_hidden_layers": self.num_layers, "block_size": self.block_size}
+        wrong = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+        if wrong:
+            raise ValueError("drafter.init_from '" + self.init_from + "' is another drafter: " + ", ".join(
+                f"{k} {got!r} where this recipe builds {v!r}" for k, (got, v) in wrong.items()))
         return self
 
 

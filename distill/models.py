@@ -89,15 +89,22 @@ def resolve_target_path(path: str) -> str:
     return path
 
 
-def load_target(cfg: TargetConfig, device: str | torch.device = "cpu"):
-    """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: bool = True):
+    """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder.
+    ``weights=False``: the model built from its config on the meta device (shapes and dtypes, no
+    memory, nothing downloaded but the config and tokenizer), for dry runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import parcae  # noqa: F401  (registers Parcae with the Auto classes)
 
     path = resolve_target_path(cfg.path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[cfg.dtype])
+            device = "meta"
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:  # a hub id that cannot be fetched (no network, no cache, no access)
         if Path(path).exists():

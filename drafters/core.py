@@ -36,6 +36,7 @@ Acceptance (:func:`acceptance_stats`)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -45,7 +46,7 @@ from transformers.utils import ModelOutput
 
 from distill.features import LAYER_ID_CONVENTION
 
-from .losses import acceptance_probability, block_loss
+from .losses import BlockScores, block_scores
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,6 +223,7 @@ class DrafterConfig(PretrainedConfig):
         loss_terms: dict[str, float] | None = None,
         position_weighting: str = "exp",
         loss_gamma: float = 4.0,
+        loss_chunk: int | None = None,
         **kwargs,
     ):
         if block_attention not in ("bidirectional", "causal"):
@@ -249,20 +251,27 @@ class DrafterConfig(PretrainedConfig):
         self.loss_terms = dict(loss_terms if loss_terms is not None else self.default_loss_terms)
         self.position_weighting = position_weighting
         self.loss_gamma = loss_gamma
+        self.loss_chunk = loss_chunk  # positions whose vocabulary-sized logits the loss holds at once (None: all)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
 
 @dataclass
 class DrafterOutput(ModelOutput):
-    """``loss`` for training; ``draft_logits`` [B, N, K-1, V] as decoding would draft them and
-    ``target_logits`` for the same positions, for acceptance statistics; ``logs`` extra scalars."""
+    """``loss`` for training; per drafted position [B, N, K-1] (EAGLE-3: [B, chains, steps]), as
+    decoding would draft them: ``draft_tokens`` (the drafter's argmax), ``target_tokens`` (the
+    target's), ``accept`` (``alpha = 1 - TV``), ``scored`` (the label is scored: ``loss_mask``);
+    ``draft_logits`` / ``target_logits`` [..., V] unless the loss ran in chunks (``config.loss_chunk``);
+    ``logs`` extra scalars."""
 
     loss: torch.Tensor | None = None
+    draft_tokens: torch.Tensor | None = None
+    target_tokens: torch.Tensor | None = None
+    accept: torch.Tensor | None = None
     draft_logits: torch.Tensor | None = None
     target_logits: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
-    scored: torch.Tensor | None = None  # [B, N, K-1] bool: positions whose label is scored (loss_mask)
+    scored: torch.Tensor | None = None
     logs: dict | None = None
 
 
@@ -309,6 +318,24 @@ class DrafterBase(PreTrainedModel):
             raise ValueError(f"drafter vocab/hidden {tuple(self.embed_tokens.weight.shape)} does not match the "
                              f"target's embeddings {tuple(emb.shape)}: build the drafter with the target's sizes")
         return emb, head
+
+    @torch.no_grad()
+    def load_own_weights(self, folder: str | Path) -> "DrafterBase":
+        """This drafter's weights (all but the target's embeddings and head, which stay as they are)
+        from a saved drafter folder; every one must be there, with its shape."""
+        from safetensors.torch import load_file
+
+        state = {}
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            state.update(load_file(file))
+        state = {k: v for k, v in state.items() if k not in TARGET_IO}
+        own = {k: v for k, v in self.state_dict().items() if k not in TARGET_IO}
+        wrong = sorted(set(own) ^ set(state)) + [k for k in own if k in state and own[k].shape != state[k].shape]
+        if wrong:
+            raise ValueError(f"{folder}: its weights do not fit this drafter ({', '.join(wrong[:4])}"
+                             f"{' ...' if len(wrong) > 4 else ''} missing, unexpected or of another shape)")
+        self.load_state_dict(state, strict=False)
+        return self
 
     @torch.no_grad()
     def copy_target_io(self, target) -> "DrafterBase":
@@ -444,21 +471,24 @@ class BlockDrafter(DrafterBase):
         return sample_anchors(input_ids.shape[1], cfg.block_size, cfg.num_anchors, input_ids.shape[0],
                               input_ids.device, loss_mask=loss_mask)
 
-    def block_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor):
-        """The configured loss (:func:`drafters.losses.block_loss`): ``(loss, parts, position weights)``."""
+    def block_scores(self, draft_fn, draft_in: tuple, targets: tuple) -> BlockScores:
+        """The configured loss over the blocks (:func:`drafters.losses.block_scores`, in chunks of
+        ``config.loss_chunk`` positions): ``draft_fn(*draft_in)`` gives the drafter's logits, ``targets``
+        is :meth:`block_targets`."""
         cfg = self.config
-        return block_loss(cfg.loss_terms, cfg.position_weighting, cfg.loss_gamma, logits, target_logits, labels, scored)
+        labels, target_hidden, scored = targets
+        return block_scores(cfg.loss_terms, cfg.position_weighting, cfg.loss_gamma, draft_fn, self.lm_head, draft_in,
+                            target_hidden, labels, scored, getattr(cfg, "loss_chunk", None))
 
     def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor,
                       loss_mask: torch.Tensor | None = None):
-        """For block positions ``k = 1..K-1``: labels ``x[a+k]`` [B, N, K-1], the target's logits for them
-        [B, N, K-1, V], and which of them are scored [B, N, K-1] (all, without a loss mask)."""
+        """For block positions ``k = 1..K-1``: labels ``x[a+k]`` [B, N, K-1], the target's last hidden
+        state that predicts them [B, N, K-1, H] (its LM head gives the target's logits), and which of
+        them are scored [B, N, K-1] (all, without a loss mask)."""
         pos = anchors[:, :, None] + torch.arange(1, self.config.block_size, device=anchors.device)
         labels = gather_positions(input_ids, pos)
-        with torch.no_grad():
-            target_logits = self.lm_head(gather_positions(last, pos - 1))
         scored = torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else gather_positions(loss_mask, pos).bool()
-        return labels, target_logits, scored
+        return labels, gather_positions(last, pos - 1), scored
 
 
 def argmax_choice(logits: torch.Tensor) -> torch.Tensor:
@@ -514,27 +544,27 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx).view(*positions.shape, *x.shape[2:])
 
 
-def acceptance_stats(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums for greedy and probabilistic acceptance over chains [M, K] (positions 1..K of each draft).
+def acceptance_stats(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, accept: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums for greedy and probabilistic acceptance over chains [M, K] (positions 1..K of each draft:
+    both argmaxes and alpha, as :class:`DrafterOutput` holds them).
 
     Returns sums (not means) so callers can add them across batches and processes:
     ``chains``, ``greedy_prefix[k]`` = number of chains whose first k+1 drafts all match the target's
     argmax, ``prob_prefix[k]`` = sum of prod_{j<=k} (1 - TV_j), ``match[k]`` = per-position matches.
     """
-    match = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()
-    accept_p = acceptance_probability(target_logits, draft_logits)
+    match = (draft_tokens == target_tokens).float()
     return {
         "chains": torch.tensor(float(match.shape[0]), device=match.device),
         "greedy_prefix": match.cumprod(-1).sum(0),
-        "prob_prefix": accept_p.cumprod(-1).sum(0),
+        "prob_prefix": accept.float().cumprod(-1).sum(0),
         "match": match.sum(0),
     }
 
 
-def accepted_lengths(draft_logits: torch.Tensor, target_logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+def accepted_lengths(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Greedy drafts kept per chain: the number of leading positions whose draft equals the target's
-    argmax (an unscored label ends the chain). Logits [..., S, V], scored [..., S] -> [...] (long)."""
-    match = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & scored.bool()
+    argmax (an unscored label ends the chain). [..., S] -> [...] (long)."""
+    match = (draft_tokens == target_tokens) & scored.bool()
     return match.long().cumprod(-1).sum(-1)
 
 

@@ -32,8 +32,8 @@ class DFlashDrafter(BlockDrafter):
                 anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
         anchors = self.anchors_for(input_ids, anchors, loss_mask)
         hidden = self.block_hidden(aux, gather_positions(input_ids, anchors), anchors)
-        logits = self.lm_head(hidden[:, :, 1:])
-        labels, target_logits, scored = self.block_targets(input_ids, last, anchors, loss_mask)
-        loss, parts, _ = self.block_loss(logits, target_logits, labels, scored)
-        return DrafterOutput(loss=loss, draft_logits=logits, target_logits=target_logits, scored=scored,
-                             logs={k: v.detach() for k, v in parts.items()})
+        targets = self.block_targets(input_ids, last, anchors, loss_mask)
+        sc = self.block_scores(self.lm_head, (hidden[:, :, 1:],), targets)
+        return DrafterOutput(loss=sc.loss, draft_tokens=sc.draft_tokens, target_tokens=sc.target_tokens, accept=sc.accept,
+                             draft_logits=sc.draft_logits, target_logits=sc.target_logits, scored=targets[2],
+                             logs={k: v.detach() for k, v in sc.parts.items()})

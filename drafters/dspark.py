@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import BlockDrafter, DrafterConfig, DrafterOutput, argmax_choice, gather_positions
-from .losses import acceptance_probability, weighted_mean
+from .losses import weighted_mean
 
 
 class DSparkConfig(DrafterConfig):
@@ -103,19 +103,23 @@ class DSparkDrafter(BlockDrafter):
         anchors = self.anchors_for(input_ids, anchors, loss_mask)
         anchor_tokens = gather_positions(input_ids, anchors)
         hidden = self.block_hidden(aux, anchor_tokens, anchors)
-        labels, target_logits, scored = self.block_targets(input_ids, last, anchors, loss_mask)
+        targets = self.block_targets(input_ids, last, anchors, loss_mask)
         prev = gather_positions(input_ids, anchors[:, :, None] + torch.arange(K - 1, device=anchors.device))
-        logits, conf_logits = self.heads(hidden[:, :, 1:], prev)  # teacher forcing
-
-        loss, parts, w = self.block_loss(logits, target_logits, labels, scored)
-        accept = acceptance_probability(target_logits, logits).detach()  # 1 - TV: what c_k should predict
-        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
-        parts["confidence_bce"] = weighted_mean(bce, w, scored)
-        loss = loss + cfg.confidence_weight * parts["confidence_bce"]
+        h = hidden[:, :, 1:]
+        # teacher forcing: the Markov head reads the data's previous token
+        sc = self.block_scores(lambda h, x: self.lm_head(h) + self.markov_out(self.markov_in(x)), (h, prev), targets)
+        scored = targets[2]
+        conf_logits = self.confidence(torch.cat([h, self.markov_in(prev)], dim=-1)).squeeze(-1)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), sc.accept, reduction="none")  # c_k predicts 1 - TV
+        parts = {**sc.parts, "confidence_bce": weighted_mean(bce, sc.weights, scored)}
+        loss = sc.loss + cfg.confidence_weight * parts["confidence_bce"]
 
         if self.training:
-            draft_logits, confidence = logits, conf_logits.sigmoid()
-        else:  # what decoding would actually draft
-            _, draft_logits, confidence = self.propose(hidden, anchor_tokens)
-        return DrafterOutput(loss=loss, draft_logits=draft_logits, target_logits=target_logits, confidence=confidence,
+            confidence = conf_logits.sigmoid()
+        else:  # what decoding would actually draft: each position after the previous *drafted* token
+            sc = self.block_scores(lambda h, a: self.propose(h[None], a[None])[1][0], (hidden, anchor_tokens), targets)
+            drafted_prev = torch.cat([anchor_tokens[..., None], sc.draft_tokens[..., :-1]], dim=-1)
+            confidence = self.calibrated(self.confidence(torch.cat([h, self.markov_in(drafted_prev)], dim=-1)).squeeze(-1))
+        return DrafterOutput(loss=loss, draft_tokens=sc.draft_tokens, target_tokens=sc.target_tokens, accept=sc.accept,
+                             draft_logits=sc.draft_logits, target_logits=sc.target_logits, confidence=confidence,
                              scored=scored, logs={k: v.detach() for k, v in parts.items()})

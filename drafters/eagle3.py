@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from .core import MLP, DraftAttention, argmax_choice, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm
+from .losses import block_scores
 
 
 class Eagle3Config(DrafterConfig):
@@ -80,9 +81,15 @@ class Eagle3Drafter(DrafterBase):
         next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
         emb = self.embed_tokens(next_tokens)
         pos = torch.arange(T, device=dev)[None].expand(B, -1)
-        with torch.no_grad():  # the target's distribution for x[p+2] is read at position p+1
-            target_next = self.lm_head(torch.cat([last[:, 1:], last[:, -1:]], dim=1))
-        target_probs = target_next.float().softmax(-1)
+        # the target's distribution for x[p+2] is read at position p+1: its logits once, or (chunked) its
+        # hidden state, whose logits each chunk recomputes
+        target_last = torch.cat([last[:, 1:], last[:, -1:]], dim=1)[:, :, None]
+        chunk = getattr(cfg, "loss_chunk", None)
+        if chunk is None:
+            with torch.no_grad():
+                target_in, target_fn = self.lm_head(target_last), (lambda logits: logits)
+        else:
+            target_in, target_fn = target_last, self.lm_head
         # the token predicted at position p is x[p+2]: is it scored?
         if loss_mask is None:
             scored_next = torch.ones(B, T, dtype=torch.bool, device=dev)
@@ -91,8 +98,9 @@ class Eagle3Drafter(DrafterBase):
 
         hidden_in = self.fc(aux)
         keys, values = [], []
-        losses, draft_logits, target_logits, scored = [], [], [], []
+        losses, steps = [], []
         p_idx = torch.arange(T, device=dev)
+        starts = torch.arange(T - 2 - (S - 1), device=dev)  # chain t, depth s sits at position t + s
         for s in range(S):
             x = self.layer.layer_input(emb, hidden_in)
             k, v = self.layer.attn.project_kv(x, pos)
@@ -101,19 +109,18 @@ class Eagle3Drafter(DrafterBase):
             mask = ttt_mask(s, T, dev)[None, None]
             h = hidden_in + self.layer.attn.attend(x, pos, torch.cat(keys, 2), torch.cat(values, 2), mask)
             g = h + self.layer.mlp(self.layer.post_norm(h))
-            logits = self.lm_head(self.norm(g))
             valid = ((p_idx >= s) & (p_idx <= T - 3))[None] & scored_next  # chain start t = p - s >= 0, label x[p+2]
-            soft_ce = -(target_probs * logits.float().log_softmax(-1)).sum(-1)
-            losses.append((soft_ce * valid).sum() / valid.sum().clamp_min(1))
-            # chain t, depth s sits at position t + s: collect [B, T', S] aligned by chain start
-            starts = torch.arange(T - 2 - (S - 1), device=dev)
-            draft_logits.append(logits[:, starts + s])
-            target_logits.append(target_next[:, starts + s])
-            scored.append(scored_next[:, starts + s])
+            sc = block_scores({"soft_ce": 1.0}, "exp", 1.0, lambda g: self.lm_head(self.norm(g)), target_fn, (g[:, :, None],),
+                              target_in, next_tokens[:, :, None], valid[:, :, None], chunk)
+            losses.append(sc.loss)
+            steps.append({k: getattr(sc, k)[:, starts + s, 0] for k in ("draft_tokens", "target_tokens", "accept")})
+            if chunk is None:
+                steps[-1].update(draft_logits=sc.draft_logits[:, starts + s, 0], target_logits=sc.target_logits[:, starts + s, 0])
+            steps[-1]["scored"] = scored_next[:, starts + s]
             hidden_in = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # own output, one position on
         loss = torch.stack(losses).mean()
-        return DrafterOutput(loss=loss, draft_logits=torch.stack(draft_logits, dim=2),
-                             target_logits=torch.stack(target_logits, dim=2), scored=torch.stack(scored, dim=2),
+        # [B, chains, S], aligned by chain start
+        return DrafterOutput(loss=loss, **{k: torch.stack([st[k] for st in steps], dim=2) for k in steps[0]},
                              logs={"soft_ce": loss.detach()})
 
     # ---------------------------------------------------------------------------------------------

@@ -52,12 +52,15 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
         loss_terms=section.loss,
         position_weighting=section.position_weighting,
         loss_gamma=section.loss_gamma,
+        loss_chunk=section.loss_chunk,
         **extra,
     )
     if section.kind != "eagle3" and mask_token_id is None:
         raise ValueError("the target's tokenizer has no mask token; block drafters need one (add '<|mask|>')")
     drafter = model_cls(config).copy_target_io(target)
-    if section.init_norm_scale is not None:
+    if section.init_from is not None:
+        drafter.load_own_weights(section.init_from)
+    elif section.init_norm_scale is not None:
         with torch.no_grad():
             drafter.norm.weight.copy_(section.init_norm_scale * final_norm(target).weight)
     return drafter
@@ -80,7 +83,7 @@ def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64)
     B, L = ids.shape
     spans = [answer_span(loss_mask, r, L) for r in range(B)]
     if cfg.model_type == "draftsmith_eagle3":
-        kept = accepted_lengths(out.draft_logits, out.target_logits, out.scored)  # [B, chains]
+        kept = accepted_lengths(out.draft_tokens, out.target_tokens, out.scored)  # [B, chains]
         anchors = torch.arange(1, kept.shape[1] + 1, device=ids.device)[None].expand(B, -1)
     else:
         lo = min((s[0] for s in spans if s), default=1)
@@ -90,7 +93,7 @@ def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64)
         for part in every.split(chunk):
             anchors = part[None].expand(B, -1)
             o = model(ids, aux, last, anchors=anchors, loss_mask=loss_mask)
-            kept.append(accepted_lengths(o.draft_logits, o.target_logits, o.scored))
+            kept.append(accepted_lengths(o.draft_tokens, o.target_tokens, o.scored))
         kept, anchors = torch.cat(kept, dim=1), every[None].expand(B, -1)
     tokens = forwards = 0
     for r, span in enumerate(spans):
@@ -152,14 +155,14 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
         out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
         walk += torch.tensor(replay_decoding(model, cfg, ids, aux, last, batch.loss_mask, out), dtype=torch.float64, device=device)
         chains = out.scored.all(-1)  # only drafts whose every label is scored (responses, not prompts)
-        stats = acceptance_stats(out.draft_logits[chains], out.target_logits[chains])
+        stats = acceptance_stats(out.draft_tokens[chains], out.target_tokens[chains], out.accept[chains])
         for k, v in stats.items():
             sums[k] = sums.get(k, 0) + v
         loss_sum += out.loss.double()
         batches += 1
         if out.confidence is not None:
             confs.append(out.confidence[out.scored].float().cpu())
-            labels.append((out.draft_logits.argmax(-1) == out.target_logits.argmax(-1))[out.scored].cpu())
+            labels.append((out.draft_tokens == out.target_tokens)[out.scored].cpu())
     if accelerator:
         sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
         loss_sum, batches = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(batches, "sum")

@@ -16,12 +16,26 @@ A draft at position ``k`` only counts if every earlier one was accepted, so posi
                                                          (D-PACE; speculators' default), per block
 
 The loss is ``sum_terms weight_t * sum_k w_k l_t(k) / sum_k w_k`` over scored positions only.
+
+**At real vocabulary sizes** (a Qwen3 target: 151,936 tokens) the logits of one batch do not fit: a
+DFlash batch of 8 x 512 anchors x 15 positions is 61k positions, 37 GB in fp32 for the drafter's
+logits alone, again for the target's. :func:`block_scores` therefore takes the *hidden states* and
+the functions that map them to logits, and with ``chunk`` set walks the blocks ``chunk`` positions at
+a time under activation checkpointing: a chunk's logits exist only while its sums are taken, and are
+recomputed in the backward pass. Every term is a sum over positions divided by a sum of detached
+weights, and a block's D-PACE weights need only that block, so chunks of whole blocks give the same
+loss (and gradients) as one pass. What evaluation needs comes back per position, never
+vocabulary-sized: the drafter's and the target's argmax and ``alpha``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 LOSS_TERMS = ("ce", "kl", "tv", "lk")
 POSITION_WEIGHTINGS = ("exp", "dpace")
@@ -44,6 +58,8 @@ def position_loss(term: str, draft_logits: torch.Tensor, target_logits: torch.Te
         return 1.0 - acceptance_probability(target_logits, q)
     if term == "lk":
         return -acceptance_probability(target_logits, q).clamp_min(1e-6).log()
+    if term == "soft_ce":  # CE against the target's whole distribution (EAGLE-3's loss; KL plus p's entropy)
+        return -(target_logits.float().softmax(-1) * q.log_softmax(-1)).sum(-1)
     raise ValueError(f"unknown loss term {term!r}; expected one of {LOSS_TERMS}")
 
 
@@ -54,13 +70,19 @@ def position_weights(num: int, gamma: float, device=None) -> torch.Tensor:
 
 def block_weights(weighting: str, gamma: float, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """Per-position weights, broadcastable to [..., K-1] (see the module doc); never carry gradients."""
-    if weighting == "exp":
-        return position_weights(draft_logits.shape[-2], gamma, draft_logits.device)
+    alpha = None
     if weighting == "dpace":
         with torch.no_grad():
             alpha = acceptance_probability(target_logits, draft_logits)
-            reach = torch.cat([torch.ones_like(alpha[..., :1]), alpha[..., :-1]], dim=-1).cumprod(-1)
-        return reach
+    return _weights(weighting, gamma, draft_logits.shape[-2], alpha, draft_logits.device)
+
+
+def _weights(weighting: str, gamma: float, num: int, alpha: torch.Tensor | None, device) -> torch.Tensor:
+    """:func:`block_weights` from the (detached) acceptance probabilities ``alpha`` [..., K-1]."""
+    if weighting == "exp":
+        return position_weights(num, gamma, device)
+    if weighting == "dpace":
+        return torch.cat([torch.ones_like(alpha[..., :1]), alpha[..., :-1]], dim=-1).cumprod(-1)
     raise ValueError(f"unknown position weighting {weighting!r}; expected one of {POSITION_WEIGHTINGS}")
 
 
@@ -79,3 +101,73 @@ def block_loss(terms: dict[str, float], weighting: str, gamma: float, draft_logi
     parts = {t: weighted_mean(position_loss(t, draft_logits, target_logits, labels), w, scored) for t, c in terms.items() if c}
     loss = sum(terms[t] * v for t, v in parts.items())
     return loss, parts, w
+
+
+@dataclass
+class BlockScores:
+    """:func:`block_scores`: the loss, each term's weighted mean, and per position [..., S]: the
+    weights, ``accept`` (alpha, detached) and both argmaxes; the logits only when not chunked."""
+
+    loss: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    weights: torch.Tensor
+    accept: torch.Tensor
+    draft_tokens: torch.Tensor
+    target_tokens: torch.Tensor
+    draft_logits: torch.Tensor | None = None
+    target_logits: torch.Tensor | None = None
+
+
+def _block_sums(terms: tuple[str, ...], weighting: str, gamma: float, q: torch.Tensor, p: torch.Tensor,
+                labels: torch.Tensor, scored: torch.Tensor):
+    """Per block (rows [M, S]): each term's weighted sum [M, T], the weight sum [M], then the weights,
+    alpha, and both argmaxes [M, S]."""
+    with torch.no_grad():
+        alpha = acceptance_probability(p, q)
+    w = _weights(weighting, gamma, labels.shape[-1], alpha, q.device).expand_as(labels)
+    ws = w * scored
+    sums = torch.stack([(position_loss(t, q, p, labels) * ws).sum(-1) for t in terms], dim=-1)
+    return sums, ws.sum(-1), w, alpha, q.argmax(-1), p.argmax(-1)
+
+
+def block_scores(terms: dict[str, float], weighting: str, gamma: float,
+                 draft_fn: Callable[..., torch.Tensor], target_fn: Callable[[torch.Tensor], torch.Tensor],
+                 draft_in: tuple[torch.Tensor, ...], target_in: torch.Tensor, labels: torch.Tensor,
+                 scored: torch.Tensor, chunk: int | None = None) -> BlockScores:
+    """The block loss of :func:`block_loss` from hidden states (see the module doc).
+
+    ``labels`` and ``scored`` are [*lead, S] (blocks x positions); every tensor of ``draft_in`` and
+    ``target_in`` starts with the same ``lead`` dimensions, which are flattened to one block dimension M
+    before ``draft_fn(*rows) -> [m, S, V]`` and ``target_fn(rows) -> [m, S, V]`` (run without gradients)
+    see them. ``chunk``: at most this many positions' logits at once (whole blocks, at least one);
+    None: all at once, and the logits are returned too."""
+    lead, S = labels.shape[:-1], labels.shape[-1]
+    flat = [t.reshape(-1, *t.shape[len(lead):]) for t in (*draft_in, target_in, labels, scored.to(torch.float32))]
+    active = tuple(t for t, c in terms.items() if c)
+
+    def part(*rows):
+        *d, t, y, sc = rows
+        q = draft_fn(*d)
+        with torch.no_grad():
+            p = target_fn(t)
+        return _block_sums(active, weighting, gamma, q, p, y, sc), q, p
+
+    M = flat[0].shape[0]
+    if chunk is None or M * S <= chunk:
+        sums, q, p = part(*flat)
+        logits = (q.view(*lead, S, -1), p.view(*lead, S, -1))
+    else:
+        step = max(1, chunk // S)
+        pieces = []
+        for i in range(0, M, step):
+            rows = [x[i:i + step] for x in flat]
+            run = (lambda *r: part(*r)[0])
+            pieces.append(checkpoint(run, *rows, use_reentrant=False) if torch.is_grad_enabled() else run(*rows))
+        sums = tuple(torch.cat(z) for z in zip(*pieces))
+        logits = (None, None)
+    nums, den, w, accept, dt, tt = sums
+    total = den.sum().clamp_min(1e-12)
+    parts = {t: nums[:, i].sum() / total for i, t in enumerate(active)}
+    loss = sum(terms[t] * v for t, v in parts.items())
+    shape = (*lead, S)
+    return BlockScores(loss, parts, w.reshape(shape), accept.reshape(shape), dt.reshape(shape), tt.reshape(shape), *logits)

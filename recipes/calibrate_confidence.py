@@ -49,7 +49,7 @@ def confidence_samples(drafter, capture, windows, batch_size: int):
         out = drafter(ids, aux, last, anchors=anchors, loss_mask=batch.loss_mask)
         conf = out.confidence.double().clamp(1e-6, 1 - 1e-6)
         z = (conf / (1 - conf)).log()  # the raw logit back (no temperature set while collecting)
-        hit = out.draft_logits.argmax(-1) == out.target_logits.argmax(-1)
+        hit = out.draft_tokens == out.target_tokens
         pos = torch.arange(cfg.block_size - 1).expand_as(hit)
         win = torch.tensor(rows)[:, None, None].expand_as(hit)
         s = out.scored

@@ -14,7 +14,10 @@ windows; ``checkpoints/best`` is the drafter with the highest tau. Launch::
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+
+import torch
 
 from distill.config import TrainDrafterRecipe
 from distill.data import load_text_splits, make_windows, regenerated_text_splits, tokenizer_fingerprint
@@ -39,6 +42,44 @@ def drafter_flops_per_token(drafter, target, seq_len: int, online: bool = True) 
     weights = sum(p.numel() for p in drafter.parameters() if p.dim() >= 2) - drafter.embed_tokens.weight.numel()
     drafted = cfg.ttt_steps if cfg.model_type == "draftsmith_eagle3" else cfg.num_anchors * cfg.block_size / seq_len
     return 6 * weights * drafted + (flops_per_token(target, seq_len, training=False) if online else 0.0)
+
+
+GiB = 2 ** 30
+
+
+def memory_estimate(recipe: TrainDrafterRecipe, target, drafter) -> dict:
+    """GiB per device for one micro batch, before any ZeRO / FSDP sharding (an estimate from shapes,
+    printed by ``--dry-run``; not a measurement). The frozen target's weights; the drafter's trainable
+    weights with fp32 gradients and AdamW moments (16 bytes a parameter; ZeRO-2 divides all but the
+    weights by the world size); the drafter's frozen embeddings and head; the captured features; the
+    drafter's layer activations (~34 bytes x hidden per token and layer in 16-bit, Korthikanti et al.);
+    and the loss: the fp32 logits it holds at once (drafter's and target's, their softmaxes and the
+    gradient: ~6 copies of positions x vocabulary), all positions of the batch or ``drafter.loss_chunk``."""
+    cfg, train = drafter.config, recipe.train
+    nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    act_bytes = 2 if train.mixed_precision != "no" else 4
+    rows, seq = train.micro_batch_size, recipe.data.seq_len
+    if cfg.model_type == "draftsmith_eagle3":  # every step's logits over every position live until the backward
+        drafted = positions = seq * cfg.ttt_steps
+    else:
+        drafted, positions = cfg.num_anchors * cfg.block_size, cfg.num_anchors * (cfg.block_size - 1)
+    positions *= rows
+    held = positions if cfg.loss_chunk is None else min(positions, max(cfg.loss_chunk, cfg.block_size - 1))
+    features = rows * seq * cfg.target_hidden_size * (len(cfg.target_layer_ids) + 1) * act_bytes
+    parts = {
+        "target_weights": nbytes(target.parameters()),
+        "drafter_weights_grads_adam": 16 * trainable,
+        "drafter_frozen": nbytes(p for p in drafter.parameters() if not p.requires_grad),
+        "features": features,
+        "activations": 34 * rows * drafted * cfg.hidden_size * cfg.num_hidden_layers * act_bytes,
+        "loss_logits": 6 * held * cfg.vocab_size * 4,
+    }
+    out = {k: round(v / GiB, 2) for k, v in parts.items()}
+    out["total"] = round(sum(parts.values()) / GiB, 2)
+    out["loss_positions_held"] = held
+    out["loss_positions_per_batch"] = positions
+    return out
 
 
 def offline_windows(recipe, acc, capture, target, data_record, train, val):
@@ -86,15 +127,16 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
 
     ### Target (frozen) and drafter
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
-    device = acc.device if acc else "cpu"
-    target, tokenizer = load_target(recipe.target, device)
+    # a dry run builds both models on the meta device: shapes only, no weights read or allocated
+    target, tokenizer = load_target(recipe.target, acc.device if acc else "meta", weights=not dry_run)
     mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
-    drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
+    with torch.device("meta") if dry_run else contextlib.nullcontext():
+        drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
     quant = QuantStage(recipe.quant, drafter)  # the layer map against this drafter: errors before any compute
     if dry_run:
         return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids,
-                "quant": quant.summary()}
+                "quant": quant.summary(), "memory_gib_per_device": memory_estimate(recipe, target, drafter)}
 
     ### Data, tokenized with the target's tokenizer; features online or from a cache
     with acc.main_process_first():

@@ -216,3 +216,57 @@ def test_confidence_calibration_fits_known_temperatures_and_offsets():
     assert torch.allclose(drafter.calibrated(logits), logits.sigmoid())
     drafter.config.confidence_temperature, drafter.config.confidence_offset = [2.0, 0.5], [0.0, -1.0]
     assert torch.allclose(drafter.calibrated(logits), torch.tensor([[0.25, -5.0]]).sigmoid())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_in_chunks_equals_one_pass_and_holds_no_full_logits(tmp_path, tiny_target_dir, kind):
+    """``drafter.loss_chunk``: the same loss, gradients and evaluation outputs as one pass, while no
+    tensor kept for the backward pass holds more than a chunk of vocabulary-sized logits."""
+    from drafters.evaluate import build_drafter
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    V = target.config.vocab_size
+    ids = torch.randint(0, len(tok), (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, :6] = 0
+
+    def run(chunk, train: bool):
+        torch.manual_seed(0)
+        section = drafter_recipe(tmp_path, tiny_target_dir, kind).drafter.model_copy(update={"loss_chunk": chunk})
+        drafter = build_drafter(section, target, str(tiny_target_dir), tok.mask_token_id).train(train)
+        if kind == "dspark":
+            torch.nn.init.normal_(drafter.markov_out.weight, std=0.02)  # zero at init: make the Markov term count
+        feats = FeatureCapture(target, drafter.config.target_layer_ids)(ids)
+        kwargs = {} if kind == "eagle3" else {"anchors": torch.tensor([[3, 10, 17, 30], [5, 12, 20, 33]])}
+        saved = []
+
+        def pack(t):
+            if t.dim() >= 2 and t.shape[-1] == V:
+                saved.append(t.numel() // V)  # positions' worth of logits kept for backward
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.set_grad_enabled(train):
+            out = drafter(ids, feats.aux, feats.last, loss_mask=mask, **kwargs)
+        if train:
+            out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return out, grads, max(saved, default=0)
+
+    chunk = 3  # under one block: one block at a time
+    for train in (True, False):
+        whole, grads, kept = run(None, train)
+        part, part_grads, part_kept = run(chunk, train)
+        torch.testing.assert_close(part.loss, whole.loss, rtol=1e-5, atol=1e-6)
+        for key in ("draft_tokens", "target_tokens", "scored"):
+            assert torch.equal(getattr(part, key), getattr(whole, key)), key
+        torch.testing.assert_close(part.accept, whole.accept, rtol=1e-5, atol=1e-6)
+        if kind == "dspark":
+            torch.testing.assert_close(part.confidence, whole.confidence, rtol=1e-5, atol=1e-6)
+        assert part.draft_logits is None and whole.draft_logits is not None
+        if train:
+            assert grads.keys() == part_grads.keys() and grads
+            for n in grads:
+                torch.testing.assert_close(part_grads[n], grads[n], rtol=1e-4, atol=1e-6, msg=n)
+            per_block = 1 if kind == "eagle3" else drafter_recipe(tmp_path, tiny_target_dir, kind).drafter.block_size - 1
+            assert kept > 4 * per_block  # one pass keeps every position's logits ...
+            assert part_kept == 0  # ... chunks keep none (each is recomputed in backward)

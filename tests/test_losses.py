@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.core import sample_anchors
-from drafters.losses import acceptance_probability, block_loss, block_weights, position_loss, position_weights
+from drafters.losses import acceptance_probability, block_loss, block_scores, block_weights, position_loss, position_weights
 
 
 def _logits(seed, shape=(2, 3, 5, 11)):
@@ -65,3 +65,37 @@ def test_anchors_land_where_labels_are_scored():
     # more anchors than scored positions: every scored position is used, the rest are filled in
     anchors = sample_anchors(40, 8, 12, 3, generator=torch.Generator().manual_seed(0), loss_mask=mask)
     assert set(range(19, 29)) <= set(anchors[0].tolist())
+
+
+def _scores(chunk, terms, weighting, seed=0, M=6, S=5, H=8, V=13):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randn(V, H, generator=g)
+    hidden = torch.randn(2, M // 2, S, H, generator=g, requires_grad=True)
+    target_hidden = torch.randn(2, M // 2, S, H, generator=g)
+    labels = torch.randint(0, V, (2, M // 2, S), generator=g)
+    scored = torch.rand(2, M // 2, S, generator=g) > 0.2
+    sc = block_scores(terms, weighting, 4.0, lambda h: h @ head.T, lambda t: t @ head.T, (hidden,), target_hidden,
+                      labels, scored, chunk)
+    sc.loss.backward()
+    ref, _, w = block_loss(terms, weighting, 4.0, hidden.detach() @ head.T, target_hidden @ head.T, labels, scored)
+    return sc, hidden.grad, ref
+
+
+@pytest.mark.parametrize("weighting", ["exp", "dpace"])
+def test_chunked_block_scores_equal_one_pass(weighting):
+    terms = {"ce": 0.3, "kl": 1.0, "tv": 0.5, "lk": 0.2}
+    whole, grad, ref = _scores(None, terms, weighting)
+    torch.testing.assert_close(whole.loss, ref)  # the hidden-state path is block_loss on their logits
+    assert whole.draft_logits is not None
+    for chunk in (5, 7, 12):  # one block, one block (7 < 2 x 5), two blocks a chunk
+        part, part_grad, _ = _scores(chunk, terms, weighting)
+        assert part.draft_logits is None and part.target_logits is None
+        torch.testing.assert_close(part.loss, whole.loss)
+        torch.testing.assert_close(part_grad, grad)
+        for key in ("parts",):
+            for t in terms:
+                torch.testing.assert_close(getattr(part, key)[t], getattr(whole, key)[t])
+        for key in ("weights", "accept", "draft_tokens", "target_tokens"):
+            torch.testing.assert_close(getattr(part, key), getattr(whole, key))
+    assert torch.equal(whole.draft_tokens, whole.draft_logits.argmax(-1))
+    torch.testing.assert_close(whole.accept, acceptance_probability(whole.target_logits, whole.draft_logits))

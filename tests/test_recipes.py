@@ -95,3 +95,30 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length"} <= set(parts)
     assert 0 < parts["  drafter.decode_hidden"] < parts["proposer.propose"] < report["spec_step_ms"]
     assert "plain steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["dflash_qwen3_8b", "dspark_qwen3_8b", "eagle3_qwen3_8b"])
+def test_gpu_drafter_recipes_fit_an_80_gb_device(name, monkeypatch):
+    """The memory estimate ``--dry-run`` prints, for the Qwen3-8B drafter recipes (models built on the
+    meta device from Qwen3-8B's published shapes): each fits an 80 GB device with its ``loss_chunk``,
+    and the loss would not fit without it."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from drafters.evaluate import build_drafter
+    from recipes.train_drafter import GiB, memory_estimate
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # validate the hub id's form; nothing is fetched
+    recipe = load_recipe(REPO / "recipes" / "configs" / f"{name}.yaml")
+    qwen3_8b = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(qwen3_8b, dtype=torch.bfloat16)
+        estimates = [memory_estimate(recipe, target, build_drafter(recipe.drafter.model_copy(update={"loss_chunk": c}),
+                                                                     target, "Qwen/Qwen3-8B", 151669))
+                     for c in (recipe.drafter.loss_chunk, None)]
+    chunked, whole = estimates
+    assert recipe.drafter.loss_chunk and chunked["total"] < 80 < whole["total"], (chunked, whole)
+    assert chunked["loss_positions_held"] == recipe.drafter.loss_chunk < whole["loss_positions_held"]
+    assert chunked["loss_logits"] == round(6 * recipe.drafter.loss_chunk * 151936 * 4 / GiB, 2)
+    assert chunked["target_weights"] == round(sum(p.numel() for p in target.parameters()) * 2 / GiB, 2)
