@@ -270,3 +270,30 @@ def test_loss_in_chunks_equals_one_pass_and_holds_no_full_logits(tmp_path, tiny_
             per_block = 1 if kind == "eagle3" else drafter_recipe(tmp_path, tiny_target_dir, kind).drafter.block_size - 1
             assert kept > 4 * per_block  # one pass keeps every position's logits ...
             assert part_kept == 0  # ... chunks keep none (each is recomputed in backward)
+
+
+def test_init_from_starts_training_from_a_saved_drafter(tmp_path, tiny_target_dir):
+    """``drafter.init_from``: the drafter's own weights come from the folder (the target's embeddings
+    and head from the target); a folder of another kind or size is refused by name at validation."""
+    import drafters
+    from distill.config import RecipeError
+    from drafters.evaluate import build_drafter
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    first = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, target, str(tiny_target_dir),
+                          tok.mask_token_id)
+    with torch.no_grad():
+        first.fc.weight.add_(1.0)  # anything a fresh init would not give
+    drafters.save_without_target_io(first, tmp_path / "first", torch.float32)
+    recipe = drafter_recipe(tmp_path / "second", tiny_target_dir, "dflash").model_dump(mode="json")
+    recipe["drafter"]["init_from"] = str(tmp_path / "first")
+    second = build_drafter(parse_recipe(recipe).drafter, target, str(tiny_target_dir), tok.mask_token_id)
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key, value, expected in (("kind", "dspark", "model_type 'draftsmith_dflash' where this recipe builds 'draftsmith_dspark'"),
+                                 ("block_size", 8, "block_size 4 where this recipe builds 8")):
+        bad = {**recipe, "drafter": {**recipe["drafter"], key: value}}
+        with pytest.raises(RecipeError, match=f"drafter.init_from .*{expected}"):
+            parse_recipe(bad)
+    with pytest.raises(RecipeError, match="drafter.init_from"):
+        parse_recipe({**recipe, "drafter": {**recipe["drafter"], "init_from": str(tmp_path / "missing")}})
