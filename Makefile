@@ -15,7 +15,7 @@ export WANDB_MODE ?= offline
 export DS_BUILD_OPS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install quickstart test test-fast testbed-target clean
+.PHONY: install quickstart test test-fast gpu-check testbed-target clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest tests -m "not slow"
+
+# The CUDA paths in one command on one GPU (recipes/gpu_check.py); on a machine without one it says so, exit 0.
+GPU_CHECK_ARGS ?=
+gpu-check: install
+	$(PY) -m recipes.gpu_check $(GPU_CHECK_ARGS)
 
 # Rebuild the shipped testbed target (~1.5 hours on 2 CPU cores; see the recipe header), then ship it.
 testbed-target: install

@@ -115,6 +115,20 @@ def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeat
     return costs
 
 
+def device_clock(device):
+    """``now()`` in seconds that first waits for the device's queued work: on CUDA, kernels run after
+    the host launched them, so an unsynchronised timer would count the drafter's kernels in whatever
+    the host timed next (the verify). The loop syncs every step anyway (it reads the accepted count),
+    so the extra waits cost nothing; on a CPU it is ``time.perf_counter``."""
+    if torch.device(device).type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return now
+
+
 def median_seconds(run, repeats: int, device, after=None) -> float:
     """The median seconds of ``repeats`` calls of ``run()`` after one warm-up call (CUDA synchronised;
     ``after()`` runs untimed after each call, e.g. to undo it)."""
@@ -281,13 +295,13 @@ class _Stopper:
     """The ``stop`` an incremental proposer asks after each position (:class:`~serve_eval.budget.CausalChain`),
     timing the drafter forwards between the questions (the first from the draft's start)."""
 
-    def __init__(self, budget: Budget, sampler: Sampler, horizon: int, start: float):
-        self.chain, self.sampler = CausalChain(budget, horizon), sampler
+    def __init__(self, budget: Budget, sampler: Sampler, horizon: int, start: float, now=time.perf_counter):
+        self.chain, self.sampler, self.now = CausalChain(budget, horizon), sampler, now
         self.top_q: list[float] = []
         self.times = [start]
 
     def __call__(self, logits: torch.Tensor) -> bool:
-        self.times.append(time.perf_counter())
+        self.times.append(self.now())
         q = logits.float().softmax(-1) if self.sampler.greedy else self.sampler.probs(logits)
         self.top_q.append(float(q.max()))
         return not self.chain.offer(self.top_q[-1])
@@ -422,7 +436,8 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     proposer = proposer or make_proposer(drafter, confidence_threshold)
     K = proposer.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
-    start = time.perf_counter()
+    now = device_clock(prompt.device)
+    start = now()
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer.needs_features else None
     session = TargetSession(target, capture)
     prompt = prompt.view(1, -1)
@@ -437,16 +452,16 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     anchor_pos = prompt.shape[1]
     causal = proposer.incremental or (proposer.conditional and not sampler.greedy)  # see serve_eval.budget
     while len(out) < max_new_tokens and not done:
-        t0 = time.perf_counter()
+        t0 = now()
         drafting = budget is None or mode != "chain" or budget.switch.should_draft()
-        stopper = _Stopper(budget, sampler, K - 1, t0) if drafting and budget is not None and mode == "chain" \
+        stopper = _Stopper(budget, sampler, K - 1, t0, now) if drafting and budget is not None and mode == "chain" \
             and proposer.incremental else None
         if drafting:
             drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler, **({"stop": stopper} if stopper else {}))
         else:  # a plain step: the bonus alone (the drafter catches up in observe / its next draft)
             drafts, draft_logits = bonus.new_empty(0), logits.new_empty(0, logits.shape[-1])
         copied = lookup_continuation(prompt_list + out, lookup) if lookup else []  # drafting too
-        t1 = time.perf_counter()
+        t1 = now()
         if mode == "tree":
             q = None if sampler.greedy else sampler.probs(draft_logits)
             probs = draft_logits.float().softmax(-1) if q is None else q
@@ -502,21 +517,21 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         emitted_list = emitted.tolist()  # one host sync for the step's tokens
         out.extend(emitted_list)
         done = eos_token_id in emitted_list
-        t2 = time.perf_counter()
+        t2 = now()
         proposer.observe(path_feats, anchor_pos, emitted)
         anchor_pos += n + 1
         bonus = new_bonus
-        draft_seconds = (t1 - t0) + (time.perf_counter() - t2)  # drafting, and reading the accepted features
+        draft_seconds = (t1 - t0) + (now() - t2)  # drafting, and reading the accepted features
         stats.draft_seconds += draft_seconds
         if budget is not None:
             if drafting:
                 budget.observe_draft(draft_seconds, stopper.forward_seconds() if stopper is not None else ())
             if mode == "chain":
-                budget.switch.record(drafting, n, time.perf_counter() - t0)
+                budget.switch.record(drafting, n, now() - t0)
         stats.verify_seconds += t2 - t1
     out = _truncate(out, max_new_tokens, eos_token_id)
     stats.tokens = len(out)
-    stats.total_seconds = time.perf_counter() - start
+    stats.total_seconds = now() - start
     return out, stats
 
 

@@ -1,0 +1,141 @@
+"""``make gpu-check``: the CUDA paths proved in one command on one GPU (a few minutes), one summary.
+
+1. **lossless**: the shipped testbed target with each shipped drafter (DFlash, DSpark, EAGLE-3) on
+   the GPU in fp32 (TF32 off), greedy: chains, trees, trees with lookup, and batches of 4 rows (block
+   drafters); every output must equal plain greedy decoding on the same device token for token. A run
+   at temperature 1 per drafter must finish (its exactness is the sampling tests' job, on any device).
+2. **train**: a DFlash drafter for the testbed target under bf16 autocast, the target beside it on the
+   GPU (online features), a few hundred steps: tokens/s and MFU against the GPU's measured bf16 peak.
+3. **eval**: the shipped DFlash drafter against plain decoding on held-out prompts, chain and tree:
+   tau, speedup, lossless.
+
+Writes ``<out>/summary.json`` and prints it as a table. Exit status 0 when every step passed (and on
+a machine without CUDA, where it says so and checks nothing), 1 when a step failed or an output
+differed. ``--device cpu --quick`` rehearses every step at toy sizes on a CPU (the test suite does,
+so the script itself cannot rot without a GPU).
+
+    make gpu-check
+    python -m recipes.gpu_check --out runs/gpu_check          # the same
+    python -m recipes.gpu_check --device cpu --quick          # a rehearsal on a CPU, ~1 minute
+
+Beside torch it needs this project's own dependencies (pydantic, transformers, accelerate, datasets):
+on a machine that cannot install them, bring them as wheels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from distill.config import load_recipe
+from distill.provenance import write_json_atomic
+from distill.testbed import SHIPPED_DRAFTERS
+
+EVAL = "recipes/configs/eval_testbed.yaml"
+TRAIN = "recipes/configs/dflash_testbed.yaml"
+
+
+def _eval(out: Path, drafter: str, prompts: int, tokens: int, *overrides: str) -> dict:
+    from recipes import evaluate
+
+    recipe = load_recipe(EVAL, [f"output_dir={out}", f"drafter={drafter}", f"prompts.from_corpus={prompts}",
+                                f"decoding.max_new_tokens={tokens}", *overrides])
+    return evaluate.main(recipe)
+
+
+def lossless(out: Path, quick: bool) -> dict:
+    """Every shipped drafter in every greedy mode equals plain decoding; T = 1 runs."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    prompts, tokens = (2, 12) if quick else (8, 64)
+    modes = {"chain": [], "tree": ["decoding.mode=tree", "decoding.tree_budgets=[8]"],
+             "tree_lookup": ["decoding.mode=tree", "decoding.tree_budgets=[8]", "decoding.lookup=10"],
+             "batch4": [f"decoding.batch_sizes=[{min(4, prompts)}]"], "chain_t1": ["decoding.temperature=1.0"]}
+    rows = {}
+    for kind, folder in SHIPPED_DRAFTERS.items():
+        for mode, extra in modes.items():
+            if mode == "batch4" and kind == "eagle3":
+                continue  # batched decoding runs block drafters
+            report = _eval(out / f"{kind}_{mode}", str(folder), prompts, tokens, *extra)
+            row = {"tau": report["tau"], "speedup": report["speedup"], "lossless": report["lossless"]}
+            if mode == "batch4":
+                row["lossless"] = all(b.get("lossless", False) for b in report["by_batch"])
+            rows[f"{kind}/{mode}"] = row
+    failed = [k for k, r in rows.items() if not k.endswith("_t1") and r["lossless"] is not True]
+    return {"passed": not failed, "not_lossless": failed, "runs": rows}
+
+
+def train(out: Path, quick: bool) -> dict:
+    """A short bf16 DFlash training with the target beside it: tokens/s, MFU."""
+    from recipes import train_drafter
+
+    steps = 3 if quick else 300
+    mixed = "bf16" if torch.cuda.is_available() else "no"  # bf16 on a CPU is the 30x-slow path: rehearse in fp32
+    recipe = load_recipe(TRAIN, [f"output_dir={out}", "regenerate=null", "features.mode=online", "features.cache_dir=null",
+                                 f"train.mixed_precision='{mixed}'", f"train.max_steps={steps}", f"train.eval_every={steps}",
+                                 f"train.save_every={steps}", "train.eval_batches=2", "train.resume=false",
+                                 f"train.micro_batch_size={2 if quick else 32}", "drafter.init_from=null",
+                                 *(["data.max_documents=40"] if quick else [])])
+    summary = train_drafter.main(recipe)
+    return {"passed": True, "mixed_precision": mixed, "steps": summary["steps"], "tokens_per_s": summary["tokens_per_s"],
+            "mfu": summary["mfu"], "val_simulated_tau": summary.get("val_simulated_tau")}
+
+
+def evaluate(out: Path, quick: bool) -> dict:
+    """The shipped DFlash drafter, chain and tree, against plain decoding."""
+    prompts, tokens = (2, 12) if quick else (16, 128)
+    folder = str(SHIPPED_DRAFTERS["dflash"])
+    rows = {"chain": _eval(out / "chain", folder, prompts, tokens),
+            "tree": _eval(out / "tree", folder, prompts, tokens, "decoding.mode=tree", "decoding.tree_budgets=[8, 16, 32]")}
+    keep = ("tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "lossless")
+    return {"passed": all(r["lossless"] for r in rows.values()), **{k: {f: r[f] for f in keep} for k, r in rows.items()}}
+
+
+STEPS = {"lossless": lossless, "train": train, "eval": evaluate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.gpu_check", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/gpu_check", help="folder for the runs and summary.json (default: %(default)s)")
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                        help="auto: the GPU, or say there is none and exit 0; cpu: rehearse on the CPU")
+    parser.add_argument("--quick", action="store_true", help="toy sizes (prompts, tokens, steps): a rehearsal")
+    parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS), help="which steps (default: all)")
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is asked: every recipe then picks the CPU
+    elif not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA device on this machine (torch {torch.__version__}); nothing checked.")
+        return 0
+    out = Path(args.out)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    summary = {"device": device, "torch": torch.__version__, "quick": args.quick, "steps": {}}
+    for name in args.steps:
+        start = time.perf_counter()
+        try:
+            result = STEPS[name](out / name, args.quick)
+        except Exception as e:  # one step's failure is reported; the others still run
+            result = {"passed": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        summary["steps"][name] = result
+    summary["passed"] = all(s["passed"] for s in summary["steps"].values())
+    write_json_atomic(out / "summary.json", summary)
+    print(f"\n== gpu-check on {device} (torch {torch.__version__}) ==")
+    for name, result in summary["steps"].items():
+        brief = {k: v for k, v in result.items() if k not in ("traceback", "runs")}
+        print(f"  {name:<9} {'passed' if result['passed'] else 'FAILED'}  {json.dumps(brief)}")
+        for key, row in result.get("runs", {}).items():
+            print(f"    {key:<20} {json.dumps(row)}")
+    print(f"  summary: {out / 'summary.json'}")
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
