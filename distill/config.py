@@ -260,6 +260,8 @@ class TrainConfig(Strict):
     save_every: int = Field(50, gt=0)
     log_every: int = Field(10, gt=0)
     resume: bool = Field(True, description="continue from output_dir's latest checkpoint when present")
+    compile: bool = Field(False, description="torch.compile the trained model (inductor, through accelerate's "
+                                             "dynamo plugin); worth it on a GPU, not on a small CPU")
 
 
 class WandbConfig(Strict):

@@ -19,7 +19,7 @@ def make_accelerator(train: TrainConfig, seed: int, project_dir: str | Path, wan
     """An ``Accelerator`` for this launch. On a machine without CUDA it is forced onto the CPU (gloo),
     which is what makes ``torchrun --nproc_per_node N`` give N real ranks there."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import TorchDynamoPlugin, set_seed
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"  # set by accelerate launch
     acc = Accelerator(
@@ -28,6 +28,7 @@ def make_accelerator(train: TrainConfig, seed: int, project_dir: str | Path, wan
         gradient_accumulation_steps=train.grad_accum,
         log_with="wandb" if wandb and wandb.enabled else None,
         project_dir=str(project_dir),
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor" if train.compile else "no"),
     )
     if acc.state.deepspeed_plugin is not None:  # no dataloader is prepared (see distill.trainer): say the batch size
         acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = train.micro_batch_size
@@ -40,7 +41,8 @@ def run_strategy(acc, model) -> dict:
     world size, the class ``prepare`` wrapped the model in (``DeepSpeedEngine``, ``FullyShardedDataParallel``,
     ``DistributedDataParallel``, or the model itself) and, under DeepSpeed, the ZeRO stage."""
     record = {"distributed_type": acc.distributed_type.value, "num_processes": acc.num_processes,
-              "model_wrapper": type(model).__name__, "mixed_precision": acc.mixed_precision, "device": acc.device.type}
+              "model_wrapper": type(model).__name__, "mixed_precision": acc.mixed_precision, "device": acc.device.type,
+              "compiled": hasattr(model, "_orig_mod")}
     if acc.state.deepspeed_plugin is not None:
         record["zero_stage"] = acc.state.deepspeed_plugin.zero_stage
     return record

@@ -98,6 +98,12 @@ class TrainResult:
     count_rates: dict = field(default_factory=dict)  # per second of training, e.g. scored_tokens
 
 
+def plain_state_dict(acc, model) -> dict:
+    """The prepared model's (gathered) state dict under the model's own names: torch.compile
+    (``train.compile``) prefixes every key with its wrapper's ``_orig_mod.``."""
+    return {k.removeprefix("_orig_mod."): v for k, v in acc.get_state_dict(model).items()}
+
+
 class Trainer:
     def __init__(
         self,
@@ -156,9 +162,9 @@ class Trainer:
 
     def save_model(self, folder: Path) -> None:
         """Save the (unwrapped, gathered) model as a ``transformers`` folder."""
-        unwrapped = self.acc.unwrap_model(self.model)
+        unwrapped = self.acc.unwrap_model(self.model, keep_torch_compile=False)
         unwrapped.save_pretrained(folder, is_main_process=self.acc.is_main_process, save_function=self.acc.save,
-                                  state_dict=self.acc.get_state_dict(self.model))
+                                  state_dict=plain_state_dict(self.acc, self.model))
         if self.save_extra and self.acc.is_main_process:
             self.save_extra(folder)
 

@@ -11,11 +11,13 @@ Blocks
     ``f[j]`` for ``j < a``. Training samples many anchors per sequence at once; each block sees its own
     prefix of features, so one forward trains them all.
 
-Attention (one dense mask, queries = all block tokens, keys = [features ; block tokens])
+Attention (one mask, queries = all block tokens, keys = [features ; block tokens])
     feature key ``j`` is visible to block ``n``'s queries iff ``j < a_n``; block keys are visible only
     inside the same block: all of them (``bidirectional``, DFlash's block diffusion) or those at
     ``k' <= k`` (``causal``, JetSpec-style causal drafting). Every query sees at least itself, so no row
-    is fully masked.
+    is fully masked. On a GPU the mask is a flex-attention ``BlockMask`` (``mask_implementation``
+    ``auto`` / ``flex``): at the 8B recipes' sizes (8,192 block queries x 10,240 keys) most tiles are
+    empty and are skipped; on a CPU it is a dense boolean mask for SDPA (the same attention, tested).
 
 Features enter through ``fc`` (concatenated target layers -> hidden) and ``hidden_norm``; in every
 drafter layer they are *prepended* to the block's keys and values (KV injection). Token embeddings and
@@ -35,12 +37,14 @@ Acceptance (:func:`acceptance_stats`)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
@@ -111,8 +115,27 @@ class DraftAttention(nn.Module):
         q = (q if self.q_norm is None else self.q_norm(q)).transpose(1, 2)
         cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta)
         q = apply_rope(q, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        gqa = self.heads != self.kv_heads
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_attention(device_type: str):
+    """flex_attention compiled (its fused kernel) on a GPU; eager elsewhere (the reference math: what the
+    tests compare against SDPA with the dense mask)."""
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=False)
+    import warnings
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return flex_attention(*args, **kwargs)
+    return eager
 
 
 class MLP(nn.Module):
@@ -224,6 +247,7 @@ class DrafterConfig(PretrainedConfig):
         position_weighting: str = "exp",
         loss_gamma: float = 4.0,
         loss_chunk: int | None = None,
+        mask_implementation: str = "auto",
         **kwargs,
     ):
         if block_attention not in ("bidirectional", "causal"):
@@ -252,6 +276,9 @@ class DrafterConfig(PretrainedConfig):
         self.position_weighting = position_weighting
         self.loss_gamma = loss_gamma
         self.loss_chunk = loss_chunk  # positions whose vocabulary-sized logits the loss holds at once (None: all)
+        if mask_implementation not in ("auto", "dense", "flex"):
+            raise ValueError(f"mask_implementation must be 'auto', 'dense' or 'flex', got {mask_implementation!r}")
+        self.mask_implementation = mask_implementation  # the blocks' mask: auto = flex for > 128 block queries on CUDA
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -426,7 +453,13 @@ class BlockDrafter(DrafterBase):
         x_pos = (anchors[:, :, None] + torch.arange(K, device=anchors.device)).view(B, N * K)
         if ctx_kv is None:
             ctx_kv = self.context_kv(aux, torch.arange(aux.shape[1], device=aux.device)[None].expand(B, -1))
-        mask = block_attention_mask(anchors, ctx_kv[0][0].shape[2], K, self.causal_blocks)
+        ctx_len = ctx_kv[0][0].shape[2]
+        impl = getattr(cfg, "mask_implementation", "auto")
+        # auto: flex for training-sized batches of blocks on a GPU; decoding's few blocks keep the dense mask
+        if impl == "flex" or (impl == "auto" and anchors.device.type == "cuda" and N * K > 128):
+            mask = flex_block_mask(anchors, ctx_len, K, self.causal_blocks)
+        else:
+            mask = block_attention_mask(anchors, ctx_len, K, self.causal_blocks)
         for layer, kv in zip(self.layers, ctx_kv):
             x = layer(x, x_pos, kv, mask)
         return self.norm(x).view(B, N, K, -1)
@@ -534,6 +567,23 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, c
         same_block &= (blk[None, :] % K) <= (blk[:, None] % K)
     mask = torch.cat([ctx_visible, same_block[None].expand(B, -1, -1)], dim=-1)
     return mask[:, None]
+
+
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, causal: bool) -> BlockMask:
+    """:func:`block_attention_mask` as a flex-attention ``BlockMask``: only the key tiles a block's
+    queries can see are computed (the context before its anchor, its own block)."""
+    B, N = anchors.shape
+    K = block_size
+
+    def visible(b, h, q, kv):
+        n = q // K
+        block_kv = kv - ctx_len
+        same = (kv >= ctx_len) & (block_kv // K == n)
+        if causal:
+            same = same & (block_kv % K <= q % K)
+        return ((kv < ctx_len) & (kv < anchors[b, n])) | same
+
+    return create_block_mask(visible, B, None, N * K, ctx_len + N * K, device=anchors.device)
 
 
 def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -48,10 +48,11 @@ def load_drafter(folder: str, target, device):
     config = AutoConfig.from_pretrained(folder)
     # recipe validation checked this already for a target on disk; a hub target is known only now
     check_drafter_fits(config.to_dict(), target.config.to_dict(), folder, target.config.name_or_path)
+    dtype = next(target.parameters()).dtype  # the target's: a bf16 target on a GPU gets a bf16 drafter
     if config.model_type not in ("draftsmith_dflash", "draftsmith_dspark", "draftsmith_eagle3"):
-        return AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head
-    drafter = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    drafter = AutoModel.from_pretrained(folder, dtype=dtype).to(device).eval()
     return drafter.share_target_io(target) if shared else drafter
 
 

@@ -208,7 +208,7 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:
                           evaluate_fn=lambda mm: subject.evaluate(mm, ft_acc), flops_per_token=subject.flops_per_token(m),
                           best_metric=metric, greater_is_better=subject.greater, before_step=before_step)
         result = trainer.fit()
-        return ft_acc.unwrap_model(trainer.model), result
+        return ft_acc.unwrap_model(trainer.model, keep_torch_compile=False), result
 
     ### Full precision, and full precision fine-tuned with the same compute QAT gets
     rows = [measure_row(model, "full", "-", 0)]

@@ -187,7 +187,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     }
     if quant.enabled:  # quant.mode ptq / qat: the quantized drafter in model_quantized/, quant_report.{json,md}
         summary["quant"] = quant.finish(
-            acc.unwrap_model(trainer.model), trainer.evaluate_fn, out, "val_simulated_tau", tokenizer,
+            acc.unwrap_model(trainer.model, keep_torch_compile=False), trainer.evaluate_fn, out, "val_simulated_tau", tokenizer,
             exclude_from_bytes=("embed_tokens", "lm_head"), is_main_process=acc.is_main_process)
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")

@@ -114,7 +114,7 @@ def finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, record: 
     if parcae_cfg:
         summary["recurrence_curve"] = curve_rows(final_eval, parcae_cfg.curve_depths())
     if quant.enabled:  # quant.mode ptq / qat: the quantized copy in model_quantized/, quant_report.{json,md}
-        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model), lambda m: evaluate(m, trainer.cfg.eval_batches),
+        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model, keep_torch_compile=False), lambda m: evaluate(m, trainer.cfg.eval_batches),
                                         out, "val_loss", tokenizer, is_main_process=acc.is_main_process)
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")

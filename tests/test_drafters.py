@@ -297,3 +297,47 @@ def test_init_from_starts_training_from_a_saved_drafter(tmp_path, tiny_target_di
             parse_recipe(bad)
     with pytest.raises(RecipeError, match="drafter.init_from"):
         parse_recipe({**recipe, "drafter": {**recipe["drafter"], "init_from": str(tmp_path / "missing")}})
+
+
+@pytest.mark.parametrize("kind,attention", [("dflash", "bidirectional"), ("dflash", "causal"), ("dspark", "bidirectional")])
+def test_flex_block_mask_gives_the_dense_masks_logits(tmp_path, tiny_target_dir, kind, attention):
+    """``mask_implementation: flex`` (a GPU's default for training) against the dense mask SDPA reads
+    (a CPU's): the same logits, flex run here by its eager reference (torch has no flex backward on
+    a CPU; ``make gpu-check`` trains through it on a GPU)."""
+    from drafters.evaluate import build_drafter
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(1))
+    section = drafter_recipe(tmp_path, tiny_target_dir, kind).drafter.model_copy(update={"block_attention": attention})
+    drafter = build_drafter(section, target, str(tiny_target_dir), tok.mask_token_id).eval()
+    feats = FeatureCapture(target, drafter.config.target_layer_ids)(ids)
+    outs = {}
+    for impl in ("dense", "flex"):
+        drafter.config.mask_implementation = impl
+        with torch.no_grad():
+            outs[impl] = drafter(ids, feats.aux, feats.last, anchors=torch.tensor([[2, 9, 20, 37], [4, 15, 30, 40]]))
+    torch.testing.assert_close(outs["flex"].draft_logits, outs["dense"].draft_logits, rtol=1e-4, atol=1e-5)
+    assert torch.equal(outs["flex"].draft_tokens, outs["dense"].draft_tokens)
+
+
+def test_train_compile_wraps_the_model_in_torch_compile_and_saves_it_plain(tmp_path, tiny_target_dir):
+    """``train.compile``: accelerate's prepare wraps the drafter in torch.compile (inductor), the run's
+    strategy record says so, and the weights it saves carry no ``_orig_mod`` prefix. (Compiling on
+    this CPU takes a minute: ``make gpu-check`` trains compiled on a GPU.)"""
+    from distill.runtime import make_accelerator, run_strategy
+    from distill.trainer import plain_state_dict
+    from drafters.evaluate import build_drafter
+
+    recipe = drafter_recipe(tmp_path, tiny_target_dir, "dflash", compile=True)
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    acc = make_accelerator(recipe.train, 0, tmp_path)
+    drafter = build_drafter(recipe.drafter, target, str(tiny_target_dir), tok.mask_token_id)
+    model = acc.prepare(drafter)
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    assert run_strategy(acc, model)["compiled"] is True
+    assert all(k.startswith("_orig_mod.") for k in acc.get_state_dict(model))  # what saving must undo
+    assert set(plain_state_dict(acc, model)) == set(drafter.state_dict())
+    assert acc.unwrap_model(model, keep_torch_compile=False) is drafter
+    reset_accelerate()
+    plain = make_accelerator(recipe.train.model_copy(update={"compile": False}), 0, tmp_path)
+    assert run_strategy(plain, plain.prepare(drafter))["compiled"] is False
