@@ -10,8 +10,16 @@ Sample order
     sample ``k`` is window ``perm_{k // n}[k % n]``, so a run's whole data order is a pure function of
     the number of samples consumed: resuming needs that one integer, not a replay.
 
+Memory
+    Hub datasets and dataset files (json/jsonl, parquet, csv, text) stay in ``datasets``' Arrow
+    tables, memory-mapped from disk: a split is a :class:`DatasetColumn`, never a Python list of the
+    corpus. Tokenizing runs ``Dataset.map`` (with its cache) and writes the token stream (or the
+    example windows) straight into a memory-mapped ``.npy`` file, batch by batch; training reads the
+    windows it needs from that file. Memory stays bounded by a batch, whatever the corpus size.
+
 Sharding
-    An optimizer step consumes ``micro_batch * grad_accum * world_size`` samples. Micro-batch ``m``
+    Every rank memory-maps the same token file (the main process writes it first) and reads only the
+    windows of its own micro-batches. An optimizer step consumes ``micro_batch * grad_accum * world_size`` samples. Micro-batch ``m``
     of rank ``r`` takes the ``(m * world_size + r)``-th block of ``micro_batch`` samples, so two
     processes with accumulation 1 see exactly the samples one process sees with accumulation 2.
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +40,38 @@ from .config import DATA_SUFFIXES, DataConfig, RecipeError, TokenizerConfig
 from .testbed import Document, atomic_dir, cache_dir, fingerprint_texts, split_documents, stdlib_documents, train_bpe_tokenizer
 
 
+class DatasetColumn(Sequence):
+    """One split of a ``datasets.Dataset`` as a read-only sequence of its texts (format ``text``) or
+    records (the ``columns`` of each row): what recipes index (prompt snippets) and iterate, while
+    Arrow keeps the rows on disk. ``fingerprint`` is the dataset's own (it follows its files and every
+    transform), so caches keyed by it need no pass over the data."""
+
+    def __init__(self, dataset, columns: list[str], text: bool):
+        self.dataset, self.columns, self.text = dataset, columns, text
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError("a DatasetColumn is indexed by one position at a time")
+        row = self.dataset[int(i)]
+        return row[self.columns[0]] if self.text else {c: row[c] for c in self.columns}
+
+    def __iter__(self):
+        for batch in self.dataset.iter(batch_size=1024):
+            rows = zip(*(batch[c] for c in self.columns))
+            yield from (r[0] for r in rows) if self.text else ({c: v for c, v in zip(self.columns, r)} for r in rows)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.dataset._fingerprint}/{','.join(self.columns)}"
+
+
 @dataclass
 class TextSplits:
-    train: list  # str documents (format "text") or dict records (prompt/response or messages)
-    val: list
+    train: Sequence  # str documents (format "text") or dict records (prompt/response or messages): a list,
+    val: Sequence    # or a DatasetColumn for hub datasets and dataset files
     fingerprint: str  # of the raw data, both splits
     description: str
 
@@ -91,17 +128,25 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
         if val_ds is None:
             parts = ds.train_test_split(test_size=cfg.val_fraction, seed=seed, shuffle=True)
             ds, val_ds = parts["train"], parts["test"]
-        if cfg.format == "text":
-            train_r, val_r = list(ds[cfg.text_field]), list(val_ds[cfg.text_field])
-        else:
-            cols = _columns_needed(cfg) + [c for c in TOKEN_ID_COLUMNS if c in ds.column_names and c in val_ds.column_names]
-            train_r = [{c: row[c] for c in cols} for row in ds]
-            val_r = [{c: row[c] for c in cols} for row in val_ds]
+        cols = _columns_needed(cfg)
+        if cfg.format != "text":
+            cols += [c for c in TOKEN_ID_COLUMNS if c in ds.column_names and c in val_ds.column_names]
+        train_r, val_r = (DatasetColumn(d, cols, cfg.format == "text") for d in (ds, val_ds))
         desc = f"{cfg.source} ({cfg.format}): {len(train_r)} train / {len(val_r)} held-out records"
+        fp = fingerprint_texts([train_r.fingerprint, val_r.fingerprint], f"val_fraction={cfg.val_fraction}",
+                               f"format={cfg.format}", f"seed={seed}")
+        return TextSplits(train_r, val_r, fp, desc)
     as_text = lambda r: r if isinstance(r, str) else json.dumps(r, sort_keys=True)  # noqa: E731
     fp = fingerprint_texts([as_text(r) for r in train_r] + ["\x00split\x00"] + [as_text(r) for r in val_r],
                            f"val_fraction={cfg.val_fraction}", f"format={cfg.format}")
     return TextSplits(train_r, val_r, fp, desc)
+
+
+def _records_key(records: Sequence, *extra: str) -> str:
+    """A cache key for a split: its dataset's fingerprint, or a hash of every record of a list."""
+    if isinstance(records, DatasetColumn):
+        return fingerprint_texts([records.fingerprint], *extra)
+    return fingerprint_texts([r if isinstance(r, str) else json.dumps(r, sort_keys=True) for r in records], *extra)
 
 
 def regenerated_text_splits(regenerated: dict) -> TextSplits:
@@ -121,7 +166,7 @@ def build_tokenizer(cfg: TokenizerConfig, splits: TextSplits):
         return AutoTokenizer.from_pretrained(cfg.path)
     if splits.train and not isinstance(splits.train[0], str):
         raise ValueError("training a BPE needs plain-text data: give tokenizer.path for prompt/response data")
-    key = fingerprint_texts(splits.train, f"bpe-v1/{cfg.vocab_size}")
+    key = _records_key(splits.train, f"bpe-v1/{cfg.vocab_size}")
     folder = cache_dir() / "tokenizers" / f"bpe-{key}"
     if not (folder / "tokenizer.json").exists():
         with atomic_dir(folder) as tmp:
@@ -133,9 +178,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return fingerprint_texts([tokenizer.backend_tokenizer.to_str()]) if hasattr(tokenizer, "backend_tokenizer") else tokenizer.name_or_path
 
 
-def tokenize_stream(texts: list[str], tokenizer, name: str = "stream") -> np.ndarray:
-    """Documents joined by EOS into one token array (uint16 when the vocabulary fits), cached."""
-    key = fingerprint_texts(texts, tokenizer_fingerprint(tokenizer))
+def tokenize_stream(texts: Sequence[str], tokenizer, name: str = "stream") -> np.ndarray:
+    """Documents joined by EOS into one token array (uint16 when the vocabulary fits), cached on disk
+    and memory-mapped; a :class:`DatasetColumn` is tokenized by ``Dataset.map`` and written batch by batch."""
+    key = _records_key(texts, tokenizer_fingerprint(tokenizer))
     path = cache_dir() / "tokens" / f"{name}-{key}.npy"
     if path.exists():
         return np.load(path, mmap_mode="r")
@@ -143,17 +189,32 @@ def tokenize_stream(texts: list[str], tokenizer, name: str = "stream") -> np.nda
     if eos is None:
         raise ValueError("the tokenizer has no eos_token; documents could not be separated")
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max else np.uint32
-    chunks = []
-    for start in range(0, len(texts), 256):
-        for ids in tokenizer(texts[start:start + 256], add_special_tokens=False)["input_ids"]:
-            chunks.append(np.asarray(ids + [eos], dtype=dtype))
-    stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, stream)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
+    if isinstance(texts, DatasetColumn):
+        field = texts.columns[0]
+        docs = texts.dataset.map(lambda b: {"ids": tokenizer(b[field], add_special_tokens=False)["input_ids"]},
+                                 batched=True, batch_size=256, remove_columns=texts.dataset.column_names, desc=f"tokenize {name}")
+        sizes = docs.map(lambda b: {"n": [len(x) + 1 for x in b["ids"]]}, batched=True, remove_columns=["ids"])
+        total = sum(int(np.sum(b["n"])) for b in sizes.iter(batch_size=65536))
+        stream = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(total,))
+        at = 0
+        for batch in docs.iter(batch_size=256):
+            for ids in batch["ids"]:
+                stream[at:at + len(ids)] = ids
+                stream[at + len(ids)] = eos
+                at += len(ids) + 1
+        stream.flush()
+        del stream
+    else:
+        chunks = []
+        for start in range(0, len(texts), 256):
+            for ids in tokenizer(list(texts[start:start + 256]), add_special_tokens=False)["input_ids"]:
+                chunks.append(np.asarray(ids + [eos], dtype=dtype))
+        with open(tmp, "wb") as f:
+            np.save(f, np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype))
     os.replace(tmp, path)
-    return stream
+    return np.load(path, mmap_mode="r")
 
 
 @dataclass
@@ -265,27 +326,25 @@ def encode_example(record: dict, tokenizer, cfg: DataConfig) -> tuple[list[int],
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
-def tokenize_examples(records: list[dict], tokenizer, cfg: DataConfig, name: str = "examples") -> tuple[np.ndarray, np.ndarray]:
-    """Every record as one window of ``seq_len + 1`` tokens (truncated or padded) and its loss mask; cached."""
+def tokenize_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, name: str = "examples") -> tuple[np.ndarray, np.ndarray]:
+    """Every record as one window of ``seq_len + 1`` tokens (truncated or padded) and its loss mask;
+    cached on disk and memory-mapped, written row by row (a :class:`DatasetColumn` is read in batches)."""
     width = cfg.seq_len + 1
-    key = fingerprint_texts([json.dumps(r, sort_keys=True) for r in records], tokenizer_fingerprint(tokenizer),
-                            f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}")
-    path = cache_dir() / "examples" / f"{name}-{key}.npz"
-    if path.exists():
-        data = np.load(path)
-        return data["ids"], data["mask"]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = np.full((len(records), width), pad, dtype=np.int64)
-    mask = np.zeros((len(records), width), dtype=np.int8)
-    for i, record in enumerate(records):
-        tokens, scored = encode_example(record, tokenizer, cfg)
-        ids[i, :min(width, len(tokens))] = tokens[:width]
-        mask[i, :min(width, len(scored))] = scored[:width]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
-    np.savez(tmp, ids=ids, mask=mask)
-    os.replace(tmp, path)
-    return ids, mask
+    key = _records_key(records, tokenizer_fingerprint(tokenizer), f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}")
+    folder = cache_dir() / "examples" / f"{name}-{key}"
+    if not (folder / "mask.npy").exists():
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        with atomic_dir(folder) as tmp:
+            ids = np.lib.format.open_memmap(tmp / "ids.npy", mode="w+", dtype=np.int64, shape=(len(records), width))
+            mask = np.lib.format.open_memmap(tmp / "mask.npy", mode="w+", dtype=np.int8, shape=(len(records), width))
+            ids[:] = pad
+            for i, record in enumerate(records):
+                tokens, scored = encode_example(record, tokenizer, cfg)
+                ids[i, :min(width, len(tokens))] = tokens[:width]
+                mask[i, :min(width, len(scored))] = scored[:width]
+            ids.flush(), mask.flush()
+            del ids, mask
+    return np.load(folder / "ids.npy", mmap_mode="r"), np.load(folder / "mask.npy", mmap_mode="r")
 
 
 class ExampleWindows(PackedWindows):
@@ -301,7 +360,7 @@ class ExampleWindows(PackedWindows):
         self._perm_epoch, self._perm = -1, None
 
     def window(self, index: int) -> torch.Tensor:
-        return torch.from_numpy(self.ids[index])
+        return torch.from_numpy(np.array(self.ids[index]))
 
     def collate(self, indices: list[int]) -> Batch:
         return Batch(torch.stack([self.window(i) for i in indices]),

@@ -90,3 +90,72 @@ def test_local_jsonl_through_datasets(tmp_path):
     assert len(splits.train) == 45 and len(splits.val) == 5
     with pytest.raises(ValueError, match="column 'content'"):
         load_text_splits(DataConfig(source="files", train_files=[str(path)], text_field="content"))
+
+
+def test_dataset_files_stay_in_arrow_and_tokenize_like_a_list(tmp_path, small):
+    """A dataset file's split is a DatasetColumn (no Python list of the corpus) whose token stream is
+    exactly the one the list path writes, read back memory-mapped; records tokenize alike too."""
+    from distill.data import DatasetColumn, make_windows, tokenize_examples
+
+    _, _, tok = small
+    rows = [{"text": f"def f{i}(x):\n    return x * {i}\n", "prompt": f"# {i}\n", "response": f"pass  # {i}"} for i in range(60)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(source="files", train_files=[str(path)], val_fraction=0.1, seq_len=16)
+    splits = load_text_splits(cfg)
+    assert isinstance(splits.train, DatasetColumn) and isinstance(splits.train[3], str)
+    as_list = list(splits.train)
+    assert as_list[3] == splits.train[3] and len(as_list) == len(splits.train) == 54
+    streamed = tokenize_stream(splits.train, tok, "arrow-test")
+    assert isinstance(streamed, np.memmap)
+    np.testing.assert_array_equal(streamed, tokenize_stream(as_list, tok, "list-test"))
+    assert load_text_splits(cfg).fingerprint == splits.fingerprint  # the dataset's own fingerprint: stable
+    records = load_text_splits(cfg.model_copy(update={"format": "prompt_response"}))
+    ids, mask = tokenize_examples(records.train, tok, cfg.model_copy(update={"format": "prompt_response"}), "rec")
+    ids_list, mask_list = tokenize_examples(list(records.train), tok, cfg.model_copy(update={"format": "prompt_response"}), "rec-list")
+    np.testing.assert_array_equal(ids, ids_list)
+    np.testing.assert_array_equal(mask, mask_list)
+    windows = make_windows(splits.train, tok, cfg, "train")
+    assert windows.batch(0, 4).input_ids.shape == (4, 17)
+
+
+def test_memory_stays_bounded_on_a_dataset_much_larger_than_a_batch(tmp_path):
+    """Parquet corpora of 4,000 and 16,000 documents (2 and 7 MB of text) to training windows with the
+    testbed target's tokenizer: the Python heap's peak is the same for both (a batch's worth) and well
+    under the larger corpus' text, which a list of its documents alone exceeds. (datasets' JSON reader
+    reads 10 MB blocks: bounded too, by that.)"""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from distill.data import make_windows
+
+    from transformers import AutoTokenizer
+
+    from distill.testbed import ASSETS
+
+    tok = AutoTokenizer.from_pretrained(ASSETS / "testbed_target")
+    rng = np.random.default_rng(0)
+    words = np.array(["import", "def", "return", "self", "value", "for", "in", "range", "if", "else", "None", "print"])
+    texts = [" ".join(rng.choice(words, 90)) + f" {i}\n" for i in range(16_000)]
+    peaks = []
+    for n in (4_000, 16_000):
+        path = tmp_path / f"corpus{n}.parquet"
+        pq.write_table(pa.table({"text": texts[:n]}), path, row_group_size=1000)
+        cfg = DataConfig(source="files", train_files=[str(path)], val_fraction=0.01, seq_len=64)
+        load_text_splits(cfg)  # the Arrow cache built, modules imported: not the data's memory
+        tracemalloc.start()
+        windows = make_windows(load_text_splits(cfg).train, tok, cfg, "train")
+        batch = windows.batch(0, 8)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert len(windows) > 100 * 8 and batch.input_ids.shape == (8, 65)  # many batches' worth of windows
+    text_bytes = sum(len(t) for t in texts)
+    assert peaks[1] < 1.1 * peaks[0] and peaks[1] < 0.75 * text_bytes, (peaks, text_bytes)
+    tracemalloc.start()
+    as_list = list(texts)  # what a Python list of the corpus costs (the strings themselves and the list)
+    as_list = [t.encode().decode() for t in as_list]
+    list_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert list_peak > text_bytes > peaks[1], (list_peak, text_bytes, peaks)
