@@ -580,6 +580,26 @@ class DistillStudentRecipe(TrainingRecipe):
         return self
 
 
+class ServerSection(Strict):
+    """An OpenAI-compatible completions endpoint that serves the target (vLLM, SGLang, ``transformers
+    serve``): regeneration sends it every prompt's text, ``concurrency`` requests at a time, and keeps
+    the token ids it returns (vLLM: ``extra_body: {return_token_ids: true}``) or re-tokenizes its text."""
+
+    base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1")
+    model: str = Field(description="the served model's name, as GET /v1/models lists it")
+    api_key_env: Optional[str] = Field("OPENAI_API_KEY", description="environment variable holding the key; unset: 'EMPTY'")
+    concurrency: int = Field(32, gt=0, description="requests in flight (the server batches them)")
+    timeout_s: float = Field(600.0, gt=0)
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="server-specific request fields")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"expected an http(s) URL such as http://127.0.0.1:8000/v1, got {v!r}")
+        return v.rstrip("/")
+
+
 class RegenerateStage(Strict):
     """Train on the target's own answers (:mod:`distill.regenerate`): prompts cut from ``data``'s corpus,
     answered by the target in-process, cached and reused by any later run with the same settings."""
@@ -593,6 +613,7 @@ class RegenerateStage(Strict):
     top_p: float = Field(0.95, gt=0, le=1, description="sampled temperatures only")
     top_k: int = Field(0, ge=0, description="0 = off")
     batch_size: int = Field(64, gt=0)
+    server: Optional[ServerSection] = Field(None, description="answer through this endpoint instead of in-process")
 
     @field_validator("temperatures")
     @classmethod
@@ -671,6 +692,8 @@ class RegenerateRecipe(RecipeBase):
     target: TargetConfig = Field(default_factory=TargetConfig)
     prompts: PromptsSection
     generation: GenerationSection = Field(default_factory=GenerationSection)
+    server: Optional[ServerSection] = Field(None, description="answer through this endpoint (the target's weights "
+                                                               "are not loaded; its tokenizer is); None = in-process")
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
     torch_threads: Optional[int] = Field(None, gt=0)
 

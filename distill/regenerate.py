@@ -116,9 +116,10 @@ def read_done(partial: Path, batches: list[list[int]]) -> dict[int, dict]:
 @torch.no_grad()
 def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, max_new_tokens: int,
                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
-                   seed: int = 0, desc: str = "regenerating") -> dict:
-    """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc). Returns
-    ``{"records", "response_tokens", "tokens_per_s"}`` (tokens/s of this call's generation only)."""
+                   seed: int = 0, desc: str = "regenerating", server=None) -> dict:
+    """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc), in-process
+    or through ``server`` (a :class:`~distill.config.ServerSection`; ``target`` may then be None).
+    Returns ``{"records", "response_tokens", "tokens_per_s"}`` (tokens/s of this call's generation only)."""
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     partial = out_file.with_name(out_file.name + ".partial")
@@ -126,34 +127,21 @@ def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, ma
     batches = [list(range(b, min(b + batch_size, len(prompts)))) for b in range(0, len(prompts), batch_size)]
     done = {} if out_file.exists() else read_done(partial, batches)
     todo = [] if out_file.exists() else [batch for batch in batches if batch[0] not in done]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
-    device = next(target.parameters()).device
-    sampled = temperature > 0
+    answer = (ServerAnswers(server, tokenizer) if server is not None else InProcessAnswers(target, tokenizer)) if todo else None
     new_tokens, seconds = 0, 0.0
-    devices = [device] if device.type == "cuda" else []
+    devices = [answer.device] if answer is not None and answer.device.type == "cuda" else []
     # the per-batch seeds below must not leak into the caller's RNG: a training run that regenerates
     # and one that reuses cached answers then draw the same anchors and data order
     with open(partial, "a") as sink, torch.random.fork_rng(devices=devices):
         for batch in tqdm(todo, desc=desc, unit="batch"):
-            torch.manual_seed(seed * 1_000_003 + batch[0])  # per-batch seed: resumes reproduce
-            ids = [prompt_token_ids(prompts[i], tokenizer) for i in batch]
-            width = max(map(len, ids))
-            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)  # left padding
-            attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+            batch_seed = seed * 1_000_003 + batch[0]  # per-batch seed: resumes reproduce
             t0 = time.perf_counter()
-            outputs = target.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=sampled,
-                pad_token_id=pad, **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sampled else {}),
-            )
+            rows = answer([prompts[i] for i in batch], max_new_tokens, temperature, top_p, top_k, batch_seed)
             seconds += time.perf_counter() - t0
-            for row, i in enumerate(batch):
-                new = outputs[row, width:].tolist()
-                ended = eos in new
-                new = new[:new.index(eos)] if ended else new
+            for i, (prompt_ids, new, ended, extra) in zip(batch, rows):
                 new_tokens += len(new) + ended
-                record = {"id": i, **prompts[i], "prompt_ids": ids[row], "response": tokenizer.decode(new, skip_special_tokens=True),
-                          "response_ids": new, "eos": ended, "temperature": temperature}
+                record = {"id": i, **prompts[i], "prompt_ids": prompt_ids, "response": tokenizer.decode(new, skip_special_tokens=True),
+                          "response_ids": new, "eos": ended, "temperature": temperature, **extra}
                 sink.write(json.dumps(record) + "\n")
             sink.flush()
             os.fsync(sink.fileno())
@@ -164,8 +152,88 @@ def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, ma
             "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None}
 
 
+class InProcessAnswers:
+    """A batch of answers by ``target.generate`` (left-padded), seeded per batch."""
+
+    def __init__(self, target, tokenizer):
+        self.target, self.tokenizer = target, tokenizer
+        self.device = next(target.parameters()).device
+
+    def __call__(self, prompts, max_new_tokens, temperature, top_p, top_k, seed):
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        torch.manual_seed(seed)
+        ids = [prompt_token_ids(p, tok) for p in prompts]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.device)  # left padding
+        attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
+        sampled = temperature > 0
+        outputs = self.target.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=sampled,
+            pad_token_id=pad, **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sampled else {}))
+        rows = []
+        for row, prompt_ids in enumerate(ids):
+            new = outputs[row, width:].tolist()
+            ended = tok.eos_token_id in new
+            rows.append((prompt_ids, new[:new.index(tok.eos_token_id)] if ended else new, ended, {}))
+        return rows
+
+
+class ServerAnswers:
+    """A batch of answers from an OpenAI-compatible completions endpoint, ``concurrency`` requests in
+    flight. Each prompt goes as the text the target would read (:func:`render`); its ``prompt_ids``
+    are that text tokenized. The response's token ids are the server's when it returns them (vLLM's
+    ``return_token_ids``), else its text re-tokenized (``retokenized: true`` in the record); ``eos``
+    is a ``stop`` finish. The endpoint is asked for its models first: an unreachable server or an
+    unknown model is an error before any prompt is sent."""
+
+    def __init__(self, server, tokenizer):
+        from openai import OpenAI
+
+        from .config import RecipeError
+
+        self.server, self.tokenizer, self.device = server, tokenizer, torch.device("cpu")
+        key = os.environ.get(server.api_key_env or "", "") or "EMPTY"
+        self.client = OpenAI(base_url=server.base_url, api_key=key, timeout=server.timeout_s, max_retries=3)
+        try:
+            served = [m.id for m in self.client.models.list()]
+        except Exception as e:  # connection refused, DNS, TLS, auth: all mean the same to the user
+            raise RecipeError(f"server.base_url: no OpenAI-compatible server answered at {server.base_url} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); start it, or fix the URL") from None
+        if server.model not in served:
+            raise RecipeError(f"server.model: '{server.model}' is not served at {server.base_url} (it serves {served})")
+
+    def __call__(self, prompts, max_new_tokens, temperature, top_p, top_k, seed):
+        from concurrent.futures import ThreadPoolExecutor
+
+        tok, server = self.tokenizer, self.server
+        sampling = {"temperature": temperature, "top_p": top_p, "seed": seed} if temperature > 0 else {"temperature": 0.0}
+        extra = {**server.extra_body, **({"top_k": top_k} if top_k and temperature > 0 else {})}
+
+        def one(j: int):
+            text = render(prompts[j], tok)
+            kwargs = {**sampling, "seed": seed + j} if temperature > 0 else sampling
+            response = self.client.completions.create(model=server.model, prompt=text, max_tokens=max_new_tokens,
+                                                      extra_body=extra or None, **kwargs)
+            choice = response.choices[0]
+            ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
+            retokenized = ids is None
+            if retokenized:
+                ids = tok(choice.text, add_special_tokens=False)["input_ids"]
+            ids = [int(t) for t in ids if int(t) != tok.eos_token_id]
+            prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+            return prompt_ids, ids, choice.finish_reason == "stop", {"retokenized": True} if retokenized else {}
+
+        with ThreadPoolExecutor(max_workers=min(server.concurrency, len(prompts))) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+
 def regeneration_key(stage, target_fp: str, tokenizer_fp: str, data_fp: str, seed: int) -> str:
-    settings = json.dumps(stage.model_dump(mode="json"), sort_keys=True)
+    # where the answers come from counts, not how the server is reached
+    settings = stage.model_dump(mode="json", exclude={"server"})
+    if getattr(stage, "server", None) is not None:
+        settings["server_model"] = stage.server.model
+    settings = json.dumps(settings, sort_keys=True)
     return fingerprint_texts([settings], f"v{REGENERATION_VERSION}", target_fp, tokenizer_fp, data_fp, f"seed={seed}")
 
 
@@ -189,7 +257,7 @@ def regenerated_splits(stage, target, tokenizer, splits, seed: int, target_fp: s
         stats[file.name] = answer_prompts(
             target, tokenizer, prompts, file, max_new_tokens=stage.max_new_tokens, temperature=temperature,
             top_p=stage.top_p, top_k=stage.top_k, batch_size=stage.batch_size, seed=job_seed,
-            desc=f"regenerating {file.stem}")
+            desc=f"regenerating {file.stem}", server=stage.server)
     record = {"key": key, "folder": str(folder), "train_files": [str(j[0]) for j in jobs[:-1]], "val_files": [str(jobs[-1][0])],
               "files": stats, "train_response_tokens": sum(s["response_tokens"] for n, s in stats.items() if n.startswith("train")),
               "settings": stage.model_dump(mode="json")}

@@ -7,9 +7,14 @@ through their ``regenerate:`` section). Prompts come from a JSONL file (a ``prom
 Output: ``<output_dir>/data.jsonl``, one record per prompt with the text and the exact token ids (see
 :mod:`distill.regenerate`), loadable with ``data.source: files, data.format: prompt_response`` (or
 ``messages``). Resumable: a re-run after a kill continues and writes exactly what an uninterrupted
-run would.
+run would. With a ``server:`` section the answers come from an OpenAI-compatible endpoint (vLLM,
+SGLang, ``transformers serve``) instead, same records and resume rules: the way to regenerate at 8B
+scale, where the reference trainers use a vLLM / SGLang server.
 
     draftsmith run recipes/configs/regenerate_testbed.yaml
+    vllm serve Qwen/Qwen3-8B --port 8000 &
+    draftsmith run recipes/configs/regenerate_testbed.yaml target.path=Qwen/Qwen3-8B \
+        server.base_url=http://127.0.0.1:8000/v1 server.model=Qwen/Qwen3-8B 'server.extra_body={return_token_ids: true}'
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
 
     set_threads(recipe.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, tokenizer = load_target(recipe.target, device)
+    # through a server, only the tokenizer is needed here (the model is built on the meta device)
+    target, tokenizer = load_target(recipe.target, device, weights=recipe.server is None and not dry_run)
     prompts = load_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer)
     if dry_run:
         return {"prompts": len(prompts), "example": render(prompts[0], tokenizer)[:200]}
@@ -38,7 +44,7 @@ def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
     gen = recipe.generation
     stats = answer_prompts(target, tokenizer, prompts, out / "data.jsonl", max_new_tokens=gen.max_new_tokens,
                            temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, batch_size=gen.batch_size,
-                           seed=recipe.seed)
+                           seed=recipe.seed, server=recipe.server)
     summary = {"data": str(out / "data.jsonl"), **stats}
     write_json_atomic(out / "summary.json", summary)
     print(f"wrote {stats['records']} responses ({stats['response_tokens']} tokens, {stats['tokens_per_s']} tokens/s) "

@@ -134,3 +134,81 @@ def test_in_process_regeneration_is_cached_and_reused(tmp_path, tiny_target_dir,
     other = stage.model_copy(update={"max_new_tokens": 5})
     with pytest.raises(pytest.fail.Exception):  # any setting changes the key: new answers are made
         regenerated_splits(other, target, tok, splits, 0, *fps)
+
+
+@pytest.fixture(scope="module")
+def served_target(tiny_target_dir):
+    """``transformers serve`` with the tiny target on a loopback port: a real OpenAI-compatible server."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = Path(sys.executable).with_name("transformers")
+    proc = subprocess.Popen([str(cli), "serve", str(tiny_target_dir), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("transformers serve did not start within 120 s")
+        yield {"base_url": f"http://127.0.0.1:{port}/v1", "model": str(tiny_target_dir)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_regeneration_through_a_server_matches_in_process_and_resumes(tmp_path, tiny_target_dir, served_target):
+    """The same prompts answered greedily through ``transformers serve`` and in-process: the same
+    prompts, responses and ends; a run killed mid-batch resumes to the same file; a sampled run works."""
+    from recipes import regenerate
+
+    regenerate.main(regenerate_recipe(tmp_path / "local", tiny_target_dir))
+    recipe = regenerate_recipe(tmp_path / "served", tiny_target_dir).model_dump(mode="json")
+    recipe["server"] = {**served_target, "concurrency": 4}
+    regenerate.main(parse_recipe(recipe))
+    local = [json.loads(l) for l in (tmp_path / "local" / "data.jsonl").read_text().splitlines()]
+    served = [json.loads(l) for l in (tmp_path / "served" / "data.jsonl").read_text().splitlines()]
+    assert len(served) == len(local) == 6
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    for a, b in zip(local, served):
+        assert b["prompt"] == a["prompt"] and b["response"] == a["response"] and b["eos"] == a["eos"]
+        # this server returns text only: its tokens are the text re-tokenized (not always the generated ones)
+        assert b["retokenized"] is True and b["response_ids"] == tok(b["response"], add_special_tokens=False)["input_ids"]
+        assert b["prompt_ids"] == tok(b["prompt"], add_special_tokens=False)["input_ids"]
+
+    lines = (tmp_path / "served" / "data.jsonl").read_text().splitlines()
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "data.jsonl.partial").write_text("\n".join(lines[:3]) + "\n" + lines[3][:15])  # killed in batch 1
+    regenerate.main(parse_recipe({**recipe, "output_dir": str(crashed)}))
+    assert (crashed / "data.jsonl").read_text().splitlines() == lines
+
+    sampled = {**recipe, "output_dir": str(tmp_path / "sampled"), "generation": {**recipe["generation"], "temperature": 1.0}}
+    regenerate.main(parse_recipe(sampled))
+    assert len((tmp_path / "sampled" / "data.jsonl").read_text().splitlines()) == 6
+
+
+def test_an_unreachable_server_is_a_clear_error_before_any_prompt(tmp_path, tiny_target_dir):
+    from distill.config import RecipeError
+    from recipes import regenerate
+
+    recipe = regenerate_recipe(tmp_path / "x", tiny_target_dir).model_dump(mode="json")
+    recipe["server"] = {"base_url": "http://127.0.0.1:9/v1", "model": "m", "timeout_s": 2}
+    with pytest.raises(RecipeError, match="server.base_url: no OpenAI-compatible server answered at http://127.0.0.1:9/v1"):
+        regenerate.main(parse_recipe(recipe))
+    assert not (tmp_path / "x" / "data.jsonl").exists()
+    with pytest.raises(RecipeError, match="server.base_url"):
+        parse_recipe({**recipe, "server": {"base_url": "localhost:8000", "model": "m"}})
