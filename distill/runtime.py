@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig, WandbConfig
+from .config import RecipeError, TrainConfig, WandbConfig
 
 
 def set_threads(threads: int | None) -> None:
@@ -21,9 +21,17 @@ def make_accelerator(train: TrainConfig, seed: int, project_dir: str | Path, wan
     from accelerate import Accelerator
     from accelerate.utils import TorchDynamoPlugin, set_seed
 
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"  # set by accelerate launch
+    # set by accelerate launch: cpu=True would silently drop DeepSpeed for plain data parallelism
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.cuda.is_available():
+        raise RecipeError(
+            "FSDP needs GPUs here: accelerate turns FSDP on only for GPU-class devices (its AcceleratorState sets "
+            "DistributedType.FSDP for MULTI_GPU / NPU / XPU ..., never MULTI_CPU), so on a CPU this launch would run "
+            "unsharded copies of the job writing one output folder. (torch's own FSDP2 does run on CPU ranks over gloo, "
+            "but accelerate's save_state then writes its DTensor shards as plain tensors and fails.) To shard on CPUs "
+            "use accelerate_configs/cpu_zero3.yaml (DeepSpeed ZeRO-3); FSDP on GPUs: accelerate_configs/fsdp.yaml")
     acc = Accelerator(
-        cpu=not torch.cuda.is_available() and not deepspeed,  # cpu=True would silently drop DeepSpeed for DDP
+        cpu=not torch.cuda.is_available() and not deepspeed,
         mixed_precision=train.mixed_precision,
         gradient_accumulation_steps=train.grad_accum,
         log_with="wandb" if wandb and wandb.enabled else None,

@@ -60,6 +60,7 @@ def ttt_mask(step: int, seq_len: int, device=None) -> torch.Tensor:
 
 class Eagle3Drafter(DrafterBase):
     config_class = Eagle3Config
+    _no_split_modules = ["Eagle3Layer"]  # what FSDP's transformer-based policy wraps
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)

@@ -143,3 +143,30 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     for k in a:
         assert b[k].dtype == torch.float32 and torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), \
             f"{k}: max difference {(a[k] - b[k]).abs().max():.2e}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, FSDP is accelerate's to run")
+def test_fsdp_on_cpu_is_a_clear_error_not_unsharded_copies(monkeypatch, tmp_path):
+    """accelerate enables FSDP only for GPU-class devices: launched on CPUs, every rank would train
+    its own unsharded copy into one folder (tried: the ranks' checkpoints collided). The run refuses,
+    naming the CPU alternative, before any compute."""
+    from distill.config import RecipeError, TrainConfig
+    from distill.runtime import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="FSDP needs GPUs here.*cpu_zero3.yaml"):
+        make_accelerator(TrainConfig(), 0, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "eagle3"])
+def test_fsdp_wraps_every_drafter_layer(kind):
+    """FSDP's transformer-based wrap policy wraps the classes ``_no_split_modules`` names: each drafter's
+    own decoder layers (EAGLE-3's are ``Eagle3Layer``, not the block drafters' ``InjectedLayer``)."""
+    from drafters import DRAFTERS
+
+    config_cls, model_cls = DRAFTERS[kind]
+    with torch.device("meta"):
+        model = model_cls(config_cls(vocab_size=64, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                     target_layer_ids=[0, 1, 2], mask_token_id=0, block_size=4))
+    wrapped = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+    assert wrapped and all(any(p.requires_grad for p in m.parameters()) for m in wrapped)
