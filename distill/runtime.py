@@ -38,8 +38,10 @@ def make_accelerator(train: TrainConfig, seed: int, project_dir: str | Path, wan
         project_dir=str(project_dir),
         dynamo_plugin=TorchDynamoPlugin(backend="inductor" if train.compile else "no"),
     )
-    if acc.state.deepspeed_plugin is not None:  # no dataloader is prepared (see distill.trainer): say the batch size
-        acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = train.micro_batch_size
+    if acc.state.deepspeed_plugin is not None:  # no dataloader is prepared (see distill.trainer): say the batch sizes
+        ds = acc.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = train.micro_batch_size
+        ds["train_batch_size"] = train.micro_batch_size * train.grad_accum * acc.num_processes
     set_seed(seed)
     return acc
 
