@@ -96,7 +96,9 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor, scored: torch.Ten
 
 def block_loss(terms: dict[str, float], weighting: str, gamma: float, draft_logits: torch.Tensor,
                target_logits: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor | None):
-    """``(loss, parts)``: the weighted sum of ``terms`` (name -> weight) and each term's weighted mean."""
+    """``(loss, parts, weights)``: the weighted sum of ``terms`` (name -> weight) and each term's weighted
+    mean, on logits: the definition. Drafters compute it with :func:`block_scores` (from hidden states,
+    in chunks where asked), which the tests hold equal to this."""
     w = block_weights(weighting, gamma, draft_logits, target_logits)
     parts = {t: weighted_mean(position_loss(t, draft_logits, target_logits, labels), w, scored) for t, c in terms.items() if c}
     loss = sum(terms[t] * v for t, v in parts.items())

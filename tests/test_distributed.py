@@ -129,7 +129,7 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     assert "resumed from" in resumed.stdout + resumed.stderr
     strategy = json.loads((out / "provenance.json").read_text())["strategy"]
     assert strategy == {"distributed_type": "DEEPSPEED", "num_processes": 1, "model_wrapper": "DeepSpeedEngine",
-                        "mixed_precision": "no", "device": "cpu", "zero_stage": stage}
+                        "mixed_precision": "no", "device": "cpu", "compiled": False, "zero_stage": stage}
     if stage == 2:
         single = json.loads((reference / "provenance.json").read_text())["strategy"]
         assert single["distributed_type"] != "DEEPSPEED" and single["model_wrapper"] != "DeepSpeedEngine"
