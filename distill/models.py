@@ -12,6 +12,7 @@ applied per token (embedding lookups excluded, a tied LM head counted once) plus
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -89,6 +90,22 @@ def resolve_target_path(path: str) -> str:
     return path
 
 
+@contextlib.contextmanager
+def _whole_under_zero3():
+    """Under a DeepSpeed ZeRO-3 launch transformers builds every ``from_pretrained`` model inside
+    ``deepspeed.zero.Init``, partitioned across ranks. A frozen target that only feeds features (or
+    logits) to the model being trained must stay whole on each rank: ZeRO-3 shards what trains. There
+    is no public switch, so transformers' module-level ZeRO-3 marker is cleared while the target loads."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: bool = True):
     """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder.
     ``weights=False``: the model built from its config on the meta device (shapes and dtypes, no
@@ -100,7 +117,8 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
     path = resolve_target_path(cfg.path)
     try:
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+            with _whole_under_zero3():
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
         else:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[cfg.dtype])

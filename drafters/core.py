@@ -541,8 +541,9 @@ def sample_anchors(seq_len: int, block_size: int, count: int, batch: int, device
     With a ``loss_mask`` [B, seq_len] (responses scored, prompts and padding not), anchors are drawn
     only where the first label ``x[a + 1]`` is scored, as decoding anchors only on the target's own
     tokens; a sequence with fewer such positions than ``count`` fills up with unscored anchors, whose
-    blocks carry no loss. Drawn from torch's global RNG unless a generator is given; the trainer
-    checkpoints that RNG, so a resumed run draws the same anchors."""
+    blocks carry no loss. Drawn from torch's global RNG unless a generator is given; training gives one
+    seeded by the batch's data position, so the anchors of a step depend on nothing else (not on what
+    else drew from the RNG: a DeepSpeed engine's setup, say) and a resumed run draws the same ones."""
     hi = seq_len - block_size  # the last label x[a + K - 1] must exist
     if hi < 1:
         raise ValueError(f"sequences of {seq_len} tokens are too short for blocks of {block_size}")

@@ -29,6 +29,7 @@ from distill.quantize import QuantStage
 from distill.regenerate import regenerated_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
+from drafters.core import sample_anchors
 from drafters.evaluate import build_drafter, evaluate_drafter
 
 
@@ -150,8 +151,17 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
                          world_size=acc.num_processes)
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
 
+    block = drafter.config.model_type != "draftsmith_eagle3"
+
     def loss_fn(model, batch):
-        out = model(*batch_features(batch, capture), loss_mask=batch.loss_mask)
+        ids, aux, last = batch_features(batch, capture)
+        kwargs = {}
+        if block and batch.first_sample is not None:  # anchors: a function of the data position, nothing else
+            cfg = drafter.config
+            gen = torch.Generator().manual_seed(recipe.seed * 1_000_003 + batch.first_sample)
+            kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], ids.device,
+                                               gen, loss_mask=batch.loss_mask)
+        out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
         scored_tokens = batch.input_ids.numel() if batch.loss_mask is None else batch.loss_mask.sum()
         # real tokens: those the data scores (responses, not prompts or padding); labels: drafted positions with a loss
         return out.loss, {**(out.logs or {}), "count/scored_tokens": scored_tokens, "count/scored_labels": out.scored.sum()}

@@ -170,3 +170,38 @@ def test_fsdp_wraps_every_drafter_layer(kind):
                                      target_layer_ids=[0, 1, 2], mask_token_id=0, block_size=4))
     wrapped = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
     assert wrapped and all(any(p.requires_grad for p in m.parameters()) for m in wrapped)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_drafter_trains_under_deepspeed_zero_resumes_and_matches_one_process(tmp_path, tiny_target_dir, stage):
+    """A DFlash drafter (the frozen target beside it, online features) under ``accelerate launch`` with
+    a ZeRO config, one CPU process: a DeepSpeed engine at that stage really ran, the run survives a
+    SIGKILL after step 4 (resuming from its step-3 checkpoint), and ends with the weights of the same
+    recipe run in-process without DeepSpeed (the drafter is built directly, not by ``from_pretrained``,
+    so ZeRO-3 draws the same initialisation)."""
+    import yaml
+
+    from distill.config import parse_recipe
+    from recipes import train_drafter
+
+    from .test_drafters import drafter_recipe
+
+    train = {"max_steps": 6, "save_every": 3, "eval_every": 6, "eval_batches": 2}
+    recipe = drafter_recipe(tmp_path / "reference", tiny_target_dir, "dflash", **train).model_dump(mode="json")
+    train_drafter.main(parse_recipe(recipe))
+    out = tmp_path / f"zero{stage}"
+    path = write_recipe(tmp_path / "r.yaml", {**recipe, "output_dir": str(out)})
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(REPO / f"accelerate_configs/cpu_zero{stage}.yaml")]
+    killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:4"}, launcher=launcher)
+    assert killed.returncode != 0 and not (out / "model").exists(), killed.stderr[-2000:]
+    resumed = run_cli("run", str(path), launcher=launcher)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    strategy = json.loads((out / "provenance.json").read_text())["strategy"]
+    assert strategy["model_wrapper"] == "DeepSpeedEngine" and strategy["zero_stage"] == stage
+    a, b = final_weights(tmp_path / "reference"), final_weights(out)
+    assert a.keys() == b.keys() and yaml.safe_load((out / "recipe.yaml").read_text())["drafter"]["kind"] == "dflash"
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), f"{k}: max difference {(a[k] - b[k]).abs().max():.2e}"
