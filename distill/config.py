@@ -536,7 +536,8 @@ class DrafterSection(Strict):
         from .checks import read_config
 
         saved = read_config(self.init_from, "drafter.init_from")
-        want = {"model_type": f"draftsmith_{self.kind}", "num_hidden_layers": self.num_layers, "block_size": self.block_size}
+        want = {"model_type": f"draftsmith_{self.kind}", "num_hidden_layers": self.num_layers, "block_size": self.block_size,
+                "qk_norm": self.qk_norm}
         wrong = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
         if wrong:
             raise ValueError("drafter.init_from '" + self.init_from + "' is another drafter: " + ", ".join(
