@@ -176,10 +176,10 @@ def test_fsdp_wraps_every_drafter_layer(kind):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_drafter_trains_under_deepspeed_zero_resumes_and_matches_one_process(tmp_path, tiny_target_dir, stage):
     """A DFlash drafter (the frozen target beside it, online features) under ``accelerate launch`` with
-    a ZeRO config, one CPU process: a DeepSpeed engine at that stage really ran, the run survives a
-    SIGKILL after step 4 (resuming from its step-3 checkpoint), and ends with the weights of the same
-    recipe run in-process without DeepSpeed (the drafter is built directly, not by ``from_pretrained``,
-    so ZeRO-3 draws the same initialisation)."""
+    a ZeRO config, one CPU process: a DeepSpeed engine at that stage really ran, and the run ends with
+    the weights of the same recipe run in-process without DeepSpeed (the drafter is built directly, not
+    by ``from_pretrained``, so ZeRO-3 draws the same initialisation). ZeRO-2 also survives a SIGKILL after
+    step 4, resuming from its step-3 checkpoint (ZeRO-3's kill and resume: the LM test above)."""
     import yaml
 
     from distill.config import parse_recipe
@@ -194,11 +194,12 @@ def test_a_drafter_trains_under_deepspeed_zero_resumes_and_matches_one_process(t
     path = write_recipe(tmp_path / "r.yaml", {**recipe, "output_dir": str(out)})
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(REPO / f"accelerate_configs/cpu_zero{stage}.yaml")]
-    killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:4"}, launcher=launcher)
-    assert killed.returncode != 0 and not (out / "model").exists(), killed.stderr[-2000:]
-    resumed = run_cli("run", str(path), launcher=launcher)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    if stage == 2:
+        killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:4"}, launcher=launcher)
+        assert killed.returncode != 0 and not (out / "model").exists(), killed.stderr[-2000:]
+    done = run_cli("run", str(path), launcher=launcher)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert stage != 2 or "resumed from" in done.stdout + done.stderr
     strategy = json.loads((out / "provenance.json").read_text())["strategy"]
     assert strategy["model_wrapper"] == "DeepSpeedEngine" and strategy["zero_stage"] == stage
     a, b = final_weights(tmp_path / "reference"), final_weights(out)
