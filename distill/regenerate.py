@@ -207,14 +207,13 @@ class ServerAnswers:
         from concurrent.futures import ThreadPoolExecutor
 
         tok, server = self.tokenizer, self.server
-        sampling = {"temperature": temperature, "top_p": top_p, "seed": seed} if temperature > 0 else {"temperature": 0.0}
         extra = {**server.extra_body, **({"top_k": top_k} if top_k and temperature > 0 else {})}
 
         def one(j: int):
             text = render(prompts[j], tok)
-            kwargs = {**sampling, "seed": seed + j} if temperature > 0 else sampling
+            sampling = {"temperature": temperature, "top_p": top_p, "seed": seed + j} if temperature > 0 else {"temperature": 0.0}
             response = self.client.completions.create(model=server.model, prompt=text, max_tokens=max_new_tokens,
-                                                      extra_body=extra or None, **kwargs)
+                                                      extra_body=extra or None, **sampling)
             choice = response.choices[0]
             ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
             retokenized = ids is None

@@ -61,12 +61,18 @@ class DSparkDrafter(BlockDrafter):
         if module is getattr(self, "markov_out", None):
             nn.init.zeros_(module.weight)  # start as plain DFlash
 
+    def markov_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits for block positions with hidden ``hidden`` after ``prev_tokens``."""
+        return self.lm_head(hidden) + self.markov_out(self.markov_in(prev_tokens))
+
+    def confidence_logits(self, hidden: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        """Confidence logits [..., K-1] from the positions' hidden states and previous-token codes."""
+        return self.confidence(torch.cat([hidden, code], dim=-1)).squeeze(-1)
+
     def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
         """Logits and confidence logits for block positions with hidden ``hidden`` after ``prev_tokens``
         (teacher forcing; :meth:`propose` runs the same heads position by position)."""
-        code = self.markov_in(prev_tokens)
-        logits = self.lm_head(hidden) + self.markov_out(code)
-        return logits, self.confidence(torch.cat([hidden, code], dim=-1)).squeeze(-1)
+        return self.markov_logits(hidden, prev_tokens), self.confidence_logits(hidden, self.markov_in(prev_tokens))
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):
         """Decode-time drafting over block positions 1..K-1: each uses the previous *drafted* token.
@@ -81,7 +87,7 @@ class DSparkDrafter(BlockDrafter):
             tokens.append(prev)
             all_logits.append(logits)
             codes.append(code)
-        conf = self.confidence(torch.cat([hidden[:, :, 1:], torch.stack(codes, dim=2)], dim=-1)).squeeze(-1)  # heads(), batched
+        conf = self.confidence_logits(hidden[:, :, 1:], torch.stack(codes, dim=2))  # heads(), batched
         return torch.stack(tokens, dim=2), torch.stack(all_logits, dim=2), self.calibrated(conf)
 
     def calibrated(self, conf_logits: torch.Tensor) -> torch.Tensor:
@@ -107,9 +113,9 @@ class DSparkDrafter(BlockDrafter):
         prev = gather_positions(input_ids, anchors[:, :, None] + torch.arange(K - 1, device=anchors.device))
         h = hidden[:, :, 1:]
         # teacher forcing: the Markov head reads the data's previous token
-        sc = self.block_scores(lambda h, x: self.lm_head(h) + self.markov_out(self.markov_in(x)), (h, prev), targets)
+        sc = self.block_scores(self.markov_logits, (h, prev), targets)
         scored = targets[2]
-        conf_logits = self.confidence(torch.cat([h, self.markov_in(prev)], dim=-1)).squeeze(-1)
+        conf_logits = self.confidence_logits(h, self.markov_in(prev))
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), sc.accept, reduction="none")  # c_k predicts 1 - TV
         parts = {**sc.parts, "confidence_bce": weighted_mean(bce, sc.weights, scored)}
         loss = sc.loss + cfg.confidence_weight * parts["confidence_bce"]
@@ -119,7 +125,7 @@ class DSparkDrafter(BlockDrafter):
         else:  # what decoding would actually draft: each position after the previous *drafted* token
             sc = self.block_scores(lambda h, a: self.propose(h[None], a[None])[1][0], (hidden, anchor_tokens), targets)
             drafted_prev = torch.cat([anchor_tokens[..., None], sc.draft_tokens[..., :-1]], dim=-1)
-            confidence = self.calibrated(self.confidence(torch.cat([h, self.markov_in(drafted_prev)], dim=-1)).squeeze(-1))
+            confidence = self.calibrated(self.confidence_logits(h, self.markov_in(drafted_prev)))
         return DrafterOutput(loss=loss, draft_tokens=sc.draft_tokens, target_tokens=sc.target_tokens, accept=sc.accept,
                              draft_logits=sc.draft_logits, target_logits=sc.target_logits, confidence=confidence,
                              scored=scored, logs={k: v.detach() for k, v in parts.items()})
