@@ -68,6 +68,7 @@ def test_every_recipe_validates_and_dry_runs(path, monkeypatch, testbed_drafter)
 def documents_that_name_configs():
     docs = [REPO / "README.md", *RECIPES, *(REPO / "accelerate_configs").glob("*.yaml"), REPO / "Makefile"]
     docs += sorted((REPO / "recipes").glob("*.py"))
+    docs += sorted((REPO / "docs").glob("*.md"))
     return [d for d in docs if d.exists()]
 
 
