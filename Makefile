@@ -1,13 +1,13 @@
 # Draftsmith developer entry points. Everything runs inside .venv, created on first use.
 # CPU machines: torch's CPU wheel is installed before anything else so that no dependency pulls a
-# multi-GB CUDA build. GPU users: install your CUDA torch into .venv first (see README), then `make install`.
+# multi-GB CUDA build. GPU users: install your CUDA torch into .venv first (see README, Installing), then `make install`.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # vLLM's drafter library, only to check exports in the tests. --no-deps: it pins transformers<=5.19 and
 # datasets<=5.1 but loads drafters fine beside the versions here; its import-time deps come from the
-# export-check extra (see README, Export). `pip check` reports those two pins.
+# export-check extra (see docs/export.md). `pip check` reports those two pins.
 SPECULATORS_SPEC ?= speculators==0.9.0
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
@@ -15,7 +15,7 @@ export WANDB_MODE ?= offline
 export DS_BUILD_OPS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install quickstart test test-fast gpu-check testbed-target clean
+.PHONY: install quickstart lint test test-fast gpu-check testbed-target clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,10 +30,13 @@ QUICKSTART_ARGS ?=
 quickstart: install
 	$(VENV)/bin/draftsmith run recipes/configs/quickstart.yaml $(QUICKSTART_ARGS)
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest tests
 
-test-fast: install
+test-fast: lint
 	$(PY) -m pytest tests -m "not slow"
 
 # The CUDA paths in one command on one GPU (recipes/gpu_check.py); on a machine without one it says so, exit 0.

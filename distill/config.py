@@ -1,7 +1,8 @@
 """Typed recipes: one YAML file describes a whole job, validated before any compute starts.
 
 A recipe is a YAML mapping whose ``recipe:`` key names its entry point (``train_lm``,
-``quickstart``, ...). It is parsed into the pydantic model registered for that entry point, with
+``quickstart``, ...; :mod:`recipes.registry` maps each name to the module that declares its schema
+and runs it). It is parsed into that pydantic model, with
 ``extra="forbid"`` everywhere, so every mistake is caught up front:
 
 * an unknown key names the key and suggests the closest valid one (``train.max_stpes`` ->
@@ -21,10 +22,15 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
+
+from drafters import DRAFTERS
+
+from .base.decoding import DecodingSection, GateSettings
+from .base.schema import Strict
 
 __all__ = [
     "RecipeError",
@@ -40,18 +46,18 @@ __all__ = [
     "QuantSection",
     "QuantSchemeSpec",
     "QuantizeRecipe",
-    "load_recipe",
-    "parse_recipe",
+    "validate_recipe",
+    "read_yaml_mapping",
     "apply_overrides",
 ]
 
 
+#: a drafter kind: a key of :data:`drafters.DRAFTERS`
+DrafterKind = Literal[tuple(DRAFTERS)]  # type: ignore[valid-type]
+
+
 class RecipeError(ValueError):
     """A recipe that cannot run: the message names the key, the value and what was expected."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -61,7 +67,21 @@ class Strict(BaseModel):
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_path(value: str) -> str:
+    """``value`` as given when it exists from here; else, for a relative path that exists under the
+    project's root (a shipped asset or recipe named by a shipped recipe), that file; else as given.
+    So shipped recipes run from any directory (``draftsmith run dflash_testbed``)."""
+    path = Path(os.path.expanduser(value))
+    if path.exists() or path.is_absolute() or not (PROJECT_ROOT / path).exists():
+        return value
+    return str(PROJECT_ROOT / path)
+
+
 def _existing_path(value: str, what: str) -> str:
+    value = resolve_path(value)
     if not Path(os.path.expanduser(value)).exists():
         raise ValueError(f"{what} '{value}' does not exist")
     return value
@@ -71,7 +91,7 @@ def _pretrained_folder(value: str, what: str) -> str:
     """An existing ``save_pretrained`` folder: a config.json that parses and weight files that are whole."""
     from .checks import check_checkpoint
 
-    _existing_path(value, what)
+    value = _existing_path(value, what)
     check_checkpoint(value, what)
     return value
 
@@ -87,6 +107,7 @@ def _local_config(path: str) -> dict | None:
 
 def _local_or_hub(value: str, what: str, probe_file: str) -> str:
     """A local folder that exists, or a hub id (which, offline, must already be in the local cache)."""
+    value = resolve_path(value)
     if Path(os.path.expanduser(value)).exists() or not HUB_ID.match(value):
         return _existing_path(value, what)
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
@@ -214,7 +235,7 @@ class DataConfig(Strict):
 
         expanded = []
         for f in files:  # glob patterns expand to the sorted files they match
-            matches = sorted(glob.glob(f, recursive=True)) if glob.has_magic(f) else [f]
+            matches = sorted(glob.glob(f, recursive=True)) if glob.has_magic(f) else [resolve_path(f)]
             if not matches:
                 raise ValueError(f"data file pattern '{f}' matches no file")
             expanded += matches
@@ -284,7 +305,7 @@ class TargetConfig(Strict):
     def _target_exists(cls, v: str) -> str:
         if v == "testbed":
             return v
-        _local_or_hub(v, "target", "config.json")
+        v = _local_or_hub(v, "target", "config.json")
         if Path(os.path.expanduser(v)).is_dir():  # a local folder: whole weights and a tokenizer
             from .checks import check_checkpoint, check_tokenizer
 
@@ -411,39 +432,38 @@ class QuickstartTargetStage(Strict):
     eval_batches: Optional[int] = Field(None, gt=0, description="held-out batches to evaluate; None = all")
 
 
-class QuickstartDrafterStage(Strict):
-    """The drafter the quickstart trains against its target (a ``train_drafter`` recipe, retargeted)."""
+class QuickstartStage(Strict):
+    """A quickstart stage that runs another recipe, retargeted: on or off, the recipe, its overrides."""
 
     enabled: bool = True
-    recipe: RecipePath = Field("recipes/configs/dflash_testbed.yaml", description="a train_drafter recipe")
+    recipe: RecipePath
     overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
 
 
-class QuickstartEvalStage(Strict):
+class QuickstartDrafterStage(QuickstartStage):
+    """The drafter the quickstart trains against its target (a ``train_drafter`` recipe)."""
+
+    recipe: RecipePath = Field("recipes/configs/dflash_testbed.yaml", description="a train_drafter recipe")
+
+
+class QuickstartEvalStage(QuickstartStage):
     """The quickstart's drafter in the decoding loop against plain decoding (an ``eval`` recipe)."""
 
-    enabled: bool = True
     recipe: RecipePath = Field("recipes/configs/eval_testbed.yaml", description="an eval recipe")
-    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
 
 
-class QuickstartExportStage(Strict):
+class QuickstartExportStage(QuickstartStage):
     """The quickstart's drafter exported (an ``export`` recipe), behind the parity gate."""
 
-    enabled: bool = True
     recipe: RecipePath = Field("recipes/configs/export_testbed.yaml", description="an export recipe")
-    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
 
 
-class QuickstartShippedDrafterStage(Strict):
+class QuickstartShippedDrafterStage(QuickstartEvalStage):
     """The drafter shipped for the testbed target (trained once by its recipe), measured in the loop."""
 
-    enabled: bool = True
-    kind: Literal["dflash", "dspark", "eagle3"] = "dflash"
-    recipe: RecipePath = Field("recipes/configs/eval_testbed.yaml", description="an eval recipe")
+    kind: DrafterKind = "dflash"
     tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
                                                                "shipped with (results.json)")
-    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
     lookup: int = Field(10, ge=0, description="also measure the tree with prompt-lookup continuations of up to this "
                                               "many tokens grafted on (decoding.lookup); 0 = not")
 
@@ -474,7 +494,7 @@ class QuickstartRecipe(RecipeBase):
 class DrafterSection(Strict):
     """The drafter to train. Sizes default to the target's (embeddings and LM head are shared)."""
 
-    kind: Literal["dflash", "dspark", "eagle3"] = "dflash"
+    kind: DrafterKind = "dflash"
     num_layers: int = Field(1, gt=0)
     num_heads: Optional[int] = Field(None, gt=0, description="defaults to the target's")
     intermediate_size: Optional[int] = Field(None, gt=0, description="defaults to the target's")
@@ -524,9 +544,10 @@ class DrafterSection(Strict):
         return v
 
     @model_validator(mode="after")
-    def _eagle_layers(self) -> "DrafterSection":
-        if self.kind == "eagle3" and (len(self.target_layer_ids or []) not in (0, 3) or self.num_target_layers != 3):
-            raise ValueError("eagle3 fuses exactly 3 target layers (low, mid, high)")
+    def _fixed_layers(self) -> "DrafterSection":
+        fixed = DRAFTERS[self.kind][0].fixed_target_layers
+        if fixed and (len(self.target_layer_ids or []) not in (0, fixed) or self.num_target_layers != fixed):
+            raise ValueError(f"{self.kind} fuses exactly {fixed} target layers (low, mid, high)")
         return self
 
     @model_validator(mode="after")
@@ -536,7 +557,7 @@ class DrafterSection(Strict):
         from .checks import read_config
 
         saved = read_config(self.init_from, "drafter.init_from")
-        want = {"model_type": f"draftsmith_{self.kind}", "num_hidden_layers": self.num_layers, "block_size": self.block_size,
+        want = {"model_type": DRAFTERS[self.kind][0].model_type, "num_hidden_layers": self.num_layers, "block_size": self.block_size,
                 "qk_norm": self.qk_norm}
         wrong = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
         if wrong:
@@ -699,44 +720,6 @@ class RegenerateRecipe(RecipeBase):
     torch_threads: Optional[int] = Field(None, gt=0)
 
 
-class DecodingSection(Strict):
-    """How the evaluation decodes: greedy or sampled, chain or tree verification."""
-
-    max_new_tokens: int = Field(128, gt=0)
-    temperature: float = Field(0.0, ge=0, description="0 = greedy")
-    top_k: int = Field(0, ge=0, description="0 = off")
-    top_p: float = Field(1.0, gt=0, le=1)
-    mode: Literal["chain", "tree"] = Field("chain", description="chain, or DDTree trees (block drafters)")
-    tree_budgets: list[int] = Field(default_factory=lambda: [16], min_length=1,
-                                    description="tree nodes per step; several budgets are each measured and plotted")
-    adaptive: bool = Field(True, description="verify, every step, the prefix of the draft (chain) or tree (of at most "
-                                              "the tree budget) with the most expected tokens/s under measured costs "
-                                              "(serve_eval.budget)")
-    confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
-    draft_length: int = Field(7, gt=0, description="causal-LM drafters (students, Parcae): tokens drafted per step")
-    draft_recurrence: Optional[int] = Field(
-        None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
-    torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
-    lookup: int = Field(0, ge=0, description="trees, greedy: graft a prompt-lookup continuation of up to this many "
-                                             "tokens onto every tree (serve_eval.lookup); 0 = off")
-    batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
-                                   "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _positive_batches(cls, v: list[int]) -> list[int]:
-        if any(b < 1 for b in v):
-            raise ValueError(f"batch sizes must be >= 1, got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _lookup_on_greedy_trees(self):
-        if self.lookup and (self.mode != "tree" or self.temperature != 0):
-            raise ValueError(f"lookup = {self.lookup} grafts copied tokens onto greedy trees: it needs mode: tree and "
-                             f"temperature: 0 (got mode {self.mode!r}, temperature {self.temperature})")
-        return self
-
-
 class EvalRecipe(RecipeBase):
     """Run the speculative-decoding loop and plain decoding on the same prompts; report tau and speedup."""
 
@@ -824,13 +807,10 @@ class QuantizeRecipe(RecipeBase):
         return variants
 
 
-class ExportGateSection(Strict):
+class ExportGateSection(GateSettings):
     """The parity gate an export must pass (see serve_eval/parity.py)."""
 
     allow_failure: bool = Field(False, description="publish even when the gate fails (printed loudly, written into the card)")
-    logits_atol: float = Field(0.0, ge=0, description="max |logit difference| between the trained and reloaded drafter")
-    tau_rel_tolerance: float = Field(0.25, ge=0, description="allowed |measured - simulated tau|, as a share of simulated - 1")
-    tau_abs_tolerance: float = Field(0.03, ge=0, description="plus this absolute slack")
     max_new_tokens: int = Field(64, gt=0, description="tokens generated per evaluation prompt")
     simulated_tau: Optional[float] = Field(None, ge=1, description="when the checkpoint recorded none (else read from it)")
 
@@ -889,23 +869,12 @@ class ExportRecipe(RecipeBase):
     @field_validator("eval_reports")
     @classmethod
     def _reports_exist(cls, reports: list[str]) -> list[str]:
-        for r in reports:
-            _existing_path(r, "eval report")
-        return reports
+        return [_existing_path(r, "eval report") for r in reports]
 
     @model_validator(mode="after")
     def _drafter_fits_target(self) -> "ExportRecipe":
         _check_fit(self.drafter, self.target.path)
         return self
-
-
-Recipe = Annotated[Union[TrainLMRecipe, QuickstartRecipe, TrainDrafterRecipe, RegenerateRecipe, EvalRecipe, QuantizeRecipe,
-                         ExportRecipe, DistillStudentRecipe],
-                   Field(discriminator="recipe")]
-RECIPES: dict[str, type[RecipeBase]] = {"train_lm": TrainLMRecipe, "quickstart": QuickstartRecipe,
-                                        "train_drafter": TrainDrafterRecipe, "regenerate": RegenerateRecipe,
-                                        "eval": EvalRecipe, "quantize": QuantizeRecipe, "export": ExportRecipe,
-                                        "distill_student": DistillStudentRecipe}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -978,24 +947,17 @@ def _format_error(cls: type[BaseModel], err: dict, source: str) -> str:
     return f"{source}: {where} = {err.get('input')!r}: {msg}"
 
 
-def parse_recipe(raw: Any, source: str = "recipe") -> RecipeBase:
-    """Validate a raw mapping into its recipe model, or raise :class:`RecipeError`."""
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{source}: expected a YAML mapping at the top level, got {type(raw).__name__}")
-    name = raw.get("recipe")
-    if name not in RECIPES:
-        close = difflib.get_close_matches(str(name), list(RECIPES), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise RecipeError(f"{source}: key 'recipe' = {name!r} is not a known recipe (one of {sorted(RECIPES)}){hint}")
-    cls = RECIPES[name]
+def validate_recipe(schema: type[RecipeBase], raw: dict, source: str = "recipe") -> RecipeBase:
+    """``raw`` validated into ``schema`` (a recipe's typed config), or :class:`RecipeError` naming every
+    bad key. Which schema a ``recipe:`` name has is :mod:`recipes.registry`'s to say."""
     try:
-        return cls.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as e:
-        raise RecipeError("\n".join(_format_error(cls, err, source) for err in e.errors())) from None
+        raise RecipeError("\n".join(_format_error(schema, err, source) for err in e.errors())) from None
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> RecipeBase:
-    """Read a recipe YAML, apply overrides and validate it."""
+def read_yaml_mapping(path: str | os.PathLike) -> dict:
+    """A recipe file's top-level mapping, or :class:`RecipeError` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}' does not exist")
@@ -1005,4 +967,4 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: expected a YAML mapping at the top level")
-    return parse_recipe(apply_overrides(raw, overrides or []), source=str(path))
+    return raw

@@ -33,10 +33,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .base.features import LAYER_ID_CONVENTION, FeatureCapture
 from .checks import check_safetensors
 from .config import RecipeError
 from .data import Batch, PackedWindows
-from .features import LAYER_ID_CONVENTION, FeatureCapture
 
 FORMAT_VERSION = 1
 #: manifest fields a recipe must agree with

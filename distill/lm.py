@@ -1,61 +1,12 @@
-"""Next-token language modelling: the loss the target is trained with, and held-out evaluation.
-
-For a window ``x[0..L]`` the model reads ``x[0..L-1]`` and is scored on ``x[1..L]`` with mean
-token cross-entropy (nats/token). Evaluation reports the same loss over a fixed, unshuffled set of
-held-out windows, its perplexity ``exp(loss)`` and next-token (greedy) accuracy. The held-out
-windows are split across processes and the sums reduced, so the numbers do not depend on how many
-processes evaluate.
-"""
+"""The language-modelling loss the trainer runs (:mod:`distill.base.lm` holds its parts and the
+held-out evaluation that model packages share)."""
 
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.nn.functional as F
-
-from .data import Batch, PackedWindows
-
-
-def inputs_and_labels(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs ``x[0..L-1]`` and labels ``x[1..L]``, with unscored labels set to -100 (ignored)."""
-    ids = batch.input_ids
-    labels = ids[:, 1:].clone()
-    if batch.loss_mask is not None:
-        labels[batch.loss_mask[:, 1:] == 0] = -100
-    return ids[:, :-1], labels
-
-
-def next_token_ce(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of ``logits`` [B, L, V] against ``labels`` [B, L], -100 ignored."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=reduction)
+from .base.lm import inputs_and_labels, next_token_ce
+from .data import Batch
 
 
 def lm_loss(model, batch: Batch):
     inputs, labels = inputs_and_labels(batch)
     return next_token_ce(model(input_ids=inputs).logits, labels), {}
-
-
-@torch.no_grad()
-def evaluate_lm(model, windows: PackedWindows, batch_size: int, max_batches: int | None = None,
-                accelerator=None, prefix: str = "val", **forward_kwargs) -> dict:
-    """Held-out loss, perplexity and accuracy; ``forward_kwargs`` go to the model (e.g. ``num_steps``)."""
-    device = accelerator.device if accelerator else next(model.parameters()).device
-    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    n = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
-    nll = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.float64, device=device)
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    mine = list(range(rank, n, world))
-    for start in range(0, len(mine), batch_size):
-        idx = mine[start:start + batch_size]
-        inputs, labels = inputs_and_labels(windows.collate(idx).to(device))
-        logits = model(input_ids=inputs, **forward_kwargs).logits.float()
-        nll += next_token_ce(logits, labels, reduction="sum").double()
-        correct += (logits.argmax(-1) == labels).sum().double()
-        count += (labels != -100).sum().double()
-    if accelerator:
-        nll, correct, count = (accelerator.reduce(t, "sum") for t in (nll, correct, count))
-    loss = (nll / count).item()
-    return {f"{prefix}_loss": loss, f"{prefix}_ppl": math.exp(min(loss, 50.0)), f"{prefix}_acc": (correct / count).item(),
-            f"{prefix}_tokens": int(count.item())}

@@ -5,9 +5,6 @@ that return a :class:`~distill.config.ModelConfig`; :func:`build_causal_lm` turn
 ``transformers`` Llama, Qwen3 or Parcae (:mod:`parcae`) model, so everything downstream (KV caches, ``generate``,
 ``save_pretrained``, serving engines) treats our models exactly like a hub checkpoint.
 
-FLOPs per token (used for MFU) follow the PaLM appendix: ``6 * N`` for every weight matrix
-applied per token (embedding lookups excluded, a tied LM head counted once) plus
-``12 * layers * heads * head_dim * seq_len`` for attention scores and values, forward + backward.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .base.flops import matmul_params
 from .config import ModelConfig, RecipeError, TargetConfig
 from .testbed import SHIPPED_TARGET
 
@@ -131,31 +129,6 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
                           f"no network, set HF_HUB_OFFLINE=1 to use the local cache, or give a local folder") from None
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
-
-
-def matmul_params(model) -> int:
-    """Parameters applied as matrix multiplies per token (embedding lookups excluded)."""
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight is emb
-    total = 0
-    for name, p in model.named_parameters():
-        if p.dim() < 2:
-            continue  # norms, biases
-        if p is emb and not tied:
-            continue  # a lookup, not a matmul
-        total += p.numel()
-    return total
-
-
-def flops_per_token(model, seq_len: int, training: bool = True) -> float:
-    if hasattr(model, "flops_per_token"):  # looped models count their iterations themselves
-        return model.flops_per_token(seq_len, training)
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    attn = 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len  # forward, per token
-    dense = 2 * matmul_params(model)
-    return (dense + attn) * (3 if training else 1)
 
 
 def model_summary(model) -> dict:

@@ -85,10 +85,8 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import write_atomically
-from .config import RecipeError, QuantSchemeSpec, QuantSection
+from .config import QuantSchemeSpec, QuantSection, RecipeError
 
-#: parameter / module names that are never quantized (Parcae's injection dynamics: A_log, Delta, B)
-ALWAYS_KEEP = ("A_log", "dt_bias", "Delta", "B")
 QUANTIZED_FILE = "model.safetensors"
 PLAN_FILE = "quantization.json"
 
@@ -116,9 +114,15 @@ def scheme_bits(name: str) -> int:
 
 def base_config(name: str, group_size: int | None):
     """The torchao PTQ config of a scheme (QAT derives its fake quantizers from it)."""
-    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Int4WeightOnlyConfig,
-                                      Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerAxis, PerGroup,
-                                      PerRow)
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationIntxWeightConfig,
+        IntxWeightOnlyConfig,
+        PerAxis,
+        PerGroup,
+        PerRow,
+    )
 
     granularity = PerGroup(group_size) if group_size else PerAxis(0)
     family = scheme_family(name)
@@ -185,8 +189,15 @@ def linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def is_always_kept(name: str) -> bool:
-    return any(part in ALWAYS_KEEP for part in name.split("."))
+def always_kept(model: nn.Module) -> set[str]:
+    """Parameter and module names that are never quantized: what each module of ``model`` declares in
+    its ``quantization_keep`` (e.g. Parcae's injection dynamics), as full names."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            for name in getattr(module, "quantization_keep", ())}
+
+
+def _is_kept(name: str, kept: set[str]) -> bool:
+    return name in kept or any(name.startswith(k + ".") for k in kept)
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -224,13 +235,14 @@ def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant
     """The scheme of every Linear in ``model`` under ``spec``; :class:`RecipeError` naming ``key`` for a
     pattern that matches nothing, a group size that does not divide a layer, or a tied head."""
     names = linear_names(model)
-    candidates = [n for n in names if not is_always_kept(n)]
+    kept = always_kept(model)
+    candidates = [n for n in names if not _is_kept(n, kept)]
     plan = LayerPlan(group_size=spec.group_size)
-    plan.kept_parameters = [n for n, _ in model.named_parameters() if is_always_kept(n) and not any(
+    plan.kept_parameters = [n for n, _ in model.named_parameters() if _is_kept(n, kept) and not any(
         n.startswith(m + ".") for m in names)]
     for n in names:
-        if is_always_kept(n):
-            plan.assignments[n], plan.reasons[n] = "keep", "always kept (Parcae dynamics: A_log, dt_bias, B)"
+        if _is_kept(n, kept):
+            plan.assignments[n], plan.reasons[n] = "keep", "always kept (declared by the model's quantization_keep)"
     for pattern, scheme in spec.layers.items():
         hits = [n for n in names if _matches(pattern, n)]
         where = f"{key}.layers['{pattern}']"
@@ -241,9 +253,10 @@ def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant
                               f"closest module names: {', '.join(_closest(pattern, names))}")
         free = [n for n in hits if n in candidates and n not in plan.assignments]
         if not free:
-            if all(is_always_kept(n) for n in hits):
+            if all(_is_kept(n, kept) for n in hits):
                 raise RecipeError(f"{where}: the pattern matches only {', '.join(hits[:3])}, which are always kept in "
-                                  f"full precision (Parcae's A_log, dt_bias and B)")
+                                  f"full precision (the model declares them in quantization_keep, e.g. Parcae's "
+                                  f"A_log, dt_bias and B)")
             raise RecipeError(f"{where}: every module it matches ({', '.join(hits[:3])}{', ...' if len(hits) > 3 else ''}) "
                               "was already assigned by an earlier pattern (the first match wins): reorder or remove it")
         for n in free:
@@ -292,7 +305,8 @@ def _fqn_config(plan: LayerPlan, step: str | None):
 
 
 def _snapshot_kept(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if is_always_kept(n)}
+    kept = always_kept(model)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if _is_kept(n, kept)}
 
 
 def _check_kept(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
@@ -484,24 +498,16 @@ def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra:
     return Path(folder)
 
 
-def is_drafter_config(config) -> bool:
-    """A DFlash / DSpark / EAGLE-3 drafter's config (loaded with ``AutoModel``; causal LMs, students and
-    Parcae with ``AutoModelForCausalLM``)."""
-    from drafters import DRAFTERS
-
-    return isinstance(config, tuple(c for c, _ in DRAFTERS.values()))
-
-
 def load_quantized(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """A model saved by :func:`save_quantized`: built from its config, quantized tensors assigned."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    import drafters  # noqa: F401  (registers the drafter classes with AutoModel)
+    import drafters  # (and registers the drafter classes with AutoModel)
     import parcae  # noqa: F401  (registers Parcae with AutoModelForCausalLM)
 
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
-    is_drafter = is_drafter_config(config)
+    is_drafter = drafters.kind_of(config) is not None  # AutoModel; causal LMs, students, Parcae: AutoModelForCausalLM
     model = (AutoModel if is_drafter else AutoModelForCausalLM).from_config(config)
     from safetensors import safe_open
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict

@@ -26,13 +26,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from drafters import DRAFTERS
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED_TARGET = ASSETS / "testbed_target"
 #: drafters trained once for the shipped target by their recipes, shipped without the target's
 #: embeddings and LM head (they load from the target): ``shipped_drafter("dflash")``
-SHIPPED_DRAFTERS = {kind: ASSETS / f"testbed_{kind}" for kind in ("dflash", "dspark", "eagle3")}
+SHIPPED_DRAFTERS = {kind: ASSETS / f"testbed_{kind}" for kind in DRAFTERS}
 
 
 def cache_dir() -> Path:

@@ -1,12 +1,14 @@
 """Drafters: DFlash and DSpark on the shared block-drafter core, and the EAGLE-3 baseline.
 
-Each is a ``transformers`` ``PreTrainedModel`` with its own config (registered with the Auto classes, so
-``AutoModel.from_pretrained(folder)`` loads any of them)."""
+Each is a ``transformers`` ``PreTrainedModel`` with its own config. Importing the package registers
+them with the Auto classes (``AutoModel.from_pretrained(folder)`` loads any of them); that is its
+only effect at import. :data:`DRAFTERS` is the one registry of drafter kinds: a recipe's
+``drafter.kind``, a config's ``model_type`` (``draftsmith_<kind>``) and :func:`kind_of` all read it.
+"""
 
-import distill  # noqa: F401  (first: it quiets third-party import-time warnings)
 from transformers import AutoConfig, AutoModel
 
-from .core import DrafterConfig, DrafterOutput, save_without_target_io, shares_target_io  # noqa: F401  (public API)
+from .core import BlockDrafter, DrafterConfig, DrafterOutput, save_without_target_io, shares_target_io  # noqa: F401  (public API)
 from .dflash import DFlashConfig, DFlashDrafter
 from .dspark import DSparkConfig, DSparkDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
@@ -17,3 +19,17 @@ DRAFTERS = {"dflash": (DFlashConfig, DFlashDrafter), "dspark": (DSparkConfig, DS
 for _config, _model in DRAFTERS.values():
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModel.register(_config, _model, exist_ok=True)
+
+
+def kind_of(config) -> str | None:
+    """The drafter kind (``"dflash"``, ``"dspark"``, ``"eagle3"``) of a config, a model or a config dict;
+    None for anything else (a causal LM drafting for its target, a student, Parcae)."""
+    config = getattr(config, "config", config)
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    kind = str(model_type or "").removeprefix("draftsmith_")
+    return kind if kind in DRAFTERS and model_type == DRAFTERS[kind][0].model_type else None
+
+
+def is_block_drafter(model) -> bool:
+    """DFlash / DSpark: one forward drafts a whole block from the target's features."""
+    return isinstance(model, BlockDrafter)

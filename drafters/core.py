@@ -1,7 +1,7 @@
 """The block-drafter core shared by DFlash, DSpark (and, for its layers, EAGLE-3).
 
 Notation: a sequence ``x[0..T-1]``; target features ``f[t]`` (hidden states of the configured target
-layers after the target read ``x[0..t]``, see :mod:`distill.features`); block size ``K``.
+layers after the target read ``x[0..t]``, see :mod:`distill.base.features`); block size ``K``.
 
 Blocks
     An *anchor* position ``a`` starts a block ``[x[a], MASK, ..., MASK]`` of ``K`` tokens at positions
@@ -48,10 +48,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from distill.features import LAYER_ID_CONVENTION
+from distill.base.features import LAYER_ID_CONVENTION
 
 from .losses import BlockScores, block_scores
-
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -221,6 +220,12 @@ class DrafterConfig(PretrainedConfig):
     """Fields every drafter records: its shape, the target it serves, how it reads the target, its loss."""
 
     default_loss_terms = {"ce": 1.0}
+    #: what a builder must know of a kind without knowing its insides: the recipe keys (``drafter:``
+    #: section) its config takes beside the common ones, how many target layers it reads (None: the
+    #: recipe says), and whether it needs the tokenizer's mask token (block drafters fill blocks with it)
+    recipe_keys: tuple[str, ...] = ()
+    fixed_target_layers: int | None = None
+    needs_mask_token = True
 
     def __init__(
         self,

@@ -34,6 +34,7 @@ from .losses import weighted_mean
 
 class DSparkConfig(DrafterConfig):
     model_type = "draftsmith_dspark"
+    recipe_keys = ("markov_rank", "confidence_weight")
     default_loss_terms = {"ce": 0.1, "tv": 0.9}  # the reference's a_ce, a_tv
 
     def __init__(self, markov_rank: int = 64, confidence_weight: float = 1.0,

@@ -21,12 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .core import MLP, DraftAttention, argmax_choice, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm
+from .core import MLP, DraftAttention, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm, argmax_choice
 from .losses import block_scores
 
 
 class Eagle3Config(DrafterConfig):
     model_type = "draftsmith_eagle3"
+    fixed_target_layers = 3  # low, middle and high features, fused by its fc
+    needs_mask_token = False
 
     def __init__(self, ttt_steps: int | None = None, **kwargs):
         super().__init__(**kwargs)

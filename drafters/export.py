@@ -13,7 +13,7 @@ drafter so the parity gate can run what was written):
     name and architectures), a ``transformer_layer_config`` (``qwen3`` when the layers have per-head
     q/k norms, ``llama`` otherwise) and the auxiliary layer ids in **that library's convention: id i is
     the input of decoder layer i** (``hidden_states[i]``; id = num_layers is the final state before the
-    last norm). Draftsmith records *outputs* (:mod:`distill.features`), so ids are shifted by +1 here
+    last norm). Draftsmith records *outputs* (:mod:`distill.base.features`), so ids are shifted by +1 here
     and only here; the parity gate recomputes features from the written ids to prove the shift.
     Weights use the library's names (``layers.N.self_attn.q_proj.weight``, ``fc.weight``, ...).
     DFlash/DSpark checkpoints omit ``embed_tokens`` and ``lm_head`` (the library and vLLM rebuild both
@@ -45,7 +45,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from distill.features import LAYER_ID_CONVENTION
+from distill.base.features import LAYER_ID_CONVENTION
+
+from . import DRAFTERS, kind_of
 
 SPECULATORS_VERSION = "0.9.0"  # the library version the format was checked against (tests load it)
 FORMATS = ("transformers", "speculators", "sglang_eagle3")
@@ -53,10 +55,6 @@ FORMATS = ("transformers", "speculators", "sglang_eagle3")
 
 class ExportError(ValueError):
     """A drafter that a format cannot express exactly (the message says what and how to fix it)."""
-
-
-def kind_of(config) -> str:
-    return config.model_type.removeprefix("draftsmith_")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,7 +281,6 @@ def read_speculators(folder: Path, verifier) -> tuple[torch.nn.Module, dict]:
     """A draftsmith drafter holding the weights of a speculators folder (embeddings and head from
     ``verifier``, as the library rebuilds them), and the folder's config. Layer ids are *not* read
     into the model: the gate feeds it features computed from the config's ids itself."""
-    from . import DRAFTERS
 
     config = json.loads((Path(folder) / "config.json").read_text())
     kind = config["speculators_model_type"]
@@ -309,7 +306,6 @@ def read_speculators(folder: Path, verifier) -> tuple[torch.nn.Module, dict]:
 def read_sglang_eagle3(folder: Path, block_size: int = 8) -> tuple[torch.nn.Module, dict]:
     """A draftsmith EAGLE-3 drafter holding the weights of an SGLang folder. The format does not record
     how many steps to draft (a serving flag), so ``block_size`` (steps + 1) is given."""
-    from . import DRAFTERS
 
     config = json.loads((Path(folder) / "config.json").read_text())
     config_cls, model_cls = DRAFTERS["eagle3"]

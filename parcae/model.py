@@ -98,6 +98,9 @@ class ParcaeConfig(LlamaConfig):
 class DiagonalInjection(nn.Module):
     """``u = A_bar * h + Delta * (e @ B^T)`` with ``A_bar = exp(-softplus(dt_bias) * exp(A_log))``."""
 
+    #: the injection's dynamics stay in full precision under quantization (:func:`distill.quantize.always_kept`)
+    quantization_keep = ("A_log", "dt_bias", "B")
+
     def __init__(self, d: int):
         super().__init__()
         self.A_log = nn.Parameter(torch.zeros(d))
@@ -346,7 +349,7 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         distribution (training) or at ``config.recurrence`` (inference): every iteration runs
         forward, only the gradient-carrying ones run backward (2x forward)."""
         cfg = self.config
-        from distill.models import matmul_params
+        from distill.base.flops import matmul_params
 
         per_block = sum(p.numel() for p in self.core[0].parameters() if p.dim() >= 2)
         attn_block = 2 * cfg.num_attention_heads * cfg.head_dim * seq_len

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distill.lm import evaluate_lm, inputs_and_labels, next_token_ce
+from distill.base.lm import evaluate_lm, inputs_and_labels, next_token_ce
 
 from .model import sample_depths
 

@@ -114,11 +114,11 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="store the temperatures in the drafter's config.json")
     args = parser.parse_args()
 
-    from distill.config import load_recipe
-    from distill.features import FeatureCapture
+    from distill.base.features import FeatureCapture
+    from distill.drafter_eval import auroc, expected_calibration_error
     from distill.models import load_target
-    from drafters.evaluate import auroc, expected_calibration_error
     from recipes.evaluate import load_drafter
+    from recipes.registry import load_recipe
     from recipes.train_drafter import drafter_windows
 
     folder = Path(args.drafter)
@@ -159,4 +159,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from distill.runtime import quiet_third_party
+
+    quiet_third_party()
     main()

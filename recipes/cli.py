@@ -1,79 +1,126 @@
 """``draftsmith``: the command line.
 
-    draftsmith run RECIPE.yaml [section.key=value ...] [--dry-run]
-    draftsmith validate RECIPE.yaml [section.key=value ...]
-    draftsmith eval --drafter DIR [--target testbed] [--prompts FILE] [--max-new-tokens N]
-                    [--draft-length N --draft-recurrence T]   # a student / Parcae drafter
+    draftsmith ls                                         the shipped recipes, one line each
+    draftsmith run RECIPE [section.key=value ...] [--dry-run]
+    draftsmith validate RECIPE [section.key=value ...]
+    draftsmith eval --drafter DIR [--target testbed] [--mode chain|tree] [--temperature T] ...
     draftsmith export --drafter DIR --output-dir OUT [--formats ...] [--push-to-hub OWNER/NAME]
 
-``run`` validates the recipe (exit status 2 and nothing written on any error), then calls the entry
-point named by its ``recipe:`` key. ``--dry-run`` validates and builds the recipe's models without
-training. The same command runs under ``accelerate launch ... -m recipes.cli run RECIPE.yaml``.
+RECIPE is a YAML path or the name of a shipped recipe (``draftsmith run dflash_testbed`` from any
+directory; ``draftsmith ls`` lists them). ``run`` validates the recipe (exit status 2 and nothing
+written on any error), then calls the entry point its ``recipe:`` key names (:mod:`recipes.registry`).
+``--dry-run`` validates and builds the recipe's models without training. The same command runs under
+``accelerate launch ... -m recipes.cli run RECIPE``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import sys
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+EXAMPLES = {
+    "ls": """examples:
+  draftsmith ls
+  draftsmith ls --recipes          # the recipe kinds (the `recipe:` key) and their schemas""",
+    "run": """examples:
+  draftsmith run quickstart                                   # the main job on the testbed
+  draftsmith run dflash_testbed train.max_steps=200          # a shipped recipe by name, with an override
+  draftsmith run recipes/configs/eval_testbed.yaml drafter=distill/assets/testbed_dflash decoding.mode=tree
+  draftsmith run dflash_qwen3_8b --dry-run                   # validate, build on the meta device, estimate memory
+  accelerate launch --config_file accelerate_configs/zero3.yaml -m recipes.cli run dflash_qwen3_8b""",
+    "validate": """examples:
+  draftsmith validate dspark_testbed
+  draftsmith validate my_recipe.yaml train.lr=1e-3 'decoding.tree_budgets=[8, 16]'""",
+    "eval": """examples:
+  draftsmith eval --drafter distill/assets/testbed_dflash
+  draftsmith eval --drafter distill/assets/testbed_dflash --mode tree --tree-budgets 8 16 32
+  draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
+  draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter""",
+    "export": """examples:
+  draftsmith export --drafter distill/assets/testbed_dflash --output-dir runs/export
+  draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter""",
+}
 
-ENTRY_POINTS = {"train_lm": "recipes.train_lm", "quickstart": "recipes.quickstart", "train_drafter": "recipes.train_drafter",
-                "regenerate": "recipes.regenerate", "eval": "recipes.evaluate", "quantize": "recipes.quantize",
-                "export": "recipes.export", "distill_student": "recipes.distill_student"}
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description="Train speculative-decoding drafters and compact models from a target LLM, "
+                                     "and prove them in a lossless decoding loop.",
+                                     epilog="`draftsmith COMMAND --help` shows each command's options and examples.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-def run_recipe(recipe, dry_run: bool = False) -> dict:
-    module = importlib.import_module(ENTRY_POINTS[recipe.recipe])
-    return module.main(recipe, dry_run=dry_run)
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES[name],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in (("run", "run a recipe"), ("validate", "validate a recipe and print it resolved")):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("recipe", help="path to a recipe YAML")
-        p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    ls = command("ls", "list the shipped recipes (recipes/configs/), one line each")
+    ls.add_argument("--recipes", action="store_true", help="list the recipe kinds and their schemas instead")
+    for name, help_ in (("run", "run a recipe"), ("validate", "validate a recipe and print it resolved (nothing runs)")):
+        p = command(name, help_)
+        p.add_argument("recipe", metavar="RECIPE", help="a recipe YAML path, or a shipped recipe's name (see `draftsmith ls`)")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="dotted overrides, values parsed as YAML scalars (train.max_steps=20, 'x.y=[1, 2]')")
         if name == "run":
-            p.add_argument("--dry-run", action="store_true", help="validate and build models, do not train")
-    ev = sub.add_parser("eval", help="speculative vs plain decoding of a target with a drafter (writes report.json)")
-    ev.add_argument("--drafter", required=True, help="drafter folder")
-    ev.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id")
-    ev.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line (default: held-out corpus snippets)")
-    ev.add_argument("--prompts-from-corpus", type=int, default=16, help="held-out snippets when --prompts is not given")
-    ev.add_argument("--max-new-tokens", type=int, default=128)
-    ev.add_argument("--temperature", type=float, default=0.0)
-    ev.add_argument("--mode", default="chain", choices=["chain", "tree"])
-    ev.add_argument("--tree-budgets", type=int, nargs="+", default=[16], help="tree nodes per step (tree mode)")
-    ev.add_argument("--top-k", type=int, default=0)
-    ev.add_argument("--top-p", type=float, default=1.0)
-    ev.add_argument("--draft-length", type=int, default=7, help="tokens per draft for a causal-LM drafter (student, Parcae)")
-    ev.add_argument("--draft-recurrence", type=int, help="Parcae drafter: recurrences while drafting")
+            p.add_argument("--dry-run", action="store_true",
+                           help="validate and build the models (on the meta device for large targets), print a "
+                                "summary with the memory estimate, train nothing")
+    ev = command("eval", "speculative vs plain decoding of a target with a drafter (writes OUTPUT_DIR/report.json)")
+    ev.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (DFlash, DSpark, EAGLE-3 or any causal LM)")
+    ev.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
+    ev.add_argument("--prompts", metavar="FILE", help='JSONL file, one {"prompt": ...} per line (default: held-out corpus snippets)')
+    ev.add_argument("--prompts-from-corpus", type=int, default=16, metavar="N", help="held-out snippets when --prompts is not given (default: 16)")
+    ev.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens generated per prompt (default: 128)")
+    ev.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
+    ev.add_argument("--mode", default="chain", choices=["chain", "tree"], help="chain verification, or DDTree trees (default: chain)")
+    ev.add_argument("--tree-budgets", type=int, nargs="+", default=[16], metavar="N", help="tree nodes per step, tree mode (default: 16)")
+    ev.add_argument("--top-k", type=int, default=0, metavar="K", help="sampling: keep the K likeliest tokens (0 = off)")
+    ev.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sampling: nucleus mass (1 = off)")
+    ev.add_argument("--draft-length", type=int, default=7, metavar="N", help="tokens per draft for a causal-LM drafter (student, Parcae)")
+    ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
     ev.add_argument("--fixed-budget", action="store_true",
                     help="verify every draft (the whole tree) each step, not what measured costs say pays")
-    ev.add_argument("--threads", type=int, default=1)
-    ev.add_argument("--output-dir", default="runs/eval")
-    ex = sub.add_parser("export", help="export a drafter (transformers, vLLM speculators, SGLang EAGLE-3) behind the parity gate")
-    ex.add_argument("--drafter", required=True, help="trained drafter folder")
-    ex.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id")
-    ex.add_argument("--output-dir", required=True)
+    ev.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: 1, see README on benchmarks)")
+    ev.add_argument("--output-dir", default="runs/eval", metavar="DIR", help="where report.json goes (default: runs/eval)")
+    ex = command("export", "export a drafter (transformers, vLLM speculators, SGLang EAGLE-3) behind the parity gate")
+    ex.add_argument("--drafter", required=True, metavar="DIR", help="trained drafter folder")
+    ex.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
+    ex.add_argument("--output-dir", required=True, metavar="DIR", help="the export folder to write")
     ex.add_argument("--formats", nargs="+", choices=["transformers", "speculators", "sglang_eagle3"],
                     help="default: every format that can express the drafter")
-    ex.add_argument("--verifier", help="verifier name recorded for serving (default: the drafter's target)")
-    ex.add_argument("--prompts-from-corpus", type=int, default=8, help="held-out snippets the gate decodes")
-    ex.add_argument("--max-new-tokens", type=int, default=64)
-    ex.add_argument("--eval-report", action="append", default=[], help="an eval report.json to cite in the model card")
+    ex.add_argument("--verifier", metavar="NAME", help="verifier name recorded for serving (default: the drafter's target)")
+    ex.add_argument("--prompts-from-corpus", type=int, metavar="N", help="held-out snippets the gate decodes (default: the export recipe's)")
+    ex.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens the gate generates per prompt (default: the export recipe's)")
+    ex.add_argument("--eval-report", action="append", default=[], metavar="FILE", help="an eval report.json to cite in the model card (repeatable)")
     ex.add_argument("--allow-failed-gate", action="store_true", help="publish even if the parity gate fails (loudly)")
     ex.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repository (owner/name)")
     ex.add_argument("--public", action="store_true", help="with --push-to-hub: a public repository")
     ex.add_argument("--revision", help="with --push-to-hub: the branch to commit to")
-    args = parser.parse_args(argv)
+    return parser
 
-    from distill.config import RecipeError, load_recipe, parse_recipe
+
+def _ls(recipes: bool) -> int:
+    from recipes.registry import describe, schema_table, shipped_configs
+
+    if recipes:
+        for row in schema_table():
+            print(f"{row['recipe']:16s} {row['module']:24s} {row['summary']}")
+        return 0
+    for name, path in shipped_configs().items():
+        print(f"{name:28s} {describe(path)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+
+    from distill.runtime import quiet_third_party
+
+    quiet_third_party()
+    from distill.config import RecipeError
+    from recipes.registry import load_recipe, parse_recipe, run_recipe
+
+    if args.command == "ls":
+        return _ls(args.recipes)
 
     try:
         if args.command == "eval":
@@ -93,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
                     "revision": args.revision}
             recipe = parse_recipe({"recipe": "export", "output_dir": args.output_dir, "drafter": args.drafter,
                                    "target": {"path": args.target}, "formats": args.formats, "verifier_name_or_path": args.verifier,
-                                   "prompts": {"from_corpus": args.prompts_from_corpus, "split": "val"},
-                                   "gate": {"allow_failure": args.allow_failed_gate, "max_new_tokens": args.max_new_tokens},
+                                   **({"prompts": {"from_corpus": args.prompts_from_corpus, "split": "val"}}
+                                      if args.prompts_from_corpus else {}),
+                                   "gate": {"allow_failure": args.allow_failed_gate,
+                                            **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {})},
                                    "eval_reports": args.eval_report, "push_to_hub": push}, source="draftsmith export")
             return _run_export(recipe)
         recipe = load_recipe(args.recipe, args.overrides)
@@ -119,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_export(recipe) -> int:
     """An export whose parity gate fails (without an override) exits with status 3."""
     from recipes.export import ExportRefused
+    from recipes.registry import run_recipe
 
     try:
         run_recipe(recipe)

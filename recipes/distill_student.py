@@ -21,16 +21,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distill.base.flops import flops_per_token
 from distill.config import DistillStudentRecipe
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.kd import evaluate_student, kd_loss_fn
-from distill.models import build_causal_lm, flops_per_token, load_target, model_summary, special_token_ids
+from distill.models import build_causal_lm, load_target, model_summary, special_token_ids
 from distill.provenance import write_run_header
 from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import recurrence_curve, training_forward_kwargs, unwrap
 from recipes.train_lm import finish_lm_run
+
+SCHEMA = DistillStudentRecipe
 
 
 def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:

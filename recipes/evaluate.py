@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from distill.config import EvalRecipe, RecipeError
+import drafters
 from distill.checks import check_drafter_fits
+from distill.config import EvalRecipe, RecipeError
 from distill.models import load_target, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import encoded_prompts
@@ -41,15 +42,15 @@ from serve_eval.sampling import Sampler
 def load_drafter(folder: str, target, device):
     """A DFlash / DSpark / EAGLE-3 drafter, or any causal LM (a student, a Parcae model) by folder. A
     drafter folder without the target's embeddings and LM head (a shipped one) gets them from ``target``."""
-    import drafters  # noqa: F401  (registers the drafter classes with AutoModel)
-    import parcae  # noqa: F401  (and Parcae with AutoModelForCausalLM)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    import parcae  # noqa: F401  (and Parcae with AutoModelForCausalLM)
 
     config = AutoConfig.from_pretrained(folder)
     # recipe validation checked this already for a target on disk; a hub target is known only now
     check_drafter_fits(config.to_dict(), target.config.to_dict(), folder, target.config.name_or_path)
     dtype = next(target.parameters()).dtype  # the target's: a bf16 target on a GPU gets a bf16 drafter
-    if config.model_type not in ("draftsmith_dflash", "draftsmith_dspark", "draftsmith_eagle3"):
+    if drafters.kind_of(config) is None:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head
     drafter = AutoModel.from_pretrained(folder, dtype=dtype).to(device).eval()
@@ -73,6 +74,9 @@ def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str)
     plt.close(fig)
 
 
+SCHEMA = EvalRecipe
+
+
 @torch.no_grad()
 def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     dec = recipe.decoding
@@ -83,10 +87,9 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
     if dec.batch_sizes:
-        kind = drafter.config.model_type
-        if kind not in ("draftsmith_dflash", "draftsmith_dspark") or dec.mode != "chain":
+        if not drafters.is_block_drafter(drafter) or dec.mode != "chain":
             raise RecipeError(f"decoding.batch_sizes: batched decoding runs block drafters (dflash, dspark) in chain "
-                              f"mode; this drafter is {kind!r} in {dec.mode!r} mode")
+                              f"mode; this drafter is {drafter.config.model_type!r} in {dec.mode!r} mode")
         if max(dec.batch_sizes) > len(encoded):
             raise RecipeError(f"decoding.batch_sizes: {max(dec.batch_sizes)} rows need at least as many prompts, "
                               f"the recipe has {len(encoded)}")

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from distill.checkpoint import write_atomically
+from distill.config import ExportRecipe
 from distill.runtime import set_threads
-
 
 
 class ExportRefused(RuntimeError):
@@ -97,21 +97,22 @@ def push_to_hub(plan: dict, commit_message: str, api=None) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _gate_settings(gate):
-    from serve_eval.parity import GateSettings
-
-    return GateSettings(logits_atol=gate.logits_atol, tau_rel_tolerance=gate.tau_rel_tolerance,
-                        tau_abs_tolerance=gate.tau_abs_tolerance)
-
-
 def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     """Write, gate and publish the export folder of ``recipe.drafter``; returns the manifest."""
     import drafters  # noqa: F401
     from distill.models import load_target
-    from drafters.export import (FORMATS, check_expressible, formats_for, kind_of, recorded_simulated_tau, source_record,
-                                 write_sglang_eagle3, write_speculators)
-    from recipes.evaluate import load_drafter
     from distill.regenerate import encoded_prompts
+    from drafters.export import (
+        FORMATS,
+        check_expressible,
+        formats_for,
+        kind_of,
+        recorded_simulated_tau,
+        source_record,
+        write_sglang_eagle3,
+        write_speculators,
+    )
+    from recipes.evaluate import load_drafter
     from serve_eval.parity import describe_failure, run_gate
 
     t0 = time.perf_counter()
@@ -149,7 +150,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
             write_sglang_eagle3(trained, target.config, tmp / "sglang_eagle3")
             folders["sglang_eagle3"] = tmp / "sglang_eagle3"
         gate = run_gate(trained, target, prompts, folders, simulated, recipe.gate.max_new_tokens, tokenizer.eos_token_id,
-                        _gate_settings(recipe.gate))
+                        recipe.gate)
         gate["overridden"] = not gate["passed"] and recipe.gate.allow_failure
         manifest.update({
             "kind": kind,
@@ -299,12 +300,15 @@ def model_card(manifest: dict, cfg, recipe) -> str:
     return "\n".join(lines)
 
 
+SCHEMA = ExportRecipe
+
+
 def main(recipe, dry_run: bool = False) -> dict:
     set_threads(recipe.torch_threads)
     if dry_run:
-        import drafters  # noqa: F401
         from transformers import AutoConfig
 
+        import drafters  # noqa: F401
         from drafters.export import formats_for
 
         cfg = AutoConfig.from_pretrained(recipe.drafter)

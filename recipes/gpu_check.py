@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from distill.config import load_recipe
 from distill.provenance import write_json_atomic
 from distill.testbed import SHIPPED_DRAFTERS
+from recipes.registry import load_recipe
 
 EVAL = "recipes/configs/eval_testbed.yaml"
 TRAIN = "recipes/configs/dflash_testbed.yaml"
@@ -154,4 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from distill.runtime import quiet_third_party
+
+    quiet_third_party()
     sys.exit(main())

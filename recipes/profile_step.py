@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
     args = parser.parse_args(argv)
 
-    from distill.config import load_recipe
-    from distill.features import FeatureCapture
+    from distill.base.features import FeatureCapture
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
     from distill.runtime import set_threads
     from recipes.evaluate import load_drafter
+    from recipes.registry import load_recipe
     from serve_eval import engine
     from serve_eval.budget import Budget
     from serve_eval.sampling import Sampler
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     plain_s = spec_s = 0.0
     plain_tokens = spec_tokens = steps = 0
     for i, prompt in enumerate(prompts):
-        sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731
+        sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
         _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
         _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(), budget=budget)
         if i == 0:  # warm-up
@@ -96,4 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from distill.runtime import quiet_third_party
+
+    quiet_third_party()
     main()

@@ -37,11 +37,23 @@ from pathlib import Path
 
 import torch
 
-from distill.config import DecodingSection, PromptsSection, QuantizeRecipe, RecipeError
+from distill.base.decoding import DecodingSection
+from distill.config import PromptsSection, QuantizeRecipe, RecipeError
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.provenance import write_json_atomic, write_run_header
-from distill.quantize import (check_hardware, convert, fake_quant_hook, is_drafter_config, model_bytes, prepare_qat,
-                              ptq, quant_report, recovered, resolve_layer_map, save_quantized, set_fake_quant)
+from distill.quantize import (
+    check_hardware,
+    convert,
+    fake_quant_hook,
+    model_bytes,
+    prepare_qat,
+    ptq,
+    quant_report,
+    recovered,
+    resolve_layer_map,
+    save_quantized,
+    set_fake_quant,
+)
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 
@@ -52,15 +64,15 @@ class Subject:
     def __init__(self, recipe: QuantizeRecipe, device):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        import drafters  # noqa: F401  (registers the drafter configs and models with the Auto classes)
+        import drafters  # (and registers the drafter configs and models with the Auto classes)
         import parcae  # noqa: F401  (registers Parcae with AutoModelForCausalLM)
 
         self.recipe = recipe
         self.device = device
         config = AutoConfig.from_pretrained(recipe.model)
-        self.is_drafter = is_drafter_config(config)
+        self.is_drafter = drafters.kind_of(config) is not None
         if self.is_drafter:
-            from distill.features import FeatureCapture
+            from distill.base.features import FeatureCapture
             from distill.models import load_target
             from recipes.evaluate import load_drafter
 
@@ -108,10 +120,10 @@ class Subject:
     def evaluate(self, model, acc=None) -> dict:
         bs, nb = self.recipe.train.micro_batch_size, self.recipe.train.eval_batches
         if self.is_drafter:
-            from drafters.evaluate import evaluate_drafter
+            from distill.drafter_eval import evaluate_drafter
 
             return evaluate_drafter(model, self.capture, self.val, bs, nb, acc)
-        from distill.lm import evaluate_lm
+        from distill.base.lm import evaluate_lm
 
         return evaluate_lm(model, self.val, bs, nb, acc)
 
@@ -120,7 +132,7 @@ class Subject:
             from recipes.train_drafter import drafter_flops_per_token
 
             return drafter_flops_per_token(model, self.target, self.recipe.data.seq_len)
-        from distill.models import flops_per_token
+        from distill.base.flops import flops_per_token
 
         return flops_per_token(model, self.recipe.data.seq_len)
 
@@ -159,6 +171,9 @@ class Subject:
         speed, ref_speed = tokens / seconds, ref_tokens / ref_seconds
         return {"tokens_per_s": round(speed, 2), "full_tokens_per_s": round(ref_speed, 2),
                 "speed_vs_full": round(speed / ref_speed, 4), "sample": sample}
+
+
+SCHEMA = QuantizeRecipe
 
 
 def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:

@@ -37,13 +37,14 @@ from pathlib import Path
 
 import yaml
 
-from distill.config import DataConfig, QuickstartRecipe, TargetConfig, load_recipe
+from distill.base.lm import evaluate_lm
+from distill.config import DataConfig, QuickstartRecipe, TargetConfig
 from distill.data import load_text_splits, make_windows
-from distill.lm import evaluate_lm
 from distill.models import load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import set_threads
 from distill.testbed import SHIPPED_DRAFTERS
+from recipes.registry import load_recipe
 
 
 def _training_record(target_dir: Path) -> tuple[dict, DataConfig]:
@@ -64,6 +65,9 @@ def stage_target(recipe: QuickstartRecipe, out: Path, dry_run: bool) -> tuple[Pa
     train_recipe = load_recipe(recipe.target.train_recipe, [f"output_dir={out / 'target'}"])
     train_lm.main(train_recipe, dry_run=dry_run)
     return out / "target" / "model", True
+
+
+SCHEMA = QuickstartRecipe
 
 
 def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:

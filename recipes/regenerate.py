@@ -27,6 +27,8 @@ from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import answer_prompts, load_prompts, render
 from distill.runtime import set_threads
 
+SCHEMA = RegenerateRecipe
+
 
 def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
     import torch

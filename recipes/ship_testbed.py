@@ -90,11 +90,11 @@ def ship_drafter(run_dir: Path, eval_reports: list[Path], dest: Path | None = No
 def evaluate_shipped(run_dir: Path, folder: Path) -> dict:
     """The drafter in ``folder`` evaluated on its training run's held-out windows (its recipe's data:
     the regenerated answers are read from their cache, or made again)."""
-    from distill.config import load_recipe
-    from distill.features import FeatureCapture
+    from distill.base.features import FeatureCapture
+    from distill.drafter_eval import evaluate_drafter
     from distill.models import load_target
-    from drafters.evaluate import evaluate_drafter
     from recipes.evaluate import load_drafter
+    from recipes.registry import load_recipe
     from recipes.train_drafter import drafter_windows
 
     recipe = load_recipe(run_dir / "recipe.yaml")
@@ -122,4 +122,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from distill.runtime import quiet_third_party
+
+    quiet_third_party()
     main()

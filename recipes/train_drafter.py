@@ -1,7 +1,7 @@
 """Recipe ``train_drafter``: distill a DFlash, DSpark or EAGLE-3 drafter from a frozen target.
 
 Online features (``features.mode: online``): the target runs beside the drafter; forward hooks capture
-the configured layers and its final hidden state for every batch (:mod:`distill.features`). Offline
+the configured layers and its final hidden state for every batch (:mod:`distill.base.features`). Offline
 (``features.mode: offline``): the same features are written once to ``features.cache_dir`` (built on
 first use) and read back; a cache made for another target, tokenizer, data or layer set is refused. The drafter never sees gradients
 from the target, and the target's embeddings and LM head are copied into the drafter, frozen.
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from distill.base.features import LAYER_ID_CONVENTION, FeatureCapture
 from distill.config import TrainDrafterRecipe
 from distill.data import load_text_splits, make_windows, regenerated_text_splits, tokenizer_fingerprint
+from distill.drafter_eval import build_drafter, evaluate_drafter
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
-from distill.features import LAYER_ID_CONVENTION, FeatureCapture
 from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.quantize import QuantStage
@@ -30,14 +31,13 @@ from distill.regenerate import regenerated_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters.core import sample_anchors
-from drafters.evaluate import build_drafter, evaluate_drafter
 
 
 def drafter_flops_per_token(drafter, target, seq_len: int, online: bool = True) -> float:
     """Training FLOPs per sequence token: the drafter's forward + backward over the positions it drafts
     (blocks per sequence x block size, or TTT steps), plus the frozen target's forward when it runs
     beside the drafter (online features; an offline cache computed it once, before training)."""
-    from distill.models import flops_per_token
+    from distill.base.flops import flops_per_token
 
     cfg = drafter.config
     weights = sum(p.numel() for p in drafter.parameters() if p.dim() >= 2) - drafter.embed_tokens.weight.numel()
@@ -121,6 +121,9 @@ def drafter_windows(recipe: TrainDrafterRecipe, target, tokenizer):
     if regenerated is not None:
         record["regenerated"] = {k: regenerated[k] for k in ("key", "folder", "files", "train_response_tokens", "reused")}
     return train, val, record
+
+
+SCHEMA = TrainDrafterRecipe
 
 
 def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:

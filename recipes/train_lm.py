@@ -19,15 +19,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distill.base.flops import flops_per_token
+from distill.base.lm import evaluate_lm
 from distill.config import TrainLMRecipe
 from distill.data import build_tokenizer, load_text_splits, make_windows, tokenizer_fingerprint
-from distill.lm import evaluate_lm, lm_loss
-from distill.models import build_causal_lm, flops_per_token, model_summary, special_token_ids
+from distill.lm import lm_loss
+from distill.models import build_causal_lm, model_summary, special_token_ids
 from distill.provenance import write_json_atomic, write_run_header
 from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import curve_rows, parcae_lm_loss, plot_recurrence_curve, recurrence_curve
+
+SCHEMA = TrainLMRecipe
 
 
 def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.features import FeatureCapture
+from distill.base.features import FeatureCapture
 
 from .budget import Budget, CausalChain, Probes
 from .engine import _next_outcome, _truncate, measure_verify_costs, median_seconds, verify_sizes
@@ -366,7 +366,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             anchors = bonus.to(device)[:, None]
             lengths, ctx_kv = context.view()
             hidden = drafter.block_hidden(None, anchors, lengths.to(device)[:, None], ctx_kv)
-            choose = (lambda x: x.argmax(-1)) if greedy else (lambda x: _choose_rows(row_samplers, x))
+            choose = (lambda x: x.argmax(-1)) if greedy else (lambda x: _choose_rows(row_samplers, x))  # noqa: B023  (called within the iteration)
             drafts, draft_logits, _ = drafter.propose(hidden, anchors, choose)
             drafts, draft_logits = drafts[:, 0], draft_logits[:, 0]  # [R, K-1], [R, K-1, V]
             q = draft_logits.float().softmax(-1) if greedy else torch.stack(

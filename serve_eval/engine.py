@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from distill.features import FeatureCapture, TargetFeatures
+from distill.base.features import FeatureCapture, TargetFeatures
+from drafters import Eagle3Drafter, is_block_drafter
 from drafters.core import ContextCache
 
 from .budget import Budget, CausalChain
@@ -111,7 +112,7 @@ def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeat
     costs = {}
     for n in sorted(set(sizes)):
         ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-        costs[n] = median_seconds(lambda: session.forward(ids), repeats, device, after=lambda: session.rollback(context))
+        costs[n] = median_seconds(lambda: session.forward(ids), repeats, device, after=lambda: session.rollback(context))  # noqa: B023  (called within the iteration)
     return costs
 
 
@@ -283,10 +284,9 @@ class LMProposer(Proposer):
 def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None):
     """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`LMProposer`
     for any other causal LM (``draft_length`` tokens per step; ``draft_recurrence`` for Parcae)."""
-    kind = drafter.config.model_type
-    if kind == "draftsmith_eagle3":
+    if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter)
-    if kind in ("draftsmith_dflash", "draftsmith_dspark"):
+    if is_block_drafter(drafter):
         return BlockProposer(drafter, confidence_threshold)
     return LMProposer(drafter, draft_length, **({"num_steps": draft_recurrence} if draft_recurrence else {}))
 

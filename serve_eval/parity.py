@@ -30,22 +30,13 @@ publish on failure unless overridden.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-from distill.features import FeatureCapture, decoder_layers, final_norm
+from distill.base.decoding import GateSettings
+from distill.base.features import FeatureCapture, decoder_layers, final_norm
+from drafters import is_block_drafter
 from drafters.core import sample_anchors
-
-
-@dataclass
-class GateSettings:
-    logits_atol: float = 0.0
-    tau_rel_tolerance: float = 0.25
-    tau_abs_tolerance: float = 0.03
-    batch_size: int = 2
-    seq_len: int = 64
-    seed: int = 0
 
 
 @contextmanager
@@ -95,7 +86,7 @@ def fixed_batch(prompts: list[torch.Tensor], vocab_size: int, settings: GateSett
 def draft_logits(drafter, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor | None) -> torch.Tensor:
     """What decoding would draft for a fixed batch (at fixed anchors, for block drafters)."""
     drafter.eval()
-    kwargs = {} if drafter.config.model_type == "draftsmith_eagle3" else {"anchors": anchors}
+    kwargs = {"anchors": anchors} if is_block_drafter(drafter) else {}
     return drafter(ids, aux, last, **kwargs).draft_logits.float()
 
 
@@ -113,9 +104,8 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simula
     ``prompts`` are encoded evaluation prompts (1-D token tensors on the target's device)."""
     from transformers import AutoModel
 
-    import drafters  # noqa: F401  (registers the drafter classes)
+    from distill.base.decoding import DecodingSection
     from drafters.export import read_sglang_eagle3, read_speculators
-    from distill.config import DecodingSection
     from serve_eval.engine import measure, speculative_generate
     from serve_eval.sampling import Sampler
 

@@ -15,6 +15,10 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "off
            "WANDB_SILENT": "true", "DS_BUILD_OPS": "0"}
 os.environ.update(OFFLINE)
 
+from distill.runtime import quiet_third_party  # noqa: E402  (what the command line does first)
+
+quiet_third_party()
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_env(tmp_path_factory):
@@ -76,8 +80,8 @@ def fresh_accelerate_state():
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, _session_env):
     """A 4-layer target trained for a few seconds, so its predictions carry signal (shared by modules)."""
-    from distill.config import parse_recipe
     from recipes import train_lm
+    from recipes.registry import parse_recipe
 
     out = tmp_path_factory.mktemp("tiny-target")
     recipe = tiny_lm_recipe(out, model={"num_layers": 4}, train={"max_steps": 250, "eval_every": 250, "save_every": 250})

@@ -150,8 +150,8 @@ def test_measured_verify_costs_cover_the_sizes_and_leave_the_rng_alone(tiny_targ
 def _toy_greedy_run():
     """A toy target, an untrained DFlash drafter for it, a prompt and the target's 30 greedy tokens."""
     from distill.config import DrafterSection, ModelConfig
+    from distill.drafter_eval import build_drafter
     from distill.models import build_causal_lm
-    from drafters.evaluate import build_drafter
     from serve_eval.engine import plain_generate
 
     torch.manual_seed(0)

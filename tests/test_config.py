@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from distill.config import RecipeError, apply_overrides, load_recipe, parse_recipe
+from distill.config import RecipeError, apply_overrides
 from recipes.cli import main as cli_main
+from recipes.registry import load_recipe, parse_recipe
 
 from .conftest import tiny_lm_recipe, write_recipe
 
@@ -90,7 +91,7 @@ def test_load_recipe_applies_overrides(tmp_path):
 def test_lookup_drafts_need_greedy_trees():
     from pydantic import ValidationError
 
-    from distill.config import DecodingSection
+    from distill.base.decoding import DecodingSection
 
     assert DecodingSection(mode="tree", lookup=8).lookup == 8
     for bad in ({"lookup": 8}, {"mode": "tree", "lookup": 8, "temperature": 1.0}):

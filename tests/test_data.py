@@ -128,11 +128,9 @@ def test_memory_stays_bounded_on_a_dataset_much_larger_than_a_batch(tmp_path):
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from distill.data import make_windows
-
     from transformers import AutoTokenizer
 
+    from distill.data import make_windows
     from distill.testbed import ASSETS
 
     tok = AutoTokenizer.from_pretrained(ASSETS / "testbed_target")

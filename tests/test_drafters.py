@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from distill.config import TargetConfig, parse_recipe
-from distill.features import FeatureCapture, default_layer_ids
+from distill.base.features import FeatureCapture, default_layer_ids
+from distill.config import TargetConfig
 from distill.models import load_target
+from recipes.registry import parse_recipe
 
 from .conftest import reset_accelerate
 
@@ -63,7 +64,7 @@ def test_drafter_learns_and_beats_untrained(tmp_path, tiny_target_dir, kind):
 def test_save_load_round_trip_is_exact(tmp_path, tiny_target_dir, kind):
     from transformers import AutoModel
 
-    from drafters.evaluate import build_drafter
+    from distill.drafter_eval import build_drafter
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     recipe = drafter_recipe(tmp_path, tiny_target_dir, kind)
@@ -88,7 +89,7 @@ def test_save_load_round_trip_is_exact(tmp_path, tiny_target_dir, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_drafter_loads_its_embeddings_and_head_from_the_target(tmp_path, tiny_target_dir, kind):
     import drafters
-    from drafters.evaluate import build_drafter
+    from distill.drafter_eval import build_drafter
     from recipes.evaluate import load_drafter
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
@@ -206,8 +207,8 @@ def test_confidence_calibration_fits_known_temperatures_and_offsets():
     assert zero == [0.0, 0.0] and only_t[0] == pytest.approx(2.0, rel=0.15)
 
     from distill.config import DrafterSection, ModelConfig
+    from distill.drafter_eval import build_drafter
     from distill.models import build_causal_lm
-    from drafters.evaluate import build_drafter
 
     target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
                                          max_position_embeddings=64), 12)
@@ -222,7 +223,7 @@ def test_confidence_calibration_fits_known_temperatures_and_offsets():
 def test_loss_in_chunks_equals_one_pass_and_holds_no_full_logits(tmp_path, tiny_target_dir, kind):
     """``drafter.loss_chunk``: the same loss, gradients and evaluation outputs as one pass, while no
     tensor kept for the backward pass holds more than a chunk of vocabulary-sized logits."""
-    from drafters.evaluate import build_drafter
+    from distill.drafter_eval import build_drafter
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     V = target.config.vocab_size
@@ -277,7 +278,7 @@ def test_init_from_starts_training_from_a_saved_drafter(tmp_path, tiny_target_di
     and head from the target); a folder of another kind or size is refused by name at validation."""
     import drafters
     from distill.config import RecipeError
-    from drafters.evaluate import build_drafter
+    from distill.drafter_eval import build_drafter
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     first = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, target, str(tiny_target_dir),
@@ -304,7 +305,7 @@ def test_flex_block_mask_gives_the_dense_masks_logits(tmp_path, tiny_target_dir,
     """``mask_implementation: flex`` (a GPU's default for training) against the dense mask SDPA reads
     (a CPU's): the same logits, flex run here by its eager reference (torch has no flex backward on
     a CPU; ``make gpu-check`` trains through it on a GPU)."""
-    from drafters.evaluate import build_drafter
+    from distill.drafter_eval import build_drafter
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(1))
@@ -324,9 +325,9 @@ def test_train_compile_wraps_the_model_in_torch_compile_and_saves_it_plain(tmp_p
     """``train.compile``: accelerate's prepare wraps the drafter in torch.compile (inductor), the run's
     strategy record says so, and the weights it saves carry no ``_orig_mod`` prefix. (Compiling on
     this CPU takes a minute: ``make gpu-check`` trains compiled on a GPU.)"""
+    from distill.drafter_eval import build_drafter
     from distill.runtime import make_accelerator, run_strategy
     from distill.trainer import plain_state_dict
-    from drafters.evaluate import build_drafter
 
     recipe = drafter_recipe(tmp_path, tiny_target_dir, "dflash", compile=True)
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))

@@ -114,7 +114,7 @@ def test_rollback_equals_recomputing_from_scratch(target_and_prompts):
 
 
 def test_tree_compaction_equals_recomputing_the_accepted_path(target_and_prompts):
-    from distill.features import FeatureCapture
+    from distill.base.features import FeatureCapture
     from serve_eval.tree import DraftTree
 
     target, _, prompts = target_and_prompts
@@ -139,7 +139,7 @@ def test_tree_compaction_equals_recomputing_the_accepted_path(target_and_prompts
 @pytest.mark.parametrize("kind", KINDS)
 def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_drafters, kind):
     """The cached decoding path proposes what the training forward would (same masks, same inputs)."""
-    from distill.features import FeatureCapture
+    from distill.base.features import FeatureCapture
 
     target, tok, prompts = target_and_prompts
     drafter = trained_drafters[kind]
@@ -165,8 +165,8 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
 
 @pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
-    from distill.config import parse_recipe
     from recipes import evaluate
+    from recipes.registry import parse_recipe
 
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
                            "drafter": str(trained_drafters["dflash"].folder),
@@ -311,7 +311,7 @@ def test_greedy_trees_with_lookup_drafts_equal_greedy(target_and_prompts, traine
 def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, trained_drafters, kind):
     """Rows of different lengths, features appended at once and queued in two parts: each row's block
     logits equal the one-row decoding path's (its own context, positions and mask)."""
-    from distill.features import FeatureCapture
+    from distill.base.features import FeatureCapture
     from serve_eval.batch import BatchContext
     from serve_eval.engine import BlockProposer
     from serve_eval.sampling import Sampler
@@ -339,8 +339,9 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
 
 
 def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
-    from distill.config import RecipeError, parse_recipe
+    from distill.config import RecipeError
     from recipes import evaluate
+    from recipes.registry import parse_recipe
 
     def recipe(kind, **decoding):
         return parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / kind), "target": {"path": str(tiny_target_dir)},

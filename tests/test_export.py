@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from distill.config import DataConfig, DrafterSection, RecipeError, TargetConfig, parse_recipe
+from distill.config import DataConfig, DrafterSection, RecipeError, TargetConfig
 from distill.models import load_target
+from recipes.registry import parse_recipe
 
 KINDS = ["dflash", "dspark", "eagle3"]
 
@@ -33,7 +34,7 @@ def scrambled(drafter, seed: int):
     """Perturb every trainable weight (norms included) so that any swapped or misnamed tensor changes the output."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in drafter.named_parameters():
+        for _name, p in drafter.named_parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() == 1 else 0.05))
     return drafter
@@ -41,8 +42,8 @@ def scrambled(drafter, seed: int):
 
 def drafter_folder(tmp_path, target, val_windows, kind, qk_norm=True, **section):
     """A drafter saved like a training checkpoint, with the simulated tau its 'training' recorded."""
-    from distill.features import FeatureCapture
-    from drafters.evaluate import build_drafter, evaluate_drafter
+    from distill.base.features import FeatureCapture
+    from distill.drafter_eval import build_drafter, evaluate_drafter
 
     model, tok = target
     block = dict(kind=kind, num_layers=1, block_size=4, num_anchors=8, markov_rank=16, qk_norm=qk_norm and kind != "eagle3")
@@ -133,7 +134,7 @@ def speculators_or_skip():
     try:
         import speculators  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"the speculators library is not installed ({e}); `make install` installs it (see README, Export)")
+        pytest.skip(f"the speculators library is not installed ({e}); `make install` installs it (see docs/export.md)")
     return speculators
 
 
@@ -172,7 +173,7 @@ def assert_same_maths(spec, drafter, target_model, kind):
     tl = spec.config.transformer_layer_config
     tl._attn_implementation = "eager"
     ids = torch.randint(0, drafter.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
-    ours_aux = __import__("distill.features", fromlist=["FeatureCapture"]).FeatureCapture(
+    ours_aux = __import__("distill.base.features", fromlist=["FeatureCapture"]).FeatureCapture(
         target_model, drafter.config.target_layer_ids)(ids).aux
     spec_ids = spec.config.aux_hidden_state_layer_ids if kind != "eagle3" else spec.config.eagle_aux_hidden_state_layer_ids
     spec_aux = features_from_inputs(target_model, ids, spec_ids)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from distill.config import RecipeError, parse_recipe
+from distill.config import RecipeError
+from distill.data import Batch
 from parcae import ParcaeConfig, ParcaeForCausalLM, expected_depths, sample_depths
 from parcae.model import DiagonalInjection, LinearInjection
 from parcae.training import depth_seed, parcae_lm_loss
-from distill.data import Batch
+from recipes.registry import parse_recipe
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 
 from .conftest import tiny_lm_recipe

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distill.config import ModelConfig, QuantSchemeSpec, QuantSection, RecipeError, parse_recipe
-from distill.models import build_causal_lm
 from distill import quantize as Q
+from distill.config import ModelConfig, QuantSchemeSpec, QuantSection, RecipeError
+from distill.models import build_causal_lm
+from recipes.registry import parse_recipe
 
 from .conftest import tiny_lm_recipe
 
@@ -96,6 +97,8 @@ def test_group_size_and_tied_head_are_checked_against_the_model():
 
 class StandInInjection(nn.Module):
     """Parcae's diagonal injection's parameter names, plus a Linear named B (the guard must catch both)."""
+
+    quantization_keep = ("A_log", "dt_bias", "B")  # declared as Parcae's DiagonalInjection declares them
 
     def __init__(self, d: int = 64):
         super().__init__()
@@ -292,7 +295,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_quantized_drafter_saves_reloads_and_stays_lossless_in_the_decoding_loop(tmp_path):
     from distill.config import DrafterSection
-    from drafters.evaluate import build_drafter
+    from distill.drafter_eval import build_drafter
     from serve_eval.engine import plain_generate, speculative_generate
 
     target = tiny_lm()
@@ -424,8 +427,8 @@ def test_quantize_recipe_refuses_a_dead_pattern_before_any_compute(tiny_trained_
 def test_train_drafter_with_qat_on_the_shipped_target(tmp_path):
     """A few QAT steps of a DFlash drafter against the shipped testbed target: the converted drafter is
     saved, reloads, and decodes losslessly beside the untouched target."""
-    from distill.models import load_target
     from distill.config import TargetConfig
+    from distill.models import load_target
     from recipes import train_drafter
     from serve_eval.engine import plain_generate, speculative_generate
 

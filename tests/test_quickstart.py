@@ -7,9 +7,9 @@ import json
 import pytest
 import yaml
 
-from distill.config import parse_recipe
 from distill.testbed import SHIPPED_DRAFTERS, SHIPPED_TARGET
 from recipes import quickstart
+from recipes.registry import parse_recipe
 
 from .conftest import tiny_lm_recipe, write_recipe
 

@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from distill.config import HUB_ID, RecipeError, load_recipe
-from recipes.cli import run_recipe
+from distill.config import HUB_ID, RecipeError
+from recipes.registry import load_recipe, run_recipe
 
 from .conftest import REPO
 
@@ -31,8 +31,8 @@ def needs_hub_weights(path) -> bool:
 def testbed_drafter(tmp_path_factory):
     """An untrained DFlash drafter for the shipped target: what eval recipes point at in a fresh clone."""
     from distill.config import DrafterSection, TargetConfig
+    from distill.drafter_eval import build_drafter
     from distill.models import load_target
-    from drafters.evaluate import build_drafter
 
     target, tok = load_target(TargetConfig(path="testbed"))
     folder = tmp_path_factory.mktemp("drafter")
@@ -109,7 +109,7 @@ def test_gpu_drafter_recipes_fit_an_80_gb_device(name, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from drafters.evaluate import build_drafter
+    from distill.drafter_eval import build_drafter
     from recipes.train_drafter import GiB, memory_estimate
 
     monkeypatch.delenv("HF_HUB_OFFLINE")  # validate the hub id's form; nothing is fetched

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from distill.config import DataConfig, TargetConfig, parse_recipe
+from distill.config import DataConfig, TargetConfig
 from distill.data import encode_example
+from recipes.registry import parse_recipe
 
 from .conftest import reset_accelerate
 from .test_drafters import drafter_recipe

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from distill.config import DrafterSection, ModelConfig
+from distill.drafter_eval import build_drafter
 from distill.models import build_causal_lm
-from drafters.evaluate import build_drafter
 from serve_eval.budget import Budget, DraftSwitch
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler, verify_chain

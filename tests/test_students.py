@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.config import TargetConfig, parse_recipe
+from distill.config import TargetConfig
 from distill.kd import evaluate_student, generalized_jsd
 from distill.models import load_target
+from recipes.registry import parse_recipe
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 
 from .conftest import reset_accelerate
@@ -64,8 +65,8 @@ def students(tmp_path_factory, tiny_target_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "parcae"])
 def test_distillation_lowers_the_kl_to_the_target(students, tiny_target_dir, arch):
-    from distill.models import build_causal_lm
     from distill.data import load_text_splits, make_windows
+    from distill.models import build_causal_lm
 
     student, summary, folder = students[arch]
     recipe = student_recipe(folder, tiny_target_dir, arch)

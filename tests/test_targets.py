@@ -8,9 +8,11 @@ import json
 import pytest
 import torch
 
-from distill.config import ModelConfig, RecipeError, TargetConfig, parse_recipe
-from distill.models import build_causal_lm, flops_per_token, load_target, matmul_params, special_token_ids, tiny_target
+from distill.base.flops import flops_per_token, matmul_params
+from distill.config import ModelConfig, RecipeError, TargetConfig
+from distill.models import build_causal_lm, load_target, special_token_ids, tiny_target
 from distill.testbed import SHIPPED_TARGET
+from recipes.registry import parse_recipe
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distill.config import OptimConfig, TrainConfig, parse_recipe
+from distill.config import OptimConfig, TrainConfig
 from distill.trainer import Trainer, build_scheduler
 from recipes import train_lm
+from recipes.registry import parse_recipe
 
 from .conftest import run_cli, tiny_lm_recipe, write_recipe
-
 
 
 def read_metrics(out):
@@ -45,12 +45,12 @@ def test_tiny_lm_learns_and_writes_a_complete_run(tmp_path):
 
 
 def test_non_finite_step_is_skipped_and_counted(tmp_path):
+    import numpy as np
     from accelerate import Accelerator
 
     from distill.data import PackedWindows
     from distill.lm import lm_loss
     from distill.models import build_causal_lm, tiny_target
-    import numpy as np
 
     torch.manual_seed(0)
     model = build_causal_lm(tiny_target(), 300)

@@ -13,24 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from distill.feature_cache import batch_features
-from distill.features import FeatureCapture, default_layer_ids, final_norm
+from drafters import DRAFTERS, is_block_drafter
+from drafters.core import acceptance_stats, accepted_lengths, decode_walk, sample_anchors, summarize_acceptance
 
-from . import DRAFTERS
-from .core import acceptance_stats, accepted_lengths, decode_walk, sample_anchors, summarize_acceptance
+from .base.features import FeatureCapture, default_layer_ids, final_norm
+from .feature_cache import batch_features
 
 
 def build_drafter(section, target, target_name: str, mask_token_id: int | None):
     """A randomly initialised drafter of ``section.kind`` sized for ``target``, with its embeddings and head."""
     tc = target.config
-    layer_ids = section.target_layer_ids or default_layer_ids(tc.num_hidden_layers, 3 if section.kind == "eagle3" else section.num_target_layers)
-    heads = section.num_heads or tc.num_attention_heads
     config_cls, model_cls = DRAFTERS[section.kind]
-    extra = {
-        "dflash": {},
-        "dspark": {"markov_rank": section.markov_rank, "confidence_weight": section.confidence_weight},
-        "eagle3": {},
-    }[section.kind]
+    layer_ids = section.target_layer_ids or default_layer_ids(tc.num_hidden_layers,
+                                                              config_cls.fixed_target_layers or section.num_target_layers)
+    heads = section.num_heads or tc.num_attention_heads
+    extra = {key: getattr(section, key) for key in config_cls.recipe_keys}
     config = config_cls(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,
@@ -55,7 +52,7 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
         loss_chunk=section.loss_chunk,
         **extra,
     )
-    if section.kind != "eagle3" and mask_token_id is None:
+    if config_cls.needs_mask_token and mask_token_id is None:
         raise ValueError("the target's tokenizer has no mask token; block drafters need one (add '<|mask|>')")
     drafter = model_cls(config).copy_target_io(target)
     if section.init_from is not None:
@@ -82,7 +79,7 @@ def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64)
     position (chain ``t`` is the draft after the bonus token at ``t + 1``)."""
     B, L = ids.shape
     spans = [answer_span(loss_mask, r, L) for r in range(B)]
-    if cfg.model_type == "draftsmith_eagle3":
+    if not is_block_drafter(model):
         kept = accepted_lengths(out.draft_tokens, out.target_tokens, out.scored)  # [B, chains]
         anchors = torch.arange(1, kept.shape[1] + 1, device=ids.device)[None].expand(B, -1)
     else:
@@ -148,7 +145,7 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
         batch = windows.collate(list(range(b, min(b + batch_size, n)))).to(device)
         ids, aux, last = batch_features(batch, capture)
         kwargs = {}
-        if cfg.model_type != "draftsmith_eagle3":
+        if is_block_drafter(model):
             gen = torch.Generator().manual_seed(b)
             kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen,
                                                loss_mask=batch.loss_mask)

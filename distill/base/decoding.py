@@ -1,0 +1,60 @@
+"""Decoding settings: what the speculative-decoding loop (:mod:`serve_eval`) is asked to do, as the
+``decoding:`` section of eval, export and quantize recipes."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from .schema import Strict
+
+
+class DecodingSection(Strict):
+    """How the evaluation decodes: greedy or sampled, chain or tree verification."""
+
+    max_new_tokens: int = Field(128, gt=0)
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    top_k: int = Field(0, ge=0, description="0 = off")
+    top_p: float = Field(1.0, gt=0, le=1)
+    mode: Literal["chain", "tree"] = Field("chain", description="chain, or DDTree trees (block drafters)")
+    tree_budgets: list[int] = Field(default_factory=lambda: [16], min_length=1,
+                                    description="tree nodes per step; several budgets are each measured and plotted")
+    adaptive: bool = Field(True, description="verify, every step, the prefix of the draft (chain) or tree (of at most "
+                                              "the tree budget) with the most expected tokens/s under measured costs "
+                                              "(serve_eval.budget)")
+    confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
+    draft_length: int = Field(7, gt=0, description="causal-LM drafters (students, Parcae): tokens drafted per step")
+    draft_recurrence: Optional[int] = Field(
+        None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
+    torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
+    lookup: int = Field(0, ge=0, description="trees, greedy: graft a prompt-lookup continuation of up to this many "
+                                             "tokens onto every tree (serve_eval.lookup); 0 = off")
+    batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
+                                   "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive_batches(cls, v: list[int]) -> list[int]:
+        if any(b < 1 for b in v):
+            raise ValueError(f"batch sizes must be >= 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _lookup_on_greedy_trees(self):
+        if self.lookup and (self.mode != "tree" or self.temperature != 0):
+            raise ValueError(f"lookup = {self.lookup} grafts copied tokens onto greedy trees: it needs mode: tree and "
+                             f"temperature: 0 (got mode {self.mode!r}, temperature {self.temperature})")
+        return self
+
+
+class GateSettings(Strict):
+    """The train-to-serve parity gate (:mod:`serve_eval.parity`): its tolerances and the fixed batch
+    whose logits it compares. The one home of its defaults; an export recipe's ``gate:`` extends it."""
+
+    logits_atol: float = Field(0.0, ge=0, description="max |logit difference| between the trained and reloaded drafter")
+    tau_rel_tolerance: float = Field(0.25, ge=0, description="allowed |measured - simulated tau|, as a share of simulated - 1")
+    tau_abs_tolerance: float = Field(0.03, ge=0, description="plus this absolute slack")
+    batch_size: int = Field(2, gt=0, description="rows of the fixed batch whose logits are compared")
+    seq_len: int = Field(64, gt=0, description="positions per row of that batch")
+    seed: int = Field(0, description="seeds the batch's anchors and any random rows")
