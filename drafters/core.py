@@ -43,9 +43,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward, rotate_half
 from transformers.utils import ModelOutput
 
 from distill.base.features import LAYER_ID_CONVENTION
@@ -57,40 +58,31 @@ from .losses import BlockScores, block_scores
 # --------------------------------------------------------------------------------------------------
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+# Norms, the MLP and rotary embeddings are transformers' own Llama modules (Qwen3's are the same
+# classes), so RoPE scaling (``rope_parameters``: YaRN, llama3, ...) and the attention kernels
+# transformers registers come with them; only the KV injection is the drafter's.
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: [B, heads, L, D]; ``cos``/``sin``: [B, L, D]."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+RMSNorm = LlamaRMSNorm
 
 
 class DraftAttention(nn.Module):
-    """Multi-head attention whose queries and keys/values may come from different inputs."""
+    """Multi-head attention whose queries and keys/values may come from different inputs (the context's
+    keys and values are projected once, :meth:`project_kv`, and cached by decoding).
+
+    The attention itself is the kernel the model was loaded with, the transformers way
+    (``config._attn_implementation``: ``sdpa`` by default, ``eager``, or one registered with
+    transformers' ``AttentionInterface``), over a dense boolean mask (None: every key visible); a
+    flex-attention ``BlockMask`` (training-sized batches of blocks on a GPU, see :func:`flex_block_mask`)
+    goes to flex attention."""
+
+    is_causal = False  # block drafters attend bidirectionally within a block, or by the mask they are given
 
     def __init__(self, cfg, in_dim: int):
         super().__init__()
+        self.config = cfg
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
+        self.num_key_value_groups = self.heads // self.kv_heads
+        self.scaling = self.head_dim ** -0.5
         self.q_proj = nn.Linear(in_dim, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
@@ -98,28 +90,41 @@ class DraftAttention(nn.Module):
         # Qwen3-style per-head RMSNorm on queries and keys (before RoPE); vLLM's DFlash layers have it
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
+        self.rotary = LlamaRotaryEmbedding(rope_config(cfg))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, heads, L, D] rotated to ``positions`` [B, L]."""
+        cos, sin = self.rotary(x, positions)
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
     def project_kv(self, kv_in: torch.Tensor, kv_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, L, _ = kv_in.shape
         k = self.k_proj(kv_in).view(B, L, self.kv_heads, self.head_dim)
         k = (k if self.k_norm is None else self.k_norm(k)).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(kv_pos, self.head_dim, self.theta)
-        return apply_rope(k, cos, sin), v
+        return self._rope(k, kv_pos), v
 
     def attend(self, q_in: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+               mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
         B, Q, _ = q_in.shape
         q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim)
-        q = (q if self.q_norm is None else self.q_norm(q)).transpose(1, 2)
-        cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta)
-        q = apply_rope(q, cos, sin)
-        gqa = self.heads != self.kv_heads
+        q = self._rope((q if self.q_norm is None else self.q_norm(q)).transpose(1, 2), q_pos)
         if isinstance(mask, BlockMask):
-            out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
+            out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+            impl = self.config._attn_implementation or "sdpa"
+            if impl == "eager" and mask is not None and mask.dtype == torch.bool:  # eager adds its mask to the scores
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+            attention = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+            scaling = None if impl == "sdpa" else self.scaling  # SDPA's own default scale: the same, computed by it
+            out, _ = attention(self, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False)
+        return self.o_proj(out.reshape(B, Q, -1))
+
+
+def rope_config(cfg) -> LlamaConfig:
+    """The few fields transformers' rotary embedding reads, from a drafter config."""
+    return LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                       max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope_parameters))
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,15 +142,10 @@ def _flex_attention(device_type: str):
     return eager
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def MLP(cfg) -> LlamaMLP:  # noqa: N802  (a builder named like the class it builds)
+    """transformers' gated MLP (``down(act(gate(x)) * up(x))``) with the drafter's sizes and activation."""
+    return LlamaMLP(LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                                hidden_act=cfg.hidden_act, mlp_bias=False))
 
 
 class InjectedLayer(nn.Module):
@@ -156,7 +156,7 @@ class InjectedLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = DraftAttention(cfg, cfg.hidden_size)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg)
 
     def forward(self, x, x_pos, ctx_kv: tuple[torch.Tensor, torch.Tensor], mask):
         """``ctx_kv``: this layer's keys and values of the context features (``attn.project_kv(ctx, pos)``),
@@ -237,7 +237,10 @@ class DrafterConfig(PretrainedConfig):
         head_dim: int | None = None,
         intermediate_size: int = 512,
         rms_norm_eps: float = 1e-6,
-        rope_theta: float = 10000.0,
+        rope_theta: float | None = None,
+        rope_parameters: dict | None = None,
+        max_position_embeddings: int = 32768,
+        hidden_act: str = "silu",
         target_hidden_size: int | None = None,
         target_layer_ids: list[int] | None = None,
         layer_id_convention: str = LAYER_ID_CONVENTION,
@@ -265,7 +268,12 @@ class DrafterConfig(PretrainedConfig):
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.intermediate_size = intermediate_size
         self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
+        # transformers' RoPE settings (type, theta, scaling); configs saved before they were recorded carry
+        # only rope_theta, which is the default RoPE at that theta
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": rope_theta or 10000.0})
+        self.rope_theta = self.rope_parameters["rope_theta"]
+        self.max_position_embeddings = max_position_embeddings
+        self.hidden_act = hidden_act
         self.target_hidden_size = target_hidden_size or hidden_size
         self.target_layer_ids = list(target_layer_ids or [])
         self.layer_id_convention = layer_id_convention
@@ -318,6 +326,8 @@ class DrafterBase(PreTrainedModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["InjectedLayer"]
     _keys_to_ignore_on_load_missing = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]  # shipped without them
+    _supports_sdpa = True  # config._attn_implementation: sdpa by default, eager on request (see DraftAttention)
+    _supports_flex_attn = True
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -327,6 +337,8 @@ class DrafterBase(PreTrainedModel):
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, LlamaRotaryEmbedding):  # its inverse frequencies, recomputed (a buffer not saved)
+            super()._init_weights(module)
 
     def _make_target_io(self, cfg) -> None:
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -44,7 +44,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = DraftAttention(cfg, 2 * cfg.hidden_size)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg)
 
     def layer_input(self, emb, hidden):
         return torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1)

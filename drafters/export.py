@@ -138,9 +138,9 @@ def _layer_config(cfg, target_config, model_type: str) -> dict:
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": dict(cfg.rope_parameters),
         "max_position_embeddings": getattr(target_config, "max_position_embeddings", 4096),
         "attention_bias": False,
         "tie_word_embeddings": False,
@@ -215,8 +215,9 @@ def speculators_config(cfg, target_config, verifier_name_or_path: str) -> dict:
 def sglang_config(cfg, target_config) -> dict:
     check_expressible(cfg, "sglang_eagle3")
     layer = _layer_config(cfg, target_config, "llama")
-    layer.pop("rope_parameters")
-    return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "rope_theta": cfg.rope_theta, "rope_scaling": None,
+    rope = layer.pop("rope_parameters")
+    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}  # HF's legacy form
+    return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
             "draft_vocab_size": cfg.vocab_size, "target_hidden_size": cfg.target_hidden_size, "torch_dtype": "float32",
             "bos_token_id": getattr(target_config, "bos_token_id", None), "eos_token_id": getattr(target_config, "eos_token_id", None),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg), "use_aux_hidden_state": True}}
@@ -292,7 +293,8 @@ def read_speculators(folder: Path, verifier) -> tuple[torch.nn.Module, dict]:
                      num_hidden_layers=layer["num_hidden_layers"] if kind != "eagle3" else 1,
                      num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
                      head_dim=layer["head_dim"], rms_norm_eps=layer["rms_norm_eps"],
-                     rope_theta=layer["rope_parameters"]["rope_theta"], target_hidden_size=config["target_hidden_size"],
+                     rope_parameters=layer["rope_parameters"], hidden_act=layer["hidden_act"],
+                     target_hidden_size=config["target_hidden_size"],
                      target_layer_ids=[i - 1 for i in ids], mask_token_id=config.get("mask_token_id"),
                      block_size=config.get("block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1),
                      qk_norm=layer["model_type"] == "qwen3", **extra)
@@ -311,7 +313,8 @@ def read_sglang_eagle3(folder: Path, block_size: int = 8) -> tuple[torch.nn.Modu
     config_cls, model_cls = DRAFTERS["eagle3"]
     cfg = config_cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
                      num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-                     head_dim=config["head_dim"], rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                     head_dim=config["head_dim"], rms_norm_eps=config["rms_norm_eps"], hidden_act=config["hidden_act"],
+                     rope_parameters={"rope_theta": config["rope_theta"], **(config.get("rope_scaling") or {"rope_type": "default"})},
                      target_hidden_size=config["target_hidden_size"],
                      target_layer_ids=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), block_size=block_size)
     drafter = model_cls(cfg)

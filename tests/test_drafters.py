@@ -342,3 +342,55 @@ def test_train_compile_wraps_the_model_in_torch_compile_and_saves_it_plain(tmp_p
     reset_accelerate()
     plain = make_accelerator(recipe.train.model_copy(update={"compile": False}), 0, tmp_path)
     assert run_strategy(plain, plain.prepare(drafter))["compiled"] is False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_kernel_is_chosen_the_transformers_way(tmp_path, tiny_target_dir, kind):
+    """The drafter's layers attend with the kernel its config names (``_attn_implementation``): SDPA by
+    default, transformers' eager attention on request, with the same drafts; a flex-attention BlockMask
+    (training-sized batches on a GPU) gives the dense mask's logits too."""
+    from distill.drafter_eval import build_drafter
+    from drafters.core import DraftAttention
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    drafter = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, kind).drafter, target, str(tiny_target_dir),
+                            tok.mask_token_id).eval()
+    assert drafter.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(0))
+    feats = FeatureCapture(target, drafter.config.target_layer_ids)(ids)
+    kwargs = {} if kind == "eagle3" else {"anchors": torch.tensor([[3, 10], [5, 20]])}
+    sdpa = drafter(ids, feats.aux, feats.last, **kwargs).draft_logits
+    calls = []
+    original = DraftAttention.attend
+    DraftAttention.attend = lambda self, *a: calls.append(self.config._attn_implementation) or original(self, *a)
+    try:
+        drafter.set_attn_implementation("eager")
+        eager = drafter(ids, feats.aux, feats.last, **kwargs).draft_logits
+    finally:
+        DraftAttention.attend = original
+    assert calls and set(calls) == {"eager"}
+    torch.testing.assert_close(eager, sdpa, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_parameters_come_from_the_target(tmp_path, tiny_target_dir):
+    """A target with scaled RoPE gives its drafter the same rotary frequencies (transformers' rotary
+    embedding, ``rope_parameters``), and they survive save / load."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from distill.drafter_eval import build_drafter
+    from drafters.core import DraftAttention
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    scaled = AutoModelForCausalLM.from_config(type(target.config)(**{
+        **target.config.to_dict(), "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}))
+    drafter = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, scaled, str(tiny_target_dir),
+                            tok.mask_token_id)
+    assert drafter.config.rope_parameters["rope_type"] == "linear" and drafter.config.rope_parameters["factor"] == 4.0
+    rotary = next(m for m in drafter.modules() if isinstance(m, DraftAttention)).rotary
+    torch.testing.assert_close(rotary.inv_freq, scaled.model.rotary_emb.inv_freq)
+    plain = next(m for m in build_drafter(drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, target,
+                                          str(tiny_target_dir), tok.mask_token_id).modules() if isinstance(m, DraftAttention))
+    torch.testing.assert_close(rotary.inv_freq * 4.0, plain.rotary.inv_freq)  # linear scaling divides the frequencies
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = next(m for m in AutoModel.from_pretrained(tmp_path / "d").modules() if isinstance(m, DraftAttention))
+    torch.testing.assert_close(loaded.rotary.inv_freq, rotary.inv_freq)
