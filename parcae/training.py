@@ -10,12 +10,10 @@
   injection), the final state norm, the relative change of the state over the last iteration (small
   when the loop has converged to a fixed point), and the mean sampled depth.
 * :func:`recurrence_curve` is the test-time compute curve: held-out loss and perplexity at several
-  depths T (the paper's ``val_loss_{T}``), and :func:`plot_recurrence_curve` draws it.
+  depths T (the paper's ``val_loss_{T}``) (:func:`recipes.plots.plot_recurrence_curve` draws it).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from distill.base.lm import evaluate_lm, inputs_and_labels, next_token_ce
 
@@ -77,27 +75,3 @@ def recurrence_curve(model, windows, batch_size: int, depths: list[int], default
 def curve_rows(metrics: dict, depths: list[int]) -> list[dict]:
     return [{"recurrence": t, "val_loss": metrics[f"val_loss_T{t}"], "val_ppl": metrics[f"val_ppl_T{t}"],
              "val_acc": metrics[f"val_acc_T{t}"]} for t in depths]
-
-
-def plot_recurrence_curve(rows: list[dict], path: Path, mean_recurrence: int, title: str = "") -> None:
-    """Held-out perplexity against the number of recurrences (log-x), the training mean marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ts = [r["recurrence"] for r in rows]
-    ax.plot(ts, [r["val_ppl"] for r in rows], marker="o")
-    ax.axvline(mean_recurrence, color="gray", linestyle=":", label=f"training mean T = {mean_recurrence}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ts, [str(t) for t in ts])
-    ax.set_xlabel("recurrences T at test time")
-    ax.set_ylabel("held-out perplexity")
-    ax.set_title(title or "Parcae: test-time compute")
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)

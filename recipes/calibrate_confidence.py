@@ -84,26 +84,18 @@ def reliability(conf: torch.Tensor, kept: torch.Tensor, bins: int = 10) -> list[
 
 
 def plot_reliability(report: dict, path: Path) -> None:
-    import matplotlib
+    from recipes.plots import saved_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    ax.plot([0, 1], [0, 1], color="grey", lw=1, ls="--")
-    for key, label in (("reliability_before", "before"), ("reliability_temperature_only", "temperature per position"),
-                       ("reliability_after", "temperature and offset per position")):
-        rows = report[key]
-        ax.plot([r["confidence"] for r in rows], [r["accepted"] for r in rows], marker="o", label=label)
-    ax.set_xlabel("confidence")
-    ax.set_ylabel("fraction of drafts kept (greedy)")
-    ax.set_title("DSpark confidence, held-out blocks")
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    with saved_figure(path, figsize=(4.5, 4.5)) as (_, ax):
+        ax.plot([0, 1], [0, 1], color="grey", lw=1, ls="--")
+        for key, label in (("reliability_before", "before"), ("reliability_temperature_only", "temperature per position"),
+                           ("reliability_after", "temperature and offset per position")):
+            rows = report[key]
+            ax.plot([r["confidence"] for r in rows], [r["accepted"] for r in rows], marker="o", label=label)
+        ax.set_xlabel("confidence")
+        ax.set_ylabel("fraction of drafts kept (greedy)")
+        ax.set_title("DSpark confidence, held-out blocks")
+        ax.legend(loc="upper left")
 
 
 def main() -> None:

@@ -27,10 +27,10 @@ from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.kd import evaluate_student, kd_loss_fn
 from distill.models import build_causal_lm, load_target, model_summary, special_token_ids
 from distill.provenance import write_run_header
-from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import recurrence_curve, training_forward_kwargs, unwrap
+from recipes.quant_stage import QuantStage
 from recipes.train_lm import finish_lm_run
 
 SCHEMA = DistillStudentRecipe

@@ -33,6 +33,7 @@ from distill.models import load_target, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
+from recipes.plots import saved_figure
 from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
@@ -58,20 +59,12 @@ def load_drafter(folder: str, target, device):
 
 
 def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    ax.bar(range(1, len(acceptance) + 1), acceptance, color="#3b7dd8")
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{title}  (tau = {tau:.2f})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with saved_figure(path, figsize=(5, 3.2)) as (_, ax):
+        ax.bar(range(1, len(acceptance) + 1), acceptance, color="#3b7dd8")
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{title}  (tau = {tau:.2f})", fontsize=9)
 
 
 SCHEMA = EvalRecipe
@@ -200,21 +193,13 @@ def measure_generate_peer(target, encoded, dec, eos, **peer_kwargs) -> dict:
 
 
 def plot_budgets(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     budgets = [r["tree_budget"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    ax.plot(budgets, [r["tau"] for r in rows], "o-", color="#3b7dd8", label="tau")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tree budget (nodes)")
-    ax.set_ylabel("tau (tokens / target forward)")
-    twin = ax.twinx()
-    twin.plot(budgets, [r["speedup"] for r in rows], "s--", color="#d8703b", label="speedup")
-    twin.set_ylabel("speedup vs plain decoding")
-    fig.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with saved_figure(path, figsize=(5, 3.2)) as (fig, ax):
+        ax.plot(budgets, [r["tau"] for r in rows], "o-", color="#3b7dd8", label="tau")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget (nodes)")
+        ax.set_ylabel("tau (tokens / target forward)")
+        twin = ax.twinx()
+        twin.plot(budgets, [r["speedup"] for r in rows], "s--", color="#d8703b", label="speedup")
+        twin.set_ylabel("speedup vs plain decoding")
+        fig.legend(loc="lower right", fontsize=8)

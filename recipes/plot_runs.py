@@ -36,27 +36,21 @@ def main() -> None:
     parser.add_argument("--title", default=None)
     args = parser.parse_args()
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from recipes.plots import saved_figure
 
     runs = [r for r in args.runs if (r / "metrics.jsonl").exists()]
-    fig, ax = plt.subplots(figsize=(6.4, 4), dpi=120)
     finals = []
-    for run in runs:
-        pts = curve(run, args.metric, args.x)
-        if pts:
-            ax.plot(*zip(*pts), "o-", ms=3, label=run.name)
-            finals.append((run.name, pts[-1][1], max(p[1] for p in pts), pts[-1][0]))
-    ax.set_xlabel({"minutes": "training CPU minutes (wall)", "tokens": "training tokens", "step": "step"}[args.x])
-    ax.set_ylabel(args.metric)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(args.title or f"{args.metric} against {args.x}", fontsize=9)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out)
+    with saved_figure(args.out) as (_, ax):
+        for run in runs:
+            pts = curve(run, args.metric, args.x)
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, label=run.name)
+                finals.append((run.name, pts[-1][1], max(p[1] for p in pts), pts[-1][0]))
+        ax.set_xlabel({"minutes": "training CPU minutes (wall)", "tokens": "training tokens", "step": "step"}[args.x])
+        ax.set_ylabel(args.metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title(args.title or f"{args.metric} against {args.x}", fontsize=9)
     print(f"{'run':<32} {'final':>8} {'best':>8} {args.x:>8}")
     for name, final, best, at in sorted(finals, key=lambda f: -f[1]):
         print(f"{name:<32} {final:>8.3f} {best:>8.3f} {at:>8.1f}")

@@ -48,14 +48,13 @@ from distill.quantize import (
     model_bytes,
     prepare_qat,
     ptq,
-    quant_report,
-    recovered,
     resolve_layer_map,
     save_quantized,
     set_fake_quant,
 )
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
+from recipes.quant_report import quant_report, recovered
 
 
 class Subject:

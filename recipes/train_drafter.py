@@ -26,11 +26,11 @@ from distill.drafter_eval import build_drafter, evaluate_drafter
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
 from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
-from distill.quantize import QuantStage
 from distill.regenerate import regenerated_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters.core import sample_anchors
+from recipes.quant_stage import QuantStage
 
 
 def drafter_flops_per_token(drafter, target, seq_len: int, online: bool = True) -> float:

@@ -26,10 +26,11 @@ from distill.data import build_tokenizer, load_text_splits, make_windows, tokeni
 from distill.lm import lm_loss
 from distill.models import build_causal_lm, model_summary, special_token_ids
 from distill.provenance import write_json_atomic, write_run_header
-from distill.quantize import QuantStage
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
-from parcae.training import curve_rows, parcae_lm_loss, plot_recurrence_curve, recurrence_curve
+from parcae.training import curve_rows, parcae_lm_loss, recurrence_curve
+from recipes.plots import plot_recurrence_curve
+from recipes.quant_stage import QuantStage
 
 SCHEMA = TrainLMRecipe
 

@@ -13,6 +13,8 @@ import torch.nn as nn
 from distill import quantize as Q
 from distill.config import ModelConfig, QuantSchemeSpec, QuantSection, RecipeError
 from distill.models import build_causal_lm
+from recipes import quant_report as R
+from recipes.quant_stage import QuantStage
 from recipes.registry import parse_recipe
 
 from .conftest import tiny_lm_recipe
@@ -167,7 +169,7 @@ def test_converted_outputs_match_fake_quantized_outputs(scheme):
 def test_loss_falls_under_qat_and_delayed_fake_quant_follows_the_step():
     model = tiny_lm(vocab=64).train()
     section = QuantSection(mode="qat", scheme="w2", fake_quant_after_steps=5)
-    stage = Q.QuantStage(section, model)
+    stage = QuantStage(section, model)
     stage.prepare()
     fq = list(Q.fake_quantized_modules(model).values())
     assert fq and not any(m.weight_fake_quantizer.enabled for m in fq)  # step 0 < 5: full precision
@@ -186,7 +188,7 @@ def test_loss_falls_under_qat_and_delayed_fake_quant_follows_the_step():
     assert sum(losses[-5:]) / 5 < sum(losses[5:10]) / 5 - 0.3, losses  # it learns through 2-bit fake quantization
     # an exact resume rebuilds the switch from the step alone
     fresh = tiny_lm(vocab=64)
-    again = Q.QuantStage(section, fresh)
+    again = QuantStage(section, fresh)
     again.prepare()
     again.before_step(12)
     assert all(m.weight_fake_quantizer.enabled for m in Q.fake_quantized_modules(fresh).values())
@@ -248,7 +250,7 @@ def test_gpu_schemes_prepare_on_cpu_but_refuse_to_convert_naming_the_key():
     with pytest.raises(RecipeError, match="variants.fp8: scheme 'float8' cannot run here: float8 needs a GPU"):
         Q.check_hardware(Q.resolve_layer_map(tiny_lm(), QuantSchemeSpec(scheme="float8")), key="variants.fp8")
     with pytest.raises(RecipeError, match="quant: scheme 'float8' cannot run here"):
-        Q.QuantStage(QuantSection(mode="qat", scheme="float8"), tiny_lm())
+        QuantStage(QuantSection(mode="qat", scheme="float8"), tiny_lm())
 
 
 def test_model_bytes_count_packed_codes_and_scales():
@@ -318,15 +320,15 @@ def test_quantized_drafter_saves_reloads_and_stays_lossless_in_the_decoding_loop
 
 
 def test_recovered_and_the_report(tmp_path):
-    assert Q.recovered(full=1.6, ptq_value=1.8, qat_value=1.65) == pytest.approx(0.75)
-    assert Q.recovered(full=1.3, ptq_value=1.1, qat_value=1.2) == pytest.approx(0.5)
-    assert Q.recovered(1.0, 1.0, 1.0) is None
+    assert R.recovered(full=1.6, ptq_value=1.8, qat_value=1.65) == pytest.approx(0.75)
+    assert R.recovered(full=1.3, ptq_value=1.1, qat_value=1.2) == pytest.approx(0.5)
+    assert R.recovered(1.0, 1.0, 1.0) is None
     rows = [{"variant": "-", "model": "full", "packed_bytes": 100, "val_loss": 1.0},
             {"variant": "w4", "model": "ptq", "packed_bytes": 30, "val_loss": 1.2},
             {"variant": "w4", "model": "qat", "packed_bytes": 30, "val_loss": 1.1},
             {"variant": "w2", "model": "ptq", "packed_bytes": 20, "val_loss": 1.5},
             {"variant": "w2", "model": "qat", "packed_bytes": 20, "val_loss": 1.2, "lossless": True}]
-    Q.quant_report(rows, tmp_path, "val_loss", ["variant", "model", "packed_bytes", "val_loss", "lossless"], "t")
+    R.quant_report(rows, tmp_path, "val_loss", ["variant", "model", "packed_bytes", "val_loss", "lossless"], "t")
     md = (tmp_path / "quant_report.md").read_text()
     assert "| w2 | qat | 20 | 1.2 | yes |" in md
     assert json.loads((tmp_path / "quant_report.json").read_text())["rows"] == rows
@@ -399,7 +401,7 @@ def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
     assert rows[("w2", "qat")]["packed_bytes"] == rows[("w2", "ptq")]["packed_bytes"]
     assert all(r["tokens_per_s"] > 0 and r["speed_vs_full"] > 0 for r in report["rows"])
     w2 = result["summary"][0]
-    expected = Q.recovered(rows[("-", "full_ft")]["val_loss"], rows[("w2", "ptq_ft")]["val_loss"], rows[("w2", "qat")]["val_loss"])
+    expected = R.recovered(rows[("-", "full_ft")]["val_loss"], rows[("w2", "ptq_ft")]["val_loss"], rows[("w2", "qat")]["val_loss"])
     assert w2["variant"] == "w2" and w2["recovered"] == pytest.approx(expected, abs=1e-3)
     assert json.loads((tmp_path / "q" / "summary.json").read_text())["summary"] == result["summary"]
     # a gap below min_gap is noise: no ratio is reported
@@ -490,7 +492,7 @@ def test_a_parcae_model_quantizes_keeps_its_dynamics_and_generates(tmp_path):
 
 def test_ptq_stage_quantizes_a_copy_and_reports_full_vs_ptq(tmp_path):
     model = tiny_lm()
-    stage = Q.QuantStage(QuantSection(mode="ptq", scheme="w2"), model)
+    stage = QuantStage(QuantSection(mode="ptq", scheme="w2"), model)
     stage.prepare()  # nothing to prepare for PTQ
     assert not Q.fake_quantized_modules(model)
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -1,20 +1,4 @@
-"""Typed recipes: one YAML file describes a whole job, validated before any compute starts.
-
-A recipe is a YAML mapping whose ``recipe:`` key names its entry point (``train_lm``,
-``quickstart``, ...; :mod:`recipes.registry` maps each name to the module that declares its schema
-and runs it). It is parsed into that pydantic model, with
-``extra="forbid"`` everywhere, so every mistake is caught up front:
-
-* an unknown key names the key and suggests the closest valid one (``train.max_stpes`` ->
-  "did you mean 'max_steps'?");
-* a wrong type or value names the key, the value given and what was expected;
-* a path that must exist (data files, tokenizers, local targets) is checked here, not halfway
-  through training.
-
-Command-line overrides use dotted keys (``train.max_steps=20``); values are parsed as YAML scalars
-so ``1e-3``, ``true`` and ``[1, 2]`` get their natural types. Every failure raises
-:class:`RecipeError`, which the CLI turns into exit status 2 with nothing written.
-"""
+"""The typed sections recipes share: model, data, training, target, drafter, prompts, quantization, export."""
 
 from __future__ import annotations
 
@@ -22,100 +6,18 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
-import yaml
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from drafters import DRAFTERS
 
-from .base.decoding import DecodingSection, GateSettings
-from .base.schema import Strict
-
-__all__ = [
-    "RecipeError",
-    "ModelConfig",
-    "TokenizerConfig",
-    "DataConfig",
-    "OptimConfig",
-    "TrainConfig",
-    "WandbConfig",
-    "TargetConfig",
-    "TrainLMRecipe",
-    "QuickstartRecipe",
-    "QuantSection",
-    "QuantSchemeSpec",
-    "QuantizeRecipe",
-    "validate_recipe",
-    "read_yaml_mapping",
-    "apply_overrides",
-]
-
+from ..base.decoding import GateSettings
+from ..base.schema import Strict
+from .paths import HUB_ID, _existing_path, _local_or_hub, _pretrained_folder, resolve_path
 
 #: a drafter kind: a key of :data:`drafters.DRAFTERS`
 DrafterKind = Literal[tuple(DRAFTERS)]  # type: ignore[valid-type]
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot run: the message names the key, the value and what was expected."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Sections shared by recipes
-# --------------------------------------------------------------------------------------------------
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-def resolve_path(value: str) -> str:
-    """``value`` as given when it exists from here; else, for a relative path that exists under the
-    project's root (a shipped asset or recipe named by a shipped recipe), that file; else as given.
-    So shipped recipes run from any directory (``draftsmith run dflash_testbed``)."""
-    path = Path(os.path.expanduser(value))
-    if path.exists() or path.is_absolute() or not (PROJECT_ROOT / path).exists():
-        return value
-    return str(PROJECT_ROOT / path)
-
-
-def _existing_path(value: str, what: str) -> str:
-    value = resolve_path(value)
-    if not Path(os.path.expanduser(value)).exists():
-        raise ValueError(f"{what} '{value}' does not exist")
-    return value
-
-
-def _pretrained_folder(value: str, what: str) -> str:
-    """An existing ``save_pretrained`` folder: a config.json that parses and weight files that are whole."""
-    from .checks import check_checkpoint
-
-    value = _existing_path(value, what)
-    check_checkpoint(value, what)
-    return value
-
-
-def _local_config(path: str) -> dict | None:
-    """The config.json of a target named by ``path`` when it is on disk ('testbed' or a folder), else None."""
-    from .checks import read_config
-    from .testbed import SHIPPED_TARGET
-
-    folder = SHIPPED_TARGET if path == "testbed" else Path(os.path.expanduser(path))
-    return read_config(folder, "target") if (folder / "config.json").exists() else None
-
-
-def _local_or_hub(value: str, what: str, probe_file: str) -> str:
-    """A local folder that exists, or a hub id (which, offline, must already be in the local cache)."""
-    value = resolve_path(value)
-    if Path(os.path.expanduser(value)).exists() or not HUB_ID.match(value):
-        return _existing_path(value, what)
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(value, probe_file), str):
-            raise ValueError(f"{what} '{value}' is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE is set")
-    return value
 
 
 class ParcaeSection(Strict):
@@ -307,14 +209,14 @@ class TargetConfig(Strict):
             return v
         v = _local_or_hub(v, "target", "config.json")
         if Path(os.path.expanduser(v)).is_dir():  # a local folder: whole weights and a tokenizer
-            from .checks import check_checkpoint, check_tokenizer
+            from ..checks import check_checkpoint, check_tokenizer
 
             check_checkpoint(v, "target")
             check_tokenizer(v, "target")
         return v
 
 
-#: quantization schemes (see distill/quantize.py): 8da<N>w = int8 dynamic activations + intN weights,
+#: quantization schemes (see distill/quantize/): 8da<N>w = int8 dynamic activations + intN weights,
 #: w<N> = intN weight-only (N = 2..8), int4_weight_only = torchao's GPU int4 kernel, float8 = float8
 #: activations and weights (Hopper-class GPUs)
 QUANT_SCHEME = re.compile(r"^(8da[2-8]w|w[2-8]|int4_weight_only|float8)$")
@@ -334,7 +236,7 @@ def _quant_scheme(value: str, allow_keep: bool) -> str:
 
 
 class QuantSchemeSpec(Strict):
-    """A quantization scheme and its per-layer map (torchao; resolved against the model in distill/quantize.py).
+    """A quantization scheme and its per-layer map (torchao; resolved against the model in distill/quantize/plan.py).
 
     ``layers`` is ordered: the first pattern that matches a Linear module decides its scheme (or
     ``keep``: full precision). A pattern is an exact module name, a glob (``*.mlp.*``) or
@@ -381,114 +283,6 @@ class QuantSection(QuantSchemeSpec):
 
     mode: Literal["none", "ptq", "qat"] = "none"
     fake_quant_after_steps: int = Field(0, ge=0, description="qat: train in full precision for this many steps first")
-
-
-# --------------------------------------------------------------------------------------------------
-# Recipes
-# --------------------------------------------------------------------------------------------------
-
-
-class RecipeBase(Strict):
-    recipe: str
-    output_dir: str
-    seed: int = 0
-
-
-class TrainingRecipe(RecipeBase):
-    """Sections every recipe that trains something has."""
-
-    data: DataConfig = Field(default_factory=DataConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
-    quant: QuantSection = Field(default_factory=QuantSection)
-
-
-class TrainLMRecipe(TrainingRecipe):
-    """Train a causal LM from scratch with next-token cross-entropy (the testbed target)."""
-
-    recipe: Literal["train_lm"]
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-
-    @model_validator(mode="after")
-    def _fits_context(self) -> "TrainLMRecipe":
-        if self.data.seq_len > self.model.max_position_embeddings:
-            raise ValueError(
-                f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
-                f"({self.model.max_position_embeddings})"
-            )
-        return self
-
-
-RecipePath = Annotated[str, AfterValidator(lambda v: _existing_path(v, "recipe file"))]
-
-
-class QuickstartTargetStage(Strict):
-    """Where the quickstart's target comes from: the shipped testbed weights, or trained now."""
-
-    source: Literal["shipped", "train"] = "shipped"
-    train_recipe: RecipePath = Field("recipes/configs/testbed_target_quick.yaml", description="used when source=train")
-    eval_batches: Optional[int] = Field(None, gt=0, description="held-out batches to evaluate; None = all")
-
-
-class QuickstartStage(Strict):
-    """A quickstart stage that runs another recipe, retargeted: on or off, the recipe, its overrides."""
-
-    enabled: bool = True
-    recipe: RecipePath
-    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
-
-
-class QuickstartDrafterStage(QuickstartStage):
-    """The drafter the quickstart trains against its target (a ``train_drafter`` recipe)."""
-
-    recipe: RecipePath = Field("recipes/configs/dflash_testbed.yaml", description="a train_drafter recipe")
-
-
-class QuickstartEvalStage(QuickstartStage):
-    """The quickstart's drafter in the decoding loop against plain decoding (an ``eval`` recipe)."""
-
-    recipe: RecipePath = Field("recipes/configs/eval_testbed.yaml", description="an eval recipe")
-
-
-class QuickstartExportStage(QuickstartStage):
-    """The quickstart's drafter exported (an ``export`` recipe), behind the parity gate."""
-
-    recipe: RecipePath = Field("recipes/configs/export_testbed.yaml", description="an export recipe")
-
-
-class QuickstartShippedDrafterStage(QuickstartEvalStage):
-    """The drafter shipped for the testbed target (trained once by its recipe), measured in the loop."""
-
-    kind: DrafterKind = "dflash"
-    tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
-                                                               "shipped with (results.json)")
-    lookup: int = Field(10, ge=0, description="also measure the tree with prompt-lookup continuations of up to this "
-                                              "many tokens grafted on (decoding.lookup); 0 = not")
-
-    @model_validator(mode="after")
-    def _shipped(self) -> "QuickstartShippedDrafterStage":
-        from .testbed import SHIPPED_DRAFTERS
-
-        if self.enabled and not (SHIPPED_DRAFTERS[self.kind] / "config.json").exists():
-            shipped = sorted(k for k, f in SHIPPED_DRAFTERS.items() if (f / "config.json").exists())
-            raise ValueError(f"no {self.kind} drafter is shipped at {SHIPPED_DRAFTERS[self.kind]} (shipped: {shipped}); "
-                             "train and ship it (its recipe's header says how) or set shipped_drafter.enabled=false")
-        return self
-
-
-class QuickstartRecipe(RecipeBase):
-    """The main job on the testbed: the target (shipped or trained) evaluated, a drafter trained,
-    measured in the speculative-decoding loop and exported."""
-
-    recipe: Literal["quickstart"]
-    target: QuickstartTargetStage = Field(default_factory=QuickstartTargetStage)
-    shipped_drafter: QuickstartShippedDrafterStage = Field(default_factory=QuickstartShippedDrafterStage)
-    drafter: QuickstartDrafterStage = Field(default_factory=QuickstartDrafterStage)
-    eval: QuickstartEvalStage = Field(default_factory=QuickstartEvalStage)
-    export: QuickstartExportStage = Field(default_factory=QuickstartExportStage)
-    torch_threads: Optional[int] = Field(None, gt=0)
 
 
 class DrafterSection(Strict):
@@ -554,7 +348,7 @@ class DrafterSection(Strict):
     def _init_matches(self) -> "DrafterSection":
         if self.init_from is None:
             return self
-        from .checks import read_config
+        from ..checks import read_config
 
         saved = read_config(self.init_from, "drafter.init_from")
         want = {"model_type": DRAFTERS[self.kind][0].model_type, "num_hidden_layers": self.num_layers, "block_size": self.block_size,
@@ -583,23 +377,6 @@ class DistillSection(Strict):
     beta: float = Field(0.5, gt=0, lt=1, description="generalized JSD interpolation (divergence = jsd)")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of both distributions")
     ce_weight: float = Field(0.0, ge=0, le=1, description="share of cross-entropy on the data's tokens")
-
-
-class DistillStudentRecipe(TrainingRecipe):
-    """Distill a compact student (a transformer or a Parcae model) from a frozen target's logits."""
-
-    recipe: Literal["distill_student"]
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    student: ModelConfig = Field(default_factory=lambda: ModelConfig(hidden_size=192, num_layers=4, num_heads=3,
-                                                                     intermediate_size=512))
-    distill: DistillSection = Field(default_factory=DistillSection)
-
-    @model_validator(mode="after")
-    def _fits_context(self) -> "DistillStudentRecipe":
-        if self.data.seq_len > self.student.max_position_embeddings:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds student.max_position_embeddings "
-                             f"({self.student.max_position_embeddings})")
-        return self
 
 
 class ServerSection(Strict):
@@ -645,35 +422,6 @@ class RegenerateStage(Strict):
         return v
 
 
-class TrainDrafterRecipe(TrainingRecipe):
-    """Distill a drafter from a frozen target whose hidden states are captured while it runs."""
-
-    recipe: Literal["train_drafter"]
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    drafter: DrafterSection = Field(default_factory=DrafterSection)
-    features: FeaturesSection = Field(default_factory=FeaturesSection)
-    regenerate: Optional[RegenerateStage] = Field(
-        None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)")
-
-    @model_validator(mode="after")
-    def _corpus_for_prompts(self) -> "TrainDrafterRecipe":
-        if self.regenerate is not None and self.data.format != "text":
-            raise ValueError(f"regenerate cuts its prompts from a text corpus: data.format must be 'text', "
-                             f"got {self.data.format!r}")
-        if self.regenerate is not None and self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1 > self.data.seq_len + 1:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) is shorter than a regenerated example "
-                             f"(regenerate.prompt_tokens + max_new_tokens + EOS = "
-                             f"{self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1})")
-        return self
-
-    @model_validator(mode="after")
-    def _blocks_fit(self) -> "TrainDrafterRecipe":
-        if self.data.seq_len < 2 * self.drafter.block_size:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) must be at least twice drafter.block_size "
-                             f"({self.drafter.block_size})")
-        return self
-
-
 class PromptsSection(Strict):
     """Prompts to regenerate answers for: a JSONL file, or snippets cut from the data section's corpus."""
 
@@ -693,7 +441,7 @@ class PromptsSection(Strict):
         if (self.file is None) == (self.from_corpus == 0):
             raise ValueError("give exactly one of prompts.file or prompts.from_corpus")
         if self.file is not None:
-            from .checks import read_prompts
+            from ..checks import read_prompts
 
             read_prompts(self.file, self.field)  # every line, before any compute
         return self
@@ -707,59 +455,6 @@ class GenerationSection(Strict):
     batch_size: int = Field(8, gt=0)
 
 
-class RegenerateRecipe(RecipeBase):
-    """Let the target answer prompts itself, so drafters learn the target's own distribution."""
-
-    recipe: Literal["regenerate"]
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    prompts: PromptsSection
-    generation: GenerationSection = Field(default_factory=GenerationSection)
-    server: Optional[ServerSection] = Field(None, description="answer through this endpoint (the target's weights "
-                                                               "are not loaded; its tokenizer is); None = in-process")
-    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
-    torch_threads: Optional[int] = Field(None, gt=0)
-
-
-class EvalRecipe(RecipeBase):
-    """Run the speculative-decoding loop and plain decoding on the same prompts; report tau and speedup."""
-
-    recipe: Literal["eval"]
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    drafter: str = Field(..., description="a drafter folder (save_pretrained output), or any causal LM folder "
-                                          "with the target's vocabulary (a student; the target itself for Parcae self-speculation)")
-    peer_assistant: Optional[str] = Field(
-        None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)")
-    peer_prompt_lookup: int = Field(0, ge=0, description="tokens per draft of transformers' prompt-lookup decoding, "
-                                                         "measured as a drafter-free peer (greedy); 0 = off")
-    prompts: PromptsSection
-    decoding: DecodingSection = Field(default_factory=DecodingSection)
-    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
-
-    @field_validator("drafter")
-    @classmethod
-    def _drafter_exists(cls, v: str) -> str:
-        return _pretrained_folder(v, "drafter folder")
-
-    @field_validator("peer_assistant")
-    @classmethod
-    def _assistant_exists(cls, v: Optional[str]) -> Optional[str]:
-        return None if v is None else _local_or_hub(v, "peer assistant", "config.json")
-
-    @model_validator(mode="after")
-    def _drafter_fits_target(self) -> "EvalRecipe":
-        _check_fit(self.drafter, self.target.path)
-        return self
-
-
-def _check_fit(drafter: str, target: str) -> None:
-    """A drafter folder against a target on disk (a hub target is checked when it loads)."""
-    from .checks import check_drafter_fits, read_config
-
-    target_config = _local_config(target)
-    if target_config is not None:
-        check_drafter_fits(read_config(drafter, "drafter folder"), target_config, drafter, target)
-
-
 class QuantMeasureSection(Strict):
     """Drafters: the decoding loop (greedy, chain) on held-out corpus prompts, for measured tau and speed."""
 
@@ -769,42 +464,6 @@ class QuantMeasureSection(Strict):
 
 
 VARIANT_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
-
-
-class QuantizeRecipe(RecipeBase):
-    """Full precision vs PTQ vs QAT of one trained drafter or causal LM, for one or more schemes.
-
-    ``model`` is a trained folder (a drafter's or an LM's ``save_pretrained`` output). Every variant
-    is PTQ'd from it and, separately, QAT fine-tuned from it for ``train.max_steps`` steps on ``data``
-    and converted; with ``compute_matched`` the full-precision model is also fine-tuned for the same
-    steps (no fake quantization) and PTQ'd, so QAT is compared with a baseline that had equal compute."""
-
-    recipe: Literal["quantize"]
-    model: str = Field(..., description="a trained drafter or causal LM folder")
-    target: TargetConfig = Field(default_factory=TargetConfig, description="drafters: the target they serve")
-    variants: dict[str, QuantSchemeSpec] = Field(..., min_length=1, description="name -> scheme, group_size, layers")
-    compute_matched: bool = Field(True, description="also fine-tune full precision for the same steps and PTQ that")
-    fake_quant_after_steps: int = Field(0, ge=0, description="QAT fine-tunes in full precision for this many steps first")
-    min_gap: Optional[float] = Field(None, ge=0, description="report recovered only where |full - PTQ| >= this (tau "
-                                     "or nats); None = 0.01; below it the ratio divides noise by noise")
-    measure: QuantMeasureSection = Field(default_factory=QuantMeasureSection)
-    data: DataConfig = Field(default_factory=DataConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
-
-    @field_validator("model")
-    @classmethod
-    def _model_exists(cls, v: str) -> str:
-        return _pretrained_folder(v, "model folder")
-
-    @field_validator("variants")
-    @classmethod
-    def _variant_names(cls, variants: dict) -> dict:
-        for name in variants:
-            if not VARIANT_NAME.match(name) or name in ("full", "full_ft"):
-                raise ValueError(f"variant name '{name}' must be a folder-safe word (letters, digits, _ . -), not full/full_ft")
-        return variants
 
 
 class ExportGateSection(GateSettings):
@@ -838,133 +497,3 @@ class PushToHubSection(Strict):
         if self.enabled and not self.repo_id:
             raise ValueError("push_to_hub.enabled needs push_to_hub.repo_id (owner/name)")
         return self
-
-
-def _default_export_prompts() -> "PromptsSection":
-    return PromptsSection(from_corpus=8, split="val", prompt_tokens=64)
-
-
-class ExportRecipe(RecipeBase):
-    """Write a trained drafter in the formats serving engines load, behind the train-to-serve parity gate."""
-
-    recipe: Literal["export"]
-    drafter: str = Field(..., description="a trained drafter folder (checkpoints/best or model)")
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    formats: Optional[list[Literal["transformers", "speculators", "sglang_eagle3"]]] = Field(
-        None, description="None = every format that can express the drafter; naming one that cannot is an error")
-    verifier_name_or_path: Optional[str] = Field(None, description="the verifier recorded for serving; None = the drafter's target")
-    prompts: PromptsSection = Field(default_factory=_default_export_prompts, description="the gate's evaluation prompts")
-    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
-    gate: ExportGateSection = Field(default_factory=ExportGateSection)
-    push_to_hub: PushToHubSection = Field(default_factory=PushToHubSection)
-    eval_reports: list[str] = Field(default_factory=list, description="report.json files of eval runs, cited in the card")
-    wandb: WandbConfig = Field(default_factory=WandbConfig, description="an export run: gate, tables, the folder as an artifact")
-    torch_threads: int = Field(1, gt=0)
-
-    @field_validator("drafter")
-    @classmethod
-    def _drafter_folder(cls, v: str) -> str:
-        return _pretrained_folder(v, "drafter folder")
-
-    @field_validator("eval_reports")
-    @classmethod
-    def _reports_exist(cls, reports: list[str]) -> list[str]:
-        return [_existing_path(r, "eval report") for r in reports]
-
-    @model_validator(mode="after")
-    def _drafter_fits_target(self) -> "ExportRecipe":
-        _check_fit(self.drafter, self.target.path)
-        return self
-
-
-# --------------------------------------------------------------------------------------------------
-# Loading, overrides and error messages
-# --------------------------------------------------------------------------------------------------
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to a nested dict (values parsed as YAML scalars)."""
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise RecipeError(f"override '{item}' is not of the form section.key=value")
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise RecipeError(f"override '{item}': '{part}' is a value, not a section")
-            node = child
-        node[parts[-1]] = _scalar(value)
-    return raw
-
-
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-def _scalar(text: str) -> Any:
-    """A YAML scalar, except that ``1e-3`` is a float (YAML 1.1 would read it as a string)."""
-    if text == "":
-        return None
-    value = yaml.safe_load(text)
-    return float(value) if isinstance(value, str) and _FLOAT.match(value) else value
-
-
-def _model_at(root: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
-    """The pydantic model class that owns the field at ``loc`` (for key suggestions)."""
-    model: Any = root
-    for part in loc:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return model if isinstance(model, type) and issubclass(model, BaseModel) else None
-        model = model.model_fields[part].annotation
-        # Optional[Section] -> Section
-        for arg in getattr(model, "__args__", ()):
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                model = arg
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
-
-
-def _format_error(cls: type[BaseModel], err: dict, source: str) -> str:
-    loc = tuple(str(p) for p in err["loc"])
-    key = ".".join(loc)
-    if err["type"] == "extra_forbidden":
-        owner = _model_at(cls, loc[:-1])
-        valid = sorted(owner.model_fields) if owner else []
-        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-        elsewhere = [f"{name}.{loc[-1]}" for name, f in cls.model_fields.items()
-                     if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and loc[-1] in f.annotation.model_fields]
-        if close:
-            hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?"
-        elif elsewhere:
-            hint = f"did you mean '{elsewhere[0]}'?"
-        else:
-            hint = f"valid keys here: {', '.join(valid)}"
-        return f"{source}: unknown key '{key}'; {hint}"
-    if err["type"] == "missing":
-        return f"{source}: missing required key '{key}'"
-    msg = err["msg"].removeprefix("Value error, ")
-    where = f"key '{key}'" if key else "recipe"
-    return f"{source}: {where} = {err.get('input')!r}: {msg}"
-
-
-def validate_recipe(schema: type[RecipeBase], raw: dict, source: str = "recipe") -> RecipeBase:
-    """``raw`` validated into ``schema`` (a recipe's typed config), or :class:`RecipeError` naming every
-    bad key. Which schema a ``recipe:`` name has is :mod:`recipes.registry`'s to say."""
-    try:
-        return schema.model_validate(raw)
-    except ValidationError as e:
-        raise RecipeError("\n".join(_format_error(schema, err, source) for err in e.errors())) from None
-
-
-def read_yaml_mapping(path: str | os.PathLike) -> dict:
-    """A recipe file's top-level mapping, or :class:`RecipeError` naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file '{path}' does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: expected a YAML mapping at the top level")
-    return raw

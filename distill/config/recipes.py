@@ -1,0 +1,306 @@
+"""Each recipe's schema: the sections it reads, under its ``recipe:`` name (:mod:`recipes.registry`)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from ..base.decoding import DecodingSection
+from ..base.schema import Strict
+from .paths import RecipePath, _existing_path, _local_config, _local_or_hub, _pretrained_folder
+from .sections import (
+    VARIANT_NAME,
+    DataConfig,
+    DistillSection,
+    DrafterKind,
+    DrafterSection,
+    ExportGateSection,
+    FeaturesSection,
+    GenerationSection,
+    ModelConfig,
+    OptimConfig,
+    PromptsSection,
+    PushToHubSection,
+    QuantMeasureSection,
+    QuantSchemeSpec,
+    QuantSection,
+    RegenerateStage,
+    ServerSection,
+    TargetConfig,
+    TokenizerConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
+
+class RecipeBase(Strict):
+    recipe: str
+    output_dir: str
+    seed: int = 0
+
+
+class TrainingRecipe(RecipeBase):
+    """Sections every recipe that trains something has."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    quant: QuantSection = Field(default_factory=QuantSection)
+
+
+class TrainLMRecipe(TrainingRecipe):
+    """Train a causal LM from scratch with next-token cross-entropy (the testbed target)."""
+
+    recipe: Literal["train_lm"]
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+
+    @model_validator(mode="after")
+    def _fits_context(self) -> "TrainLMRecipe":
+        if self.data.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
+                f"({self.model.max_position_embeddings})"
+            )
+        return self
+
+
+class QuickstartTargetStage(Strict):
+    """Where the quickstart's target comes from: the shipped testbed weights, or trained now."""
+
+    source: Literal["shipped", "train"] = "shipped"
+    train_recipe: RecipePath = Field("recipes/configs/testbed_target_quick.yaml", description="used when source=train")
+    eval_batches: Optional[int] = Field(None, gt=0, description="held-out batches to evaluate; None = all")
+
+
+class QuickstartStage(Strict):
+    """A quickstart stage that runs another recipe, retargeted: on or off, the recipe, its overrides."""
+
+    enabled: bool = True
+    recipe: RecipePath
+    overrides: list[str] = Field(default_factory=list, description="section.key=value overrides for that recipe")
+
+
+class QuickstartDrafterStage(QuickstartStage):
+    """The drafter the quickstart trains against its target (a ``train_drafter`` recipe)."""
+
+    recipe: RecipePath = Field("recipes/configs/dflash_testbed.yaml", description="a train_drafter recipe")
+
+
+class QuickstartEvalStage(QuickstartStage):
+    """The quickstart's drafter in the decoding loop against plain decoding (an ``eval`` recipe)."""
+
+    recipe: RecipePath = Field("recipes/configs/eval_testbed.yaml", description="an eval recipe")
+
+
+class QuickstartExportStage(QuickstartStage):
+    """The quickstart's drafter exported (an ``export`` recipe), behind the parity gate."""
+
+    recipe: RecipePath = Field("recipes/configs/export_testbed.yaml", description="an export recipe")
+
+
+class QuickstartShippedDrafterStage(QuickstartEvalStage):
+    """The drafter shipped for the testbed target (trained once by its recipe), measured in the loop."""
+
+    kind: DrafterKind = "dflash"
+    tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
+                                                               "shipped with (results.json)")
+    lookup: int = Field(10, ge=0, description="also measure the tree with prompt-lookup continuations of up to this "
+                                              "many tokens grafted on (decoding.lookup); 0 = not")
+
+    @model_validator(mode="after")
+    def _shipped(self) -> "QuickstartShippedDrafterStage":
+        from ..testbed import SHIPPED_DRAFTERS
+
+        if self.enabled and not (SHIPPED_DRAFTERS[self.kind] / "config.json").exists():
+            shipped = sorted(k for k, f in SHIPPED_DRAFTERS.items() if (f / "config.json").exists())
+            raise ValueError(f"no {self.kind} drafter is shipped at {SHIPPED_DRAFTERS[self.kind]} (shipped: {shipped}); "
+                             "train and ship it (its recipe's header says how) or set shipped_drafter.enabled=false")
+        return self
+
+
+class QuickstartRecipe(RecipeBase):
+    """The main job on the testbed: the target (shipped or trained) evaluated, a drafter trained,
+    measured in the speculative-decoding loop and exported."""
+
+    recipe: Literal["quickstart"]
+    target: QuickstartTargetStage = Field(default_factory=QuickstartTargetStage)
+    shipped_drafter: QuickstartShippedDrafterStage = Field(default_factory=QuickstartShippedDrafterStage)
+    drafter: QuickstartDrafterStage = Field(default_factory=QuickstartDrafterStage)
+    eval: QuickstartEvalStage = Field(default_factory=QuickstartEvalStage)
+    export: QuickstartExportStage = Field(default_factory=QuickstartExportStage)
+    torch_threads: Optional[int] = Field(None, gt=0)
+
+
+class DistillStudentRecipe(TrainingRecipe):
+    """Distill a compact student (a transformer or a Parcae model) from a frozen target's logits."""
+
+    recipe: Literal["distill_student"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    student: ModelConfig = Field(default_factory=lambda: ModelConfig(hidden_size=192, num_layers=4, num_heads=3,
+                                                                     intermediate_size=512))
+    distill: DistillSection = Field(default_factory=DistillSection)
+
+    @model_validator(mode="after")
+    def _fits_context(self) -> "DistillStudentRecipe":
+        if self.data.seq_len > self.student.max_position_embeddings:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds student.max_position_embeddings "
+                             f"({self.student.max_position_embeddings})")
+        return self
+
+
+class TrainDrafterRecipe(TrainingRecipe):
+    """Distill a drafter from a frozen target whose hidden states are captured while it runs."""
+
+    recipe: Literal["train_drafter"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: DrafterSection = Field(default_factory=DrafterSection)
+    features: FeaturesSection = Field(default_factory=FeaturesSection)
+    regenerate: Optional[RegenerateStage] = Field(
+        None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)")
+
+    @model_validator(mode="after")
+    def _corpus_for_prompts(self) -> "TrainDrafterRecipe":
+        if self.regenerate is not None and self.data.format != "text":
+            raise ValueError(f"regenerate cuts its prompts from a text corpus: data.format must be 'text', "
+                             f"got {self.data.format!r}")
+        if self.regenerate is not None and self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1 > self.data.seq_len + 1:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) is shorter than a regenerated example "
+                             f"(regenerate.prompt_tokens + max_new_tokens + EOS = "
+                             f"{self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1})")
+        return self
+
+    @model_validator(mode="after")
+    def _blocks_fit(self) -> "TrainDrafterRecipe":
+        if self.data.seq_len < 2 * self.drafter.block_size:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) must be at least twice drafter.block_size "
+                             f"({self.drafter.block_size})")
+        return self
+
+
+class RegenerateRecipe(RecipeBase):
+    """Let the target answer prompts itself, so drafters learn the target's own distribution."""
+
+    recipe: Literal["regenerate"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    prompts: PromptsSection
+    generation: GenerationSection = Field(default_factory=GenerationSection)
+    server: Optional[ServerSection] = Field(None, description="answer through this endpoint (the target's weights "
+                                                               "are not loaded; its tokenizer is); None = in-process")
+    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
+    torch_threads: Optional[int] = Field(None, gt=0)
+
+
+class EvalRecipe(RecipeBase):
+    """Run the speculative-decoding loop and plain decoding on the same prompts; report tau and speedup."""
+
+    recipe: Literal["eval"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: str = Field(..., description="a drafter folder (save_pretrained output), or any causal LM folder "
+                                          "with the target's vocabulary (a student; the target itself for Parcae self-speculation)")
+    peer_assistant: Optional[str] = Field(
+        None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)")
+    peer_prompt_lookup: int = Field(0, ge=0, description="tokens per draft of transformers' prompt-lookup decoding, "
+                                                         "measured as a drafter-free peer (greedy); 0 = off")
+    prompts: PromptsSection
+    decoding: DecodingSection = Field(default_factory=DecodingSection)
+    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_exists(cls, v: str) -> str:
+        return _pretrained_folder(v, "drafter folder")
+
+    @field_validator("peer_assistant")
+    @classmethod
+    def _assistant_exists(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else _local_or_hub(v, "peer assistant", "config.json")
+
+    @model_validator(mode="after")
+    def _drafter_fits_target(self) -> "EvalRecipe":
+        _check_fit(self.drafter, self.target.path)
+        return self
+
+
+def _check_fit(drafter: str, target: str) -> None:
+    """A drafter folder against a target on disk (a hub target is checked when it loads)."""
+    from ..checks import check_drafter_fits, read_config
+
+    target_config = _local_config(target)
+    if target_config is not None:
+        check_drafter_fits(read_config(drafter, "drafter folder"), target_config, drafter, target)
+
+
+class QuantizeRecipe(RecipeBase):
+    """Full precision vs PTQ vs QAT of one trained drafter or causal LM, for one or more schemes.
+
+    ``model`` is a trained folder (a drafter's or an LM's ``save_pretrained`` output). Every variant
+    is PTQ'd from it and, separately, QAT fine-tuned from it for ``train.max_steps`` steps on ``data``
+    and converted; with ``compute_matched`` the full-precision model is also fine-tuned for the same
+    steps (no fake quantization) and PTQ'd, so QAT is compared with a baseline that had equal compute."""
+
+    recipe: Literal["quantize"]
+    model: str = Field(..., description="a trained drafter or causal LM folder")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="drafters: the target they serve")
+    variants: dict[str, QuantSchemeSpec] = Field(..., min_length=1, description="name -> scheme, group_size, layers")
+    compute_matched: bool = Field(True, description="also fine-tune full precision for the same steps and PTQ that")
+    fake_quant_after_steps: int = Field(0, ge=0, description="QAT fine-tunes in full precision for this many steps first")
+    min_gap: Optional[float] = Field(None, ge=0, description="report recovered only where |full - PTQ| >= this (tau "
+                                     "or nats); None = 0.01; below it the ratio divides noise by noise")
+    measure: QuantMeasureSection = Field(default_factory=QuantMeasureSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, v: str) -> str:
+        return _pretrained_folder(v, "model folder")
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_names(cls, variants: dict) -> dict:
+        for name in variants:
+            if not VARIANT_NAME.match(name) or name in ("full", "full_ft"):
+                raise ValueError(f"variant name '{name}' must be a folder-safe word (letters, digits, _ . -), not full/full_ft")
+        return variants
+
+
+def _default_export_prompts() -> "PromptsSection":
+    return PromptsSection(from_corpus=8, split="val", prompt_tokens=64)
+
+
+class ExportRecipe(RecipeBase):
+    """Write a trained drafter in the formats serving engines load, behind the train-to-serve parity gate."""
+
+    recipe: Literal["export"]
+    drafter: str = Field(..., description="a trained drafter folder (checkpoints/best or model)")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    formats: Optional[list[Literal["transformers", "speculators", "sglang_eagle3"]]] = Field(
+        None, description="None = every format that can express the drafter; naming one that cannot is an error")
+    verifier_name_or_path: Optional[str] = Field(None, description="the verifier recorded for serving; None = the drafter's target")
+    prompts: PromptsSection = Field(default_factory=_default_export_prompts, description="the gate's evaluation prompts")
+    data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
+    gate: ExportGateSection = Field(default_factory=ExportGateSection)
+    push_to_hub: PushToHubSection = Field(default_factory=PushToHubSection)
+    eval_reports: list[str] = Field(default_factory=list, description="report.json files of eval runs, cited in the card")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="an export run: gate, tables, the folder as an artifact")
+    torch_threads: int = Field(1, gt=0)
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_folder(cls, v: str) -> str:
+        return _pretrained_folder(v, "drafter folder")
+
+    @field_validator("eval_reports")
+    @classmethod
+    def _reports_exist(cls, reports: list[str]) -> list[str]:
+        return [_existing_path(r, "eval report") for r in reports]
+
+    @model_validator(mode="after")
+    def _drafter_fits_target(self) -> "ExportRecipe":
+        _check_fit(self.drafter, self.target.path)
+        return self
