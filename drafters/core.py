@@ -90,7 +90,7 @@ class DraftAttention(nn.Module):
         # Qwen3-style per-head RMSNorm on queries and keys (before RoPE); vLLM's DFlash layers have it
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
-        self.rotary = LlamaRotaryEmbedding(rope_config(cfg))
+        self.rotary = LlamaRotaryEmbedding(llama_view(cfg))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x`` [B, heads, L, D] rotated to ``positions`` [B, L]."""
@@ -121,10 +121,12 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.reshape(B, Q, -1))
 
 
-def rope_config(cfg) -> LlamaConfig:
-    """The few fields transformers' rotary embedding reads, from a drafter config."""
-    return LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-                       max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope_parameters))
+def llama_view(cfg) -> LlamaConfig:
+    """The drafter's shape as a ``LlamaConfig``: what transformers' rotary embedding and MLP read."""
+    return LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, hidden_act=cfg.hidden_act,
+                       mlp_bias=False, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                       head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                       rope_parameters=dict(cfg.rope_parameters))
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,8 +146,7 @@ def _flex_attention(device_type: str):
 
 def MLP(cfg) -> LlamaMLP:  # noqa: N802  (a builder named like the class it builds)
     """transformers' gated MLP (``down(act(gate(x)) * up(x))``) with the drafter's sizes and activation."""
-    return LlamaMLP(LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                hidden_act=cfg.hidden_act, mlp_bias=False))
+    return LlamaMLP(llama_view(cfg))
 
 
 class InjectedLayer(nn.Module):

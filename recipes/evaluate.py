@@ -58,6 +58,22 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
+def restrict_to_frequent_tokens(drafter, recipe, tokenizer) -> dict:
+    """``decoding.draft_vocab``: the drafter's heads restricted to the tokens most frequent in the data's
+    train split (a corpus: the text the target was trained on; prompt / response examples: the
+    responses). Returns what the report records: the size and the share of those tokens covered."""
+    from distill.data import ExampleWindows, load_text_splits, make_windows
+    from drafters.vocab import coverage, frequent_tokens, restrict_vocab
+
+    windows = make_windows(load_text_splits(recipe.data, recipe.seed).train, tokenizer, recipe.data, "train", recipe.seed)
+    # prompt / response examples: the responses (the answers a drafter learns); a text corpus: all of it
+    tokens = windows.ids[windows.mask.astype(bool)] if isinstance(windows, ExampleWindows) else windows.tokens
+    counts = torch.bincount(torch.from_numpy(tokens.astype("int64")), minlength=drafter.config.vocab_size)
+    ids = frequent_tokens(counts, recipe.decoding.draft_vocab)
+    restrict_vocab(drafter, ids)
+    return {"size": len(ids), "of": drafter.config.vocab_size, "train_split_coverage": round(coverage(ids, counts), 4)}
+
+
 def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:
     with saved_figure(path, figsize=(5, 3.2)) as (_, ax):
         ax.bar(range(1, len(acceptance) + 1), acceptance, color="#3b7dd8")
@@ -79,6 +95,11 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     same = Path(recipe.drafter).resolve() == Path(resolve_target_path(recipe.target.path)).resolve()
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
+    if dec.draft_vocab and drafters.kind_of(drafter) is None:
+        raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab}: draft vocabularies restrict a DFlash / DSpark / "
+                          f"EAGLE-3 drafter's heads; this drafter is {drafter.config.model_type!r}")
+    if dec.draft_vocab > len(tokenizer):
+        raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
     if dec.batch_sizes:
         if not drafters.is_block_drafter(drafter) or dec.mode != "chain":
             raise RecipeError(f"decoding.batch_sizes: batched decoding runs block drafters (dflash, dspark) in chain "
@@ -91,6 +112,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
+    vocab_record = restrict_to_frequent_tokens(drafter, recipe, tokenizer) if dec.draft_vocab else None
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)
@@ -115,6 +137,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         **runs[0],
         "torch_threads": torch.get_num_threads(),
         "device": device,
+        **({"draft_vocab": vocab_record} if vocab_record else {}),
     }
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]

@@ -394,3 +394,23 @@ def test_rope_parameters_come_from_the_target(tmp_path, tiny_target_dir):
     drafter.save_pretrained(tmp_path / "d")
     loaded = next(m for m in AutoModel.from_pretrained(tmp_path / "d").modules() if isinstance(m, DraftAttention))
     torch.testing.assert_close(loaded.rotary.inv_freq, rotary.inv_freq)
+
+
+def test_draft_vocabulary_tables_and_restricted_head():
+    """drafters.vocab: the N most frequent ids (ties to the lower id), speculators' d2t offsets and t2d
+    mask, and a head computed on those rows only, -inf (or the given fill) elsewhere."""
+    from drafters.vocab import RestrictedHead, coverage, d2t, frequent_tokens, t2d
+
+    counts = torch.tensor([5, 0, 9, 9, 1, 3])
+    ids = frequent_tokens(counts, 3)
+    assert ids.tolist() == [0, 2, 3] and d2t(ids).tolist() == [0, 1, 1]
+    assert t2d(ids, 6).tolist() == [True, False, True, True, False, False]
+    assert coverage(ids, counts) == pytest.approx(23 / 27)
+    with pytest.raises(ValueError, match="does not fit"):
+        frequent_tokens(counts, 7)
+    head = torch.nn.Linear(4, 6, bias=False)
+    x = torch.randn(2, 5, 4)
+    full, restricted = head(x), RestrictedHead(head, ids)(x)
+    torch.testing.assert_close(restricted[..., ids], full[..., ids])
+    assert torch.isneginf(restricted[..., [1, 4, 5]]).all()
+    assert (RestrictedHead(head, ids, fill=0.0)(x)[..., [1, 4, 5]] == 0).all()

@@ -163,7 +163,7 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     assert torch.equal(decoded, trained)
 
 
-@pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]}])
+@pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]}, {"draft_vocab": 128}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -202,6 +202,8 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     split = report["time_split"]
     assert 0 < split["draft_fraction"] < 1 and 0 < split["verify_fraction"] < 1 and report["torch_threads"] == 1
     assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000
+    if "draft_vocab" in decoding:  # the heads restricted to the 128 most frequent train-split tokens
+        assert report["draft_vocab"]["size"] == 128 and 0.5 < report["draft_vocab"]["train_split_coverage"] < 1
 
 
 def test_dspark_confidence_scheduling_stays_lossless_and_drafts_less(target_and_prompts, trained_drafters):
@@ -384,3 +386,28 @@ def test_the_in_place_cache_holds_what_a_dynamic_cache_holds(target_and_prompts)
         assert ours.get_seq_length() == theirs.get_seq_length() == length
         for mine, ref in zip(ours.layers, theirs.layers):
             assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and_prompts, trained_drafters, kind):
+    """A drafter restricted to a quarter of the vocabulary (drafters.vocab): greedy chains and trees still
+    equal plain decoding, and every drafted token is one of the draft vocabulary's."""
+    import copy
+
+    from drafters.vocab import restrict_vocab
+
+    target, tok, prompts = target_and_prompts
+    vocab = trained_drafters[kind].config.vocab_size
+    ids = torch.arange(0, vocab, 4)
+    drafter = restrict_vocab(copy.deepcopy(trained_drafters[kind]), ids)
+    drafted = []
+    proposer = make_proposer(drafter)
+    inner = proposer.propose
+    proposer.propose = lambda *a, **k: (lambda out: drafted.append(out[0]) or out)(inner(*a, **k))
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        proposer.begin(prompt)
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, proposer=proposer)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+    tokens = torch.cat(drafted)
+    assert len(tokens) and bool(torch.isin(tokens, ids).all()), "a token outside the draft vocabulary was drafted"

@@ -1,0 +1,73 @@
+"""Draft vocabularies: a drafter that proposes only from the N target tokens the target emits most.
+
+EAGLE-3's reduced draft vocabulary, in the form vLLM speculators and SGLang load: draft id ``i``
+stands for target id ``t_i`` (``ids``, ascending), stored as the offset table ``d2t[i] = t_i - i``;
+``t2d`` marks the target ids that have a draft id. The drafter's output head (and DSpark's Markov
+head) is computed on those N rows only, so its cost falls by V / N: on a real target (150k tokens) the
+LM head is most of a 1-layer drafter's arithmetic.
+
+Lossless for any N. The restricted drafter's distribution ``q`` is zero outside the draft vocabulary
+(its logits are -inf there, over the full vocabulary, so the loop sees the same shapes as before).
+At temperature 0 a target argmax outside it is never drafted: that draft is rejected and the bonus
+token is the target's own. At temperature > 0 speculative sampling is exact for any proposal ``q``:
+tokens outside are reached through the residual ``max(0, p - q)``. Only acceptance (tau) changes:
+by at most the target's probability mass outside the draft vocabulary, position by position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def frequent_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` ids with the largest ``counts`` [V] (ties to the lower id), ascending."""
+    if not 0 < n <= counts.numel():
+        raise ValueError(f"a draft vocabulary of {n} tokens does not fit a vocabulary of {counts.numel()}")
+    order = torch.argsort(counts.double() - torch.arange(counts.numel(), dtype=torch.float64) * 1e-9, descending=True, stable=True)
+    return order[:n].sort().values
+
+
+def coverage(ids: torch.Tensor, counts: torch.Tensor) -> float:
+    """The share of the counted tokens that the draft vocabulary ``ids`` holds."""
+    return float(counts[ids].sum() / counts.sum().clamp_min(1))
+
+
+def d2t(ids: torch.Tensor) -> torch.Tensor:
+    """Offsets from draft ids to target ids (``target = draft + d2t[draft]``), as speculators stores them."""
+    return ids - torch.arange(len(ids), device=ids.device)
+
+
+def t2d(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Which target ids have a draft id."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=ids.device)
+    mask[ids] = True
+    return mask
+
+
+class RestrictedHead(nn.Module):
+    """A head onto the vocabulary (a bias-free Linear) computed on the draft vocabulary's rows only; its
+    logits come back over the full vocabulary, ``fill`` elsewhere (-inf for a head whose softmax is the
+    drafter's distribution, 0 for a term added to one, such as DSpark's Markov head)."""
+
+    def __init__(self, head: nn.Linear, ids: torch.Tensor, fill: float = float("-inf")):
+        super().__init__()
+        self.out_features, self.fill = head.out_features, fill
+        self.register_buffer("ids", ids.to(head.weight.device), persistent=False)
+        self.register_buffer("weight", head.weight.detach()[self.ids].contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = F.linear(x, self.weight)
+        full = small.new_full((*small.shape[:-1], self.out_features), self.fill)
+        return full.index_copy_(-1, self.ids, small)
+
+
+def restrict_vocab(drafter, ids: torch.Tensor):
+    """Restrict a loaded drafter's decoding heads to the draft vocabulary ``ids`` (in place; returns it).
+    Only its proposals change; its weights, its training forward's loss and what it saves do not."""
+    drafter.lm_head = RestrictedHead(drafter.lm_head, ids)
+    if isinstance(getattr(drafter, "markov_out", None), nn.Linear):  # DSpark: previous token -> logits term
+        drafter.markov_out = RestrictedHead(drafter.markov_out, ids, fill=0.0)
+    drafter.draft_vocab = ids
+    return drafter
