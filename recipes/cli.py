@@ -36,6 +36,7 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dflash
   draftsmith eval --drafter distill/assets/testbed_dflash --mode tree --tree-budgets 8 16 32
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
+  draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
   draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter""",
     "export": """examples:
   draftsmith export --drafter distill/assets/testbed_dflash --output-dir runs/export
@@ -77,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sampling: nucleus mass (1 = off)")
     ev.add_argument("--draft-length", type=int, default=7, metavar="N", help="tokens per draft for a causal-LM drafter (student, Parcae)")
     ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
+    ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
     ev.add_argument("--fixed-budget", action="store_true",
                     help="verify every draft (the whole tree) each step, not what measured costs say pays")
     ev.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: 1, see README on benchmarks)")
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
-                                                "adaptive": not args.fixed_budget}},
+                                                "adaptive": not args.fixed_budget, "draft_vocab": args.draft_vocab}},
                                   source="draftsmith eval")
             run_recipe(recipe)
             return 0

@@ -58,20 +58,37 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
-def restrict_to_frequent_tokens(drafter, recipe, tokenizer) -> dict:
-    """``decoding.draft_vocab``: the drafter's heads restricted to the tokens most frequent in the data's
-    train split (a corpus: the text the target was trained on; prompt / response examples: the
-    responses). Returns what the report records: the size and the share of those tokens covered."""
-    from distill.data import ExampleWindows, load_text_splits, make_windows
+def restrict_to_frequent_tokens(drafter, target, recipe, tokenizer) -> dict:
+    """``decoding.draft_vocab``: the drafter's heads restricted to the tokens the target emits most
+    (EAGLE-3's way): counted over its greedy answers to ``decoding.draft_vocab_prompts`` prompts cut from
+    the data's train split (never the evaluation prompts), answered once and cached under
+    ``$DRAFTSMITH_CACHE/draft_vocab/``. Returns what the report records: the size, where the counts come
+    from, and the share of those answer tokens the draft vocabulary covers."""
+    import hashlib
+    import json
+
+    from distill.data import load_text_splits
+    from distill.feature_cache import target_fingerprint
+    from distill.regenerate import answer_prompts, corpus_prompts
+    from distill.testbed import cache_dir
     from drafters.vocab import coverage, frequent_tokens, restrict_vocab
 
-    windows = make_windows(load_text_splits(recipe.data, recipe.seed).train, tokenizer, recipe.data, "train", recipe.seed)
-    # prompt / response examples: the responses (the answers a drafter learns); a text corpus: all of it
-    tokens = windows.ids[windows.mask.astype(bool)] if isinstance(windows, ExampleWindows) else windows.tokens
-    counts = torch.bincount(torch.from_numpy(tokens.astype("int64")), minlength=drafter.config.vocab_size)
-    ids = frequent_tokens(counts, recipe.decoding.draft_vocab)
+    dec = recipe.decoding
+    count, new_tokens = dec.draft_vocab_prompts, dec.max_new_tokens
+    key = hashlib.sha256(json.dumps([target_fingerprint(target), recipe.data.model_dump(mode="json"), recipe.seed, count,
+                                     recipe.prompts.prompt_tokens, new_tokens]).encode()).hexdigest()[:16]
+    answers = cache_dir() / "draft_vocab" / f"{key}.jsonl"
+    if not answers.exists():
+        prompts = corpus_prompts(load_text_splits(recipe.data, recipe.seed).train, count, recipe.prompts.prompt_tokens, tokenizer,
+                                 recipe.seed + 1)
+        answer_prompts(target, tokenizer, prompts, answers, max_new_tokens=new_tokens, batch_size=32, seed=recipe.seed,
+                       desc="draft vocabulary: the target answers train-split prompts")
+    tokens = [t for line in answers.read_text().splitlines() for t in json.loads(line)["response_ids"]]
+    counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=drafter.config.vocab_size)
+    ids = frequent_tokens(counts, dec.draft_vocab)
     restrict_vocab(drafter, ids)
-    return {"size": len(ids), "of": drafter.config.vocab_size, "train_split_coverage": round(coverage(ids, counts), 4)}
+    return {"size": len(ids), "of": drafter.config.vocab_size, "counted_tokens": len(tokens),
+            "source": f"the target's greedy answers to {count} train-split prompts", "coverage": round(coverage(ids, counts), 4)}
 
 
 def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:
@@ -112,7 +129,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
-    vocab_record = restrict_to_frequent_tokens(drafter, recipe, tokenizer) if dec.draft_vocab else None
+    vocab_record = restrict_to_frequent_tokens(drafter, target, recipe, tokenizer) if dec.draft_vocab else None
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)

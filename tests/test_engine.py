@@ -163,7 +163,8 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     assert torch.equal(decoded, trained)
 
 
-@pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]}, {"draft_vocab": 128}])
+@pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
+                                      {"draft_vocab": 128, "draft_vocab_prompts": 4}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -202,8 +203,9 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     split = report["time_split"]
     assert 0 < split["draft_fraction"] < 1 and 0 < split["verify_fraction"] < 1 and report["torch_threads"] == 1
     assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000
-    if "draft_vocab" in decoding:  # the heads restricted to the 128 most frequent train-split tokens
-        assert report["draft_vocab"]["size"] == 128 and 0.5 < report["draft_vocab"]["train_split_coverage"] < 1
+    if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
+        vocab = report["draft_vocab"]
+        assert vocab["size"] == 128 and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1
 
 
 def test_dspark_confidence_scheduling_stays_lossless_and_drafts_less(target_and_prompts, trained_drafters):

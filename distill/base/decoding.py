@@ -30,8 +30,10 @@ class DecodingSection(Strict):
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
     lookup: int = Field(0, ge=0, description="trees, greedy: graft a prompt-lookup continuation of up to this many "
                                              "tokens onto every tree (serve_eval.lookup); 0 = off")
-    draft_vocab: int = Field(0, ge=0, description="DFlash / DSpark / EAGLE-3: draft from the N tokens most frequent in "
-                                                  "the corpus's train split only (drafters.vocab); 0 = the whole vocabulary")
+    draft_vocab: int = Field(0, ge=0, description="DFlash / DSpark / EAGLE-3: draft from the N tokens the target emits "
+                                                  "most only (drafters.vocab); 0 = the whole vocabulary")
+    draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the "
+                                                            "target's tokens for draft_vocab")
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
 
