@@ -60,8 +60,9 @@ def load_drafter(folder: str, target, device):
 
 def restrict_to_frequent_tokens(drafter, target, recipe, tokenizer) -> dict:
     """``decoding.draft_vocab``: the drafter's heads restricted to the tokens the target emits most
-    (EAGLE-3's way): counted over its greedy answers to ``decoding.draft_vocab_prompts`` prompts cut from
-    the data's train split (never the evaluation prompts), answered once and cached under
+    (EAGLE-3's way): counted over its answers to ``decoding.draft_vocab_prompts`` prompts cut from the
+    data's train split (never the evaluation prompts), sampled as the evaluation samples (greedy at
+    T = 0: a sampled target emits many tokens its greedy answers never do), answered once and cached under
     ``$DRAFTSMITH_CACHE/draft_vocab/``. Returns what the report records: the size, where the counts come
     from, and the share of those answer tokens the draft vocabulary covers."""
     import hashlib
@@ -75,20 +76,22 @@ def restrict_to_frequent_tokens(drafter, target, recipe, tokenizer) -> dict:
 
     dec = recipe.decoding
     count, new_tokens = dec.draft_vocab_prompts, dec.max_new_tokens
+    sampling = {"temperature": dec.temperature, "top_p": dec.top_p, "top_k": dec.top_k}
     key = hashlib.sha256(json.dumps([target_fingerprint(target), recipe.data.model_dump(mode="json"), recipe.seed, count,
-                                     recipe.prompts.prompt_tokens, new_tokens]).encode()).hexdigest()[:16]
+                                     recipe.prompts.prompt_tokens, new_tokens, sampling]).encode()).hexdigest()[:16]
     answers = cache_dir() / "draft_vocab" / f"{key}.jsonl"
     if not answers.exists():
         prompts = corpus_prompts(load_text_splits(recipe.data, recipe.seed).train, count, recipe.prompts.prompt_tokens, tokenizer,
                                  recipe.seed + 1)
         answer_prompts(target, tokenizer, prompts, answers, max_new_tokens=new_tokens, batch_size=32, seed=recipe.seed,
-                       desc="draft vocabulary: the target answers train-split prompts")
+                       desc="draft vocabulary: the target answers train-split prompts", **sampling)
     tokens = [t for line in answers.read_text().splitlines() for t in json.loads(line)["response_ids"]]
     counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=drafter.config.vocab_size)
     ids = frequent_tokens(counts, dec.draft_vocab)
     restrict_vocab(drafter, ids)
     return {"size": len(ids), "of": drafter.config.vocab_size, "counted_tokens": len(tokens),
-            "source": f"the target's greedy answers to {count} train-split prompts", "coverage": round(coverage(ids, counts), 4)}
+            "source": f"the target's answers to {count} train-split prompts at T = {dec.temperature}",
+            "coverage": round(coverage(ids, counts), 4)}
 
 
 def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:
