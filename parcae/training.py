@@ -1,4 +1,5 @@
-"""Training and evaluating Parcae models with the project's trainer.
+"""Parcae's training loss, its logged invariants and its test-time compute curve (the trainer calls them;
+this module knows no trainer).
 
 * :func:`parcae_lm_loss` is next-token cross-entropy on the final logits at a per-sequence depth
   drawn by :func:`parcae.model.sample_depths`, seeded from ``(recipe seed, data position)``. The
@@ -10,7 +11,7 @@
   injection), the final state norm, the relative change of the state over the last iteration (small
   when the loop has converged to a fixed point), and the mean sampled depth.
 * :func:`recurrence_curve` is the test-time compute curve: held-out loss and perplexity at several
-  depths T (the paper's ``val_loss_{T}``) (:func:`recipes.plots.plot_recurrence_curve` draws it).
+  depths T (the paper's ``val_loss_{T}``); :func:`recipes.plots.plot_recurrence_curve` draws it.
 """
 
 from __future__ import annotations
