@@ -25,23 +25,23 @@ def resolve_path(value: str) -> str:
     return str(PROJECT_ROOT / path)
 
 
-def _existing_path(value: str, what: str) -> str:
+def existing_path(value: str, what: str) -> str:
     value = resolve_path(value)
     if not Path(os.path.expanduser(value)).exists():
         raise ValueError(f"{what} '{value}' does not exist")
     return value
 
 
-def _pretrained_folder(value: str, what: str) -> str:
+def pretrained_folder(value: str, what: str) -> str:
     """An existing ``save_pretrained`` folder: a config.json that parses and weight files that are whole."""
     from ..checks import check_checkpoint
 
-    value = _existing_path(value, what)
+    value = existing_path(value, what)
     check_checkpoint(value, what)
     return value
 
 
-def _local_config(path: str) -> dict | None:
+def local_config(path: str) -> dict | None:
     """The config.json of a target named by ``path`` when it is on disk ('testbed' or a folder), else None."""
     from ..checks import read_config
     from ..testbed import SHIPPED_TARGET
@@ -50,11 +50,11 @@ def _local_config(path: str) -> dict | None:
     return read_config(folder, "target") if (folder / "config.json").exists() else None
 
 
-def _local_or_hub(value: str, what: str, probe_file: str) -> str:
+def local_or_hub(value: str, what: str, probe_file: str) -> str:
     """A local folder that exists, or a hub id (which, offline, must already be in the local cache)."""
     value = resolve_path(value)
     if Path(os.path.expanduser(value)).exists() or not HUB_ID.match(value):
-        return _existing_path(value, what)
+        return existing_path(value, what)
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         from huggingface_hub import try_to_load_from_cache
 
@@ -63,4 +63,4 @@ def _local_or_hub(value: str, what: str, probe_file: str) -> str:
     return value
 
 
-RecipePath = Annotated[str, AfterValidator(lambda v: _existing_path(v, "recipe file"))]
+RecipePath = Annotated[str, AfterValidator(lambda v: existing_path(v, "recipe file"))]

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..base.decoding import DecodingSection
 from ..base.schema import Strict
-from .paths import RecipePath, _existing_path, _local_config, _local_or_hub, _pretrained_folder
+from .paths import RecipePath, existing_path, local_config, local_or_hub, pretrained_folder
 from .sections import (
     VARIANT_NAME,
     DataConfig,
@@ -211,12 +211,12 @@ class EvalRecipe(RecipeBase):
     @field_validator("drafter")
     @classmethod
     def _drafter_exists(cls, v: str) -> str:
-        return _pretrained_folder(v, "drafter folder")
+        return pretrained_folder(v, "drafter folder")
 
     @field_validator("peer_assistant")
     @classmethod
     def _assistant_exists(cls, v: Optional[str]) -> Optional[str]:
-        return None if v is None else _local_or_hub(v, "peer assistant", "config.json")
+        return None if v is None else local_or_hub(v, "peer assistant", "config.json")
 
     @model_validator(mode="after")
     def _drafter_fits_target(self) -> "EvalRecipe":
@@ -228,7 +228,7 @@ def _check_fit(drafter: str, target: str) -> None:
     """A drafter folder against a target on disk (a hub target is checked when it loads)."""
     from ..checks import check_drafter_fits, read_config
 
-    target_config = _local_config(target)
+    target_config = local_config(target)
     if target_config is not None:
         check_drafter_fits(read_config(drafter, "drafter folder"), target_config, drafter, target)
 
@@ -258,7 +258,7 @@ class QuantizeRecipe(RecipeBase):
     @field_validator("model")
     @classmethod
     def _model_exists(cls, v: str) -> str:
-        return _pretrained_folder(v, "model folder")
+        return pretrained_folder(v, "model folder")
 
     @field_validator("variants")
     @classmethod
@@ -293,12 +293,12 @@ class ExportRecipe(RecipeBase):
     @field_validator("drafter")
     @classmethod
     def _drafter_folder(cls, v: str) -> str:
-        return _pretrained_folder(v, "drafter folder")
+        return pretrained_folder(v, "drafter folder")
 
     @field_validator("eval_reports")
     @classmethod
     def _reports_exist(cls, reports: list[str]) -> list[str]:
-        return [_existing_path(r, "eval report") for r in reports]
+        return [existing_path(r, "eval report") for r in reports]
 
     @model_validator(mode="after")
     def _drafter_fits_target(self) -> "ExportRecipe":

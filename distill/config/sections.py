@@ -14,7 +14,7 @@ from drafters import DRAFTERS
 
 from ..base.decoding import GateSettings
 from ..base.schema import Strict
-from .paths import HUB_ID, _existing_path, _local_or_hub, _pretrained_folder, resolve_path
+from .paths import HUB_ID, existing_path, local_or_hub, pretrained_folder, resolve_path
 
 #: a drafter kind: a key of :data:`drafters.DRAFTERS`
 DrafterKind = Literal[tuple(DRAFTERS)]  # type: ignore[valid-type]
@@ -97,7 +97,7 @@ class TokenizerConfig(Strict):
     @field_validator("path")
     @classmethod
     def _path_exists(cls, v: Optional[str]) -> Optional[str]:
-        return None if v is None else _local_or_hub(v, "tokenizer", "tokenizer_config.json")
+        return None if v is None else local_or_hub(v, "tokenizer", "tokenizer_config.json")
 
 
 #: data file suffix -> how it is read: a ``datasets`` builder, or ``document`` (each file is one text document)
@@ -142,7 +142,7 @@ class DataConfig(Strict):
                 raise ValueError(f"data file pattern '{f}' matches no file")
             expanded += matches
         for f in expanded:
-            _existing_path(f, "data file")
+            existing_path(f, "data file")
             if Path(f).suffix not in DATA_SUFFIXES:
                 raise ValueError(f"data file '{f}' has suffix '{Path(f).suffix}', expected one of {sorted(DATA_SUFFIXES)}")
         return expanded
@@ -207,7 +207,7 @@ class TargetConfig(Strict):
     def _target_exists(cls, v: str) -> str:
         if v == "testbed":
             return v
-        v = _local_or_hub(v, "target", "config.json")
+        v = local_or_hub(v, "target", "config.json")
         if Path(os.path.expanduser(v)).is_dir():  # a local folder: whole weights and a tokenizer
             from ..checks import check_checkpoint, check_tokenizer
 
@@ -321,7 +321,7 @@ class DrafterSection(Strict):
     @field_validator("init_from")
     @classmethod
     def _init_folder(cls, v: Optional[str]) -> Optional[str]:
-        return v if v is None else _pretrained_folder(v, "drafter.init_from")
+        return v if v is None else pretrained_folder(v, "drafter.init_from")
 
     @field_validator("loss")
     @classmethod
@@ -434,7 +434,7 @@ class PromptsSection(Strict):
     @field_validator("file")
     @classmethod
     def _file_exists(cls, v: Optional[str]) -> Optional[str]:
-        return None if v is None else _existing_path(v, "prompts file")
+        return None if v is None else existing_path(v, "prompts file")
 
     @model_validator(mode="after")
     def _one_source(self) -> "PromptsSection":

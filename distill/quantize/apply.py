@@ -8,11 +8,11 @@ import torch
 import torch.nn as nn
 
 from ..config import QuantSchemeSpec
-from .plan import LayerPlan, _is_kept, always_kept, check_hardware, resolve_layer_map
+from .plan import LayerPlan, always_kept, check_hardware, is_kept, resolve_layer_map
 from .schemes import base_config
 
 
-def _fqn_config(plan: LayerPlan, step: str | None):
+def fqn_config(plan: LayerPlan, step: str | None):
     from torchao.quantization import FqnToConfig
     from torchao.quantization.qat import QATConfig
 
@@ -25,7 +25,7 @@ def _fqn_config(plan: LayerPlan, step: str | None):
 
 def _snapshot_kept(model: nn.Module) -> dict[str, torch.Tensor]:
     kept = always_kept(model)
-    return {n: p.detach().clone() for n, p in model.named_parameters() if _is_kept(n, kept)}
+    return {n: p.detach().clone() for n, p in model.named_parameters() if is_kept(n, kept)}
 
 
 def _check_kept(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
@@ -50,7 +50,7 @@ def prepare_qat(model: nn.Module, spec: QuantSchemeSpec, plan: LayerPlan | None 
     plan = plan or resolve_layer_map(model, spec)
     kept = _snapshot_kept(model)
     if plan.quantized():
-        quantize_(model, _fqn_config(plan, "prepare"), filter_fn=None)
+        quantize_(model, fqn_config(plan, "prepare"), filter_fn=None)
     got = set(fake_quantized_modules(model))
     if got != set(plan.quantized()):
         raise RuntimeError(f"QAT prepare put fake quantization on {sorted(got ^ set(plan.quantized()))[:5]} "
@@ -97,7 +97,7 @@ def convert(model: nn.Module, spec: QuantSchemeSpec, plan: LayerPlan) -> nn.Modu
     check_hardware(plan, device=next(model.parameters()).device)
     kept = _snapshot_kept(model)
     if plan.quantized():
-        quantize_(model, _fqn_config(plan, "convert"), filter_fn=None)
+        quantize_(model, fqn_config(plan, "convert"), filter_fn=None)
     if fake_quantized_modules(model):
         raise RuntimeError("QAT convert left fake-quantized modules behind")
     _check_kept(model, kept)
@@ -112,7 +112,7 @@ def ptq(model: nn.Module, spec: QuantSchemeSpec, plan: LayerPlan | None = None) 
     check_hardware(plan, device=next(model.parameters()).device)
     kept = _snapshot_kept(model)
     if plan.quantized():
-        quantize_(model, _fqn_config(plan, None), filter_fn=None)
+        quantize_(model, fqn_config(plan, None), filter_fn=None)
     _check_kept(model, kept)
     return plan
 

@@ -47,7 +47,7 @@ def always_kept(model: nn.Module) -> set[str]:
             for name in getattr(module, "quantization_keep", ())}
 
 
-def _is_kept(name: str, kept: set[str]) -> bool:
+def is_kept(name: str, kept: set[str]) -> bool:
     return name in kept or any(name.startswith(k + ".") for k in kept)
 
 
@@ -87,12 +87,12 @@ def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant
     pattern that matches nothing, a group size that does not divide a layer, or a tied head."""
     names = linear_names(model)
     kept = always_kept(model)
-    candidates = [n for n in names if not _is_kept(n, kept)]
+    candidates = [n for n in names if not is_kept(n, kept)]
     plan = LayerPlan(group_size=spec.group_size)
-    plan.kept_parameters = [n for n, _ in model.named_parameters() if _is_kept(n, kept) and not any(
+    plan.kept_parameters = [n for n, _ in model.named_parameters() if is_kept(n, kept) and not any(
         n.startswith(m + ".") for m in names)]
     for n in names:
-        if _is_kept(n, kept):
+        if is_kept(n, kept):
             plan.assignments[n], plan.reasons[n] = "keep", "always kept (declared by the model's quantization_keep)"
     for pattern, scheme in spec.layers.items():
         hits = [n for n in names if _matches(pattern, n)]
@@ -104,7 +104,7 @@ def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant
                               f"closest module names: {', '.join(_closest(pattern, names))}")
         free = [n for n in hits if n in candidates and n not in plan.assignments]
         if not free:
-            if all(_is_kept(n, kept) for n in hits):
+            if all(is_kept(n, kept) for n in hits):
                 raise RecipeError(f"{where}: the pattern matches only {', '.join(hits[:3])}, which are always kept in "
                                   f"full precision (the model declares them in quantization_keep, e.g. Parcae's "
                                   f"A_log, dt_bias and B)")

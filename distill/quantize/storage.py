@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import write_atomically
-from .apply import _fqn_config
+from .apply import fqn_config
 from .plan import LayerPlan
 
 QUANTIZED_FILE = "model.safetensors"
@@ -63,7 +63,7 @@ def transformers_quantization_config(plan: LayerPlan):
     quantized weights as they are."""
     from transformers import TorchAoConfig
 
-    return TorchAoConfig(quant_type=_fqn_config(plan, None))
+    return TorchAoConfig(quant_type=fqn_config(plan, None))
 
 
 def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra: dict | None = None,
