@@ -37,6 +37,7 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dflash --mode tree --tree-budgets 8 16 32
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
   draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
+  draftsmith eval --drafter distill/assets/testbed_dflash --kv-cache int4 --kv-rotate   # a quantized target KV cache
   draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter""",
     "export": """examples:
   draftsmith export --drafter distill/assets/testbed_dflash --output-dir runs/export
@@ -80,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
     ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
+    ev.add_argument("--kv-cache", default="full", choices=["full", "int8", "fp8", "int4"],
+                    help="the target's KV cache in both loops (serve_eval.kv); the report compares it with full precision")
+    ev.add_argument("--kv-rotate", action="store_true", help="quantize keys and values after a fixed random rotation")
     ev.add_argument("--fixed-budget", action="store_true",
                     help="verify every draft (the whole tree) each step, not what measured costs say pays")
     ev.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: 1, see README on benchmarks)")
@@ -134,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
-                                                "adaptive": not args.fixed_budget, "draft_vocab": args.draft_vocab}},
+                                                "adaptive": not args.fixed_budget, "draft_vocab": args.draft_vocab,
+                                                "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate}},
                                   source="draftsmith eval")
             run_recipe(recipe)
             return 0

@@ -13,7 +13,10 @@ measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batch_si
 speculative vs batched plain decoding per batch size, :mod:`serve_eval.batch`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
-per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve.
+per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve. With a quantized KV
+cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
+and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
+token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s.
 
     draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
     draftsmith run recipes/configs/eval_testbed.yaml drafter=runs/dflash_testbed/checkpoints/best
@@ -37,6 +40,7 @@ from recipes.plots import saved_figure
 from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
+from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
 from serve_eval.sampling import Sampler
 
 
@@ -159,6 +163,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         "device": device,
         **({"draft_vocab": vocab_record} if vocab_record else {}),
     }
+    if dec.kv_cache != "full":
+        report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler)
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
     if dec.batch_sizes:
@@ -196,6 +202,12 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
             peer = report[key]
             print(f"  {name:<22} speedup {peer['speedup']} over generate, tokens/s {peer['tokens_per_s']} "
                   f"(ours {peer['ours_over_peer']}x that), same as greedy: {peer['same_as_greedy']}")
+    if "kv_quality" in report:
+        q = report["kv_quality"]
+        print(f"  {'kv cache ' + q['format']:<22} {q['bytes_per_token']['quantized']} vs {q['bytes_per_token']['full']} bytes "
+              f"a token; NLL {q['nll']['quantized']} vs {q['nll']['full']}; outputs equal to full precision's for "
+              f"{q['same_tokens_share']:.1%} of tokens; plain decoding {q['plain_tokens_per_s']['quantized']} vs "
+              f"{q['plain_tokens_per_s']['full']} tokens/s")
     for row in report.get("by_batch", []):
         scheduler = row["scheduler"] or {}
         print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
@@ -205,6 +217,41 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
     print(f"wrote {out / 'report.json'}")
     return report
+
+
+@torch.no_grad()
+def measure_kv_quality(target, encoded, dec, eos, sampler) -> dict:
+    """The target with ``dec``'s quantized KV cache against itself in full precision (a quantized
+    cache changes the target): bytes the cache holds per token; mean NLL of the held-out prompts'
+    tokens, teacher-forced (every position attends through the cache, :mod:`serve_eval.kv`); the
+    share of new tokens before each prompt's first divergence from the full-precision output (same
+    sampler seeds), and of prompts with identical outputs; plain decoding tokens/s of both."""
+    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
+    nll, nbytes, positions = {"full": 0.0, "quantized": 0.0}, {"full": 0, "quantized": 0}, 0
+    for prompt in encoded:
+        for name, spec in (("full", None), ("quantized", kv)):
+            cache = inplace_cache(target.config, spec)
+            logits = target(input_ids=prompt[None], cache=cache, use_cache=True).logits[0, :-1].float()
+            nll[name] += float(torch.nn.functional.cross_entropy(logits, prompt[1:], reduction="sum"))
+            nbytes[name] += cache_nbytes(cache)
+        positions += len(prompt)
+    same = identical = tokens = 0
+    seconds, counts = {"full": 0.0, "quantized": 0.0}, {"full": 0, "quantized": 0}
+    for i, prompt in enumerate(encoded):
+        outs = {}
+        for name, spec in (("full", None), ("quantized", kv)):
+            outs[name], stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), spec)
+            seconds[name] += stats.total_seconds
+            counts[name] += stats.tokens
+        full, quantized = outs["full"], outs["quantized"]
+        agree = next((j for j, (a, b) in enumerate(zip(full, quantized)) if a != b), min(len(full), len(quantized)))
+        same, tokens, identical = same + agree, tokens + len(full), identical + (full == quantized)
+    scored = positions - len(encoded)
+    return {"format": dec.kv_cache, "rotate": dec.kv_rotate,
+            "bytes_per_token": {k: round(v / positions, 1) for k, v in nbytes.items()},
+            "nll": {k: round(v / scored, 4) for k, v in nll.items()},
+            "same_tokens_share": round(same / max(1, tokens), 4), "identical_outputs": f"{identical}/{len(encoded)}",
+            "plain_tokens_per_s": {k: round(counts[k] / seconds[k], 2) for k in seconds}}
 
 
 def measure_assisted(target, assistant_path: str, encoded, dec, eos, device) -> dict:

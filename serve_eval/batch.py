@@ -45,17 +45,17 @@ from distill.base.features import FeatureCapture
 
 from .budget import Budget, CausalChain, Probes
 from .engine import _next_outcome, _truncate, measure_verify_costs, median_seconds, verify_sizes
-from .kv import inplace_cache
+from .kv import KVQuant, inplace_cache, kv_quant
 from .sampling import Sampler, verify_chain
 
 
 class BatchTarget:
     """The target over a batch of rows: a KV cache of slots, which slots each row may attend, and
-    each row's length (its next position)."""
+    each row's length (its next position). ``kv``: the cache's quantization (:mod:`serve_eval.kv`)."""
 
-    def __init__(self, target, capture: FeatureCapture | None = None):
+    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
         self.target, self.capture = target, capture
-        self.cache = inplace_cache(target.config)
+        self.cache = inplace_cache(target.config, kv)
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, slots]
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R]
 
@@ -101,7 +101,7 @@ class BatchTarget:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of the batch."""
         for layer in self.cache.layers:
-            layer.batch_select_indices(rows.to(layer.keys.device))
+            layer.batch_select_indices(rows.to(layer.device))
         self.valid, self.lengths = self.valid[rows], self.lengths[rows]
 
 
@@ -314,11 +314,11 @@ def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
-                           samplers: list[Sampler] | None = None):
+                           samplers: list[Sampler] | None = None, kv: KVQuant | None = None):
     """Plain decoding of several prompts at once (rows leave the batch when they finish)."""
     samplers = samplers or [Sampler() for _ in prompts]
     start, stats = time.perf_counter(), BatchStats()
-    session = BatchTarget(target)
+    session = BatchTarget(target, kv=kv)
     logits, _ = session.prefill(prompts)
     live = list(range(len(prompts)))
     outs = [[int(t)] for t in _choose_rows(samplers, logits).tolist()]
@@ -339,14 +339,14 @@ def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: 
 @torch.no_grad()
 def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
                                  eos_token_id: int | None = None, samplers: list[Sampler] | None = None,
-                                 scheduler: BatchScheduler | None = None):
+                                 scheduler: BatchScheduler | None = None, kv: KVQuant | None = None):
     """Speculative decoding of several prompts at once with a block drafter (see the module doc).
     Without a scheduler every step verifies all ``K - 1`` drafts of every row."""
     samplers = samplers or [Sampler() for _ in prompts]
     greedy = samplers[0].greedy
     K = drafter.config.block_size
     start, stats = time.perf_counter(), BatchStats()
-    session = BatchTarget(target, FeatureCapture(target, drafter.config.target_layer_ids))
+    session = BatchTarget(target, FeatureCapture(target, drafter.config.target_layer_ids), kv)
     context = BatchContext(drafter)
     logits, aux = session.prefill(prompts)
     live = list(range(len(prompts)))
@@ -412,10 +412,11 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
     learns on every step, where a batch scheduler that stops drafting learns only from its probes)
     and one cost table serve every batch size; each has its own scheduler."""
     K = drafter.config.block_size
+    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
     budget = None
     if dec.adaptive:
         capture = FeatureCapture(target, drafter.config.target_layer_ids)
-        budget = Budget(measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture), share=calibration)
+        budget = Budget(measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture, kv=kv), share=calibration)
     rows = []
     for B in batch_sizes:
         groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]
@@ -431,12 +432,12 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         lossless = True
         for group in groups:
             prompts = [encoded[i] for i in group]
-            base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group])
+            base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group], kv)
             if scheduler is not None and scheduler.off is not None:  # speculation off: the loop is plain decoding
-                ours, stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group])
+                ours, stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group], kv)
             else:
                 ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos,
-                                                           [sampler(i) for i in group], scheduler)
+                                                           [sampler(i) for i in group], scheduler, kv)
             lossless = lossless and ours == base if dec.temperature == 0 else None
             tokens, base_tokens = tokens + stats.tokens, base_tokens + base_stats.tokens
             spec_s, base_s = spec_s + stats.seconds, base_s + base_stats.seconds

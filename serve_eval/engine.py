@@ -42,19 +42,20 @@ from drafters import Eagle3Drafter, is_block_drafter
 from drafters.core import ContextCache
 
 from .budget import Budget, CausalChain
-from .kv import inplace_cache
+from .kv import InPlaceLayer, KVQuant, inplace_cache, kv_quant
 from .lookup import graft, lookup_continuation
 from .sampling import Sampler, verify_chain
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
 
 
 class TargetSession:
-    """The target with a KV cache of the positions it has read; optionally captures features."""
+    """The target with a KV cache of the positions it has read (quantized as ``kv`` says,
+    :mod:`serve_eval.kv`); optionally captures features."""
 
-    def __init__(self, target, capture: FeatureCapture | None = None):
+    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
         self.target = target
         self.capture = capture
-        self.cache = inplace_cache(target.config)
+        self.cache = inplace_cache(target.config, kv)
         self.length = 0
 
     @torch.no_grad()
@@ -93,6 +94,9 @@ class TargetSession:
         if nodes != list(range(len(nodes))):  # a path straight down the first children is already in place
             source = prefix + torch.tensor(nodes)
             for layer in self.cache.layers:
+                if isinstance(layer, InPlaceLayer):
+                    layer.move(prefix, source)
+                    continue
                 index = source.to(layer.keys.device)
                 layer.keys[:, :, prefix:prefix + len(nodes)] = layer.keys.index_select(2, index)
                 layer.values[:, :, prefix:prefix + len(nodes)] = layer.values.index_select(2, index)
@@ -100,14 +104,15 @@ class TargetSession:
 
 
 @torch.no_grad()
-def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5) -> dict[int, float]:
+def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5,
+                         kv: KVQuant | None = None) -> dict[int, float]:
     """Seconds of one target forward over ``n`` new tokens after ``context`` cached ones, for each ``n``
-    in ``sizes`` (the median of ``repeats``), with the loop's feature capture when it needs one. The
+    in ``sizes`` (the median of ``repeats``), with the loop's feature capture and KV cache. The
     tokens are random (a private generator: the caller's RNG is untouched); cost does not depend on them."""
     device = next(target.parameters()).device
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    session = TargetSession(target, capture)
+    session = TargetSession(target, capture, kv)
     session.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device))
     costs = {}
     for n in sorted(set(sizes)):
@@ -403,12 +408,12 @@ def _truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[i
 
 @torch.no_grad()
 def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                   sampler: Sampler | None = None):
-    """Plain decoding with a KV cache (the baseline), with the same sampler as the speculative loop."""
+                   sampler: Sampler | None = None, kv: KVQuant | None = None):
+    """Plain decoding with a KV cache (the baseline), with the same sampler and KV cache as the speculative loop."""
     sampler = sampler or Sampler()
     stats = GenerationStats()
     start = time.perf_counter()
-    session = TargetSession(target)
+    session = TargetSession(target, kv=kv)
     logits, _ = session.forward(prompt.view(1, -1))
     out = [int(sampler.choose(logits[-1]))]
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
@@ -424,12 +429,13 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          sampler: Sampler | None = None, proposer=None, verify=verify_chain,
                          confidence_threshold: float = 0.0, mode: str = "chain", tree_budget: int = 16,
-                         walk=walk_tree, budget: Budget | None = None, lookup: int = 0):
+                         walk=walk_tree, budget: Budget | None = None, lookup: int = 0, kv: KVQuant | None = None):
     """Speculative decoding with chain or tree verification (see the module docstrings of this file
     and of :mod:`serve_eval.tree`). With a :class:`~serve_eval.budget.Budget` each step verifies the
     prefix of the drafts (chain) or of the ``tree_budget``-node tree with the most expected tokens per
     second; ``lookup`` (trees, greedy) grafts a prompt-lookup continuation of up to that many tokens
-    onto every tree (:mod:`serve_eval.lookup`); ``verify`` and ``walk`` are test hooks."""
+    onto every tree (:mod:`serve_eval.lookup`); ``kv`` quantizes the target's KV cache
+    (:mod:`serve_eval.kv`); ``verify`` and ``walk`` are test hooks."""
     if lookup and (mode != "tree" or (sampler is not None and not sampler.greedy)):
         raise ValueError("lookup drafts are grafted onto greedy trees only (mode='tree', temperature 0)")
     sampler = sampler or Sampler()
@@ -439,7 +445,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     now = device_clock(prompt.device)
     start = now()
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer.needs_features else None
-    session = TargetSession(target, capture)
+    session = TargetSession(target, capture, kv)
     prompt = prompt.view(1, -1)
     proposer.begin(prompt)
     logits, feats = session.forward(prompt)
@@ -543,19 +549,20 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
     probe = new_proposer()
     K = probe.block_size
+    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
     budget = None
     if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
         largest = (budget_nodes or 1) + 1 + dec.lookup if dec.mode == "tree" else K
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
-        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture), share=calibration)
+        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv), share=calibration)
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless = [], True
     for i, prompt in enumerate(encoded):
-        base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i))
+        base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), kv)
         ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
                                            proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
-                                           budget=budget, lookup=dec.lookup)
+                                           budget=budget, lookup=dec.lookup, kv=kv)
         same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
         lossless = lossless and same if same is not None else None
         totals["tokens"] += stats.tokens

@@ -1,4 +1,4 @@
-"""A target KV cache written in place.
+"""The target's KV cache: written in place, optionally quantized.
 
 transformers' ``DynamicLayer`` appends each forward's keys and values with ``torch.cat``, which copies
 the whole cache every step: at batch 16 and 200 cached positions that is ~65 MB a step on the 11M
@@ -11,44 +11,135 @@ selection) is ``DynamicLayer``'s contract, so it drops into any transformers mod
 Invariant: ``keys`` / ``values`` are always ``buffer[:, :, :length]``, so a cache that was appended,
 cropped, row-selected and appended again holds exactly what a ``DynamicCache`` given the same calls
 holds (tested).
+
+**Quantized** (:class:`QuantizedLayer`, ``KVQuant``): every key and value vector ``x`` (one token, one
+head, ``D`` channels) is stored as codes plus one fp16 scale per group of ``G`` channels:
+
+- int8: ``s = max|x_g| / 127``, ``c = round(x / s)``; fp8: ``s = max|x_g| / 448``, ``c = e4m3(x / s)``;
+- groups of ``G = gcd(32, D)`` channels;
+- int4: ``m = min x_g``, ``s = (max x_g - m) / 15``, ``c = round((x - m) / s)``, two codes a byte;
+- ``rotate``: quantize ``x R`` and read ``deQ(Q(x R)) Rᵀ`` for a fixed random orthogonal ``R``. An
+  outlier channel (keys have them) is spread over all channels, so the group maxima, and with them
+  the rounding steps, shrink (the incoherence trick of QuaRot and TurboQuant).
+
+Attention reads every position, the ones it is writing included, through ``deQ(Q(.))``, one token at a
+time: what a position contributes does not depend on which forward wrote it or with which others.
+So a quantized target is one fixed model, whether it reads one token a step (plain decoding) or a
+block or a tree (speculative decoding): the loop with a quantized cache emits exactly what plain
+decoding with the same quantized cache emits (tested), and what quantization costs in quality is
+measured against the full-precision target apart (``recipes/evaluate.py``, ``kv_quality``).
+
+This is our own and not transformers' ``QuantizedCache``: its layers cannot be cropped (a speculative
+loop rolls back every step), and its KIVI-style residual window re-quantizes tokens in bulk, so what
+a position holds would depend on how the tokens were chunked. The cost here: attention reads a
+dequantized float copy of the layer's cache every forward (made, used, freed; only the codes stay),
+where a GPU kernel would read the codes directly.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+KV_FORMATS = ("full", "int8", "fp8", "int4")
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How the target stores keys and values (the module docstring gives the math): ``format`` int8,
+    fp8 or int4; one scale per ``group`` channels; ``rotate`` by a fixed random orthogonal matrix."""
+
+    format: str = "int8"
+    group: int = 32
+    rotate: bool = False
+
+    def __post_init__(self):
+        if self.format not in KV_FORMATS[1:]:
+            raise ValueError(f"KV format {self.format!r}: expected one of {KV_FORMATS[1:]}")
+
+
+def kv_quant(format: str, rotate: bool = False) -> KVQuant | None:
+    """``None`` for ``"full"`` (the model's own dtype), else the quantized format."""
+    return None if format == "full" else KVQuant(format, rotate=rotate)
+
+
+def rotation(dim: int) -> torch.Tensor:
+    """A fixed random orthogonal ``dim`` x ``dim`` matrix (QR of a seeded Gaussian, signs fixed): the
+    same for every layer, process and machine."""
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def quantize(x: torch.Tensor, spec: KVQuant) -> list[torch.Tensor]:
+    """``x`` [..., D] -> what is stored: codes [..., D] (int4: [..., D / 2]), fp16 scales [..., D / G]
+    and, for int4, fp16 minima [..., D / G]."""
+    g = x.float().unflatten(-1, (-1, spec.group))  # [..., D / G, G]
+    if spec.format == "int4":
+        lo = g.amin(-1, keepdim=True).half()
+        scale = ((g.amax(-1, keepdim=True) - lo.float()) / 15).clamp_min(1e-8).half()
+        codes = ((g - lo.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8).flatten(-2)
+        return [codes[..., 0::2] | (codes[..., 1::2] << 4), scale[..., 0], lo[..., 0]]
+    top = 127.0 if spec.format == "int8" else 448.0
+    scale = (g.abs().amax(-1, keepdim=True) / top).clamp_min(1e-8).half()
+    scaled = g / scale.float()
+    codes = scaled.round_().clamp_(-127, 127).to(torch.int8) if spec.format == "int8" else scaled.to(torch.float8_e4m3fn)
+    return [codes.flatten(-2), scale[..., 0]]
+
+
+def dequantize(stored: list[torch.Tensor], spec: KVQuant) -> torch.Tensor:
+    """:func:`quantize`'s inverse up to its rounding: float32 [..., D]."""
+    if spec.format == "int4":
+        packed, scale, lo = stored
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+        return (codes.float().unflatten(-1, (-1, spec.group)) * scale.float()[..., None] + lo.float()[..., None]).flatten(-2)
+    codes, scale = stored
+    return (codes.float().unflatten(-1, (-1, spec.group)) * scale.float()[..., None]).flatten(-2)
+
 
 class InPlaceLayer(DynamicLayer):
-    """``DynamicLayer`` with preallocated, doubling buffers (see the module docstring)."""
+    """``DynamicLayer`` with preallocated, doubling buffers (see the module docstring). The buffers are
+    whatever :meth:`_encode` makes of the keys and values (here: themselves), position on dim 2."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length = 0
-        self._keys = self._values = None
+        self._buffers: list[torch.Tensor] | None = None
+
+    def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[torch.Tensor]:
+        return [key_states, value_states]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        entries = self._encode(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        if self._keys is None or end > self._keys.shape[-2]:
-            self._keys, self._values = self._grown(self._keys, key_states, end), self._grown(self._values, value_states, end)
-        self._keys[:, :, self.length:end] = key_states
-        self._values[:, :, self.length:end] = value_states
+        if self._buffers is None or end > self._buffers[0].shape[2]:
+            self._buffers = [self._grown(old, new, end) for old, new in zip(self._buffers or [None] * len(entries), entries)]
+        for buffer, new in zip(self._buffers, entries):
+            buffer[:, :, self.length:end] = new
         self._set_length(end)
-        return self.keys, self.values
+        return self.read()
 
     def _grown(self, old: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.Tensor:
-        B, H, _, D = like.shape
-        new = like.new_empty(B, H, max(2 * needed, 64), D)
+        new = like.new_empty(*like.shape[:2], max(2 * needed, 64), *like.shape[3:])
         if old is not None:
             new[:, :, :self.length] = old[:, :, :self.length]
         return new
 
+    def filled(self) -> list[torch.Tensor]:
+        return [buffer[:, :, :self.length] for buffer in self._buffers]
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention sees, [B, H, length, D] each."""
+        return self.keys, self.values
+
     def _set_length(self, length: int) -> None:
         self.length = length
-        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+        self.keys, self.values = self.filled()
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -59,26 +150,78 @@ class InPlaceLayer(DynamicLayer):
         if tokens_to_remove and self.is_initialized:
             self._set_length(max(0, self.length + tokens_to_remove))
 
+    def move(self, start: int, source: torch.Tensor) -> None:
+        """Entries ``source`` (positions) go to positions ``start, start + 1, ...`` (a tree's accepted
+        path moving down over its rejected siblings); the caller crops after them."""
+        source = source.to(self.device)
+        for buffer in self._buffers:
+            buffer[:, :, start:start + len(source)] = buffer.index_select(2, source)
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized and self._keys is not None:
-            self._keys, self._values = self._keys[indices], self._values[indices]
+        if self.is_initialized and self._buffers is not None:
+            self._buffers = [buffer[indices.to(self.device)] for buffer in self._buffers]
             self._set_length(self.length)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized and self._keys is not None:
-            self._keys = self._keys.repeat_interleave(repeats, dim=0)
-            self._values = self._values.repeat_interleave(repeats, dim=0)
+        if self.is_initialized and self._buffers is not None:
+            self._buffers = [buffer.repeat_interleave(repeats, dim=0) for buffer in self._buffers]
             self._set_length(self.length)
 
     def reset(self) -> None:
         super().reset()
-        self._keys = self._values = None
+        self._buffers = None
         self.length = 0
 
+    def nbytes(self) -> int:
+        """Bytes the filled part of the cache holds."""
+        return sum(t.numel() * t.element_size() for t in self.filled()) if self.is_initialized and self._buffers else 0
 
-def inplace_cache(config) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers write in place (sliding-window
-    and other special layers stay transformers' own)."""
+
+class QuantizedLayer(InPlaceLayer):
+    """:class:`InPlaceLayer` whose buffers hold :func:`quantize`'s codes and scales; attention reads a
+    dequantized copy of the filled part (module docstring)."""
+
+    def __init__(self, spec: KVQuant):
+        super().__init__()
+        self.spec = spec
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        dim = key_states.shape[-1]
+        self.spec = replace(self.spec, group=math.gcd(self.spec.group, dim))  # a head narrower than a group: one group
+        if value_states.shape[-1] != dim or (self.spec.format == "int4" and self.spec.group % 2):
+            raise ValueError(f"KV cache {self.spec.format}: needs keys and values of one even head dimension "
+                             f"(keys {dim}, values {value_states.shape[-1]})")
+        self.dtype = key_states.dtype
+        self.rotation = rotation(dim).to(self.device) if self.spec.rotate else None
+
+    def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[torch.Tensor]:
+        if self.rotation is not None:
+            key_states, value_states = key_states.float() @ self.rotation, value_states.float() @ self.rotation
+        return quantize(key_states, self.spec) + quantize(value_states, self.spec)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        stored = self.filled()
+        half = len(stored) // 2
+        keys, values = dequantize(stored[:half], self.spec), dequantize(stored[half:], self.spec)
+        if self.rotation is not None:
+            keys, values = keys @ self.rotation.T, values @ self.rotation.T
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def _set_length(self, length: int) -> None:
+        self.length = length  # keys / values are read (dequantized) by the forward that needs them
+
+
+def inplace_cache(config, kv: KVQuant | None = None) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers write in place, quantized as
+    ``kv`` says (None: in the model's dtype); sliding-window and other special layers stay
+    transformers' own."""
     cache = DynamicCache(config=config)
-    cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [(InPlaceLayer() if kv is None else QuantizedLayer(kv)) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
     return cache
+
+
+def cache_nbytes(cache: DynamicCache) -> int:
+    """Bytes the cache's in-place layers hold (the filled part)."""
+    return sum(layer.nbytes() for layer in cache.layers if isinstance(layer, InPlaceLayer))

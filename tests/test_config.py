@@ -97,3 +97,15 @@ def test_lookup_drafts_need_greedy_trees():
     for bad in ({"lookup": 8}, {"mode": "tree", "lookup": 8, "temperature": 1.0}):
         with pytest.raises(ValidationError, match="greedy trees"):
             DecodingSection(**bad)
+
+
+def test_kv_cache_formats_are_checked(tmp_path):
+    from pydantic import ValidationError
+
+    from distill.base.decoding import DecodingSection
+
+    assert DecodingSection(kv_cache="int4", kv_rotate=True).kv_rotate
+    with pytest.raises(ValidationError, match="kv_rotate rotates keys and values before quantizing"):
+        DecodingSection(kv_rotate=True)
+    with pytest.raises(ValidationError, match="kv_cache"):
+        DecodingSection(kv_cache="int3")

@@ -413,3 +413,28 @@ def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and
         assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
     tokens = torch.cat(drafted)
     assert len(tokens) and bool(torch.isin(tokens, ids).all()), "a token outside the draft vocabulary was drafted"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_kv_caches_stay_lossless(target_and_prompts, trained_drafters, kind):
+    """With the target's KV cache quantized (serve_eval.kv), greedy chains and trees (with a budget)
+    emit exactly what plain decoding with the same quantized cache emits, for every format, and so
+    do batches of rows of different lengths (block drafters); the quantized cache does change the
+    target's logits (it is in use)."""
+    from serve_eval.batch import batched_speculative_generate
+    from serve_eval.kv import KVQuant
+
+    target, tok, prompts = target_and_prompts
+    drafter = trained_drafters[kind]
+    for kv in (KVQuant("int8"), KVQuant("fp8"), KVQuant("int4"), KVQuant("int4", rotate=True)):
+        full, quantized = TargetSession(target).forward(prompts[0][None]), TargetSession(target, kv=kv).forward(prompts[0][None])
+        assert not torch.allclose(full[0], quantized[0], atol=1e-4)
+        for prompt in prompts:
+            reference, _ = plain_generate(target, prompt, MAX_NEW, kv=kv)
+            assert speculative_generate(target, drafter, prompt, MAX_NEW, kv=kv)[0] == reference
+            assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", kv=kv,
+                                        budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+        if kind != "eagle3":
+            rows = [prompts[0], prompts[1][:17], prompts[2][:9]]
+            assert batched_speculative_generate(target, drafter, rows, MAX_NEW, kv=kv)[0] == \
+                [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]

@@ -34,6 +34,11 @@ class DecodingSection(Strict):
                                                   "most only (drafters.vocab); 0 = the whole vocabulary")
     draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the "
                                                             "target's tokens for draft_vocab")
+    kv_cache: Literal["full", "int8", "fp8", "int4"] = Field(
+        "full", description="the target's KV cache: full precision, or int8 / fp8 / int4 codes with an fp16 scale per "
+                            "32 channels (serve_eval.kv); both loops use it, the report measures it against full")
+    kv_rotate: bool = Field(False, description="quantize keys and values after a fixed random rotation (spreads "
+                                               "outlier channels, serve_eval.kv)")
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
 
@@ -43,6 +48,12 @@ class DecodingSection(Strict):
         if any(b < 1 for b in v):
             raise ValueError(f"batch sizes must be >= 1, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _rotate_quantized_only(self):
+        if self.kv_rotate and self.kv_cache == "full":
+            raise ValueError("kv_rotate rotates keys and values before quantizing them: it needs kv_cache int8, fp8 or int4")
+        return self
 
     @model_validator(mode="after")
     def _lookup_on_greedy_trees(self):

@@ -1,0 +1,101 @@
+"""The quantized KV cache (serve_eval.kv): rounding within half a step, one fixed quantized model
+whatever the chunking, and the loop's cache calls (crop, row selection, tree moves) on codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_eval.kv import InPlaceLayer, KVQuant, QuantizedLayer, dequantize, quantize, rotation
+
+FORMATS = [KVQuant("int8"), KVQuant("fp8"), KVQuant("int4"), KVQuant("int4", rotate=True)]
+
+
+def states(*shape: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    x[..., 5] *= 30  # an outlier channel, as keys have
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_integer_codes_round_to_within_half_a_step(fmt):
+    spec = KVQuant(fmt, group=16)
+    x = states(2, 3, 7, 64)
+    stored = quantize(x, spec)
+    error = (dequantize(stored, spec) - x).abs().unflatten(-1, (-1, 16))
+    step = stored[1].float()[..., None]
+    assert bool((error <= step * 0.5 + 1e-3 * step).all())
+    assert stored[0].dtype == (torch.int8 if fmt == "int8" else torch.uint8)
+    assert stored[0].shape[-1] == (64 if fmt == "int8" else 32)  # int4: two codes a byte
+
+
+def test_fp8_codes_keep_a_relative_error_of_e4m3():
+    spec = KVQuant("fp8")
+    x = states(4, 64)
+    error = (dequantize(quantize(x, spec), spec) - x).abs()
+    group_max = x.abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True).expand(-1, -1, 32).flatten(-2)
+    assert bool((error <= x.abs() * 2 ** -4 + group_max * 2 ** -9 + 1e-6).all())  # 3 mantissa bits; subnormals
+
+
+def test_rotation_is_orthogonal_and_spreads_outliers():
+    R = rotation(64)
+    assert torch.allclose(R @ R.T, torch.eye(64), atol=1e-5)
+    assert torch.equal(R, rotation(64))  # fixed: the same on every call
+    x = states(1000, 64)
+    for spec in (KVQuant("int8"), KVQuant("int4")):
+        plain = (dequantize(quantize(x, spec), spec) - x).norm()
+        rotated = (dequantize(quantize(x @ R, spec), spec) @ R.T - x).norm()
+        assert rotated < 0.8 * plain
+
+
+@pytest.mark.parametrize("spec", FORMATS, ids=lambda s: f"{s.format}{'-rot' if s.rotate else ''}")
+def test_a_position_reads_the_same_whatever_the_chunking(spec):
+    """Written one token at a time or in blocks of any size, each position reads back identical."""
+    keys, values = states(2, 3, 40, 64, seed=1), states(2, 3, 40, 64, seed=2)
+    reads = []
+    for chunks in ([1] * 40, [7, 1, 12, 20], [40]):
+        layer, start = QuantizedLayer(spec), 0
+        for n in chunks:
+            k, v = layer.update(keys[:, :, start:start + n], values[:, :, start:start + n])
+            start += n
+        reads.append((k, v))
+    for k, v in reads[1:]:
+        assert torch.equal(k, reads[0][0]) and torch.equal(v, reads[0][1])
+    assert (reads[0][0] - keys).norm() < (0.15 if spec.format == "int4" else 0.02) * keys.norm()
+
+
+@pytest.mark.parametrize("spec", FORMATS, ids=lambda s: f"{s.format}{'-rot' if s.rotate else ''}")
+def test_crops_row_selection_and_moves_act_on_codes_as_on_floats(spec):
+    """The loop's cache calls on a quantized layer equal the same calls on a float layer holding the
+    dequantized states: crop (rejected drafts), row selection (finished rows), move (a tree's path)."""
+    keys, values = states(3, 2, 30, 64, seed=3), states(3, 2, 30, 64, seed=4)
+    quantized, reference = QuantizedLayer(spec), InPlaceLayer()
+    k, v = quantized.update(keys[:, :, :20], values[:, :, :20])
+    reference.update(k, v)
+    for layer in (quantized, reference):
+        layer.move(8, torch.tensor([12, 15, 19]))
+        layer.crop(-9)
+        layer.batch_select_indices(torch.tensor([2, 0]))
+    k, v = quantized.update(keys[[2, 0], :, 20:], values[[2, 0], :, 20:])
+    assert quantized.get_seq_length() == 21
+    assert torch.equal(k[:, :, :11], reference.keys) and torch.equal(v[:, :, :11], reference.values)
+    fresh = QuantizedLayer(spec)
+    expect = fresh.update(keys[[2, 0], :, 20:], values[[2, 0], :, 20:])
+    assert torch.equal(k[:, :, 11:], expect[0]) and torch.equal(v[:, :, 11:], expect[1])
+
+
+def test_cache_bytes_per_token_follow_the_format():
+    keys = states(1, 4, 10, 64)
+    full = InPlaceLayer()
+    full.update(keys, keys)
+    assert full.nbytes() == 2 * 4 * 10 * 64 * 4  # float32
+    for fmt, per_value in (("int8", 1 + 2 / 32), ("fp8", 1 + 2 / 32), ("int4", 0.5 + 4 / 32)):
+        layer = QuantizedLayer(KVQuant(fmt))
+        layer.update(keys, keys)
+        assert layer.nbytes() == 2 * 4 * 10 * 64 * per_value
+
+
+def test_a_head_narrower_than_a_group_is_one_group():
+    layer = QuantizedLayer(KVQuant("int4"))
+    k, _ = layer.update(states(1, 2, 5, 8), states(1, 2, 5, 8))
+    assert layer.spec.group == 8 and k.shape == (1, 2, 5, 8)
