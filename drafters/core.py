@@ -52,6 +52,7 @@ from transformers.utils import ModelOutput
 from distill.base.features import LAYER_ID_CONVENTION
 
 from .losses import BlockScores, block_scores
+from .vocab import restrict_vocab
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -257,6 +258,7 @@ class DrafterConfig(PretrainedConfig):
         loss_gamma: float = 4.0,
         loss_chunk: int | None = None,
         mask_implementation: str = "auto",
+        draft_vocab_size: int | None = None,
         **kwargs,
     ):
         if block_attention not in ("bidirectional", "causal"):
@@ -293,6 +295,7 @@ class DrafterConfig(PretrainedConfig):
         if mask_implementation not in ("auto", "dense", "flex"):
             raise ValueError(f"mask_implementation must be 'auto', 'dense' or 'flex', got {mask_implementation!r}")
         self.mask_implementation = mask_implementation  # the blocks' mask: auto = flex for > 128 block queries on CUDA
+        self.draft_vocab_size = draft_vocab_size  # drafts only from these many target tokens (drafters.vocab); None: all
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -344,7 +347,15 @@ class DrafterBase(PreTrainedModel):
     def _make_target_io(self, cfg) -> None:
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if getattr(cfg, "draft_vocab_size", None):  # a saved draft vocabulary (drafters.vocab): its ids load into this
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size))
         self.freeze_target_io()
+
+    def _restrict_to_draft_vocab(self) -> "DrafterBase":
+        """Re-restrict the heads to the saved draft vocabulary (if any) after their weights changed."""
+        if getattr(self.config, "draft_vocab_size", None):
+            restrict_vocab(self, self.draft_vocab)
+        return self
 
     def freeze_target_io(self) -> None:
         self.embed_tokens.requires_grad_(False)
@@ -354,7 +365,7 @@ class DrafterBase(PreTrainedModel):
     def from_pretrained(cls, *args, **kwargs):
         model = super().from_pretrained(*args, **kwargs)
         model.freeze_target_io()  # loading builds fresh Parameters, which would be trainable
-        return model
+        return model._restrict_to_draft_vocab()
 
     def _target_io(self, target) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's embedding and LM head weights, checked against the drafter's shapes."""
@@ -388,7 +399,7 @@ class DrafterBase(PreTrainedModel):
         emb, head = self._target_io(target)
         self.embed_tokens.weight.copy_(emb)
         self.lm_head.weight.copy_(head)
-        return self
+        return self._restrict_to_draft_vocab()
 
     def share_target_io(self, target) -> "DrafterBase":
         """Use the target's own embedding and LM head tensors (no copy), as serving engines do: the
@@ -399,7 +410,7 @@ class DrafterBase(PreTrainedModel):
         if any((w.dtype, w.device) != (mine.dtype, mine.device) for w in (emb, head)):
             return self.copy_target_io(target)
         self.embed_tokens.weight, self.lm_head.weight = emb, head  # the target's Parameters, left as they are
-        return self
+        return self._restrict_to_draft_vocab()
 
 
 def save_without_target_io(drafter, folder, dtype: torch.dtype = torch.float16) -> None:

@@ -24,8 +24,14 @@ drafter so the parity gate can run what was written):
     SGLang reads our ``lm_head`` instead of reusing the embedding, ``eagle_config`` with
     ``eagle_aux_hidden_state_layer_ids`` in SGLang's *output-of-layer* convention, the same as ours:
     SGLang itself adds 1 when it picks the layers to capture) and weights ``midlayer.*``, ``fc``,
-    ``norm``, ``lm_head``, ``embed_tokens``, ``d2t`` (zeros: draft id + 0 = target id) and ``t2d``
-    (all true): the full vocabulary, no pruning.
+    ``norm``, ``lm_head``, ``embed_tokens``, ``d2t`` and ``t2d``.
+
+**Draft vocabularies** (:mod:`drafters.vocab`): a drafter restricted to N target tokens exports as
+those engines load one: ``draft_vocab_size: N``, ``d2t`` (draft id i -> target id ``i + d2t[i]``) and
+``t2d`` (target ids that have a draft id) in the weights, and every head onto the vocabulary pruned
+to those N rows (``lm_head``, which DFlash / DSpark then write too: the library keeps a pruned head in
+the checkpoint rather than rebuild it from the verifier; DSpark's ``markov_w2``). A drafter over the
+whole vocabulary writes ``draft_vocab_size = vocab_size`` (speculators: no tables; SGLang: the identity).
 
 What a format cannot express is refused with :class:`ExportError`, never approximated:
 DFlash/DSpark layers without q/k norms (vLLM's DFlash layers are Qwen3 layers, which always apply
@@ -48,6 +54,7 @@ from safetensors.torch import load_file, save_file
 from distill.base.features import LAYER_ID_CONVENTION
 
 from . import DRAFTERS, kind_of
+from .vocab import restrict_vocab
 
 SPECULATORS_VERSION = "0.9.0"  # the library version the format was checked against (tests load it)
 FORMATS = ("transformers", "speculators", "sglang_eagle3")
@@ -98,6 +105,8 @@ def _rename_layer_key(rest: str, table: dict) -> str:
 
 def speculators_name(kind: str, key: str) -> str | None:
     """The speculators name of a draftsmith parameter (None: the format does not store it)."""
+    if key == "draft_vocab":
+        return None  # written as d2t / t2d
     if kind in ("dflash", "dspark"):
         if key in ("embed_tokens.weight", "lm_head.weight"):
             return None  # rebuilt from the verifier on load (vLLM and the library do the same)
@@ -114,7 +123,9 @@ def speculators_name(kind: str, key: str) -> str | None:
     raise ExportError(f"no speculators name for {kind} parameter '{key}'")
 
 
-def sglang_name(key: str) -> str:
+def sglang_name(key: str) -> str | None:
+    if key == "draft_vocab":
+        return None  # written as d2t / t2d
     if key.startswith("layer."):
         return f"midlayer.{_rename_layer_key(key[len('layer.'):], _EAGLE_LAYER)}"
     if key in _TOP:
@@ -190,7 +201,7 @@ def speculators_config(cfg, target_config, verifier_name_or_path: str) -> dict:
         "speculators_config": {"algorithm": kind, "proposal_methods": [proposal], "default_proposal_method": "greedy",
                                "verifier": verifier},
         "transformer_layer_config": _layer_config(cfg, target_config, layer_type),
-        "draft_vocab_size": cfg.vocab_size,
+        "draft_vocab_size": draft_vocab_size(cfg),
         "target_hidden_size": cfg.target_hidden_size,
         "torch_dtype": "float32",
         "tie_word_embeddings": False,
@@ -218,7 +229,7 @@ def sglang_config(cfg, target_config) -> dict:
     rope = layer.pop("rope_parameters")
     scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}  # HF's legacy form
     return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-            "draft_vocab_size": cfg.vocab_size, "target_hidden_size": cfg.target_hidden_size, "torch_dtype": "float32",
+            "draft_vocab_size": draft_vocab_size(cfg), "target_hidden_size": cfg.target_hidden_size, "torch_dtype": "float32",
             "bos_token_id": getattr(target_config, "bos_token_id", None), "eos_token_id": getattr(target_config, "eos_token_id", None),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg), "use_aux_hidden_state": True}}
 
@@ -232,6 +243,49 @@ def _contiguous(state: dict) -> dict:
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
+def draft_vocab_size(cfg) -> int:
+    return getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size
+
+
+#: the heads onto the vocabulary, pruned to the draft vocabulary's rows in an export (by format name)
+_PRUNED = ("lm_head.weight", "markov_head.markov_w2.weight")
+
+
+def _vocab_tables(drafter, state: dict, full_tables: bool) -> None:
+    """Add ``d2t`` / ``t2d`` to an export's ``state`` and prune its heads to the draft vocabulary's rows
+    (module doc); ``full_tables``: write identity tables for a drafter over the whole vocabulary."""
+    from .vocab import d2t, t2d
+
+    V = drafter.config.vocab_size
+    ids = getattr(drafter, "draft_vocab", None) if getattr(drafter.config, "draft_vocab_size", None) else None
+    if ids is None:
+        if full_tables:
+            state["d2t"], state["t2d"] = torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
+        return
+    ids = ids.cpu()
+    for name in _PRUNED:
+        if name in state:
+            state[name] = state[name][ids]
+    state["d2t"], state["t2d"] = d2t(ids), t2d(ids, V)
+
+
+def _unpruned(state: dict, vocab_size: int, heads: dict, source: str) -> torch.Tensor | None:
+    """Read an export's draft vocabulary back: its ids (None: the whole vocabulary), and each pruned
+    head in ``state`` scattered back over the vocabulary onto ``heads[name]`` (the rows the format
+    does not hold: the verifier's, or zeros)."""
+    if "d2t" not in state or state["t2d"].all():
+        return None
+    ids = torch.arange(len(state["d2t"])) + state["d2t"]
+    if not torch.equal(ids, state["t2d"].nonzero().view(-1)) or len(state["t2d"]) != vocab_size:
+        raise ExportError(f"{source}: d2t and t2d disagree on the draft vocabulary")
+    for name, base in heads.items():
+        if name in state:
+            full = base.detach().clone().cpu()
+            full[ids] = state[name]
+            state[name] = full
+    return ids
+
+
 def write_speculators(drafter, target_config, verifier_name_or_path: str, folder: Path) -> dict:
     """Write the speculators folder; returns its config."""
     cfg = drafter.config
@@ -242,6 +296,9 @@ def write_speculators(drafter, target_config, verifier_name_or_path: str, folder
         name = speculators_name(kind, key)
         if name is not None:
             state[name] = value
+    if getattr(cfg, "draft_vocab_size", None):  # a pruned head is stored, for every kind (module doc)
+        state["lm_head.weight"] = drafter.lm_head.weight
+    _vocab_tables(drafter, state, full_tables=False)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(_contiguous(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -251,9 +308,8 @@ def write_speculators(drafter, target_config, verifier_name_or_path: str, folder
 def write_sglang_eagle3(drafter, target_config, folder: Path) -> dict:
     cfg = drafter.config
     config = sglang_config(cfg, target_config)
-    state = {sglang_name(k): v for k, v in drafter.state_dict().items()}
-    state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.int64)
-    state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    state = {sglang_name(k): v for k, v in drafter.state_dict().items() if sglang_name(k) is not None}
+    _vocab_tables(drafter, state, full_tables=True)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(_contiguous(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -298,11 +354,16 @@ def read_speculators(folder: Path, verifier) -> tuple[torch.nn.Module, dict]:
                      target_layer_ids=[i - 1 for i in ids], mask_token_id=config.get("mask_token_id"),
                      block_size=config.get("block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1),
                      qk_norm=layer["model_type"] == "qwen3", **extra)
-    drafter = model_cls(cfg)
-    if kind in ("dflash", "dspark"):
-        drafter.copy_target_io(verifier)
-    _fill(drafter, load_file(str(Path(folder) / "model.safetensors")), lambda k: speculators_name(kind, k), str(folder))
-    return drafter.eval(), config
+    drafter = model_cls(cfg).copy_target_io(verifier)
+    state = load_file(str(Path(folder) / "model.safetensors"))
+    heads = {"lm_head.weight": drafter.lm_head.weight}
+    if kind == "dspark":
+        heads["markov_head.markov_w2.weight"] = torch.zeros_like(drafter.markov_out.weight)
+    ids = _unpruned(state, cfg.vocab_size, heads, str(folder))
+    if kind in ("dflash", "dspark") and "lm_head.weight" in state:  # a draft vocabulary's pruned head
+        drafter.lm_head.weight.data.copy_(state.pop("lm_head.weight"))
+    _fill(drafter, state, lambda k: speculators_name(kind, k), str(folder))
+    return (drafter if ids is None else restrict_vocab(drafter, ids)).eval(), config
 
 
 def read_sglang_eagle3(folder: Path, block_size: int = 8) -> tuple[torch.nn.Module, dict]:
@@ -319,10 +380,10 @@ def read_sglang_eagle3(folder: Path, block_size: int = 8) -> tuple[torch.nn.Modu
                      target_layer_ids=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), block_size=block_size)
     drafter = model_cls(cfg)
     state = load_file(str(Path(folder) / "model.safetensors"))
-    if not torch.equal(state["d2t"], torch.zeros_like(state["d2t"])) or not bool(state["t2d"].all()):
-        raise ExportError(f"{folder}: d2t/t2d map a pruned vocabulary; draftsmith drafters use the full one")
+    # the rows SGLang's pruned lm_head leaves out are never used: any will do (the embedding's)
+    ids = _unpruned(state, cfg.vocab_size, {"lm_head.weight": state["embed_tokens.weight"]}, str(folder))
     _fill(drafter, state, sglang_name, str(folder))
-    return drafter.eval(), config
+    return (drafter if ids is None else restrict_vocab(drafter, ids)).eval(), config
 
 
 def source_record(drafter_dir: str | os.PathLike) -> dict:

@@ -46,28 +46,45 @@ def t2d(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return mask
 
 
-class RestrictedHead(nn.Module):
+class RestrictedHead(nn.Linear):
     """A head onto the vocabulary (a bias-free Linear) computed on the draft vocabulary's rows only; its
     logits come back over the full vocabulary, ``fill`` elsewhere (-inf for a head whose softmax is the
-    drafter's distribution, 0 for a term added to one, such as DSpark's Markov head)."""
+    drafter's distribution, 0 for a term added to one, such as DSpark's Markov head). It keeps the
+    full ``weight`` (the same Parameter: saved and loaded under the same name as before) and multiplies
+    a copy of its ``ids`` rows, taken when it is made."""
 
     def __init__(self, head: nn.Linear, ids: torch.Tensor, fill: float = float("-inf")):
-        super().__init__()
-        self.out_features, self.fill = head.out_features, fill
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.fill = head.in_features, head.out_features, fill
+        self.weight = head.weight
+        self.register_parameter("bias", None)
         self.register_buffer("ids", ids.to(head.weight.device), persistent=False)
-        self.register_buffer("weight", head.weight.detach()[self.ids].contiguous(), persistent=False)
+        self.register_buffer("rows", head.weight.detach()[self.ids].contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small = F.linear(x, self.weight)
+        small = F.linear(x, self.rows)
         full = small.new_full((*small.shape[:-1], self.out_features), self.fill)
         return full.index_copy_(-1, self.ids, small)
 
 
 def restrict_vocab(drafter, ids: torch.Tensor):
-    """Restrict a loaded drafter's decoding heads to the draft vocabulary ``ids`` (in place; returns it).
-    Only its proposals change; its weights, its training forward's loss and what it saves do not."""
-    drafter.lm_head = RestrictedHead(drafter.lm_head, ids)
+    """Restrict a loaded drafter's decoding heads to the draft vocabulary ``ids`` (in place; returns it)
+    and record it: ``config.draft_vocab_size`` and the buffer ``draft_vocab`` go with the drafter
+    when it is saved, and loading restricts it again (:class:`drafters.core.DrafterBase`). Only its
+    proposals change; its weights do not. Call it again after the heads' weights change."""
+    ids = ids.to(torch.long).sort().values
+    drafter.lm_head = RestrictedHead(_full(drafter.lm_head), ids)
     if isinstance(getattr(drafter, "markov_out", None), nn.Linear):  # DSpark: previous token -> logits term
-        drafter.markov_out = RestrictedHead(drafter.markov_out, ids, fill=0.0)
-    drafter.draft_vocab = ids
+        drafter.markov_out = RestrictedHead(_full(drafter.markov_out), ids, fill=0.0)
+    drafter.register_buffer("draft_vocab", ids.to(drafter.lm_head.weight.device), persistent=True)
+    drafter.config.draft_vocab_size = len(ids)
     return drafter
+
+
+def _full(head: nn.Linear) -> nn.Linear:
+    """A restricted head's plain Linear over the whole vocabulary (the same weight), or ``head``."""
+    if not isinstance(head, RestrictedHead):
+        return head
+    plain = nn.Linear(head.in_features, head.out_features, bias=False, device="meta")
+    plain.weight = head.weight
+    return plain

@@ -41,7 +41,8 @@ EXAMPLES = {
   draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter""",
     "export": """examples:
   draftsmith export --drafter distill/assets/testbed_dflash --output-dir runs/export
-  draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter""",
+  draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter
+  draftsmith export --drafter distill/assets/testbed_eagle3 --output-dir runs/export_dv --draft-vocab 1024""",
 }
 
 
@@ -98,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--prompts-from-corpus", type=int, metavar="N", help="held-out snippets the gate decodes (default: the export recipe's)")
     ex.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens the gate generates per prompt (default: the export recipe's)")
     ex.add_argument("--eval-report", action="append", default=[], metavar="FILE", help="an eval report.json to cite in the model card (repeatable)")
+    ex.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="export a draft vocabulary of the N tokens the target emits most (d2t / t2d, pruned heads)")
     ex.add_argument("--allow-failed-gate", action="store_true", help="publish even if the parity gate fails (loudly)")
     ex.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repository (owner/name)")
     ex.add_argument("--public", action="store_true", help="with --push-to-hub: a public repository")
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                                       if args.prompts_from_corpus else {}),
                                    "gate": {"allow_failure": args.allow_failed_gate,
                                             **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {})},
-                                   "eval_reports": args.eval_report, "push_to_hub": push}, source="draftsmith export")
+                                   "eval_reports": args.eval_report, "draft_vocab": args.draft_vocab, "push_to_hub": push},
+                                  source="draftsmith export")
             return _run_export(recipe)
         recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as e:

@@ -62,13 +62,14 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
-def restrict_to_frequent_tokens(drafter, target, recipe, tokenizer) -> dict:
-    """``decoding.draft_vocab``: the drafter's heads restricted to the tokens the target emits most
-    (EAGLE-3's way): counted over its answers to ``decoding.draft_vocab_prompts`` prompts cut from the
-    data's train split (never the evaluation prompts), sampled as the evaluation samples (greedy at
-    T = 0: a sampled target emits many tokens its greedy answers never do), answered once and cached under
-    ``$DRAFTSMITH_CACHE/draft_vocab/``. Returns what the report records: the size, where the counts come
-    from, and the share of those answer tokens the draft vocabulary covers."""
+def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
+                                new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> dict:
+    """Restrict the drafter's heads to the ``size`` tokens the target emits most (EAGLE-3's way,
+    :mod:`drafters.vocab`): counted over its answers to ``prompts`` prompts cut from ``data``'s train
+    split (never the evaluation prompts), sampled as the evaluation samples (greedy at T = 0: a
+    sampled target emits many tokens its greedy answers never do), answered once and cached under
+    ``$DRAFTSMITH_CACHE/draft_vocab/``. Returns what a report records: the size, where the counts
+    come from, and the share of those answer tokens the draft vocabulary covers."""
     import hashlib
     import json
 
@@ -78,23 +79,20 @@ def restrict_to_frequent_tokens(drafter, target, recipe, tokenizer) -> dict:
     from distill.testbed import cache_dir
     from drafters.vocab import coverage, frequent_tokens, restrict_vocab
 
-    dec = recipe.decoding
-    count, new_tokens = dec.draft_vocab_prompts, dec.max_new_tokens
-    sampling = {"temperature": dec.temperature, "top_p": dec.top_p, "top_k": dec.top_k}
-    key = hashlib.sha256(json.dumps([target_fingerprint(target), recipe.data.model_dump(mode="json"), recipe.seed, count,
-                                     recipe.prompts.prompt_tokens, new_tokens, sampling]).encode()).hexdigest()[:16]
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    key = hashlib.sha256(json.dumps([target_fingerprint(target), data.model_dump(mode="json"), seed, prompts,
+                                     prompt_tokens, new_tokens, sampling]).encode()).hexdigest()[:16]
     answers = cache_dir() / "draft_vocab" / f"{key}.jsonl"
     if not answers.exists():
-        prompts = corpus_prompts(load_text_splits(recipe.data, recipe.seed).train, count, recipe.prompts.prompt_tokens, tokenizer,
-                                 recipe.seed + 1)
-        answer_prompts(target, tokenizer, prompts, answers, max_new_tokens=new_tokens, batch_size=32, seed=recipe.seed,
+        cut = corpus_prompts(load_text_splits(data, seed).train, prompts, prompt_tokens, tokenizer, seed + 1)
+        answer_prompts(target, tokenizer, cut, answers, max_new_tokens=new_tokens, batch_size=32, seed=seed,
                        desc="draft vocabulary: the target answers train-split prompts", **sampling)
     tokens = [t for line in answers.read_text().splitlines() for t in json.loads(line)["response_ids"]]
     counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=drafter.config.vocab_size)
-    ids = frequent_tokens(counts, dec.draft_vocab)
+    ids = frequent_tokens(counts, size)
     restrict_vocab(drafter, ids)
     return {"size": len(ids), "of": drafter.config.vocab_size, "counted_tokens": len(tokens),
-            "source": f"the target's answers to {count} train-split prompts at T = {dec.temperature}",
+            "source": f"the target's answers to {prompts} train-split prompts at T = {temperature}",
             "coverage": round(coverage(ids, counts), 4)}
 
 
@@ -136,7 +134,9 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
-    vocab_record = restrict_to_frequent_tokens(drafter, target, recipe, tokenizer) if dec.draft_vocab else None
+    vocab_record = restrict_to_frequent_tokens(
+        drafter, target, tokenizer, dec.draft_vocab, dec.draft_vocab_prompts, recipe.data, recipe.seed,
+        recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k) if dec.draft_vocab else None
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from distill.checkpoint import write_atomically
-from distill.config import ExportRecipe
+from distill.config import ExportRecipe, RecipeError
 from distill.runtime import set_threads
 
 
@@ -112,7 +112,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
         write_sglang_eagle3,
         write_speculators,
     )
-    from recipes.evaluate import load_drafter
+    from recipes.evaluate import load_drafter, restrict_to_frequent_tokens
     from serve_eval.parity import describe_failure, run_gate
 
     t0 = time.perf_counter()
@@ -122,6 +122,8 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     trained = load_drafter(recipe.drafter, target, device)
     cfg = trained.config
     kind = kind_of(cfg)
+    if recipe.draft_vocab > cfg.vocab_size:
+        raise RecipeError(f"draft_vocab = {recipe.draft_vocab} exceeds the target's vocabulary ({cfg.vocab_size} tokens)")
     possible = formats_for(cfg)
     if recipe.formats is None:
         wanted = [f for f, reason in possible.items() if reason is None]
@@ -135,6 +137,9 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     simulated = recipe.gate.simulated_tau if recipe.gate.simulated_tau is not None else recorded_simulated_tau(record)
     verifier = recipe.verifier_name_or_path or cfg.target_name_or_path or recipe.target.path
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
+    vocab_record = restrict_to_frequent_tokens(
+        trained, target, tokenizer, recipe.draft_vocab, recipe.draft_vocab_prompts, recipe.data, recipe.seed,
+        recipe.prompts.prompt_tokens, recipe.gate.max_new_tokens) if recipe.draft_vocab else None
     out = Path(recipe.output_dir)
     manifest: dict = {}
 
@@ -160,6 +165,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
             "formats": {fmt: ({"folder": fmt, "checked_with": CHECKED_WITH[fmt]} if fmt in folders else
                               {"folder": None, "not_exported": possible[fmt] or "not requested"}) for fmt in FORMATS},
             "gate": gate,
+            "draft_vocab": vocab_record,
             "source": {k: v for k, v in record.items() if k != "provenance"},
             "data_fingerprint": ((record.get("provenance") or {}).get("data") or {}).get("data_fingerprint"),
             "git": (record.get("provenance") or {}).get("git"),
@@ -247,6 +253,13 @@ def _report_row(path: str) -> dict:
             "torch_threads": report.get("torch_threads")}
 
 
+def _vocab_line(record: dict | None) -> str:
+    if not record:
+        return "the whole vocabulary"
+    return (f"{record['size']} of {record['of']} tokens (`d2t` / `t2d`; {record['coverage']:.1%} of {record['source']}; "
+            "tokens outside it are never drafted, the output is unchanged)")
+
+
 def model_card(manifest: dict, cfg, recipe) -> str:
     from serve_eval.parity import describe_check
 
@@ -265,6 +278,7 @@ def model_card(manifest: dict, cfg, recipe) -> str:
              f"| recipe | `{manifest['source'].get('recipe_file')}` |",
              f"| checkpoint | `{manifest['source'].get('checkpoint')}` |",
              f"| data fingerprint | `{manifest.get('data_fingerprint')}` |",
+             f"| draft vocabulary | {_vocab_line(manifest.get('draft_vocab'))} |",
              f"| code | {manifest.get('git')} |", "",
              f"## Parity gate: {status}", "",
              "Every format below was reloaded from disk and its drafts compared with the trained model's on a fixed batch; "

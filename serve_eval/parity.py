@@ -91,9 +91,10 @@ def draft_logits(drafter, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tens
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, where equal entries (the -inf of tokens outside a draft vocabulary) differ by 0."""
     if a.shape != b.shape:
         return float("inf")
-    return (a - b).abs().max().item()
+    return torch.where(a == b, 0.0, (a - b).abs()).max().item()
 
 
 @torch.no_grad()

@@ -166,8 +166,10 @@ def test_speculators_library_loads_the_export_with_no_missing_or_unexpected_weig
 
 
 @torch.no_grad()
-def assert_same_maths(spec, drafter, target_model, kind):
-    """The library's own modules, fed the features its ids name, give the trained drafter's logits."""
+def assert_same_maths(spec, drafter, target_model, kind, vocab=None):
+    """The library's own modules, fed the features its ids name, give the trained drafter's logits
+    (over the draft vocabulary ``vocab``, where the library's heads are pruned to it)."""
+    pick = (lambda logits: logits) if vocab is None else (lambda logits: logits[..., vocab])
     from serve_eval.parity import features_from_inputs
 
     tl = spec.config.transformer_layer_config
@@ -182,7 +184,7 @@ def assert_same_maths(spec, drafter, target_model, kind):
         T = ids.shape[1]
         next_tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
         state = drafter.extend({}, ours_aux, next_tokens, 0)
-        ours = drafter.lm_head(drafter.norm(state["g"]))[:, -1]
+        ours = pick(drafter.lm_head(drafter.norm(state["g"]))[:, -1])
         x = torch.cat([spec.embed_tokens(next_tokens), spec.fc(spec_aux)], dim=-1)
         pos = torch.arange(T)[None]
         causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
@@ -204,9 +206,10 @@ def assert_same_maths(spec, drafter, target_model, kind):
     assert torch.allclose(hidden, theirs_hidden, atol=1e-5), (hidden - theirs_hidden).abs().max()
     prev = ids[:, a:a + K - 1]  # teacher-forced previous tokens for block positions 1..K-1
     if kind == "dflash":
-        ours, theirs = drafter.lm_head(hidden[:, 1:]), spec.lm_head(theirs_hidden[:, 1:])
+        ours, theirs = pick(drafter.lm_head(hidden[:, 1:])), spec.lm_head(theirs_hidden[:, 1:])
     else:
         ours, ours_conf = drafter.heads(hidden[:, 1:], prev)
+        ours = pick(ours)
         code = spec.markov_head.prev_embeddings(prev)
         theirs = spec.lm_head(theirs_hidden[:, 1:]) + spec.markov_head.block_bias(prev_token_ids=prev, hidden_states=theirs_hidden[:, 1:], prev_emb=code)
         theirs_conf = spec.confidence_head(torch.cat([theirs_hidden[:, 1:], code], dim=-1))
@@ -363,3 +366,56 @@ def test_tracked_runs_carry_checkpoints_tables_and_links(tmp_path, tiny_target_d
     art = [r.artifact for r in export_records if r.HasField("artifact") and r.artifact.type == "model"]
     assert art and {"export", "gate-passed"} <= set(art[0].aliases)
     assert {"speculators/config.json", "README.md"} <= {e.path for e in art[0].manifest.contents}
+
+
+@pytest.fixture(scope="module")
+def pruned_exports(tmp_path_factory, target, val_windows, tiny_target_dir):
+    """Each kind exported with a draft vocabulary of half the target's tokens."""
+    from recipes.export import export_drafter
+
+    out = {}
+    for kind in KINDS:
+        tmp = tmp_path_factory.mktemp(f"pruned-{kind}")
+        folder, drafter = drafter_folder(tmp, target, val_windows, kind)
+        size = drafter.config.vocab_size // 2
+        recipe = export_recipe(folder, tmp / "export", tiny_target_dir, draft_vocab=size, draft_vocab_prompts=4)
+        out[kind] = (tmp / "export", export_drafter(recipe, *target), size)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_vocabularies_export_as_serving_engines_load_them(pruned_exports, kind, target):
+    """A drafter exported with a draft vocabulary: every format reloads restricted to the same tokens
+    and passes the gate; speculators and SGLang hold d2t / t2d and pruned heads; the speculators
+    library loads the folder and its pruned heads compute the drafter's logits on those tokens."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    from drafters.export import read_speculators
+
+    folder, manifest, size = pruned_exports[kind]
+    gate = manifest["gate"]
+    assert gate["passed"] and gate["logits_max_abs_diff"] == 0.0, gate
+    assert manifest["draft_vocab"]["size"] == size and "draft vocabulary | " + str(size) in (folder / "README.md").read_text()
+    reloaded = AutoModel.from_pretrained(folder / "transformers")
+    ids = reloaded.draft_vocab
+    assert reloaded.config.draft_vocab_size == size == len(ids) and bool((ids[1:] > ids[:-1]).all())
+    assert torch.isneginf(reloaded.lm_head(torch.randn(2, reloaded.config.hidden_size))[:, ~torch.isin(torch.arange(2 * size), ids)]).all()
+    state = load_file(str(folder / "speculators" / "model.safetensors"))
+    assert json.loads((folder / "speculators" / "config.json").read_text())["draft_vocab_size"] == size
+    assert torch.equal(torch.arange(size) + state["d2t"], ids) and torch.equal(state["t2d"].nonzero().view(-1), ids)
+    assert state["lm_head.weight"].shape[0] == size  # every kind stores its pruned head
+    if kind == "dspark":
+        assert state["markov_head.markov_w2.weight"].shape[0] == size
+    if kind == "eagle3":
+        sglang = load_file(str(folder / "sglang_eagle3" / "model.safetensors"))
+        assert sglang["lm_head.weight"].shape[0] == size and torch.equal(torch.arange(size) + sglang["d2t"], ids)
+    model, _ = read_speculators(folder / "speculators", target[0])
+    assert torch.equal(model.draft_vocab, ids)
+    speculators_or_skip()
+    from speculators import SpeculatorModel
+
+    spec = SpeculatorModel.from_pretrained(str(folder / "speculators")).eval()
+    assert torch.equal(spec.t2d.nonzero().view(-1), ids) and spec.lm_head.weight.shape[0] == size
+    assert torch.equal(spec.lm_head.weight, reloaded.lm_head.weight[ids])
+    assert_same_maths(spec, reloaded, target[0], kind, ids)

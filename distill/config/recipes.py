@@ -287,6 +287,10 @@ class ExportRecipe(RecipeBase):
     gate: ExportGateSection = Field(default_factory=ExportGateSection)
     push_to_hub: PushToHubSection = Field(default_factory=PushToHubSection)
     eval_reports: list[str] = Field(default_factory=list, description="report.json files of eval runs, cited in the card")
+    draft_vocab: int = Field(0, ge=0, description="export a draft vocabulary of the N tokens the target emits most "
+                                                  "(drafters.vocab: d2t / t2d, pruned heads); 0 = the whole vocabulary")
+    draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the target's "
+                                                            "tokens for draft_vocab")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="an export run: gate, tables, the folder as an artifact")
     torch_threads: int = Field(1, gt=0)
 
