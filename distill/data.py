@@ -262,6 +262,11 @@ class PackedWindows:
     def __len__(self) -> int:
         return self.num_windows
 
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the windows (what a draft vocabulary is counted from)."""
+        used = self.tokens[:self.num_windows * self.seq_len + 1]
+        return torch.bincount(torch.from_numpy(used.astype(np.int64)), minlength=vocab_size)
+
     def window_index(self, k: int) -> int:
         epoch, i = divmod(k, self.num_windows)
         if not self.shuffle:
@@ -361,6 +366,11 @@ class ExampleWindows(PackedWindows):
 
     def window(self, index: int) -> torch.Tensor:
         return torch.from_numpy(np.array(self.ids[index]))
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs among the scored (response) tokens."""
+        ids, mask = np.asarray(self.ids[:self.num_windows]), np.asarray(self.mask[:self.num_windows]).astype(bool)
+        return torch.bincount(torch.from_numpy(ids[mask].astype(np.int64)), minlength=vocab_size)
 
     def collate(self, indices: list[int]) -> Batch:
         return Batch(torch.stack([self.window(i) for i in indices]),

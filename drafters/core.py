@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -351,6 +352,15 @@ class DrafterBase(PreTrainedModel):
             self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size))
         self.freeze_target_io()
 
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the whole vocabulary from its last hidden state (the frozen head is
+        the target's; a draft vocabulary restricts only what the drafter proposes)."""
+        return F.linear(hidden, self.lm_head.weight)
+
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        """The draft vocabulary's target ids, or None for the whole vocabulary."""
+        return self.draft_vocab if getattr(self.config, "draft_vocab_size", None) else None
+
     def _restrict_to_draft_vocab(self) -> "DrafterBase":
         """Re-restrict the heads to the saved draft vocabulary (if any) after their weights changed."""
         if getattr(self.config, "draft_vocab_size", None):
@@ -539,8 +549,8 @@ class BlockDrafter(DrafterBase):
         is :meth:`block_targets`."""
         cfg = self.config
         labels, target_hidden, scored = targets
-        return block_scores(cfg.loss_terms, cfg.position_weighting, cfg.loss_gamma, draft_fn, self.lm_head, draft_in,
-                            target_hidden, labels, scored, getattr(cfg, "loss_chunk", None))
+        return block_scores(cfg.loss_terms, cfg.position_weighting, cfg.loss_gamma, draft_fn, self.target_logits, draft_in,
+                            target_hidden, labels, scored, getattr(cfg, "loss_chunk", None), self.draft_vocab_ids())
 
     def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor,
                       loss_mask: torch.Tensor | None = None):

@@ -90,9 +90,9 @@ class Eagle3Drafter(DrafterBase):
         chunk = getattr(cfg, "loss_chunk", None)
         if chunk is None:
             with torch.no_grad():
-                target_in, target_fn = self.lm_head(target_last), (lambda logits: logits)
+                target_in, target_fn = self.target_logits(target_last), (lambda logits: logits)
         else:
-            target_in, target_fn = target_last, self.lm_head
+            target_in, target_fn = target_last, self.target_logits
         # the token predicted at position p is x[p+2]: is it scored?
         if loss_mask is None:
             scored_next = torch.ones(B, T, dtype=torch.bool, device=dev)
@@ -114,7 +114,7 @@ class Eagle3Drafter(DrafterBase):
             g = h + self.layer.mlp(self.layer.post_norm(h))
             valid = ((p_idx >= s) & (p_idx <= T - 3))[None] & scored_next  # chain start t = p - s >= 0, label x[p+2]
             sc = block_scores({"soft_ce": 1.0}, "exp", 1.0, lambda g: self.lm_head(self.norm(g)), target_fn, (g[:, :, None],),
-                              target_in, next_tokens[:, :, None], valid[:, :, None], chunk)
+                              target_in, next_tokens[:, :, None], valid[:, :, None], chunk, self.draft_vocab_ids())
             losses.append(sc.loss)
             steps.append({k: getattr(sc, k)[:, starts + s, 0] for k in ("draft_tokens", "target_tokens", "accept")})
             if chunk is None:

@@ -17,6 +17,12 @@ A draft at position ``k`` only counts if every earlier one was accepted, so posi
 
 The loss is ``sum_terms weight_t * sum_k w_k l_t(k) / sum_k w_k`` over scored positions only.
 
+**With a draft vocabulary** ``D`` (:mod:`drafters.vocab`; ``q`` is 0 outside it): ``tv`` and ``lk`` stay
+as they are (``alpha = sum_{v in D} min(p, q)`` is what serving accepts); ``ce`` scores only labels in
+``D`` (elsewhere ``q`` is 0: no draft can be right); ``kl`` and ``soft_ce`` compare ``q`` with ``p``
+renormalized over ``D`` (EAGLE-3's training). ``accept`` and the argmaxes are serving's: ``p`` over the
+whole vocabulary, so the simulated tau counts the target's choices outside ``D`` as rejections.
+
 **At real vocabulary sizes** (a Qwen3 target: 151,936 tokens) the logits of one batch do not fit: a
 DFlash batch of 8 x 512 anchors x 15 positions is 61k positions, 37 GB in fp32 for the drafter's
 logits alone, again for the target's. :func:`block_scores` therefore takes the *hidden states* and
@@ -121,28 +127,38 @@ class BlockScores:
 
 
 def _block_sums(terms: tuple[str, ...], weighting: str, gamma: float, q: torch.Tensor, p: torch.Tensor,
-                labels: torch.Tensor, scored: torch.Tensor):
+                labels: torch.Tensor, scored: torch.Tensor, vocab: torch.Tensor | None = None):
     """Per block (rows [M, S]): each term's weighted sum [M, T], the weight sum [M], then the weights,
-    alpha, and both argmaxes [M, S]."""
+    alpha, and both argmaxes [M, S]. ``vocab``: the draft vocabulary (module doc)."""
     with torch.no_grad():
         alpha = acceptance_probability(p, q)
     w = _weights(weighting, gamma, labels.shape[-1], alpha, q.device).expand_as(labels)
     ws = w * scored
-    sums = torch.stack([(position_loss(t, q, p, labels) * ws).sum(-1) for t in terms], dim=-1)
+    if vocab is None:
+        sums = torch.stack([(position_loss(t, q, p, labels) * ws).sum(-1) for t in terms], dim=-1)
+    else:
+        draft_id = torch.full((q.shape[-1],), -1, dtype=torch.long, device=q.device)
+        draft_id[vocab] = torch.arange(len(vocab), device=q.device)
+        inside, small = draft_id[labels] >= 0, draft_id[labels].clamp_min(0)
+        q_d, p_d = q.index_select(-1, vocab), p.index_select(-1, vocab)
+        sums = torch.stack([(position_loss(t, q, p, labels) * ws if t in ("tv", "lk") else
+                             position_loss(t, q_d, p_d, small) * ws * (inside if t == "ce" else 1)).sum(-1)
+                            for t in terms], dim=-1)
     return sums, ws.sum(-1), w, alpha, q.argmax(-1), p.argmax(-1)
 
 
 def block_scores(terms: dict[str, float], weighting: str, gamma: float,
                  draft_fn: Callable[..., torch.Tensor], target_fn: Callable[[torch.Tensor], torch.Tensor],
                  draft_in: tuple[torch.Tensor, ...], target_in: torch.Tensor, labels: torch.Tensor,
-                 scored: torch.Tensor, chunk: int | None = None) -> BlockScores:
+                 scored: torch.Tensor, chunk: int | None = None, vocab: torch.Tensor | None = None) -> BlockScores:
     """The block loss of :func:`block_loss` from hidden states (see the module doc).
 
     ``labels`` and ``scored`` are [*lead, S] (blocks x positions); every tensor of ``draft_in`` and
     ``target_in`` starts with the same ``lead`` dimensions, which are flattened to one block dimension M
     before ``draft_fn(*rows) -> [m, S, V]`` and ``target_fn(rows) -> [m, S, V]`` (run without gradients)
     see them. ``chunk``: at most this many positions' logits at once (whole blocks, at least one);
-    None: all at once, and the logits are returned too."""
+    None: all at once, and the logits are returned too. ``vocab``: a draft vocabulary (``draft_fn``
+    gives -inf outside it; ``target_fn`` the target's logits over the whole vocabulary)."""
     lead, S = labels.shape[:-1], labels.shape[-1]
     flat = [t.reshape(-1, *t.shape[len(lead):]) for t in (*draft_in, target_in, labels, scored.to(torch.float32))]
     active = tuple(t for t, c in terms.items() if c)
@@ -152,7 +168,7 @@ def block_scores(terms: dict[str, float], weighting: str, gamma: float,
         q = draft_fn(*d)
         with torch.no_grad():
             p = target_fn(t)
-        return _block_sums(active, weighting, gamma, q, p, y, sc), q, p
+        return _block_sums(active, weighting, gamma, q, p, y, sc, vocab), q, p
 
     M = flat[0].shape[0]
     if chunk is None or M * S <= chunk:

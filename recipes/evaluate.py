@@ -137,6 +137,9 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     vocab_record = restrict_to_frequent_tokens(
         drafter, target, tokenizer, dec.draft_vocab, dec.draft_vocab_prompts, recipe.data, recipe.seed,
         recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k) if dec.draft_vocab else None
+    if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
+        vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
+                        "source": "the drafter's own (saved with it)"}
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)

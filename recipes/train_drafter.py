@@ -30,6 +30,7 @@ from distill.regenerate import regenerated_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters.core import sample_anchors
+from drafters.vocab import coverage, frequent_tokens, restrict_vocab
 from recipes.quant_stage import QuantStage
 
 
@@ -145,6 +146,10 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     ### Data, tokenized with the target's tokenizer; features online or from a cache
     with acc.main_process_first():
         train, val, data_record = drafter_windows(recipe, target, tokenizer)
+    if recipe.drafter.draft_vocab:  # before any step (and any resume): the tokens the training answers use most
+        counts = train.token_counts(drafter.config.vocab_size)
+        restrict_vocab(drafter, frequent_tokens(counts, recipe.drafter.draft_vocab))
+        data_record["draft_vocab"] = {"size": recipe.drafter.draft_vocab, "coverage": round(coverage(drafter.draft_vocab.cpu(), counts), 4)}
     if recipe.features.mode == "offline":
         train, val = offline_windows(recipe, acc, capture, target, data_record, train, val)
 

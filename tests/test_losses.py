@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from drafters.core import sample_anchors
-from drafters.losses import acceptance_probability, block_loss, block_scores, block_weights, position_loss, position_weights
+from drafters.losses import (
+    acceptance_probability,
+    block_loss,
+    block_scores,
+    block_weights,
+    position_loss,
+    position_weights,
+    weighted_mean,
+)
 
 
 def _logits(seed, shape=(2, 3, 5, 11)):
@@ -99,3 +107,38 @@ def test_chunked_block_scores_equal_one_pass(weighting):
             torch.testing.assert_close(getattr(part, key), getattr(whole, key))
     assert torch.equal(whole.draft_tokens, whole.draft_logits.argmax(-1))
     torch.testing.assert_close(whole.accept, acceptance_probability(whole.target_logits, whole.draft_logits))
+
+
+def test_losses_over_a_draft_vocabulary():
+    """With a draft vocabulary (q = 0 outside it): tv / lk are serving's, on the whole vocabulary; ce
+    scores only labels inside it; kl compares q with p renormalized over it; accept and the argmaxes
+    are serving's (p over the whole vocabulary); chunks change nothing."""
+    from drafters.vocab import RestrictedHead
+
+    g = torch.Generator().manual_seed(0)
+    V, H = 13, 8
+    head = torch.nn.Linear(H, V, bias=False)
+    vocab = torch.tensor([0, 2, 3, 7, 8, 11])
+    restricted = RestrictedHead(head, vocab)
+    hidden = torch.randn(2, 3, 5, H, generator=g, requires_grad=True)
+    target_hidden = torch.randn(2, 3, 5, H, generator=g)
+    labels = torch.randint(0, V, (2, 3, 5), generator=g)
+    scored = torch.rand(2, 3, 5, generator=g) > 0.2
+    full = lambda t: t @ head.weight.T  # noqa: E731
+    for term in ("ce", "kl", "tv", "lk"):
+        sc = block_scores({term: 1.0}, "exp", 4.0, restricted, full, (hidden,), target_hidden, labels, scored, None, vocab)
+        assert torch.isfinite(sc.loss)
+        q, p = restricted(hidden).detach(), full(target_hidden)
+        w = position_weights(5, 4.0)
+        if term in ("tv", "lk"):
+            expected = weighted_mean(position_loss(term, q, p, labels), w, scored)
+        else:
+            small = torch.searchsorted(vocab, labels).clamp_max(len(vocab) - 1)
+            inside = vocab[small] == labels
+            values = position_loss(term, q[..., vocab], p[..., vocab], small) * (inside if term == "ce" else 1)
+            expected = (values * w * scored).sum() / (w * scored).sum()
+        torch.testing.assert_close(sc.loss, expected)
+        torch.testing.assert_close(sc.accept, acceptance_probability(p, q))
+        assert torch.equal(sc.target_tokens, p.argmax(-1)) and bool(torch.isin(sc.draft_tokens, vocab).all())
+        chunked = block_scores({term: 1.0}, "exp", 4.0, restricted, full, (hidden,), target_hidden, labels, scored, 5, vocab)
+        torch.testing.assert_close(chunked.loss, sc.loss)

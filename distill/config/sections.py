@@ -312,6 +312,8 @@ class DrafterSection(Strict):
                                 "vocabularies: 8 x 512 anchors x 15 positions x 152k tokens is 37 GB of fp32 logits")
     init_norm_scale: Optional[float] = Field(
         None, gt=0, description="start the output norm at this times the target's final norm (None: ones)")
+    draft_vocab: int = Field(0, ge=0, description="draft from the N tokens the training answers use most (drafters.vocab; "
+                                                  "the loss over them, saved and exported with the drafter); 0 = all")
     markov_rank: int = Field(64, gt=0, description="DSpark Markov head rank")
     confidence_weight: float = Field(1.0, ge=0, description="DSpark")
     init_from: Optional[str] = Field(
