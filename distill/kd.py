@@ -10,6 +10,11 @@ with the limits ``beta = 0``: forward KL(p || q) (mode covering, what speculativ
 the drafter should put mass wherever the target does) and ``beta = 1``: reverse KL(q || p) (mode
 seeking). The training loss is ``(1 - ce_weight) * divergence + ce_weight * CE(data)``.
 
+With a ``pard`` section (:mod:`drafters.pard`) the student also learns to draft ``K`` tokens a forward:
+mask blocks are appended to every window and each mask slot is distilled towards the target's
+distribution at the window position it drafts for; the loss is the divergence averaged over the
+window's scored tokens and the mask slots together.
+
 Held-out evaluation reports the student's own loss / perplexity / accuracy on the data, the forward
 KL(p || q) at temperature 1 per token (nats), and top-1 agreement (student argmax == teacher argmax:
 the per-position greedy acceptance rate when the student drafts).
@@ -20,6 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from drafters.pard import mask_blocks
 
 from .lm import inputs_and_labels, next_token_ce
 
@@ -34,9 +41,11 @@ def generalized_jsd(student_logits, teacher_logits, labels, beta: float, tempera
                                            temperature=temperature, reduction="batchmean")
 
 
-def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_weight: float, student_kwargs=None):
+def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_weight: float, student_kwargs=None,
+               pard=None, mask_token_id: int | None = None, seed: int = 0):
     """A ``loss_fn(model, batch)`` for :class:`distill.trainer.Trainer`. ``student_kwargs(model, batch)``
-    returns extra forward arguments for the student (e.g. Parcae's sampled depths)."""
+    returns extra forward arguments for the student (e.g. Parcae's sampled depths); ``pard`` (a
+    :class:`~distill.config.PardSection`) appends PARD mask blocks, drawn from the batch's data position."""
     beta = DIVERGENCE_BETA.get(divergence, beta)
 
     def loss_fn(model, batch):
@@ -44,12 +53,23 @@ def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_wei
         with torch.no_grad():
             teacher_logits = teacher(input_ids=inputs).logits
         extra = student_kwargs(model, batch) if student_kwargs else {}
-        out = model(input_ids=inputs, **extra)
-        div = generalized_jsd(out.logits, teacher_logits, labels, beta, temperature)
+        if pard is None:
+            out = model(input_ids=inputs, **extra)
+            student_logits = out.logits
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + (batch.first_sample or 0))
+            blocks = mask_blocks(inputs, labels != -100, mask_token_id, pard.draft_tokens, pard.anchors, pard.keep, gen)
+            out = model(input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask, **extra)
+            slot_labels = torch.where(blocks.valid, labels.gather(1, blocks.source), -100)
+            student_logits = out.logits
+            teacher_logits = torch.cat([teacher_logits, teacher_logits.gather(
+                1, blocks.source[..., None].expand(-1, -1, teacher_logits.shape[-1]))], dim=1)
+            labels = torch.cat([labels, slot_labels], dim=1)
+        div = generalized_jsd(student_logits, teacher_logits, labels, beta, temperature)
         logs = {"kd/divergence": div.item()}
         loss = div
         if ce_weight:
-            ce = next_token_ce(out.logits, labels)
+            ce = next_token_ce(student_logits, labels)
             loss = (1 - ce_weight) * div + ce_weight * ce
             logs["kd/ce"] = ce.item()
         if getattr(out, "diagnostics", None):  # a Parcae student: its loop's invariants
@@ -90,3 +110,42 @@ def evaluate_student(student, teacher, windows, batch_size: int, max_batches: in
     nll, correct, kl, agree, count = (sums / sums[4]).tolist()
     return {"val_loss": nll, "val_ppl": math.exp(min(nll, 50.0)), "val_acc": correct, "val_kl": kl,
             "val_agreement": agree, "val_tokens": int(sums[4].item())}
+
+
+@torch.no_grad()
+def evaluate_pard(student, teacher, windows, batch_size: int, pard, mask_token_id: int, max_batches: int | None = None,
+                  accelerator=None, seed: int = 0) -> dict:
+    """A PARD student's drafts on held-out windows, greedy: blocks of all ``K - 1`` masks at up to
+    ``pard.anchors`` fixed anchors a window; ``val_pard_agreement_k`` is the rate at which the student's
+    draft ``k`` (``k = 1``: the output at the anchor; ``k > 1``: mask ``k - 1``) is the target's argmax
+    there, and ``val_pard_simulated_tau`` is 1 + the mean run of agreeing drafts from ``k = 1``: the
+    tokens a greedy speculative step would emit, one target forward per block."""
+    device = accelerator.device if accelerator else next(student.parameters()).device
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    n = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
+    K = pard.draft_tokens
+    sums = torch.zeros(K + 2, dtype=torch.float64, device=device)  # agreements per depth, run lengths, blocks
+    for start in range(rank * batch_size, n, world * batch_size):
+        idx = list(range(start, min(start + batch_size, n)))
+        inputs, labels = inputs_and_labels(windows.collate(idx).to(device))
+        scored = labels != -100
+        scored[:, inputs.shape[1] - K:] = False  # whole blocks only
+        gen = torch.Generator().manual_seed(seed + start)
+        blocks = mask_blocks(inputs, scored, mask_token_id, K, pard.anchors, 1.0, gen)
+        s = student(input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask).logits
+        t = teacher(input_ids=inputs).logits.argmax(-1)
+        L = inputs.shape[1]
+        slot_agree = (s[:, L:].argmax(-1) == t.gather(1, blocks.source)) & blocks.valid  # [B, M], blocks of K - 1
+        anchor = (blocks.source[:, ::K - 1] - 1).clamp_min(0)  # padding blocks: any index, not counted
+        first = s[:, :L].argmax(-1).gather(1, anchor) == t.gather(1, anchor)
+        agree = torch.cat([first[..., None], slot_agree.view(len(idx), -1, K - 1)], dim=-1)  # [B, blocks, K]
+        agree = agree[blocks.valid[:, ::K - 1]]
+        sums[:K] += agree.sum(0).double()
+        sums[K] += agree.int().cumprod(-1).sum().double()
+        sums[K + 1] += len(agree)
+    if accelerator:
+        sums = accelerator.reduce(sums, "sum")
+    count = max(1.0, float(sums[K + 1]))
+    out = {f"val_pard_agreement_{k + 1}": round(float(sums[k]) / count, 4) for k in range(K)}
+    out["val_pard_simulated_tau"] = round(1 + float(sums[K]) / count, 4)
+    return out

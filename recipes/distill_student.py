@@ -6,7 +6,11 @@ loop (``draftsmith eval --drafter <run>/model``). It learns the target's next-to
 the ``data`` section's text: the corpus, or the target's own answers (``regenerate`` recipe output,
 ``data.format: prompt_response``, which is TRL's ``seq_kd``). Loss and metrics: :mod:`distill.kd`;
 a Parcae student also draws per-sequence depths (:mod:`parcae.training`) and reports its
-test-time compute curve. ``checkpoints/best`` is the student with the lowest held-out KL.
+test-time compute curve. ``checkpoints/best`` is the student with the lowest held-out KL. With a
+``pard`` section the student also learns PARD's parallel drafting (:mod:`drafters.pard`: ``K`` drafts
+from one forward over ``K - 1`` appended mask tokens, mask slots distilled towards the target too);
+its config records ``pard`` so the loop drafts with it that way, and held-out evaluation adds the
+per-depth agreement with the target and the simulated tau.
 
 Why not TRL's ``GKDTrainer``: it is a ``transformers.Trainer``, and this recipe runs on the project's
 trainer like every other (exact resume, the same accelerate launch configs, MFU, the frozen model
@@ -22,9 +26,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from distill.base.flops import flops_per_token
-from distill.config import DistillStudentRecipe
+from distill.config import DistillStudentRecipe, RecipeError
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
-from distill.kd import evaluate_student, kd_loss_fn
+from distill.kd import evaluate_pard, evaluate_student, kd_loss_fn
 from distill.models import build_causal_lm, load_target, model_summary, special_token_ids
 from distill.provenance import write_run_header
 from distill.runtime import init_tracking, make_accelerator, set_threads
@@ -43,6 +47,12 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
     target, tokenizer = load_target(recipe.target, acc.device if acc else "cpu")
     student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
+    pard = recipe.pard
+    if pard is not None:  # recorded in the config: the loop drafts K tokens a forward (serve_eval.engine.PardProposer)
+        mask_id = pard.mask_token_id if pard.mask_token_id is not None else tokenizer.mask_token_id
+        if mask_id is None:
+            raise RecipeError("pard: the target's tokenizer has no mask token; set pard.mask_token_id")
+        student.config.pard = {"draft_tokens": pard.draft_tokens, "mask_token_id": mask_id}
     quant = QuantStage(recipe.quant, student)  # the layer map against this student: errors before any compute
     if dry_run:
         return {"student": model_summary(student), "target": model_summary(target), "quant": quant.summary()}
@@ -64,10 +74,14 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
 
     d = recipe.distill
     depths = (lambda model, batch: training_forward_kwargs(model, batch, recipe.seed)) if parcae_cfg else None
-    loss_fn = kd_loss_fn(target, d.divergence, d.beta, d.temperature, d.ce_weight, depths)
+    loss_fn = kd_loss_fn(target, d.divergence, d.beta, d.temperature, d.ce_weight, depths, pard,
+                         pard and student.config.pard["mask_token_id"], recipe.seed)
 
     def evaluate(m, max_batches):
         metrics = evaluate_student(m, target, val, recipe.train.micro_batch_size, max_batches, acc)
+        if pard is not None:
+            metrics.update(evaluate_pard(m, target, val, recipe.train.micro_batch_size, pard,
+                                         student.config.pard["mask_token_id"], max_batches, acc, recipe.seed))
         if parcae_cfg:  # the other depths of the curve; the default one was just measured
             metrics.update(recurrence_curve(m, val, recipe.train.micro_batch_size, parcae_cfg.curve_depths(),
                                             unwrap(m).config.recurrence, max_batches, acc, at_default=metrics))

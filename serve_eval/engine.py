@@ -286,13 +286,43 @@ class LMProposer(Proposer):
         return torch.stack(tokens).view(-1), torch.stack(all_logits)
 
 
+class PardProposer(LMProposer):
+    """A PARD-trained causal LM (:mod:`drafters.pard`, ``config.pard``): one forward reads the tokens it
+    has not read yet (the bonus last) and ``K - 1`` mask tokens after them; the bonus's output and the
+    masks' give ``K`` drafts, none conditioned on another (a block: verified like DFlash's), and the
+    mask entries leave the cache at once. Its cache follows the verified sequence as
+    :class:`LMProposer`'s does."""
+
+    conditional = incremental = False
+
+    def __init__(self, model, draft_tokens: int, mask_token_id: int):
+        super().__init__(model, draft_tokens)
+        self.masks = [mask_token_id] * (draft_tokens - 1)
+
+    @torch.no_grad()
+    def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        pending = self.sequence[len(self.read):anchor_pos + 1]
+        start, n = len(self.read), len(pending) + len(self.masks)
+        ids = torch.tensor([pending + self.masks], device=anchor.device)
+        positions = torch.arange(start, start + n, device=anchor.device)[None]
+        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
+                            logits_to_keep=len(self.masks) + 1).logits[0]
+        self.cache.crop(-len(self.masks))
+        self.read += pending
+        return sampler.choose(logits), logits
+
+
 def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None):
-    """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`LMProposer`
-    for any other causal LM (``draft_length`` tokens per step; ``draft_recurrence`` for Parcae)."""
+    """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`PardProposer`
+    for a PARD-trained LM (``config.pard``), :class:`LMProposer` for any other causal LM
+    (``draft_length`` tokens per step; ``draft_recurrence`` for Parcae)."""
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter)
     if is_block_drafter(drafter):
         return BlockProposer(drafter, confidence_threshold)
+    pard = getattr(drafter.config, "pard", None)
+    if pard:
+        return PardProposer(drafter, pard["draft_tokens"], pard["mask_token_id"])
     return LMProposer(drafter, draft_length, **({"num_steps": draft_recurrence} if draft_recurrence else {}))
 
 

@@ -254,3 +254,22 @@ def test_a_quantized_kv_cache_samples_the_quantized_target(toy_target, mode):
     counts = sampled_joint(toy_target, drafter, args, mode=mode, tree_budget=5, kv=kv, budget=Budget(VARIED_COSTS))
     assert chi_square_pvalue(counts, exact) > 1e-3
     assert (exact - exact_joint(toy_target, Sampler(**args))).abs().sum() / 2 > 5e-3, "int4 left the target unchanged"
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_pard_drafts_sample_the_target_distribution(toy_target, mode):
+    """A PARD drafter (K drafts from one forward over mask tokens, serve_eval.engine.PardProposer) at T = 1."""
+    from serve_eval.engine import PardProposer
+
+    torch.manual_seed(3)
+    drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
+                                          max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+    args = {"temperature": 1.0}
+    exact = exact_joint(toy_target, Sampler(**args))
+    counts = torch.zeros(VOCAB, VOCAB)
+    sampler = Sampler(**args, generator=torch.Generator().manual_seed(1))
+    for _ in range(SAMPLES):
+        out, _ = speculative_generate(toy_target, drafter, PROMPT, 3, sampler=sampler, mode=mode, tree_budget=4,
+                                      proposer=PardProposer(drafter, 3, VOCAB - 1), budget=Budget(VARIED_COSTS))
+        counts[out[1], out[2]] += 1
+    assert chi_square_pvalue(counts, exact) > 1e-3

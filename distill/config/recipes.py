@@ -20,6 +20,7 @@ from .sections import (
     GenerationSection,
     ModelConfig,
     OptimConfig,
+    PardSection,
     PromptsSection,
     PushToHubSection,
     QuantMeasureSection,
@@ -142,6 +143,13 @@ class DistillStudentRecipe(TrainingRecipe):
     student: ModelConfig = Field(default_factory=lambda: ModelConfig(hidden_size=192, num_layers=4, num_heads=3,
                                                                      intermediate_size=512))
     distill: DistillSection = Field(default_factory=DistillSection)
+    pard: Optional[PardSection] = Field(None, description="also train PARD's parallel drafting (drafters.pard); None = off")
+
+    @model_validator(mode="after")
+    def _pard_on_transformers(self) -> "DistillStudentRecipe":
+        if self.pard is not None and self.student.arch == "parcae":
+            raise ValueError("pard: PARD's mask blocks need a transformer student (student.arch: llama or qwen3), got 'parcae'")
+        return self
 
     @model_validator(mode="after")
     def _fits_context(self) -> "DistillStudentRecipe":

@@ -381,6 +381,15 @@ class DistillSection(Strict):
     ce_weight: float = Field(0.0, ge=0, le=1, description="share of cross-entropy on the data's tokens")
 
 
+class PardSection(Strict):
+    """PARD (:mod:`drafters.pard`): the student also learns to draft ``draft_tokens`` tokens in one forward."""
+
+    draft_tokens: int = Field(8, ge=2, description="K: tokens drafted per forward (K - 1 appended mask tokens)")
+    anchors: int = Field(16, gt=0, description="mask blocks appended to each training window")
+    keep: float = Field(0.5, gt=0, le=1, description="conditional drop: P(a block keeps mask i + 1 | it kept mask i)")
+    mask_token_id: Optional[int] = Field(None, ge=0, description="None = the tokenizer's mask token")
+
+
 class ServerSection(Strict):
     """An OpenAI-compatible completions endpoint that serves the target (vLLM, SGLang, ``transformers
     serve``): regeneration sends it every prompt's text, ``concurrency`` requests at a time, and keeps
