@@ -38,7 +38,8 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
   draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
   draftsmith eval --drafter distill/assets/testbed_dflash --kv-cache int4 --kv-rotate   # a quantized target KV cache
-  draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter""",
+  draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter
+  draftsmith eval --drafter runs/pard_testbed/model                    # a PARD drafter: its block in one forward""",
     "export": """examples:
   draftsmith export --drafter distill/assets/testbed_dflash --output-dir runs/export
   draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter
@@ -79,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--top-k", type=int, default=0, metavar="K", help="sampling: keep the K likeliest tokens (0 = off)")
     ev.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sampling: nucleus mass (1 = off)")
     ev.add_argument("--draft-length", type=int, default=7, metavar="N", help="tokens per draft for a causal-LM drafter (student, Parcae)")
+    ev.add_argument("--autoregressive", action="store_true",
+                    help="a PARD-trained LM drafts one token a forward (--draft-length tokens) instead of its block in one")
     ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
     ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
                                                 "adaptive": not args.fixed_budget, "draft_vocab": args.draft_vocab,
-                                                "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate}},
+                                                "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,
+                                                "parallel_drafts": not args.autoregressive}},
                                   source="draftsmith eval")
             run_recipe(recipe)
             return 0

@@ -144,7 +144,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)
     speculative_generate(target, drafter, encoded[0], 4, eos,
-                         proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence))
+                         proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence,
+                                                parallel=dec.parallel_drafts))
 
     def sampler(prompt_index: int) -> Sampler:  # the same seeds for both loops
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)

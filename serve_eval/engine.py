@@ -312,16 +312,18 @@ class PardProposer(LMProposer):
         return sampler.choose(logits), logits
 
 
-def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None):
+def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None,
+                  parallel: bool = True):
     """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`PardProposer`
-    for a PARD-trained LM (``config.pard``), :class:`LMProposer` for any other causal LM
-    (``draft_length`` tokens per step; ``draft_recurrence`` for Parcae)."""
+    for a PARD-trained LM (``config.pard``; ``parallel=False`` drafts with it autoregressively),
+    :class:`LMProposer` for any other causal LM (``draft_length`` tokens per step; ``draft_recurrence``
+    for Parcae)."""
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter)
     if is_block_drafter(drafter):
         return BlockProposer(drafter, confidence_threshold)
     pard = getattr(drafter.config, "pard", None)
-    if pard:
+    if pard and parallel:
         return PardProposer(drafter, pard["draft_tokens"], pard["mask_token_id"])
     return LMProposer(drafter, draft_length, **({"num_steps": draft_recurrence} if draft_recurrence else {}))
 
@@ -576,7 +578,8 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same
     seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe.
     ``calibration``: a budget whose acceptance calibration the run's budget shares (and extends)."""
-    new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence)  # noqa: E731
+    new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence,  # noqa: E731
+                                         dec.parallel_drafts)
     probe = new_proposer()
     K = probe.block_size
     kv = kv_quant(dec.kv_cache, dec.kv_rotate)

@@ -25,6 +25,8 @@ class DecodingSection(Strict):
                                               "(serve_eval.budget)")
     confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
     draft_length: int = Field(7, gt=0, description="causal-LM drafters (students, Parcae): tokens drafted per step")
+    parallel_drafts: bool = Field(True, description="a PARD-trained LM (drafters.pard) drafts its block in one forward; "
+                                                     "false: one token a forward, draft_length tokens")
     draft_recurrence: Optional[int] = Field(
         None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
