@@ -70,6 +70,15 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
     os.replace(tmp, path)
 
 
+def write_jsonl_atomic(path: str | os.PathLike, rows: list) -> None:
+    """One JSON object a line (written then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, path)
+
+
 def update_json_atomic(path: str | os.PathLike, **fields) -> None:
     """Add ``fields`` to the JSON object in ``path`` (write then rename)."""
     write_json_atomic(path, {**json.loads(Path(path).read_text()), **fields})

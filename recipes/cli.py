@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--kv-cache", default="full", choices=["full", "int8", "fp8", "int4"],
                     help="the target's KV cache in both loops (serve_eval.kv); the report compares it with full precision")
     ev.add_argument("--kv-rotate", action="store_true", help="quantize keys and values after a fixed random rotation")
+    ev.add_argument("--record-served", action="store_true",
+                    help="write served.jsonl: each prompt and the answer served, for a drafter recipe to train on")
     ev.add_argument("--fixed-budget", action="store_true",
                     help="verify every draft (the whole tree) each step, not what measured costs say pays")
     ev.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: 1, see README on benchmarks)")
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             prompts = {"file": args.prompts} if args.prompts else {"from_corpus": args.prompts_from_corpus, "split": "val"}
             recipe = parse_recipe({"recipe": "eval", "output_dir": args.output_dir, "target": {"path": args.target},
-                                   "drafter": args.drafter, "prompts": prompts,
+                                   "drafter": args.drafter, "prompts": prompts, "record_served": args.record_served,
                                    "decoding": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                                                 "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,

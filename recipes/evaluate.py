@@ -13,7 +13,10 @@ measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batch_si
 speculative vs batched plain decoding per batch size, :mod:`serve_eval.batch`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
-per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve. With a quantized KV
+per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve. ``record_served``
+writes ``served.jsonl``: every prompt with the answer the loop served (the target's own, since the loop
+is lossless) in the records a drafter recipe trains on, so a drafter can keep learning from what it
+served (online adaptation, ``recipes/configs/adapt_testbed.yaml``). With a quantized KV
 cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
 token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s.
@@ -33,7 +36,7 @@ import drafters
 from distill.checks import check_drafter_fits
 from distill.config import EvalRecipe, RecipeError
 from distill.models import load_target, resolve_target_path
-from distill.provenance import write_json_atomic, write_run_header
+from distill.provenance import write_json_atomic, write_jsonl_atomic, write_run_header
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from recipes.plots import saved_figure
@@ -153,7 +156,13 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
 
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
     calibration = Budget({1: 1.0}) if dec.batch_sizes and dec.adaptive else None  # the chain's, lent to the batches
-    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration) for budget in budgets]
+    served = [] if recipe.record_served else None  # what the first configuration served (online adaptation)
+    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None)
+            for i, budget in enumerate(budgets)]
+    if served is not None:  # with the texts, as regenerate writes them (the token ids are what training reads)
+        write_jsonl_atomic(out / "served.jsonl", [{**row, "prompt": tokenizer.decode(row["prompt_ids"]),
+                                                   "response": tokenizer.decode(row["response_ids"], skip_special_tokens=True)}
+                                                  for row in served])
     report = {
         "target": recipe.target.path,
         "drafter": recipe.drafter,

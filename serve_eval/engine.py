@@ -6,7 +6,8 @@ position ``a`` and every earlier position verified and cached:
 1. **Draft.** The drafter proposes ``d_1 .. d_{K-1}`` for positions ``a+1 .. a+K-1`` from the target
    features of positions ``< a`` and ``b`` (a block drafter in one forward; EAGLE-3 autoregressively),
    or, for a plain causal LM drafter (a distilled student; a Parcae model at fewer recurrences than
-   the target, i.e. self-speculation), from the tokens alone, with its own KV cache.
+   the target, i.e. self-speculation), from the tokens alone, with its own KV cache: one token a
+   forward, or a PARD-trained LM's whole block in one forward over appended mask tokens.
 2. **Verify.** One target forward over ``[b, d_1, .., d_{K-1}]`` at positions ``a .. a+K-1`` (KV
    cache) gives the target's greedy choice ``g_j`` after each of them. With a budget
    (:mod:`serve_eval.budget`) only the prefix of the drafts (or of the tree) that measured costs and
@@ -573,11 +574,24 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     return out, stats
 
 
-def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibration: Budget | None = None) -> dict:
+def served_record(index: int, prompt: torch.Tensor, emitted: list[int], eos: int | None, stats: GenerationStats,
+                  temperature: float) -> dict:
+    """What the loop served for one prompt, in :mod:`distill.regenerate`'s record form (the exact
+    tokens read and emitted; the loop is lossless, so these are the target's own answers and a drafter
+    recipe trains on them as on regenerated data), with the step's acceptance: online adaptation."""
+    ended = bool(emitted) and emitted[-1] == eos
+    return {"id": index, "prompt_ids": prompt.view(-1).tolist(), "response_ids": emitted[:-1] if ended else emitted,
+            "eos": ended, "temperature": temperature, "tau": round(stats.tau, 4),
+            "accepted_by_position": stats.accepted_by_position, "drafted_by_position": stats.drafted_by_position}
+
+
+def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibration: Budget | None = None,
+            served: list | None = None) -> dict:
     """Baseline and speculative decoding of every prompt, back to back, as ``dec`` (a
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same
     seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe.
-    ``calibration``: a budget whose acceptance calibration the run's budget shares (and extends)."""
+    ``calibration``: a budget whose acceptance calibration the run's budget shares (and extends).
+    ``served``: a list that gets, per prompt, what the loop served (:func:`served_record`)."""
     new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence,  # noqa: E731
                                          dec.parallel_drafts)
     probe = new_proposer()
@@ -607,6 +621,8 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
         totals["base_s"] += base_stats.total_seconds
         accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
         drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
+        if served is not None:
+            served.append(served_record(i, prompt, ours, eos, stats, dec.temperature))
         per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
                            "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
     tokens_per_s = totals["tokens"] / totals["spec_s"]

@@ -438,3 +438,41 @@ def test_quantized_kv_caches_stay_lossless(target_and_prompts, trained_drafters,
             rows = [prompts[0], prompts[1][:17], prompts[2][:9]]
             assert batched_speculative_generate(target, drafter, rows, MAX_NEW, kv=kv)[0] == \
                 [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]
+
+
+def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_path, tiny_target_dir, trained_drafters):
+    """Online adaptation: an eval with record_served writes each prompt and the answer served (the
+    target's own: equal to plain decoding) in regenerate's record form, and a drafter recipe keeps
+    training the drafter on those records. The same eval with an int8 KV cache reports kv_quality."""
+    import json
+
+    from recipes import evaluate, train_drafter
+    from recipes.registry import parse_recipe
+
+    from .test_drafters import drafter_recipe
+
+    folder = trained_drafters["dflash"].folder
+    recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / "serve"), "target": {"path": str(tiny_target_dir)},
+                           "drafter": str(folder), "record_served": True,
+                           "prompts": {"from_corpus": 4, "split": "train", "prompt_tokens": 16},
+                           "decoding": {"max_new_tokens": 24, "kv_cache": "int8"},
+                           "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
+    report = evaluate.main(recipe)
+    quality = report["kv_quality"]
+    assert quality["format"] == "int8" and quality["bytes_per_token"]["quantized"] < 0.3 * quality["bytes_per_token"]["full"]
+    assert abs(quality["nll"]["quantized"] - quality["nll"]["full"]) < 0.05 and 0 < quality["same_tokens_share"] <= 1
+    rows = [json.loads(line) for line in (tmp_path / "serve" / "served.jsonl").read_text().splitlines()]
+    target, _ = load_target(TargetConfig(path=str(tiny_target_dir)))
+    from serve_eval.kv import KVQuant
+
+    for row in rows:
+        plain, _ = plain_generate(target, torch.tensor(row["prompt_ids"]), 24, target.config.eos_token_id, kv=KVQuant("int8"))
+        assert row["response_ids"] + ([target.config.eos_token_id] if row["eos"] else []) == plain
+        assert row["tau"] >= 1.0 and len(row["accepted_by_position"]) == 3
+    assert len(rows) == 4
+    reset_accelerate()
+    adapt = drafter_recipe(tmp_path / "adapt", tiny_target_dir, "dflash", {"init_from": str(folder)}, max_steps=6, eval_every=6)
+    data = adapt.data.model_copy(update={"source": "files", "format": "prompt_response",
+                                         "train_files": [str(tmp_path / "serve" / "served.jsonl")], "max_documents": None})
+    summary = train_drafter.main(adapt.model_copy(update={"data": data}))
+    assert summary["steps"] == 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -60,6 +61,11 @@ def test_every_recipe_validates_and_dry_runs(path, monkeypatch, testbed_drafter)
     init_from = (raw.get("drafter") or {}).get("init_from") if isinstance(raw.get("drafter"), dict) else None
     if init_from and not (REPO / init_from).exists():  # a second schedule starts from what a first run makes:
         overrides = ["drafter.init_from=distill/assets/testbed_dflash"]  # the shipped one stands in
+    files = (raw.get("data") or {}).get("train_files") or []
+    if raw["recipe"] == "train_drafter" and any(f.startswith("runs/") and not (REPO / f).exists() for f in files):
+        served = testbed_drafter.parent / "served.jsonl"  # what a serving run records (online adaptation)
+        served.write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9], "eos": True}) + "\n")
+        overrides.append(f"data.train_files=[{served}]")
     recipe = load_recipe(path, overrides)
     result = run_recipe(recipe, dry_run=True)
     assert result, f"{path} dry-run returned nothing"

@@ -215,6 +215,9 @@ class EvalRecipe(RecipeBase):
     prompts: PromptsSection
     decoding: DecodingSection = Field(default_factory=DecodingSection)
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
+    record_served: bool = Field(False, description="write served.jsonl: each prompt and the target's answer as the loop "
+                                                   "emitted it (regenerate's records: a drafter recipe trains on them, "
+                                                   "data.format: prompt_response), with its tau (online adaptation)")
 
     @field_validator("drafter")
     @classmethod
