@@ -55,16 +55,14 @@ def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_wei
         extra = student_kwargs(model, batch) if student_kwargs else {}
         if pard is None:
             out = model(input_ids=inputs, **extra)
-            student_logits = out.logits
-        else:
+        else:  # mask slots learn the target's distribution (and label) at the window position they draft for
             gen = torch.Generator().manual_seed(seed * 1_000_003 + (batch.first_sample or 0))
             blocks = mask_blocks(inputs, labels != -100, mask_token_id, pard.draft_tokens, pard.anchors, pard.keep, gen)
             out = model(input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask, **extra)
-            slot_labels = torch.where(blocks.valid, labels.gather(1, blocks.source), -100)
-            student_logits = out.logits
             teacher_logits = torch.cat([teacher_logits, teacher_logits.gather(
                 1, blocks.source[..., None].expand(-1, -1, teacher_logits.shape[-1]))], dim=1)
-            labels = torch.cat([labels, slot_labels], dim=1)
+            labels = torch.cat([labels, torch.where(blocks.valid, labels.gather(1, blocks.source), -100)], dim=1)
+        student_logits = out.logits
         div = generalized_jsd(student_logits, teacher_logits, labels, beta, temperature)
         logs = {"kd/divergence": div.item()}
         loss = div
