@@ -423,6 +423,15 @@ class DrafterBase(PreTrainedModel):
         return self._restrict_to_draft_vocab()
 
 
+def own_target_io(drafter):
+    """Give a drafter that shares its target's embeddings and head (:meth:`DrafterBase.share_target_io`)
+    copies of its own: saving needs them when the target ties the two (one tensor under two names,
+    which ``save_pretrained`` refuses). Returns the drafter."""
+    for module in (drafter.embed_tokens, drafter.lm_head):
+        module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=False)
+    return drafter._restrict_to_draft_vocab()
+
+
 def save_without_target_io(drafter, folder, dtype: torch.dtype = torch.float16) -> None:
     """``save_pretrained`` of the drafter's own weights in ``dtype``: the target's embeddings and LM head
     are left out (:func:`load_drafter` copies them from the target, as serving engines do)."""

@@ -112,6 +112,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
         write_sglang_eagle3,
         write_speculators,
     )
+    from drafters.core import own_target_io
     from recipes.evaluate import load_drafter, restrict_to_frequent_tokens
     from serve_eval.parity import describe_failure, run_gate
 
@@ -119,7 +120,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if target is None:
         target, tokenizer = load_target(recipe.target, device)
-    trained = load_drafter(recipe.drafter, target, device)
+    trained = own_target_io(load_drafter(recipe.drafter, target, device))  # a shipped drafter shares the target's
     cfg = trained.config
     kind = kind_of(cfg)
     if recipe.draft_vocab > cfg.vocab_size:

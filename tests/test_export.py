@@ -419,3 +419,18 @@ def test_draft_vocabularies_export_as_serving_engines_load_them(pruned_exports, 
     assert torch.equal(spec.t2d.nonzero().view(-1), ids) and spec.lm_head.weight.shape[0] == size
     assert torch.equal(spec.lm_head.weight, reloaded.lm_head.weight[ids])
     assert_same_maths(spec, reloaded, target[0], kind, ids)
+
+
+def test_a_drafter_shipped_without_the_targets_weights_exports(tmp_path, target, val_windows, tiny_target_dir):
+    """A shipped drafter (saved without the target's embeddings and head: they load from the target)
+    shares them with a target that ties the two, one tensor under two names, which saving refuses;
+    the export gives it copies of its own, and the gate passes."""
+    from drafters.core import save_without_target_io, shares_target_io
+    from recipes.export import export_drafter
+
+    assert target[0].config.tie_word_embeddings
+    folder, drafter = drafter_folder(tmp_path, target, val_windows, "eagle3")
+    save_without_target_io(drafter, folder, dtype=torch.float32)
+    assert shares_target_io(folder)
+    manifest = export_drafter(export_recipe(folder, tmp_path / "export", tiny_target_dir), *target)
+    assert manifest["gate"]["passed"] and manifest["gate"]["logits_max_abs_diff"] == 0.0
