@@ -102,6 +102,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     import drafters  # noqa: F401
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
+    from drafters.core import own_target_io
     from drafters.export import (
         FORMATS,
         check_expressible,
@@ -112,7 +113,6 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
         write_sglang_eagle3,
         write_speculators,
     )
-    from drafters.core import own_target_io
     from recipes.evaluate import load_drafter, restrict_to_frequent_tokens
     from serve_eval.parity import describe_failure, run_gate
 
