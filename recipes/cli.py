@@ -43,7 +43,8 @@ EXAMPLES = {
     "export": """examples:
   draftsmith export --drafter distill/assets/testbed_dflash --output-dir runs/export
   draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter
-  draftsmith export --drafter distill/assets/testbed_eagle3 --output-dir runs/export_dv --draft-vocab 1024 --prompts-from-corpus 16""",
+  draftsmith export --drafter distill/assets/testbed_eagle3 --output-dir runs/export_dv --draft-vocab 1024 \\
+      --prompts-from-corpus 16 --max-new-tokens 128""",
 }
 
 
