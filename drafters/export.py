@@ -257,7 +257,7 @@ def _vocab_tables(drafter, state: dict, full_tables: bool) -> None:
     from .vocab import d2t, t2d
 
     V = drafter.config.vocab_size
-    ids = getattr(drafter, "draft_vocab", None) if getattr(drafter.config, "draft_vocab_size", None) else None
+    ids = drafter.draft_vocab_ids()
     if ids is None:
         if full_tables:
             state["d2t"], state["t2d"] = torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
@@ -296,7 +296,7 @@ def write_speculators(drafter, target_config, verifier_name_or_path: str, folder
         name = speculators_name(kind, key)
         if name is not None:
             state[name] = value
-    if getattr(cfg, "draft_vocab_size", None):  # a pruned head is stored, for every kind (module doc)
+    if drafter.draft_vocab_ids() is not None:  # a pruned head is stored, for every kind (module doc)
         state["lm_head.weight"] = drafter.lm_head.weight
     _vocab_tables(drafter, state, full_tables=False)
     folder.mkdir(parents=True, exist_ok=True)

@@ -75,13 +75,18 @@ def export_recipe(folder, out, target_dir, **extra):
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, target, val_windows, tiny_target_dir):
     """Each kind exported once (module-scoped: the tests below read the same folders)."""
+    return export_every_kind(tmp_path_factory, target, val_windows, tiny_target_dir, "export")
+
+
+def export_every_kind(tmp_path_factory, target, val_windows, tiny_target_dir, name: str, **extra) -> dict:
+    """kind -> (export folder, manifest, the drafter): a drafter of each kind saved and exported."""
     from recipes.export import export_drafter
 
     out = {}
     for kind in KINDS:
-        tmp = tmp_path_factory.mktemp(f"export-{kind}")
+        tmp = tmp_path_factory.mktemp(f"{name}-{kind}")
         folder, drafter = drafter_folder(tmp, target, val_windows, kind)
-        manifest = export_drafter(export_recipe(folder, tmp / "export", tiny_target_dir), *target)
+        manifest = export_drafter(export_recipe(folder, tmp / "export", tiny_target_dir, **extra), *target)
         out[kind] = (tmp / "export", manifest, drafter)
     return out
 
@@ -371,16 +376,10 @@ def test_tracked_runs_carry_checkpoints_tables_and_links(tmp_path, tiny_target_d
 @pytest.fixture(scope="module")
 def pruned_exports(tmp_path_factory, target, val_windows, tiny_target_dir):
     """Each kind exported with a draft vocabulary of half the target's tokens."""
-    from recipes.export import export_drafter
-
-    out = {}
-    for kind in KINDS:
-        tmp = tmp_path_factory.mktemp(f"pruned-{kind}")
-        folder, drafter = drafter_folder(tmp, target, val_windows, kind)
-        size = drafter.config.vocab_size // 2
-        recipe = export_recipe(folder, tmp / "export", tiny_target_dir, draft_vocab=size, draft_vocab_prompts=4)
-        out[kind] = (tmp / "export", export_drafter(recipe, *target), size)
-    return out
+    size = target[0].config.vocab_size // 2
+    exported = export_every_kind(tmp_path_factory, target, val_windows, tiny_target_dir, "pruned",
+                                 draft_vocab=size, draft_vocab_prompts=4)
+    return {kind: (folder, manifest, size) for kind, (folder, manifest, _) in exported.items()}
 
 
 @pytest.mark.parametrize("kind", KINDS)
