@@ -89,6 +89,15 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--kv-cache", default="full", choices=["full", "int8", "fp8", "int4"],
                     help="the target's KV cache in both loops (serve_eval.kv); the report compares it with full precision")
     ev.add_argument("--kv-rotate", action="store_true", help="quantize keys and values after a fixed random rotation")
+    ev.add_argument("--ssd", action="store_true",
+                    help="speculative speculative decoding (causal-LM / PARD drafters): draft the next step during the "
+                         "verification, in a worker process on the second core; implies --fixed-budget")
+    ev.add_argument("--ssd-branches", type=int, default=8, metavar="B", help="with --ssd: outcomes drafted after per step")
+    ev.add_argument("--ssd-backup", default="none", choices=["none", "draft"],
+                    help="with --ssd, on a miss: verify the bonus alone (none, default) or draft just in time")
+    ev.add_argument("--ssd-inline", action="store_true",
+                    help="with --ssd: no worker; build the speculation between verifications (no overlap; the report "
+                         "models a drafter on a device of its own from the costs)")
     ev.add_argument("--record-served", action="store_true",
                     help="write served.jsonl: each prompt and the answer served, for a drafter recipe to train on")
     ev.add_argument("--fixed-budget", action="store_true",
@@ -147,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
-                                                "adaptive": not args.fixed_budget, "draft_vocab": args.draft_vocab,
+                                                "adaptive": not (args.fixed_budget or args.ssd), "draft_vocab": args.draft_vocab,
+                                                "ssd": args.ssd, "ssd_branches": args.ssd_branches,
+                                                "ssd_backup": args.ssd_backup, "ssd_concurrent": not args.ssd_inline,
                                                 "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,
                                                 "parallel_drafts": not args.autoregressive}},
                                   source="draftsmith eval")

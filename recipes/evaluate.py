@@ -125,6 +125,12 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
                           f"EAGLE-3 drafter's heads; this drafter is {drafter.config.model_type!r}")
     if dec.draft_vocab > len(tokenizer):
         raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
+    if dec.ssd and drafters.kind_of(drafter) is not None:
+        raise RecipeError(f"decoding.ssd drafts ahead of the target's features, so it needs a drafter that reads tokens "
+                          f"only (a causal LM or a PARD drafter); this drafter is {drafter.config.model_type!r}")
+    if dec.ssd and dec.ssd_concurrent and device != "cpu":
+        raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
+                          f"{device} set ssd_concurrent: false (inline)")
     if dec.batch_sizes:
         if not drafters.is_block_drafter(drafter) or dec.mode != "chain":
             raise RecipeError(f"decoding.batch_sizes: batched decoding runs block drafters (dflash, dspark) in chain "
@@ -221,6 +227,14 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
               f"a token; NLL {q['nll']['quantized']} vs {q['nll']['full']}; outputs equal to full precision's for "
               f"{q['same_tokens_share']:.1%} of tokens; plain decoding {q['plain_tokens_per_s']['quantized']} vs "
               f"{q['plain_tokens_per_s']['full']} tokens/s")
+    if "ssd" in report:
+        ssd, sd = report["ssd"], report["ssd"]["speculative_decoding"]
+        print(f"  {'ssd':<22} {'concurrent' if ssd['concurrent'] else 'inline'}: hit rate {ssd['hit_rate']:.0%} "
+              f"({ssd['mean_drafts_on_hit']} drafts a hit), {ssd['over_speculative_decoding']}x plain speculative "
+              f"decoding (tau {sd['tau']}, speedup {sd['speedup']}); bonus in the top F: {ssd['bonus_in_top_f']}")
+        if "modeled_separate_device_speedup" in ssd:
+            print(f"  {'  drafter apart':<22} modeled speedup {ssd['modeled_separate_device_speedup']} "
+                  f"(verify {ssd['verify_ms']} ms, speculate {ssd['speculate_ms']} ms a step)")
     for row in report.get("by_batch", []):
         scheduler = row["scheduler"] or {}
         print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "

@@ -43,7 +43,7 @@ from drafters import Eagle3Drafter, is_block_drafter
 from drafters.core import ContextCache
 
 from .budget import Budget, CausalChain
-from .kv import InPlaceLayer, KVQuant, inplace_cache, kv_quant
+from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
 from .lookup import graft, lookup_continuation
 from .sampling import Sampler, verify_chain
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
@@ -92,16 +92,8 @@ class TargetSession:
     def keep(self, prefix: int, nodes: list[int]) -> None:
         """After a tree forward: keep the first ``prefix`` positions and the tree entries ``nodes``
         (the accepted path, root first). Only the tree's tail moves; the prefix stays where it is."""
-        if nodes != list(range(len(nodes))):  # a path straight down the first children is already in place
-            source = prefix + torch.tensor(nodes)
-            for layer in self.cache.layers:
-                if isinstance(layer, InPlaceLayer):
-                    layer.move(prefix, source)
-                    continue
-                index = source.to(layer.keys.device)
-                layer.keys[:, :, prefix:prefix + len(nodes)] = layer.keys.index_select(2, index)
-                layer.values[:, :, prefix:prefix + len(nodes)] = layer.values.index_select(2, index)
-        self.rollback(prefix + len(nodes))
+        keep_entries(self.cache, prefix, [prefix + i for i in nodes])
+        self.length = prefix + len(nodes)
 
 
 @torch.no_grad()
@@ -602,29 +594,63 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
         largest = (budget_nodes or 1) + 1 + dec.lookup if dec.mode == "tree" else K
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
         budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv), share=calibration)
-    totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+    totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
+              "sd_tokens": 0, "sd_forwards": 0, "sd_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
-    per_prompt, lossless = [], True
-    for i, prompt in enumerate(encoded):
-        base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), kv)
-        ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
-                                           proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
-                                           budget=budget, lookup=dec.lookup, kv=kv)
-        same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
-        lossless = lossless and same if same is not None else None
-        totals["tokens"] += stats.tokens
-        totals["forwards"] += stats.target_forwards
-        totals["spec_s"] += stats.total_seconds
-        totals["draft_s"] += stats.draft_seconds
-        totals["verify_s"] += stats.verify_seconds
-        totals["base_tokens"] += base_stats.tokens
-        totals["base_s"] += base_stats.total_seconds
-        accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
-        drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
-        if served is not None:
-            served.append(served_record(i, prompt, ours, eos, stats, dec.temperature))
-        per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
-                           "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
+    per_prompt, lossless, verify_ms = [], True, []
+    speculation = None
+    if dec.ssd:  # imported here: serve_eval.ssd builds on this module
+        from .ssd import open_speculation, ssd_generate
+
+        speculation = open_speculation(new_proposer(), dec.ssd_branches, dec.ssd_exponent, dec.ssd_backup, dec.ssd_concurrent)
+    try:
+        for i, prompt in enumerate(encoded):
+            base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), kv)
+            ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
+                                               proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
+                                               budget=budget, lookup=dec.lookup, kv=kv)
+            if speculation is not None:  # plain speculative decoding above; speculative speculation here
+                totals["sd_tokens"] += stats.tokens
+                totals["sd_forwards"] += stats.target_forwards
+                totals["sd_s"] += stats.total_seconds
+                sd_same = ours == base
+                seed = sampler(i).generator.initial_seed() + 1 if sampler(i).generator is not None else i
+                ours, stats, steps_ms = ssd_generate(target, speculation, prompt, dec.max_new_tokens, eos, sampler(i),
+                                                     seed, kv)
+                verify_ms += steps_ms
+            same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
+            if speculation is not None and same is not None:
+                same = same and sd_same
+            lossless = lossless and same if same is not None else None
+            totals["tokens"] += stats.tokens
+            totals["forwards"] += stats.target_forwards
+            totals["spec_s"] += stats.total_seconds
+            totals["draft_s"] += stats.draft_seconds
+            totals["verify_s"] += stats.verify_seconds
+            totals["base_tokens"] += base_stats.tokens
+            totals["base_s"] += base_stats.total_seconds
+            accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
+            drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
+            if served is not None:
+                served.append(served_record(i, prompt, ours, eos, stats, dec.temperature))
+            per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
+                               "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
+        ssd = None
+        if speculation is not None:
+            ssd = speculation.summary(None if speculation.concurrent else verify_ms)
+            sd_tokens_per_s = totals["sd_tokens"] / totals["sd_s"]
+            ssd["concurrent"] = speculation.concurrent
+            ssd["speculative_decoding"] = {"tau": round(totals["sd_tokens"] / max(1, totals["sd_forwards"]), 4),
+                                           "tokens_per_s": round(sd_tokens_per_s, 2),
+                                           "speedup": round(sd_tokens_per_s * totals["base_s"] / totals["base_tokens"], 4)}
+            ssd["over_speculative_decoding"] = round(totals["tokens"] / totals["spec_s"] / sd_tokens_per_s, 4)
+            if "modeled_separate_device_ms_per_step" in ssd:  # tokens/s with a drafter on a device of its own
+                steps = totals["forwards"] - len(encoded)
+                modeled = (totals["tokens"] - len(encoded)) / (1e-3 * ssd["modeled_separate_device_ms_per_step"] * steps)
+                ssd["modeled_separate_device_speedup"] = round(modeled * totals["base_s"] / totals["base_tokens"], 4)
+    finally:
+        if speculation is not None:
+            speculation.close()
     tokens_per_s = totals["tokens"] / totals["spec_s"]
     baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
     adaptive = None
@@ -648,4 +674,5 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
                        "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4)},
         "lossless": lossless,
         "per_prompt": per_prompt,
+        **({"ssd": ssd} if ssd is not None else {}),
     }

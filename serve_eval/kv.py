@@ -225,3 +225,19 @@ def inplace_cache(config, kv: KVQuant | None = None) -> DynamicCache:
 def cache_nbytes(cache: DynamicCache) -> int:
     """Bytes the cache's in-place layers hold (the filled part)."""
     return sum(layer.nbytes() for layer in cache.layers if isinstance(layer, InPlaceLayer))
+
+
+def keep_entries(cache: DynamicCache, prefix: int, source: list[int]) -> None:
+    """Keep the first ``prefix`` entries of every layer and, after them, the entries ``source`` (cache
+    positions, ascending, all ``>= prefix``); drop the rest. A tree's accepted path, or a speculated
+    branch, moves down over what was not taken; the prefix stays where it is."""
+    if source != list(range(prefix, prefix + len(source))):  # already in place otherwise
+        index = torch.tensor(source)
+        for layer in cache.layers:
+            if isinstance(layer, InPlaceLayer):
+                layer.move(prefix, index)
+                continue
+            at = index.to(layer.keys.device)
+            layer.keys[:, :, prefix:prefix + len(source)] = layer.keys.index_select(2, at)
+            layer.values[:, :, prefix:prefix + len(source)] = layer.values.index_select(2, at)
+    cache.crop(min(0, prefix + len(source) - cache.get_seq_length()))

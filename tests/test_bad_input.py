@@ -77,6 +77,9 @@ CASES = [
      "target '{tmp}/target': model.safetensors"),
     ("target without a tokenizer", lambda t: _target(t, lambda f: [p.unlink() for p in f.glob("tokenizer*")]),
      "has no tokenizer"),
+    ("ssd with a drafter that reads target features", lambda t: ["--ssd"],
+     "decoding.ssd drafts ahead of the target's features, so it needs a drafter that reads tokens only"),
+    ("ssd on trees", lambda t: ["--ssd", "--mode", "tree"], "ssd verifies every draft of a chain the speculation made"),
     ("recipe YAML that does not parse", lambda t: _recipe(t, "recipe: eval\ndecoding: [1,\n"), "recipe.yaml"),
     ("recipe key misspelt", lambda t: _recipe(t, f"recipe: eval\ndrafter: {DRAFTER}\nprompts: {{from_corpus: 2}}\n"
                                                  "decodng: {{}}\n"), "decodng"),

@@ -41,6 +41,17 @@ class DecodingSection(Strict):
                             "32 channels (serve_eval.kv); both loops use it, the report measures it against full")
     kv_rotate: bool = Field(False, description="quantize keys and values after a fixed random rotation (spreads "
                                                "outlier channels, serve_eval.kv)")
+    ssd: bool = Field(False, description="speculative speculative decoding (serve_eval.ssd), causal-LM and PARD "
+                                         "drafters: the drafter drafts after the likeliest verification outcomes while "
+                                         "the target verifies; the report also runs plain speculative decoding")
+    ssd_branches: int = Field(8, gt=0, description="ssd: outcomes drafted after per step (the speculation cache's size)")
+    ssd_exponent: float = Field(1.0, gt=0, description="ssd: r of the miss rate's power law F^-r; branches per "
+                                                       "outcome ~ P(outcome)^(1/(1+r))")
+    ssd_backup: Literal["none", "draft"] = Field("none", description="ssd, on a miss: verify the bonus alone while the "
+                                                                    "cache is built for it (none), or draft just in time")
+    ssd_concurrent: bool = Field(True, description="ssd: the drafter in a worker process on a core of its own (CPU); "
+                                                   "false: inline, no overlap, each cost timed alone (the report models "
+                                                   "a drafter on a device of its own from them)")
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
 
@@ -55,6 +66,14 @@ class DecodingSection(Strict):
     def _rotate_quantized_only(self):
         if self.kv_rotate and self.kv_cache == "full":
             raise ValueError("kv_rotate rotates keys and values before quantizing them: it needs kv_cache int8, fp8 or int4")
+        return self
+
+    @model_validator(mode="after")
+    def _ssd_chains(self):
+        if self.ssd and (self.mode != "chain" or self.adaptive or self.lookup or self.batch_sizes):
+            raise ValueError("ssd verifies every draft of a chain the speculation made: it needs mode: chain, "
+                             "adaptive: false, lookup: 0 and no batch_sizes (got mode "
+                             f"{self.mode!r}, adaptive {self.adaptive}, lookup {self.lookup}, batch_sizes {self.batch_sizes})")
         return self
 
     @model_validator(mode="after")
