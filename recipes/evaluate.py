@@ -125,9 +125,6 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
                           f"EAGLE-3 drafter's heads; this drafter is {drafter.config.model_type!r}")
     if dec.draft_vocab > len(tokenizer):
         raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
-    if dec.ssd and drafters.kind_of(drafter) is not None:
-        raise RecipeError(f"decoding.ssd drafts ahead of the target's features, so it needs a drafter that reads tokens "
-                          f"only (a causal LM or a PARD drafter); this drafter is {drafter.config.model_type!r}")
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
         raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
                           f"{device} set ssd_concurrent: false (inline)")

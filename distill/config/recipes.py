@@ -234,6 +234,18 @@ class EvalRecipe(RecipeBase):
         _check_fit(self.drafter, self.target.path)
         return self
 
+    @model_validator(mode="after")
+    def _ssd_reads_tokens_only(self) -> "EvalRecipe":
+        from drafters import kind_of
+
+        from ..checks import read_config
+
+        kind = kind_of(read_config(self.drafter, "drafter folder")) if self.decoding.ssd else None
+        if kind is not None:
+            raise ValueError(f"decoding.ssd drafts ahead of the target's features, so it needs a drafter that reads "
+                             f"tokens only (a causal LM or a PARD drafter); {self.drafter} is a {kind} drafter")
+        return self
+
 
 def _check_fit(drafter: str, target: str) -> None:
     """A drafter folder against a target on disk (a hub target is checked when it loads)."""
