@@ -33,6 +33,31 @@ def tiny_target() -> ModelConfig:
                        max_position_embeddings=256)
 
 
+@torch.no_grad()
+def init_from_target_layers(student, target, layers: list[int]) -> None:
+    """Start ``student`` from ``target``: its embeddings, final norm, head and decoder ``layers`` (in order;
+    layer dropping, so a small drafter starts from a pretrained LM as PARD adapts one). The student must
+    be the target's architecture with ``len(layers)`` layers; a mismatch names the first parameter."""
+    if student.config.num_hidden_layers != len(layers):
+        raise RecipeError(f"init_from_target_layers {layers}: {len(layers)} layers, but the student has "
+                          f"student.num_layers = {student.config.num_hidden_layers}")
+    depth = target.config.num_hidden_layers
+    if any(not 0 <= i < depth for i in layers):
+        raise RecipeError(f"init_from_target_layers {layers}: the target has layers 0..{depth - 1}")
+    source = target.state_dict()
+    for name, param in student.state_dict().items():
+        parts = name.split(".")
+        if "layers" in parts:  # model.layers.J.rest -> model.layers.layers[J].rest
+            k = parts.index("layers") + 1
+            parts[k] = str(layers[int(parts[k])])
+        theirs = source.get(".".join(parts))
+        if theirs is None or theirs.shape != param.shape:
+            raise RecipeError(f"init_from_target_layers: the student's {name} {tuple(param.shape)} has no match in the "
+                              f"target ({'missing' if theirs is None else tuple(theirs.shape)}); give the student the "
+                              f"target's architecture (hidden_size, num_heads, num_kv_heads, intermediate_size)")
+        param.copy_(theirs)
+
+
 def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None = None, dtype: torch.dtype = torch.float32):
     """A randomly initialised ``transformers`` causal LM for ``cfg``.
 

@@ -29,7 +29,7 @@ from distill.base.flops import flops_per_token
 from distill.config import DistillStudentRecipe, RecipeError
 from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
 from distill.kd import evaluate_pard, evaluate_student, kd_loss_fn
-from distill.models import build_causal_lm, load_target, model_summary, special_token_ids
+from distill.models import build_causal_lm, init_from_target_layers, load_target, model_summary, special_token_ids
 from distill.provenance import write_run_header
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
@@ -47,6 +47,8 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
     target, tokenizer = load_target(recipe.target, acc.device if acc else "cpu")
     student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
+    if recipe.init_from_target_layers:
+        init_from_target_layers(student, target, recipe.init_from_target_layers)
     pard = recipe.pard
     if pard is not None:  # recorded in the config: the loop drafts K tokens a forward (serve_eval.engine.PardProposer)
         mask_id = pard.mask_token_id if pard.mask_token_id is not None else tokenizer.mask_token_id

@@ -119,3 +119,24 @@ def test_eval_recipe_runs_a_student_and_parcae_self_speculation(students, tmp_pa
                                          "drafter": str(parcae_folder),
                                          "decoding": {"max_new_tokens": 16, "draft_length": 3, "draft_recurrence": 1}}))
     assert report["lossless"] is True and report["drafter_kind"] == "parcae"
+
+
+def test_a_student_starts_from_the_targets_layers():
+    """Layer dropping: with every layer the student is the target; with some, it holds exactly those."""
+    from distill.config import ModelConfig, RecipeError
+    from distill.models import build_causal_lm, init_from_target_layers
+
+    torch.manual_seed(0)
+    cfg = dict(hidden_size=32, num_heads=4, intermediate_size=64, max_position_embeddings=64)
+    target = build_causal_lm(ModelConfig(num_layers=3, **cfg), 50).eval()
+    whole = build_causal_lm(ModelConfig(num_layers=3, **cfg), 50).eval()
+    init_from_target_layers(whole, target, [0, 1, 2])
+    ids = torch.randint(0, 50, (1, 12))
+    torch.testing.assert_close(whole(ids).logits, target(ids).logits, atol=0, rtol=0)
+    two = build_causal_lm(ModelConfig(num_layers=2, **cfg), 50)
+    init_from_target_layers(two, target, [0, 2])
+    assert torch.equal(two.model.layers[1].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
+    assert torch.equal(two.lm_head.weight, target.lm_head.weight) and torch.equal(two.model.norm.weight, target.model.norm.weight)
+    narrow = build_causal_lm(ModelConfig(num_layers=2, **{**cfg, "hidden_size": 16}), 50)
+    with pytest.raises(RecipeError, match="init_from_target_layers: the student's model.embed_tokens.weight"):
+        init_from_target_layers(narrow, target, [0, 2])

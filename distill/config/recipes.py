@@ -144,6 +144,17 @@ class DistillStudentRecipe(TrainingRecipe):
                                                                      intermediate_size=512))
     distill: DistillSection = Field(default_factory=DistillSection)
     pard: Optional[PardSection] = Field(None, description="also train PARD's parallel drafting (drafters.pard); None = off")
+    init_from_target_layers: Optional[list[int]] = Field(
+        None, min_length=1, description="start the student from the target's embeddings, head and these decoder layers "
+                                        "(layer dropping; the student needs the target's architecture and as many layers)")
+
+    @model_validator(mode="after")
+    def _layers_for_the_student(self) -> "DistillStudentRecipe":
+        ids = self.init_from_target_layers
+        if ids is not None and (len(ids) != self.student.num_layers or self.student.arch == "parcae"):
+            raise ValueError(f"init_from_target_layers {ids}: the student needs {len(ids)} transformer layers "
+                             f"(student.num_layers = {self.student.num_layers}, arch {self.student.arch!r})")
+        return self
 
     @model_validator(mode="after")
     def _pard_on_transformers(self) -> "DistillStudentRecipe":
