@@ -600,7 +600,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     per_prompt, lossless, verify_ms = [], True, []
     speculation = None
     if dec.ssd:  # imported here: serve_eval.ssd builds on this module
-        from .ssd import open_speculation, ssd_generate
+        from .ssd import open_speculation, ssd_generate, ssd_report
 
         speculation = open_speculation(new_proposer(), dec.ssd_branches, dec.ssd_exponent, dec.ssd_backup, dec.ssd_concurrent)
     try:
@@ -614,9 +614,9 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
                 totals["sd_forwards"] += stats.target_forwards
                 totals["sd_s"] += stats.total_seconds
                 sd_same = ours == base
-                seed = sampler(i).generator.initial_seed() + 1 if sampler(i).generator is not None else i
-                ours, stats, steps_ms = ssd_generate(target, speculation, prompt, dec.max_new_tokens, eos, sampler(i),
-                                                     seed, kv)
+                loop = sampler(i)
+                seed = (loop.generator.initial_seed() if loop.generator is not None else i) + 2**32  # the drafter's own
+                ours, stats, steps_ms = ssd_generate(target, speculation, prompt, dec.max_new_tokens, eos, loop, seed, kv)
                 verify_ms += steps_ms
             same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
             if speculation is not None and same is not None:
@@ -635,19 +635,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
                 served.append(served_record(i, prompt, ours, eos, stats, dec.temperature))
             per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
                                "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
-        ssd = None
-        if speculation is not None:
-            ssd = speculation.summary(None if speculation.concurrent else verify_ms)
-            sd_tokens_per_s = totals["sd_tokens"] / totals["sd_s"]
-            ssd["concurrent"] = speculation.concurrent
-            ssd["speculative_decoding"] = {"tau": round(totals["sd_tokens"] / max(1, totals["sd_forwards"]), 4),
-                                           "tokens_per_s": round(sd_tokens_per_s, 2),
-                                           "speedup": round(sd_tokens_per_s * totals["base_s"] / totals["base_tokens"], 4)}
-            ssd["over_speculative_decoding"] = round(totals["tokens"] / totals["spec_s"] / sd_tokens_per_s, 4)
-            if "modeled_separate_device_ms_per_step" in ssd:  # tokens/s with a drafter on a device of its own
-                steps = totals["forwards"] - len(encoded)
-                modeled = (totals["tokens"] - len(encoded)) / (1e-3 * ssd["modeled_separate_device_ms_per_step"] * steps)
-                ssd["modeled_separate_device_speedup"] = round(modeled * totals["base_s"] / totals["base_tokens"], 4)
+        ssd = None if speculation is None else ssd_report(speculation, totals, verify_ms, len(encoded))
     finally:
         if speculation is not None:
             speculation.close()

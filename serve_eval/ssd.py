@@ -446,3 +446,22 @@ def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, m
     stats.tokens = len(out)
     stats.total_seconds = time.perf_counter() - start
     return out, stats, verify_ms
+
+
+def ssd_report(speculation: InlineSpeculation, totals: dict, verify_ms: list[float], prompts: int) -> dict:
+    """An eval report's ``ssd`` section: the speculator's summary, and plain speculative decoding of the
+    same prompts with the same drafter (``totals["sd_*"]``, measured prompt by prompt beside SSD and
+    plain decoding); for an inline run, the speedup a drafter on a device of its own would give."""
+    ssd = speculation.summary(None if speculation.concurrent else verify_ms)
+    sd_tokens_per_s = totals["sd_tokens"] / totals["sd_s"]
+    plain_tokens_per_s = totals["base_tokens"] / totals["base_s"]
+    ssd["concurrent"] = speculation.concurrent
+    ssd["speculative_decoding"] = {"tau": round(totals["sd_tokens"] / max(1, totals["sd_forwards"]), 4),
+                                   "tokens_per_s": round(sd_tokens_per_s, 2),
+                                   "speedup": round(sd_tokens_per_s / plain_tokens_per_s, 4)}
+    ssd["over_speculative_decoding"] = round(totals["tokens"] / totals["spec_s"] / sd_tokens_per_s, 4)
+    if "modeled_separate_device_ms_per_step" in ssd:  # the prefill and each prompt's first token excluded
+        steps = totals["forwards"] - prompts
+        modeled = (totals["tokens"] - prompts) / (1e-3 * ssd["modeled_separate_device_ms_per_step"] * steps)
+        ssd["modeled_separate_device_speedup"] = round(modeled / plain_tokens_per_s, 4)
+    return ssd

@@ -107,3 +107,18 @@ def test_ssd_samples_the_target_distribution(toy_target, kind, backup):  # noqa:
             counts[out[1], out[2]] += 1
     assert speculator.stats.hits > 100 and speculator.stats.steps - speculator.stats.hits > 100  # both paths drew
     assert chi_square_pvalue(counts, exact_joint(toy_target, Sampler(**args))) > 1e-3
+
+
+def test_an_eval_measures_ssd_beside_plain_speculative_decoding():
+    from distill.base.decoding import DecodingSection
+    from serve_eval.engine import measure
+
+    target = lm(0)
+    prompts = [torch.randint(4, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 9)]
+    dec = DecodingSection(max_new_tokens=24, adaptive=False, draft_length=3, ssd=True, ssd_branches=4, ssd_concurrent=False)
+    report = measure(target, target, prompts, dec, None, lambda i: Sampler(), None)
+    ssd = report["ssd"]
+    assert report["lossless"] is True and ssd["speculative_decoding"]["tau"] > 1 and ssd["hit_rate"] > 0.5
+    assert ssd["modeled_separate_device_speedup"] > 0 and ssd["over_speculative_decoding"] > 0
+    with pytest.raises(ValueError, match="ssd verifies every draft of a chain"):
+        DecodingSection(ssd=True)  # per-step budgets are on by default
