@@ -38,6 +38,7 @@ where a GPU kernel would read the codes directly.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -67,9 +68,10 @@ def kv_quant(format: str, rotate: bool = False) -> KVQuant | None:
     return None if format == "full" else KVQuant(format, rotate=rotate)
 
 
+@functools.lru_cache(maxsize=8)
 def rotation(dim: int) -> torch.Tensor:
     """A fixed random orthogonal ``dim`` x ``dim`` matrix (QR of a seeded Gaussian, signs fixed): the
-    same for every layer, process and machine."""
+    same for every layer, process and machine; computed once per ``dim`` (read-only, shared)."""
     q, r = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))).float()
 

@@ -114,7 +114,7 @@ class SSDStats:
     speculate_s: float = 0.0
     backup_s: float = 0.0
     ranks: Counter = field(default_factory=Counter)  # rank of each real bonus among its outcome's candidates
-    outcomes: Counter = field(default_factory=Counter)  # drafts accepted, step by step
+    outcomes: Counter = field(default_factory=Counter)  # drafts accepted, steps that drafted
     steps_ms: list = field(default_factory=list)  # (hit, speculate ms, backup ms) per step
 
     def summary(self, verify_ms: list[float] | None = None) -> dict:
@@ -248,10 +248,11 @@ class Speculator:
         drafts and their logits (None at temperature 0) from the cache on a hit, just in time on a miss."""
         p, a, cache = self.proposer, self.anchor, self.cache
         emitted = self.drafts[:n].tolist() + [token]
-        self.outcome_counts[n] += 1
         stats = self.stats
         stats.steps += 1
-        stats.outcomes[n] += 1
+        if len(self.drafts):  # P_n: among steps that drafted (a bonus verified alone always accepts 0)
+            self.outcome_counts[n] += 1
+            stats.outcomes[n] += 1
         o = cache.keys.index((n, token)) if cache is not None and (n, token) in cache.keys else None
         if cache is not None:
             stats.speculate_s += cache.seconds
