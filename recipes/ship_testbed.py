@@ -2,12 +2,14 @@
 
     python -m recipes.ship_testbed runs/testbed_target [--dest distill/assets/testbed_target]
     python -m recipes.ship_testbed --drafter runs/dflash_testbed --eval-report runs/eval_dflash/report.json ...
+    python -m recipes.ship_testbed runs/pard_from_target_answers --dest distill/assets/testbed_pard --eval-report ...
 
-A target: ``<run>/model`` in half precision (about 22 MB for the 11M model). A drafter: its best
-checkpoint's own weights in half precision, without the target's embeddings and LM head (they load
-from the target, as serving engines load them), plus the eval reports given (``results.json``, keyed
-by each eval run's folder name: the measured tau and speedup) and ``evaluation.json`` (the shipped weights on the run's held-out set, by the
-current evaluator). Both get the run's resolved ``recipe.yaml``, ``provenance.json`` and
+A causal LM (the target, or a PARD drafter): ``<run>/model`` in half precision (about 22 MB for the 11M
+target), with its tokenizer and the eval reports given (``results.json``, as for a drafter). A drafter
+of a registered kind: its best checkpoint's own weights in half precision, without the target's
+embeddings and LM head (they load from the target, as serving engines load them), plus the eval
+reports given (``results.json``, keyed by each eval run's folder name: the measured tau and speedup)
+and ``evaluation.json`` (the shipped weights on the run's held-out set, by the current evaluator). Both get the run's resolved ``recipe.yaml``, ``provenance.json`` and
 ``summary.json`` (as ``training_summary.json``), written atomically: the old copy stays in place until
 the new one is complete.
 """
@@ -45,7 +47,16 @@ def _check_run(run_dir: Path, *needed: str) -> None:
             raise FileNotFoundError(f"{run_dir / name} is missing: is {run_dir} a finished training run?")
 
 
-def ship(run_dir: Path, dest: Path = SHIPPED_TARGET) -> Path:
+def _results(eval_reports: list[Path], tmp: Path) -> None:
+    """``results.json``: each eval report but its per-prompt rows, keyed by its run's folder name."""
+    results = {}
+    for report in map(Path, eval_reports):
+        rep = json.loads(report.read_text())
+        results[report.parent.name] = {k: v for k, v in rep.items() if k != "per_prompt"}
+    (tmp / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def ship(run_dir: Path, dest: Path = SHIPPED_TARGET, eval_reports: list[Path] = ()) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,6 +68,8 @@ def ship(run_dir: Path, dest: Path = SHIPPED_TARGET) -> Path:
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(run_dir / "model").save_pretrained(tmp)
     _run_files(run_dir, tmp, "float16")
+    if eval_reports:
+        _results(eval_reports, tmp)
     return _publish(tmp, dest)
 
 
@@ -79,11 +92,7 @@ def ship_drafter(run_dir: Path, eval_reports: list[Path], dest: Path | None = No
     # the held-out metrics of the shipped weights, by this code's evaluator (a run may predate it)
     (tmp / "evaluation.json").write_text(json.dumps(evaluate_shipped(run_dir, tmp), indent=2) + "\n")
     _run_files(run_dir, tmp, "float16")
-    results = {}
-    for report in map(Path, eval_reports):  # keyed by the eval run's folder name
-        rep = json.loads(report.read_text())
-        results[report.parent.name] = {k: v for k, v in rep.items() if k != "per_prompt"}
-    (tmp / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    _results(eval_reports, tmp)
     return _publish(tmp, dest)
 
 
@@ -108,7 +117,7 @@ def evaluate_shipped(run_dir: Path, folder: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, nargs="?", help="a train_lm run (the target)")
+    parser.add_argument("run_dir", type=Path, nargs="?", help="a train_lm / distill_student run (the target, a PARD drafter)")
     parser.add_argument("--drafter", type=Path, help="a train_drafter run, shipped for the testbed target")
     parser.add_argument("--eval-report", type=Path, action="append", default=[], help="eval report.json (repeatable)")
     parser.add_argument("--dest", type=Path, default=None)
@@ -116,7 +125,7 @@ def main() -> None:
     if args.drafter:
         print(f"shipped {ship_drafter(args.drafter, args.eval_report, args.dest)}")
     elif args.run_dir:
-        print(f"shipped {ship(args.run_dir, args.dest or SHIPPED_TARGET)}")
+        print(f"shipped {ship(args.run_dir, args.dest or SHIPPED_TARGET, args.eval_report)}")
     else:
         parser.error("give a target run directory or --drafter RUN")
 

@@ -122,3 +122,23 @@ def test_an_eval_measures_ssd_beside_plain_speculative_decoding():
     assert ssd["modeled_separate_device_speedup"] > 0 and ssd["over_speculative_decoding"] > 0
     with pytest.raises(ValueError, match="ssd verifies every draft of a chain"):
         DecodingSection(ssd=True)  # per-step budgets are on by default
+
+
+def test_the_shipped_pard_drafter_speculates_losslessly_for_the_testbed_target():
+    from transformers import AutoModelForCausalLM
+
+    from distill.config import TargetConfig
+    from distill.models import load_target
+    from distill.testbed import ASSETS
+    from serve_eval.engine import make_proposer
+
+    target, tok = load_target(TargetConfig(path="testbed"))
+    drafter = AutoModelForCausalLM.from_pretrained(ASSETS / "testbed_pard", dtype=torch.float32).eval()
+    prompt = torch.tensor(tok("import os\n\n\ndef read_config(path):\n    ")["input_ids"])
+    reference, _ = plain_generate(target, prompt, 32)
+    for parallel in (True, False):
+        proposer = make_proposer(drafter, parallel=parallel)
+        assert isinstance(proposer, PardProposer) == parallel
+        with open_speculation(proposer, concurrent=False) as speculation:
+            out, stats, _ = ssd_generate(target, speculation, prompt, 32)
+            assert out == reference and stats.tau > 1.2
