@@ -47,7 +47,7 @@ def init_from_target_layers(student, target, layers: list[int]) -> None:
     source = target.state_dict()
     for name, param in student.state_dict().items():
         parts = name.split(".")
-        if "layers" in parts:  # model.layers.J.rest -> model.layers.layers[J].rest
+        if "layers" in parts:  # the student's layer J is the target's layer layers[J]
             k = parts.index("layers") + 1
             parts[k] = str(layers[int(parts[k])])
         theirs = source.get(".".join(parts))

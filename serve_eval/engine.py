@@ -423,6 +423,13 @@ class GenerationStats:
         """Tokens emitted per target forward (bonus included)."""
         return self.tokens / max(1, self.target_forwards)
 
+    def count_step(self, drafts: int, accepted: int) -> None:
+        """A step that verified ``drafts`` drafts and accepted the first ``accepted``: positions up to the
+        first miss count as verified."""
+        for k in range(drafts):
+            self.drafted_by_position[k] += int(k <= accepted)
+            self.accepted_by_position[k] += int(k < accepted)
+
 
 def _truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
     tokens = tokens[:max_new_tokens]
@@ -541,9 +548,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n))
         stats.target_forwards += 1
         n = len(accepted)
-        for k in range(len(drafts)):
-            stats.drafted_by_position[k] += int(k <= n)  # depths up to the first miss are verified
-            stats.accepted_by_position[k] += int(k < n)
+        stats.count_step(len(drafts), n)
         emitted = torch.cat([accepted, new_bonus.view(1)])
         emitted_list = emitted.tolist()  # one host sync for the step's tokens
         out.extend(emitted_list)

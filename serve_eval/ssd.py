@@ -92,13 +92,12 @@ def _power_law_exponent(in_top: dict[int, float]) -> float | None:
 @dataclass
 class _Cache:
     """The speculation cache being built: ``keys[o] = (n, t)``; ``drafts[o]`` / ``logits[o]`` what branch
-    ``o`` drafted so far; the flat KV cache's branch entries start at ``base``; ``forwards`` done."""
+    ``o`` drafted so far; the flat KV cache's branch entries start at ``base``."""
 
     keys: list[tuple[int, int]]
     base: int
     drafts: list[list[torch.Tensor]]
     logits: list[list[torch.Tensor]]
-    forwards: int = 0
     seconds: float = 0.0
     interrupted: bool = False
 
@@ -239,7 +238,6 @@ class Speculator:
                     cache.drafts[o].append(chosen[o])
                     cache.logits[o].append(logits[o])
                 tokens = chosen.tolist()
-            cache.forwards += 1
         cache.seconds = time.perf_counter() - start
 
     @torch.no_grad()
@@ -433,9 +431,7 @@ def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, m
         stats.verify_seconds += t2 - t1
         verify_ms.append(1e3 * (t2 - t1))
         stats.target_forwards += 1
-        for k in range(len(drafts)):
-            stats.drafted_by_position[k] += int(k <= n)
-            stats.accepted_by_position[k] += int(k < n)
+        stats.count_step(len(drafts), n)
         emitted = drafts[:n].tolist() + [int(bonus)]
         out += emitted
         anchor_pos += n + 1
