@@ -38,6 +38,7 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
   draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
   draftsmith eval --drafter distill/assets/testbed_dflash --kv-cache int4 --kv-rotate   # a quantized target KV cache
+  draftsmith eval --drafter distill/assets/testbed_dflash --drafter-int8 off      # the drafter's head in fp32 (CPU default: int8)
   draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter
   draftsmith eval --drafter runs/pard_testbed/model                    # a PARD drafter: its block in one forward""",
     "export": """examples:
@@ -86,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
     ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
+    ev.add_argument("--drafter-int8", default="auto", choices=["auto", "off", "head", "all"],
+                    help="the drafter's head (or all its Linears) in int8, a CPU kernel; auto (default): the head on "
+                         "the CPU, off on a GPU. The target stays as it is")
     ev.add_argument("--kv-cache", default="full", choices=["full", "int8", "fp8", "int4"],
                     help="the target's KV cache in both loops (serve_eval.kv); the report compares it with full precision")
     ev.add_argument("--kv-rotate", action="store_true", help="quantize keys and values after a fixed random rotation")
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
                                                 "adaptive": not (args.fixed_budget or args.ssd), "draft_vocab": args.draft_vocab,
-                                                "ssd": args.ssd, "ssd_branches": args.ssd_branches,
+                                                "drafter_int8": args.drafter_int8, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
                                                 "ssd_backup": args.ssd_backup, "ssd_concurrent": not args.ssd_inline,
                                                 "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,
                                                 "parallel_drafts": not args.autoregressive}},

@@ -43,6 +43,7 @@ from recipes.plots import saved_figure
 from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
+from serve_eval.int8 import int8_drafter
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
 from serve_eval.sampling import Sampler
 
@@ -125,6 +126,12 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
                           f"EAGLE-3 drafter's heads; this drafter is {drafter.config.model_type!r}")
     if dec.draft_vocab > len(tokenizer):
         raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
+    int8 = dec.drafter_int8  # a target drafting for itself was refused with the recipe
+    if int8 == "auto":
+        int8 = "head" if device == "cpu" and not same else "off"
+    elif int8 != "off" and device != "cpu":
+        raise RecipeError(f"decoding.drafter_int8 = {int8!r} serves a drafter's weights in int8 on the CPU "
+                          f"(torch._int_mm); on {device} the drafter runs in the target's dtype (auto or off)")
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
         raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
                           f"{device} set ssd_concurrent: false (inline)")
@@ -146,6 +153,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
+    int8_record = int8_drafter(drafter, int8) if int8 != "off" else None
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)
@@ -178,6 +186,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         "torch_threads": torch.get_num_threads(),
         "device": device,
         **({"draft_vocab": vocab_record} if vocab_record else {}),
+        **({"drafter_int8": int8_record} if int8_record else {}),
     }
     if dec.kv_cache != "full":
         report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler)

@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 off|head|all]
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts, the first a warm-up")
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
+    parser.add_argument("--drafter-int8", choices=["off", "head", "all"], default="head",
+                        help="the drafter's head (default, as the CPU eval serves it) or all its Linears in int8, or off")
     args = parser.parse_args(argv)
 
     from distill.base.features import FeatureCapture
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     from recipes.registry import load_recipe
     from serve_eval import engine
     from serve_eval.budget import Budget
+    from serve_eval.int8 import int8_drafter
     from serve_eval.sampling import Sampler
 
     recipe = load_recipe(args.recipe, [f"drafter={args.drafter}"])
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
+    if args.drafter_int8 != "off":
+        int8_drafter(drafter, args.drafter_int8)
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

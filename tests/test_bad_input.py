@@ -80,6 +80,9 @@ CASES = [
     ("ssd with a drafter that reads target features", lambda t: ["--ssd"],
      "decoding.ssd drafts ahead of the target's features, so it needs a drafter that reads tokens only"),
     ("ssd on trees", lambda t: ["--ssd", "--mode", "tree"], "ssd verifies every draft of a chain the speculation made"),
+    ("an int8 head for the target drafting for itself",
+     lambda t: ["--drafter", str(REPO / "distill/assets/testbed_target"), "--drafter-int8", "head"],
+     "is the target itself, which must stay as it is"),
     ("recipe YAML that does not parse", lambda t: _recipe(t, "recipe: eval\ndecoding: [1,\n"), "recipe.yaml"),
     ("recipe key misspelt", lambda t: _recipe(t, f"recipe: eval\ndrafter: {DRAFTER}\nprompts: {{from_corpus: 2}}\n"
                                                  "decodng: {{}}\n"), "decodng"),

@@ -164,7 +164,7 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
 
 
 @pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
-                                      {"draft_vocab": 128, "draft_vocab_prompts": 4}])
+                                      {"draft_vocab": 128, "draft_vocab_prompts": 4, "drafter_int8": "head"}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -206,6 +206,9 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
         vocab = report["draft_vocab"]
         assert vocab["size"] == 128 and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1
+    if "drafter_int8" in decoding:  # the restricted head, served from int8 codes of its 128 rows
+        int8 = report["drafter_int8"]
+        assert int8["which"] == "head" and int8["linears"] == 1 and int8["int8_bytes"] < int8["weight_bytes"] / 3
 
 
 def test_dspark_confidence_scheduling_stays_lossless_and_drafts_less(target_and_prompts, trained_drafters):
@@ -476,3 +479,21 @@ def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_p
                                          "train_files": [str(tmp_path / "serve" / "served.jsonl")], "max_documents": None})
     summary = train_drafter.main(adapt.model_copy(update={"data": data}))
     assert summary["steps"] == 6
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "causal_lm"])
+def test_int8_drafters_stay_lossless(target_and_prompts, trained_drafters, kind):
+    """A drafter served with int8 weights (serve_eval.int8; a causal LM: the target itself, its head in
+    int8) is another drafter: greedy chains and trees still equal plain decoding."""
+    import copy
+
+    from serve_eval.int8 import Int8Linear, int8_drafter
+
+    target, tok, prompts = target_and_prompts
+    drafter = copy.deepcopy(target if kind == "causal_lm" else trained_drafters[kind])
+    record = int8_drafter(drafter, "head" if kind == "causal_lm" else "all")
+    assert record["int8_bytes"] < record["weight_bytes"] / 3 and isinstance(drafter.lm_head, Int8Linear)
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        assert speculative_generate(target, drafter, prompt, MAX_NEW)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference

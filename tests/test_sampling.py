@@ -108,6 +108,21 @@ def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, 
     assert chi_square_pvalue(broken, exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
 
+def test_an_int8_drafter_samples_the_target_distribution(toy_target):
+    """A DFlash drafter served from int8 codes (serve_eval.int8, every Linear) proposes its own q, which
+    drafting and the acceptance test both read: chains and trees sample the target's distribution."""
+    from serve_eval.int8 import int8_drafter
+
+    torch.manual_seed(4)
+    section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
+    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
+    int8_drafter(drafter, "all")
+    args = {"temperature": 1.0}
+    exact = exact_joint(toy_target, Sampler(**args))
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, budget=Budget(VARIED_COSTS)), exact) > 1e-3
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5), exact) > 1e-3
+
+
 @pytest.mark.parametrize("args", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 2}])
 def test_tree_sampling_matches_the_target_distribution(toy_target, args):
     """Sampled trees walked by recursive rejection sampling; with top-k 2 a node has at most two children

@@ -36,6 +36,10 @@ class DecodingSection(Strict):
                                                   "most only (drafters.vocab); 0 = the whole vocabulary")
     draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the "
                                                             "target's tokens for draft_vocab")
+    drafter_int8: Literal["auto", "off", "head", "all"] = Field(
+        "auto", description="serve the drafter's projections onto the vocabulary (head) or all its Linears (all) from "
+                            "int8 weight codes and int8 activations (serve_eval.int8, a CPU kernel); auto: head on "
+                            "the CPU, off on a GPU or when the drafter is the target itself. The target is untouched")
     kv_cache: Literal["full", "int8", "fp8", "int4"] = Field(
         "full", description="the target's KV cache: full precision, or int8 / fp8 / int4 codes with an fp16 scale per "
                             "32 channels (serve_eval.kv); both loops use it, the report measures it against full")

@@ -50,6 +50,14 @@ def local_config(path: str) -> dict | None:
     return read_config(folder, "target") if (folder / "config.json").exists() else None
 
 
+def same_folder(path: str, target: str) -> bool:
+    """Whether the folder ``path`` is the target named by ``target`` ('testbed' or a folder) on disk."""
+    from ..testbed import SHIPPED_TARGET
+
+    folder = SHIPPED_TARGET if target == "testbed" else Path(os.path.expanduser(target))
+    return Path(os.path.expanduser(path)).resolve() == folder.resolve()
+
+
 def local_or_hub(value: str, what: str, probe_file: str) -> str:
     """A local folder that exists, or a hub id (which, offline, must already be in the local cache)."""
     value = resolve_path(value)

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..base.decoding import DecodingSection
 from ..base.schema import Strict
-from .paths import RecipePath, existing_path, local_config, local_or_hub, pretrained_folder
+from .paths import RecipePath, existing_path, local_config, local_or_hub, pretrained_folder, same_folder
 from .sections import (
     VARIANT_NAME,
     DataConfig,
@@ -255,6 +255,13 @@ class EvalRecipe(RecipeBase):
         if kind is not None:
             raise ValueError(f"decoding.ssd drafts ahead of the target's features, so it needs a drafter that reads "
                              f"tokens only (a causal LM or a PARD drafter); {self.drafter} is a {kind} drafter")
+        return self
+
+    @model_validator(mode="after")
+    def _int8_drafter_is_not_the_target(self) -> "EvalRecipe":
+        if self.decoding.drafter_int8 in ("head", "all") and same_folder(self.drafter, self.target.path):
+            raise ValueError(f"decoding.drafter_int8 = {self.decoding.drafter_int8!r}: the drafter {self.drafter} is the "
+                             "target itself, which must stay as it is (auto or off)")
         return self
 
 

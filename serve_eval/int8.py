@@ -1,0 +1,104 @@
+"""Int8 weights for the drafter while it drafts, on the CPU (``decoding.drafter_int8``).
+
+A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
+
+* weights, once, per output channel ``o``: ``s_o = max_i |W_oi| / 127``, codes ``C_oi = round(W_oi / s_o)``
+  in [-127, 127], stored transposed (in x out, the layout ``torch._int_mm`` reads fastest);
+* activations, every call, per row ``r`` (a token): ``a_r = max_i |x_ri| / 127``, ``X_ri = round(x_ri / a_r)``;
+* ``y_ro = a_r s_o sum_i X_ri C_oi + b_o``: the sum is exact in int32 (``|sum| <= in * 127^2 < 2^31`` for
+  ``in`` below 133,000), so the only errors are the two roundings, at most half a step of each factor.
+
+Losslessness does not depend on any of it: the loop verifies with the full-precision target, and the
+int8 drafter is simply another drafter whose proposals (its ``q``) are what both drafting and the
+acceptance test read. Greedy output and the sampled distribution stay exactly the target's; only tau
+and the drafting time can move, and the report measures both.
+
+Why here: a drafter's cost on a CPU is reading its weights (the 4,096 x 320 LM head of the testbed
+is 5.2 MB in fp32, most of the drafter) and int8 codes are a quarter of that. Measured on this CPU
+(1 thread, 8 rows x 320 -> 4,096): fp32 0.44-0.57 ms, this 0.17-0.19 ms; torchao's
+``Int8DynamicActivationIntxWeightConfig`` (the project's ``8da8w`` scheme, :mod:`distill.quantize`)
+5.6 ms and ``Int8DynamicActivationInt8WeightConfig`` 0.79 ms (a tensor subclass dispatched from
+Python at every call, with no fused CPU kernel for these shapes); ``torch.ao.quantization``'s dynamic
+quantization (fbgemm, 0.09 ms) is deprecated and due for removal. ``torch._int_mm`` is ATen's int8 GEMM.
+On a GPU the drafter runs in the target's bf16 and this is refused.
+
+``which``: ``head`` converts the projections onto the vocabulary (``lm_head``, DSpark's ``markov_out``),
+the largest weights by far; ``all`` every Linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from drafters.vocab import RestrictedHead
+
+HEADS = ("lm_head", "markov_out")
+
+
+def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 codes, transposed (in x out), and their scales (out)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8).T.contiguous(), scale
+
+
+class Int8Linear(nn.Module):
+    """``x W^T + b`` from int8 weight codes and per-row int8 activations (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        codes, scale = _codes(weight)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        step = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
+        y = torch._int_mm(torch.round(rows / step).to(torch.int8), self.codes).float().mul_(step).mul_(self.scale)
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class Int8RestrictedHead(Int8Linear):
+    """A :class:`drafters.vocab.RestrictedHead` in int8: codes for the draft vocabulary's rows only, the
+    logits scattered back over the whole vocabulary with the head's ``fill`` elsewhere."""
+
+    def __init__(self, head: RestrictedHead):
+        super().__init__(head.rows)
+        self.vocab_size, self.fill = head.out_features, head.fill
+        self.register_buffer("ids", head.ids.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = super().forward(x)
+        full = small.new_full((*small.shape[:-1], self.vocab_size), self.fill)
+        return full.index_copy_(-1, self.ids, small)
+
+
+def int8_drafter(drafter: nn.Module, which: str) -> dict:
+    """Replace the drafter's Linears (``which``: ``head`` or ``all``) by int8 ones, in place, after any
+    draft-vocabulary restriction. Returns what the report records: which, how many Linears, and the
+    bytes of their weights before (fp32 as loaded) and after (codes + scales)."""
+    if which not in ("head", "all"):
+        raise ValueError(f"drafter_int8: 'head' or 'all', got {which!r}")
+    converted, before, after = 0, 0, 0
+    for parent in list(drafter.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or (which == "head" and name not in HEADS):
+                continue
+            weight = child.rows if isinstance(child, RestrictedHead) else child.weight
+            int8 = Int8RestrictedHead(child) if isinstance(child, RestrictedHead) else Int8Linear.from_linear(child)
+            setattr(parent, name, int8)
+            converted += 1
+            before += weight.numel() * weight.element_size()
+            after += int8.codes.numel() + int8.scale.numel() * int8.scale.element_size()
+    if not converted:
+        raise ValueError(f"drafter_int8 = {which!r}: the drafter has no Linear of that kind")
+    return {"which": which, "linears": converted, "weight_bytes": before, "int8_bytes": after}

@@ -1,0 +1,65 @@
+"""serve_eval.int8: a Linear served from int8 weight codes and int8 activations computes what its
+codes say (the int32 sum is exact), stays close to the full-precision Linear, and converts a drafter's
+heads (restricted or not) or all its Linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from drafters.vocab import RestrictedHead
+from serve_eval.int8 import Int8Linear, Int8RestrictedHead, int8_drafter
+
+
+@pytest.mark.parametrize("shape", [(1, 37), (8, 64), (3, 5, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_its_codes_exactly_and_close_to_the_float_linear(shape, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(shape[-1], 50, bias=bias)
+    x = torch.randn(*shape)
+    int8 = Int8Linear.from_linear(linear)
+    assert int8.codes.dtype == torch.int8 and int8.codes.shape == (shape[-1], 50) and int8.codes.abs().max() == 127
+    y = int8(x)
+    # the same arithmetic in float64: per-row activation codes times the weight codes, rescaled
+    rows = x.reshape(-1, shape[-1]).double()
+    step = rows.abs().amax(1, keepdim=True) / 127
+    exact = (torch.round(rows / step) @ int8.codes.double()) * step * int8.scale.double()
+    if bias:
+        exact += linear.bias.double()
+    assert y.shape == (*shape[:-1], 50)
+    assert torch.allclose(y.reshape(-1, 50).double(), exact, rtol=1e-5, atol=1e-5)
+    full = linear(x)
+    assert (y - full).norm() / full.norm() < 0.02  # two roundings of ~0.4% each
+    assert not torch.equal(y, full)
+
+
+def test_a_restricted_head_keeps_its_rows_and_fill():
+    torch.manual_seed(0)
+    head = nn.Linear(16, 40, bias=False)
+    ids = torch.tensor([1, 5, 6, 30])
+    for fill in (float("-inf"), 0.0):
+        restricted = RestrictedHead(head, ids, fill=fill)
+        int8 = Int8RestrictedHead(restricted)
+        x = torch.randn(2, 3, 16)
+        y, ref = int8(x), restricted(x)
+        others = torch.ones(40, dtype=torch.bool)
+        others[ids] = False
+        assert torch.equal(y[..., others], ref[..., others])  # the fill, untouched
+        assert torch.allclose(y[..., ids], ref[..., ids], rtol=0.05, atol=0.05)
+
+
+def test_int8_drafter_converts_heads_or_everything():
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+            self.lm_head = nn.Linear(8, 32, bias=False)
+
+    head_only = int8_drafter(Toy(), "head")
+    assert head_only == {"which": "head", "linears": 1, "weight_bytes": 32 * 8 * 4, "int8_bytes": 32 * 8 + 32 * 4}
+    toy = Toy()
+    assert int8_drafter(toy, "all")["linears"] == 2
+    assert isinstance(toy.layer[0], Int8Linear) and isinstance(toy.lm_head, Int8Linear)
+    with pytest.raises(ValueError, match="no Linear"):
+        int8_drafter(nn.Sequential(nn.ReLU()), "head")
