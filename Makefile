@@ -33,11 +33,16 @@ quickstart: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# One pytest-xdist worker per core (TEST_WORKERS=0: one process); tests in the group "distributed"
+# share a worker. --durations: the slowest tests, so the suite's time stays visible.
+TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(len(os.sched_getaffinity(0)), 4))" 2>/dev/null || echo 2)
+PYTEST := $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
 test: lint
-	$(PY) -m pytest tests
+	$(PYTEST)
 
 test-fast: lint
-	$(PY) -m pytest tests -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The CUDA paths in one command on one GPU (recipes/gpu_check.py); on a machine without one it says so, exit 0.
 GPU_CHECK_ARGS ?=

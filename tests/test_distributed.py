@@ -15,6 +15,9 @@ from safetensors.torch import load_file
 
 from .conftest import REPO, run_cli, tiny_lm_recipe, write_recipe
 
+# one pytest-xdist worker runs them all, one after another: their launchers bind fixed ports
+pytestmark = pytest.mark.xdist_group("distributed")
+
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
 
