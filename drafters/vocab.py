@@ -20,6 +20,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# a drafter's heads onto the vocabulary -> their logits outside a draft vocabulary: -inf for the head
+# whose softmax is the drafter's distribution, 0 for a term added to it (DSpark's Markov head)
+VOCAB_HEADS = {"lm_head": float("-inf"), "markov_out": 0.0}
+
+
+def over_vocab(small: torch.Tensor, ids: torch.Tensor, vocab_size: int, fill: float) -> torch.Tensor:
+    """Logits ``small`` [..., len(ids)] of the ids ``ids`` placed over the whole vocabulary, ``fill`` elsewhere."""
+    return small.new_full((*small.shape[:-1], vocab_size), fill).index_copy_(-1, ids, small)
+
 
 def frequent_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` ids with the largest ``counts`` [V] (ties to the lower id), ascending."""
@@ -62,9 +71,7 @@ class RestrictedHead(nn.Linear):
         self.register_buffer("rows", head.weight.detach()[self.ids].contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small = F.linear(x, self.rows)
-        full = small.new_full((*small.shape[:-1], self.out_features), self.fill)
-        return full.index_copy_(-1, self.ids, small)
+        return over_vocab(F.linear(x, self.rows), self.ids, self.out_features, self.fill)
 
 
 def restrict_vocab(drafter, ids: torch.Tensor):
@@ -73,9 +80,10 @@ def restrict_vocab(drafter, ids: torch.Tensor):
     when it is saved, and loading restricts it again (:class:`drafters.core.DrafterBase`). Only its
     proposals change; its weights do not. Call it again after the heads' weights change."""
     ids = ids.to(torch.long).sort().values
-    drafter.lm_head = RestrictedHead(_full(drafter.lm_head), ids)
-    if isinstance(getattr(drafter, "markov_out", None), nn.Linear):  # DSpark: previous token -> logits term
-        drafter.markov_out = RestrictedHead(_full(drafter.markov_out), ids, fill=0.0)
+    for name, fill in VOCAB_HEADS.items():
+        head = getattr(drafter, name, None)
+        if isinstance(head, nn.Linear):
+            setattr(drafter, name, RestrictedHead(_full(head), ids, fill=fill))
     drafter.register_buffer("draft_vocab", ids.to(drafter.lm_head.weight.device), persistent=True)
     drafter.config.draft_vocab_size = len(ids)
     return drafter

@@ -35,7 +35,8 @@ import torch
 import drafters
 from distill.checks import check_drafter_fits
 from distill.config import EvalRecipe, RecipeError
-from distill.models import load_target, resolve_target_path
+from distill.config.paths import same_folder
+from distill.models import load_target
 from distill.provenance import write_json_atomic, write_jsonl_atomic, write_run_header
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
@@ -44,6 +45,7 @@ from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.int8 import int8_drafter
+from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
 from serve_eval.sampling import Sampler
 
@@ -118,7 +120,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     set_threads(dec.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, tokenizer = load_target(recipe.target, device)
-    same = Path(recipe.drafter).resolve() == Path(resolve_target_path(recipe.target.path)).resolve()
+    same = same_folder(recipe.drafter, recipe.target.path)
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
     if dec.draft_vocab and drafters.kind_of(drafter) is None:
@@ -126,12 +128,10 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
                           f"EAGLE-3 drafter's heads; this drafter is {drafter.config.model_type!r}")
     if dec.draft_vocab > len(tokenizer):
         raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
-    int8 = dec.drafter_int8  # a target drafting for itself was refused with the recipe
-    if int8 == "auto":
-        int8 = "head" if device == "cpu" and not same else "off"
-    elif int8 != "off" and device != "cpu":
-        raise RecipeError(f"decoding.drafter_int8 = {int8!r} serves a drafter's weights in int8 on the CPU "
-                          f"(torch._int_mm); on {device} the drafter runs in the target's dtype (auto or off)")
+    try:  # a target drafting for itself with head / all was refused with the recipe
+        int8 = resolve_int8(dec.drafter_int8, device, same)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
         raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
                           f"{device} set ssd_concurrent: false (inline)")

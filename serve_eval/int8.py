@@ -31,9 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.vocab import RestrictedHead
-
-HEADS = ("lm_head", "markov_out")
+from drafters.vocab import VOCAB_HEADS, RestrictedHead, over_vocab
 
 
 def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,24 +75,34 @@ class Int8RestrictedHead(Int8Linear):
         self.register_buffer("ids", head.ids.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small = super().forward(x)
-        full = small.new_full((*small.shape[:-1], self.vocab_size), self.fill)
-        return full.index_copy_(-1, self.ids, small)
+        return over_vocab(super().forward(x), self.ids, self.vocab_size, self.fill)
+
+
+def resolve(setting: str, device: str, drafter_is_target: bool) -> str:
+    """What ``decoding.drafter_int8`` means here: ``auto`` is ``head`` on the CPU, ``off`` on a GPU or for a
+    target drafting for itself; ``head`` / ``all`` on a GPU are a ValueError (the kernel is the CPU's)."""
+    if setting == "auto":
+        return "head" if device == "cpu" and not drafter_is_target else "off"
+    if setting != "off" and device != "cpu":
+        raise ValueError(f"decoding.drafter_int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
+                         f"(torch._int_mm); on {device} the drafter runs in the target's dtype (auto or off)")
+    return setting
 
 
 def int8_drafter(drafter: nn.Module, which: str) -> dict:
-    """Replace the drafter's Linears (``which``: ``head`` or ``all``) by int8 ones, in place, after any
-    draft-vocabulary restriction. Returns what the report records: which, how many Linears, and the
-    bytes of their weights before (fp32 as loaded) and after (codes + scales)."""
+    """Replace the drafter's Linears (``which``: ``head``, the heads onto the vocabulary, or ``all``) by
+    int8 ones, in place, after any draft-vocabulary restriction. Returns what the report records:
+    which, how many Linears, and the bytes of their weights before (as loaded) and after (codes + scales)."""
     if which not in ("head", "all"):
         raise ValueError(f"drafter_int8: 'head' or 'all', got {which!r}")
     converted, before, after = 0, 0, 0
     for parent in list(drafter.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or (which == "head" and name not in HEADS):
+            if not isinstance(child, nn.Linear) or (which == "head" and name not in VOCAB_HEADS):
                 continue
-            weight = child.rows if isinstance(child, RestrictedHead) else child.weight
-            int8 = Int8RestrictedHead(child) if isinstance(child, RestrictedHead) else Int8Linear.from_linear(child)
+            restricted = isinstance(child, RestrictedHead)
+            weight = child.rows if restricted else child.weight
+            int8 = Int8RestrictedHead(child) if restricted else Int8Linear(weight, child.bias)
             setattr(parent, name, int8)
             converted += 1
             before += weight.numel() * weight.element_size()

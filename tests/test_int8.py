@@ -63,3 +63,10 @@ def test_int8_drafter_converts_heads_or_everything():
     assert isinstance(toy.layer[0], Int8Linear) and isinstance(toy.lm_head, Int8Linear)
     with pytest.raises(ValueError, match="no Linear"):
         int8_drafter(nn.Sequential(nn.ReLU()), "head")
+
+
+def test_the_recipe_setting_reads_a_bare_yaml_off():
+    from recipes.registry import load_recipe
+
+    assert load_recipe("eval_testbed", ["decoding.drafter_int8=off"]).decoding.drafter_int8 == "off"
+    assert load_recipe("eval_testbed", []).decoding.drafter_int8 == "auto"

@@ -59,6 +59,11 @@ class DecodingSection(Strict):
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
 
+    @field_validator("drafter_int8", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
     @field_validator("batch_sizes")
     @classmethod
     def _positive_batches(cls, v: list[int]) -> list[int]:

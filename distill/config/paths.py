@@ -41,21 +41,24 @@ def pretrained_folder(value: str, what: str) -> str:
     return value
 
 
+def target_folder(path: str) -> Path:
+    """The folder a target named by ``path`` ('testbed' or a folder; a hub id names no folder here) would be."""
+    from ..testbed import SHIPPED_TARGET
+
+    return SHIPPED_TARGET if path == "testbed" else Path(os.path.expanduser(path))
+
+
 def local_config(path: str) -> dict | None:
     """The config.json of a target named by ``path`` when it is on disk ('testbed' or a folder), else None."""
     from ..checks import read_config
-    from ..testbed import SHIPPED_TARGET
 
-    folder = SHIPPED_TARGET if path == "testbed" else Path(os.path.expanduser(path))
+    folder = target_folder(path)
     return read_config(folder, "target") if (folder / "config.json").exists() else None
 
 
 def same_folder(path: str, target: str) -> bool:
-    """Whether the folder ``path`` is the target named by ``target`` ('testbed' or a folder) on disk."""
-    from ..testbed import SHIPPED_TARGET
-
-    folder = SHIPPED_TARGET if target == "testbed" else Path(os.path.expanduser(target))
-    return Path(os.path.expanduser(path)).resolve() == folder.resolve()
+    """Whether the folder ``path`` is the target named by ``target`` (self-speculation)."""
+    return Path(os.path.expanduser(path)).resolve() == target_folder(target).resolve()
 
 
 def local_or_hub(value: str, what: str, probe_file: str) -> str:
