@@ -36,6 +36,7 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dflash
   draftsmith eval --drafter distill/assets/testbed_dflash --mode tree --tree-budgets 8 16 32
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
+  draftsmith eval --drafter distill/assets/testbed_dflash --lookup 10        # prompt-lookup copies grafted onto each draft
   draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
   draftsmith eval --drafter distill/assets/testbed_dflash --kv-cache int4 --kv-rotate   # a quantized target KV cache
   draftsmith eval --drafter distill/assets/testbed_dflash --drafter-int8 off      # the drafter's head in fp32 (CPU default: int8)
@@ -85,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--autoregressive", action="store_true",
                     help="a PARD-trained LM drafts one token a forward (--draft-length tokens) instead of its block in one")
     ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
+    ev.add_argument("--lookup", type=int, default=0, metavar="N",
+                    help="graft a prompt-lookup continuation of up to N tokens onto every draft (serve_eval.lookup); 0 = off")
     ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
     ev.add_argument("--drafter-int8", default="auto", choices=["auto", "off", "head", "all"],
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
                                                 "adaptive": not (args.fixed_budget or args.ssd), "draft_vocab": args.draft_vocab,
-                                                "drafter_int8": args.drafter_int8, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
+                                                "lookup": args.lookup, "drafter_int8": args.drafter_int8, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
                                                 "ssd_backup": args.ssd_backup, "ssd_concurrent": not args.ssd_inline,
                                                 "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,
                                                 "parallel_drafts": not args.autoregressive}},

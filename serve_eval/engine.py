@@ -25,9 +25,9 @@ distributed as the target's (sampler-processed) distribution given the prefix. T
 always rejected and drafts that are always accepted, and that a rolled-back cache equals a cache
 recomputed from scratch.
 
-Trees (``mode="tree"``) verify a best-first draft tree instead of a chain (:mod:`serve_eval.tree`),
-optionally with prompt-lookup continuations grafted on (:mod:`serve_eval.lookup`); several prompts
-at once decode in :mod:`serve_eval.batch`.
+Trees (``mode="tree"``) verify a best-first draft tree instead of a chain (:mod:`serve_eval.tree`).
+Prompt-lookup continuations can be grafted onto either (:mod:`serve_eval.lookup`); a chain with a
+copy that departs from it is verified as a tree. Several prompts at once decode in :mod:`serve_eval.batch`.
 """
 
 from __future__ import annotations
@@ -373,6 +373,16 @@ def _unverified_outcomes(sampler: Sampler, full: DraftTree, verified: int, path:
     return {children[0]: float(torch.minimum(sampler.probs(row), q[depth - 1]).sum())}
 
 
+def _verify_tree(session: "TargetSession", bonus: torch.Tensor, tree: DraftTree, sampler: Sampler, q, walk):
+    """One target forward over [bonus, tree] with the ancestor mask and the walk down it: the step's
+    ids [1, N+1], the target's logits and features there, the accepted path and the new bonus."""
+    ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
+    depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
+    logits, feats = session.forward_tree(ids, depths, tree.ancestor_mask())
+    path, new_bonus = walk(tree, logits, sampler, q)
+    return ids, logits, feats, path, new_bonus
+
+
 def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None):
     """Graft ``copied`` onto ``tree``; with a budget, only as many of its tokens as pay (the per-depth
     acceptance of copied tokens is calibrated apart, in ``budget.lookup``). Returns the tree and the
@@ -465,11 +475,9 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     """Speculative decoding with chain or tree verification (see the module docstrings of this file
     and of :mod:`serve_eval.tree`). With a :class:`~serve_eval.budget.Budget` each step verifies the
     prefix of the drafts (chain) or of the ``tree_budget``-node tree with the most expected tokens per
-    second; ``lookup`` (trees, greedy) grafts a prompt-lookup continuation of up to that many tokens
-    onto every tree (:mod:`serve_eval.lookup`); ``kv`` quantizes the target's KV cache
+    second; ``lookup`` grafts a prompt-lookup continuation of up to that many tokens
+    onto every draft, chain or tree (:mod:`serve_eval.lookup`); ``kv`` quantizes the target's KV cache
     (:mod:`serve_eval.kv`); ``verify`` and ``walk`` are test hooks."""
-    if lookup and (mode != "tree" or (sampler is not None and not sampler.greedy)):
-        raise ValueError("lookup drafts are grafted onto greedy trees only (mode='tree', temperature 0)")
     sampler = sampler or Sampler()
     proposer = proposer or make_proposer(drafter, confidence_threshold)
     K = proposer.block_size
@@ -513,10 +521,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 tree = sample_tree(tree, q, sampler)
             drafter_nodes = len(tree)
             tree, copied_nodes = _graft_lookup(tree, copied, budget)
-            ids = torch.cat([bonus.view(1), tree.tokens.to(bonus.device)])[None]
-            depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
-            logits, feats = session.forward_tree(ids, depths, tree.ancestor_mask())
-            path, new_bonus = walk(tree, logits, sampler, q)
+            ids, logits, feats, path, new_bonus = _verify_tree(session, bonus, tree, sampler, q, walk)
             accepted = ids[0, path[1:]]
             session.keep(anchor_pos, path)
             path_feats = None if feats is None else feats.aux[:, path]
@@ -539,13 +544,24 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                     keep = budget.causal_length(top_q, K - 1) if causal else budget.chain_length(top_q)
                 all_drafts = drafts
                 drafts, draft_logits = drafts[:keep], draft_logits[:keep]
-            logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
-            n, new_bonus = verify(sampler, drafts, draft_logits, logits)
-            accepted = drafts[:n]
-            session.rollback(anchor_pos + n + 1)
-            path_feats = None if feats is None else feats.aux[:, :n + 1]
+            chain = DraftTree.chain(drafts)
+            tree, copied_nodes = _graft_lookup(chain, copied, budget) if drafting else (chain, [])
+            if len(tree) > len(chain):  # the copy departs from the chain: one tree forward verifies both
+                draft_q = None if sampler.greedy else sampler.probs(draft_logits)
+                ids, logits, feats, path, new_bonus = _verify_tree(session, bonus, tree, sampler, draft_q, walk)
+                n = sum(node <= len(chain) for node in path[1:])  # drafts kept: a copied node's children are copied
+                accepted = ids[0, path[1:]]
+                session.keep(anchor_pos, path)
+            else:
+                logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
+                n, new_bonus = verify(sampler, drafts, draft_logits, logits)
+                path, accepted = list(range(n + 1)), drafts[:n]
+                session.rollback(anchor_pos + n + 1)
+            path_feats = None if feats is None else feats.aux[:, path]
             if budget is not None:
                 budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n))
+                if copied and drafting:
+                    _record_lookup(budget.lookup, copied, copied_nodes, path, accepted.tolist() + [int(new_bonus)])
         stats.target_forwards += 1
         n = len(accepted)
         stats.count_step(len(drafts), n)
@@ -596,7 +612,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     kv = kv_quant(dec.kv_cache, dec.kv_rotate)
     budget = None
     if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
-        largest = (budget_nodes or 1) + 1 + dec.lookup if dec.mode == "tree" else K
+        largest = ((budget_nodes or 1) + 1 if dec.mode == "tree" else K) + dec.lookup
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
         budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv), share=calibration)
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,

@@ -1,13 +1,22 @@
-"""Prompt lookup (n-gram) drafts grafted onto a draft tree: a drafter-free branch that copies.
+"""Prompt lookup (n-gram) drafts grafted onto a draft: a drafter-free branch that copies.
 
 Text often repeats what came before it (code above all: names, calls, whole lines). Prompt-lookup
 decoding (Saxena 2023; ``generate(prompt_lookup_num_tokens=...)`` in transformers) finds the last
 earlier occurrence of the sequence's final ``n`` tokens (longest ``n`` first) and proposes the tokens
-that followed it. Here that continuation is *grafted* onto the drafter's best-first tree as one more
-path from the root: where it agrees with the drafter it shares nodes, where it departs it adds a
-branch, so one verify forward checks both. The walk is unchanged (greedy: follow the target's argmax),
-so the tree stays lossless; only the candidates grow. Greedy decoding only: a sampled tree's children
-must be draws from the drafter's distribution (:mod:`serve_eval.tree`), and a copied token is not.
+that followed it. Here that continuation is *grafted* onto the drafter's chain or best-first tree as
+one more path from the root: where it agrees with the drafter it shares nodes, where it departs it
+adds a branch, so one verify forward checks both.
+
+Lossless at any temperature. Greedy: the walk follows the target's argmax, so the tree stays lossless
+and only the candidates grow. Sampled: a copied token is not a draw from the drafter's ``q`` but a
+deterministic function of the text so far, i.e. a draw from a point mass, and recursive rejection
+sampling (:mod:`serve_eval.tree`) takes any proposal whose probabilities it knows: a copied child
+``c``, tried after the node's drawn children, is kept with probability ``p_i(c)`` (``min(1, p_i(c) /
+1)``) and otherwise leaves ``p_i`` with ``c`` removed and renormalised (``norm(max(0, p_i - delta_c))``).
+Whether a node gets a copied child depends on its drawn children (a copy equal to one is merged into
+it), which is allowed: a stage may depend on the draws before it, as long as each stage samples its
+own residual exactly. The graft appends its new nodes, so they follow every drawn node
+(``DraftTree.drafted``).
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ def lookup_continuation(sequence: list[int], length: int, max_ngram: int = 3) ->
 
 def graft(tree: DraftTree, tokens: list[int]) -> tuple[DraftTree, list[int]]:
     """``tree`` with the path ``tokens`` from the root merged in: returns the new tree (new nodes
-    appended, so parents still come first) and, per path token, its node index."""
+    appended, so parents still come first and every copied node follows the drawn ones: its
+    ``drafted``) and, per path token, its node index."""
     parents, depths, node_tokens = tree.parents.tolist(), tree.depths.tolist(), tree.tokens.tolist()
     children: dict[tuple[int, int], int] = {}
     for i, (p, t) in enumerate(zip(parents, node_tokens)):
@@ -47,5 +57,6 @@ def graft(tree: DraftTree, tokens: list[int]) -> tuple[DraftTree, list[int]]:
             children[(current, token)] = node
         path.append(node)
         current = node
+    drafted = len(tree) if tree.drafted is None else tree.drafted
     return DraftTree(torch.tensor(node_tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     torch.tensor(depths, dtype=torch.long)), path
+                     torch.tensor(depths, dtype=torch.long), drafted), path

@@ -28,7 +28,8 @@ target's distribution at the node and ``q_i`` the drafter's over the tokens not 
 ``p_{i+1} = norm(max(0, p_i - q_i))``, and when every child is rejected the token is drawn from the
 last residual. Each stage outputs exactly ``p_i`` (the one-draft speculative-sampling identity with
 the later stages as its residual draw), so the emitted token follows ``p`` given the prefix. A chain is
-the tree with one child per node.
+the tree with one child per node. Nodes from ``DraftTree.drafted`` on are copied tokens
+(:mod:`serve_eval.lookup`): point-mass stages, kept with probability ``p_i(x)``.
 """
 
 from __future__ import annotations
@@ -44,13 +45,20 @@ class DraftTree:
     tokens: torch.Tensor  # [N] node tokens (the root, the bonus token, is not stored)
     parents: torch.Tensor  # [N] index of the parent node, -1 for the root
     depths: torch.Tensor  # [N] 1-based depth
+    drafted: int | None = None  # nodes from this index on are copied tokens (point masses); None = none are
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def prefix(self, n: int) -> "DraftTree":
         """The first ``n`` nodes: a tree whenever every parent comes before its children (pop order)."""
-        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.drafted)
+
+    @staticmethod
+    def chain(tokens: torch.Tensor) -> "DraftTree":
+        """A chain: node ``i`` is the child of node ``i - 1`` (the root's for ``i = 0``)."""
+        n = len(tokens)
+        return DraftTree(tokens.cpu(), torch.arange(-1, n - 1), torch.arange(1, n + 1))
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over [root, nodes]: True where the row's node may attend (itself, ancestors)."""
@@ -117,7 +125,7 @@ def sample_tree(tree: DraftTree, probs: torch.Tensor, sampler) -> DraftTree:
         for i, token in zip(nodes, sampler.sample(weights).tolist()):
             tokens[i] = token
             drawn[parents[i]].append(token)
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), tree.parents, tree.depths)
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), tree.parents, tree.depths, tree.drafted)
 
 
 def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tensor | None = None):
@@ -140,22 +148,31 @@ def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tenso
     for i, parent in enumerate(tree.parents.tolist()):
         kids[parent + 1].append(i + 1)
     tokens, depths = tree.tokens.tolist(), tree.depths.tolist()
+    drafted = len(tree) if tree.drafted is None else tree.drafted  # children past it are copied tokens
     path, current = [0], 0
     while True:
         p = sampler.probs(logits[current])
         accepted = None
-        if kids[current]:
-            q = probs[depths[kids[current][0] - 1] - 1].clone()
-            for child in kids[current]:
-                x = tokens[child - 1]
-                q_i = q / q.sum()
-                if sampler.uniform() * float(q_i[x]) < float(p[x]):
+        sampled = [child for child in kids[current] if child <= drafted]
+        q = probs[depths[sampled[0] - 1] - 1].clone() if sampled else None
+        for child in kids[current]:  # drawn children first, then a copied one (graft appends)
+            x = tokens[child - 1]
+            if child > drafted:  # a point mass on x: kept with probability p(x), else p without x
+                if sampler.uniform() < float(p[x]):
                     accepted = child
                     break
-                residual = (p - q_i).clamp_min(0)
-                if float(residual.sum()) > 0:  # zero only when p == q_i, which never rejects
-                    p = residual / residual.sum()
-                q[x] = 0.0
+                p = p.clone()
+                p[x] = 0.0
+                p = p / p.sum()
+                continue
+            q_i = q / q.sum()
+            if sampler.uniform() * float(q_i[x]) < float(p[x]):
+                accepted = child
+                break
+            residual = (p - q_i).clamp_min(0)
+            if float(residual.sum()) > 0:  # zero only when p == q_i, which never rejects
+                p = residual / residual.sum()
+            q[x] = 0.0
         if accepted is None:
             return path, sampler.sample(p)
         path.append(accepted)

@@ -88,15 +88,15 @@ def test_load_recipe_applies_overrides(tmp_path):
     assert load_recipe(path, ["train.max_steps=3"]).train.max_steps == 3
 
 
-def test_lookup_drafts_need_greedy_trees():
+def test_lookup_drafts_graft_onto_chains_and_trees_and_not_onto_ssd():
     from pydantic import ValidationError
 
     from distill.base.decoding import DecodingSection
 
-    assert DecodingSection(mode="tree", lookup=8).lookup == 8
-    for bad in ({"lookup": 8}, {"mode": "tree", "lookup": 8, "temperature": 1.0}):
-        with pytest.raises(ValidationError, match="greedy trees"):
-            DecodingSection(**bad)
+    for ok in ({"mode": "tree", "lookup": 8}, {"lookup": 8}, {"lookup": 8, "temperature": 1.0}):
+        assert DecodingSection(**ok).lookup == 8
+    with pytest.raises(ValidationError, match="lookup: 0"):
+        DecodingSection(lookup=8, ssd=True, adaptive=False)
 
 
 def test_kv_cache_formats_are_checked(tmp_path):

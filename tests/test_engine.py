@@ -297,21 +297,20 @@ def test_a_batch_size_is_judged_before_it_drafts(trained_drafters):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_trees_with_lookup_drafts_equal_greedy(target_and_prompts, trained_drafters, kind):
-    """Prompt-lookup continuations grafted onto the drafter's tree, with and without a budget: the
-    output is the target's greedy output, and copying from a repetitive prompt saves forwards."""
+def test_greedy_drafts_with_lookup_equal_greedy(target_and_prompts, trained_drafters, kind):
+    """Prompt-lookup continuations grafted onto the drafter's chain or tree, with and without a budget:
+    the output is the target's greedy output, and a repetitive prompt gets copies verified."""
     target, _, prompts = target_and_prompts
-    budget = Budget({1: 1.0, 4: 1.1, 16: 1.5, 40: 3.0})
     repetitive = torch.cat([prompts[0], prompts[0]])  # the target is likely to continue by copying
-    for prompt in [*prompts, repetitive]:
-        reference, base = plain_generate(target, prompt, MAX_NEW)
-        for b in (None, budget):
-            ours, stats = speculative_generate(target, trained_drafters[kind], prompt, MAX_NEW, mode="tree",
-                                               tree_budget=4, lookup=8, budget=b)
-            assert ours == reference
-    assert budget.lookup is not None and sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
-    with pytest.raises(ValueError, match="greedy trees"):
-        speculative_generate(target, trained_drafters[kind], prompts[0], 4, mode="chain", lookup=8)
+    for mode in ("chain", "tree"):
+        budget = Budget({1: 1.0, 4: 1.1, 16: 1.5, 40: 3.0})
+        for prompt in [*prompts, repetitive]:
+            reference, base = plain_generate(target, prompt, MAX_NEW)
+            for b in (None, budget):
+                ours, stats = speculative_generate(target, trained_drafters[kind], prompt, MAX_NEW, mode=mode,
+                                                   tree_budget=4, lookup=8, budget=b)
+                assert ours == reference, mode
+        assert budget.lookup is not None and sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])

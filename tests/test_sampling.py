@@ -18,6 +18,7 @@ from serve_eval.budget import Budget, DraftSwitch
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 from serve_eval.kv import KVQuant, inplace_cache
 from serve_eval.sampling import Sampler, verify_chain
+from serve_eval.tree import walk_tree
 
 VOCAB, PROMPT, SAMPLES = 6, torch.tensor([1, 2, 3]), 1500
 VARIED_COSTS = {1: 1.0, 2: 1.4, 3: 1.7, 6: 2.6}  # seconds per verified tokens: some steps verify 0 drafts, some all
@@ -136,6 +137,37 @@ def test_tree_sampling_matches_the_target_distribution(toy_target, args):
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, budget=budget), exact) > 1e-3
     assert len(set(budget.chosen)) > 1  # trees of several sizes were verified
     broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
+    assert chi_square_pvalue(broken, exact) < 1e-6
+
+
+def accept_every_copy(tree, logits, sampler, probs):
+    """A broken walk: follows copied (prompt-lookup) nodes from the root whatever the target chooses."""
+    drafted, path = len(tree) if tree.drafted is None else tree.drafted, [0]
+    while True:
+        copied = [i + 1 for i, parent in enumerate(tree.parents.tolist()) if parent + 1 == path[-1] and i >= drafted]
+        if not copied:
+            break
+        path.append(copied[0])
+    return (path, sampler.choose(logits[path[-1]])) if len(path) > 1 else walk_tree(tree, logits, sampler, probs)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_lookup_copies_sample_the_target_distribution(toy_target, mode):
+    """Prompt-lookup copies grafted onto sampled chains and trees are point-mass proposals in the
+    recursive rejection sampling (kept with probability p(x), else p without x): with and without a
+    budget the output follows the target; a walk that keeps every copy does not. A 6-token vocabulary
+    makes copies frequent."""
+    torch.manual_seed(5)
+    section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
+    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
+    args = {"temperature": 1.0}
+    exact = exact_joint(toy_target, Sampler(**args))
+    kwargs = {"mode": mode, "tree_budget": 4, "lookup": 3}
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, **kwargs), exact) > 1e-3
+    budget = Budget(VARIED_COSTS)
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, budget=budget, **kwargs), exact) > 1e-3
+    assert sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)  # copies were verified
+    broken = sampled_joint(toy_target, drafter, args, walk=accept_every_copy, **kwargs)
     assert chi_square_pvalue(broken, exact) < 1e-6
 
 

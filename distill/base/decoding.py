@@ -30,8 +30,8 @@ class DecodingSection(Strict):
     draft_recurrence: Optional[int] = Field(
         None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
-    lookup: int = Field(0, ge=0, description="trees, greedy: graft a prompt-lookup continuation of up to this many "
-                                             "tokens onto every tree (serve_eval.lookup); 0 = off")
+    lookup: int = Field(0, ge=0, description="graft a prompt-lookup continuation of up to this many tokens onto every "
+                                             "draft, chain or tree, greedy or sampled (serve_eval.lookup); 0 = off")
     draft_vocab: int = Field(0, ge=0, description="DFlash / DSpark / EAGLE-3: draft from the N tokens the target emits "
                                                   "most only (drafters.vocab); 0 = the whole vocabulary")
     draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the "
@@ -83,13 +83,6 @@ class DecodingSection(Strict):
             raise ValueError("ssd verifies every draft of a chain the speculation made: it needs mode: chain, "
                              "adaptive: false, lookup: 0 and no batch_sizes (got mode "
                              f"{self.mode!r}, adaptive {self.adaptive}, lookup {self.lookup}, batch_sizes {self.batch_sizes})")
-        return self
-
-    @model_validator(mode="after")
-    def _lookup_on_greedy_trees(self):
-        if self.lookup and (self.mode != "tree" or self.temperature != 0):
-            raise ValueError(f"lookup = {self.lookup} grafts copied tokens onto greedy trees: it needs mode: tree and "
-                             f"temperature: 0 (got mode {self.mode!r}, temperature {self.temperature})")
         return self
 
 
