@@ -264,3 +264,24 @@ def regenerated_splits(stage, target, tokenizer, splits, seed: int, target_fp: s
     tmp.write_text(json.dumps(record, indent=2))
     os.replace(tmp, manifest)
     return {**record, "reused": False}
+
+
+def training_splits(data, stage, target, tokenizer, seed: int):
+    """What a training recipe trains on: ``data``'s corpus, or with a ``regenerate:`` ``stage`` the
+    target's own answers to prompts cut from it (regenerated now, or read back from their cache:
+    recipes with the same stage, corpus, target and seed share one). Returns the text splits, the data
+    config to cut them into windows with, and the run's data record."""
+    from .data import load_text_splits, regenerated_text_splits, tokenizer_fingerprint
+    from .feature_cache import target_fingerprint
+
+    splits, regenerated = load_text_splits(data, seed), None
+    if stage is not None:
+        regenerated = regenerated_splits(stage, target, tokenizer, splits, seed, target_fingerprint(target),
+                                         tokenizer_fingerprint(tokenizer))
+        splits = regenerated_text_splits(regenerated)
+        data = data.model_copy(update={"format": "prompt_response"})
+    record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
+              "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    if regenerated is not None:
+        record["regenerated"] = {k: regenerated[k] for k in ("key", "folder", "files", "train_response_tokens", "reused")}
+    return splits, data, record

@@ -27,10 +27,11 @@ from pathlib import Path
 
 from distill.base.flops import flops_per_token
 from distill.config import DistillStudentRecipe, RecipeError
-from distill.data import load_text_splits, make_windows, tokenizer_fingerprint
+from distill.data import make_windows
 from distill.kd import evaluate_pard, evaluate_student, kd_loss_fn
 from distill.models import build_causal_lm, init_from_target_layers, load_target, model_summary, special_token_ids
 from distill.provenance import write_run_header
+from distill.regenerate import training_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import recurrence_curve, training_forward_kwargs, unwrap
@@ -61,11 +62,9 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
 
     ### Data, tokenized with the target's tokenizer
     with acc.main_process_first():
-        splits = load_text_splits(recipe.data, recipe.seed)
-        train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed)
-        val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed)
-    data_record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
-                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+        splits, data_cfg, data_record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed)
+        train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed)
+        val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed)
     if acc.is_main_process:
         write_run_header(recipe.output_dir, recipe, data=data_record, student=model_summary(student),
                          target=recipe.target.path, world_size=acc.num_processes)

@@ -21,12 +21,12 @@ import torch
 
 from distill.base.features import LAYER_ID_CONVENTION, FeatureCapture
 from distill.config import TrainDrafterRecipe
-from distill.data import load_text_splits, make_windows, regenerated_text_splits, tokenizer_fingerprint
+from distill.data import make_windows
 from distill.drafter_eval import build_drafter, evaluate_drafter
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
 from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
-from distill.regenerate import regenerated_splits
+from distill.regenerate import training_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters.core import sample_anchors
@@ -108,19 +108,9 @@ def drafter_windows(recipe: TrainDrafterRecipe, target, tokenizer):
     """``(train, val, data record)``: the recipe's token windows (the corpus, or the target's answers,
     regenerated now or read from their cache) of ``seq_len + 1`` tokens; the drafter reads all of them
     (no shift: its targets come from the features)."""
-    splits = load_text_splits(recipe.data, recipe.seed)
-    data_cfg, regenerated = recipe.data, None
-    if recipe.regenerate is not None:  # the target's own answers to prompts cut from the corpus, cached
-        regenerated = regenerated_splits(recipe.regenerate, target, tokenizer, splits, recipe.seed,
-                                         target_fingerprint(target), tokenizer_fingerprint(tokenizer))
-        splits = regenerated_text_splits(regenerated)
-        data_cfg = recipe.data.model_copy(update={"format": "prompt_response"})
+    splits, data_cfg, record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed)
     train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows)
     val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed)
-    record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
-              "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
-    if regenerated is not None:
-        record["regenerated"] = {k: regenerated[k] for k in ("key", "folder", "files", "train_response_tokens", "reused")}
     return train, val, record
 
 

@@ -82,6 +82,31 @@ def test_drafter_recipe_regenerates_in_process_online_and_offline_alike(tmp_path
     assert 0 < online["scored_tokens_per_s"] < online["tokens_per_s"] and online["scored_labels_per_s"] > 0
 
 
+def test_a_student_recipe_trains_on_the_answers_a_drafter_recipe_cached(tmp_path, tiny_target_dir, monkeypatch):
+    """A ``regenerate:`` stage in a distill_student recipe (a PARD drafter, a student) reads the answers
+    a drafter recipe with the same stage, corpus, target and seed regenerated, and trains on them."""
+    from recipes import distill_student, train_drafter
+
+    from .test_students import student_recipe
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    stage = {"train_prompts": 8, "val_prompts": 4, "prompt_tokens": 12, "max_new_tokens": 16, "temperatures": [0.0, 0.7],
+             "batch_size": 4}
+    data = {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1}
+    reset_accelerate()
+    raw = drafter_recipe(tmp_path / "drafter", tiny_target_dir, "dflash", max_steps=2, eval_every=2).model_dump(mode="json")
+    train_drafter.main(parse_recipe({**raw, "data": data, "regenerate": stage, "features": {"mode": "online"}}))
+    reset_accelerate()
+    raw = student_recipe(tmp_path / "student", tiny_target_dir, max_steps=4, eval_every=4).model_dump(mode="json")
+    summary = distill_student.main(parse_recipe({**raw, "data": data, "regenerate": stage}))
+    drafter_data, student_data = (json.loads((tmp_path / run / "provenance.json").read_text())["data"]
+                                  for run in ("drafter", "student"))
+    assert not drafter_data["regenerated"]["reused"] and student_data["regenerated"]["reused"]
+    assert student_data["regenerated"]["key"] == drafter_data["regenerated"]["key"]
+    assert student_data["data_fingerprint"] == drafter_data["data_fingerprint"]  # the answers, not the corpus
+    assert torch.isfinite(torch.tensor(summary["val_loss"]))
+
+
 def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir):
     from recipes import regenerate, train_drafter
 

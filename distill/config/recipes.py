@@ -135,7 +135,25 @@ class QuickstartRecipe(RecipeBase):
     torch_threads: Optional[int] = Field(None, gt=0)
 
 
-class DistillStudentRecipe(TrainingRecipe):
+class RegeneratesAnswers(TrainingRecipe):
+    """A training recipe that can train on the target's own answers (:mod:`distill.regenerate`)."""
+
+    regenerate: Optional[RegenerateStage] = Field(
+        None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)")
+
+    @model_validator(mode="after")
+    def _corpus_for_prompts(self):
+        if self.regenerate is not None and self.data.format != "text":
+            raise ValueError(f"regenerate cuts its prompts from a text corpus: data.format must be 'text', "
+                             f"got {self.data.format!r}")
+        if self.regenerate is not None and self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1 > self.data.seq_len + 1:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) is shorter than a regenerated example "
+                             f"(regenerate.prompt_tokens + max_new_tokens + EOS = "
+                             f"{self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1})")
+        return self
+
+
+class DistillStudentRecipe(RegeneratesAnswers):
     """Distill a compact student (a transformer or a Parcae model) from a frozen target's logits."""
 
     recipe: Literal["distill_student"]
@@ -170,26 +188,13 @@ class DistillStudentRecipe(TrainingRecipe):
         return self
 
 
-class TrainDrafterRecipe(TrainingRecipe):
+class TrainDrafterRecipe(RegeneratesAnswers):
     """Distill a drafter from a frozen target whose hidden states are captured while it runs."""
 
     recipe: Literal["train_drafter"]
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: DrafterSection = Field(default_factory=DrafterSection)
     features: FeaturesSection = Field(default_factory=FeaturesSection)
-    regenerate: Optional[RegenerateStage] = Field(
-        None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)")
-
-    @model_validator(mode="after")
-    def _corpus_for_prompts(self) -> "TrainDrafterRecipe":
-        if self.regenerate is not None and self.data.format != "text":
-            raise ValueError(f"regenerate cuts its prompts from a text corpus: data.format must be 'text', "
-                             f"got {self.data.format!r}")
-        if self.regenerate is not None and self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1 > self.data.seq_len + 1:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) is shorter than a regenerated example "
-                             f"(regenerate.prompt_tokens + max_new_tokens + EOS = "
-                             f"{self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1})")
-        return self
 
     @model_validator(mode="after")
     def _blocks_fit(self) -> "TrainDrafterRecipe":
