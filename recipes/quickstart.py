@@ -149,7 +149,8 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
 def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict:
     """The shipped drafter measured now: as a chain and as a tree (at its best shipped budget), each with
     per-step budgets (``decoding.adaptive``), as a chain verifying every draft, to set beside the
-    simulated tau recorded when it was trained, and as the tree with prompt-lookup drafts grafted on."""
+    simulated tau recorded when it was trained, and as the chain and the tree with prompt-lookup drafts
+    grafted on."""
     from recipes import evaluate
 
     stage = recipe.shipped_drafter
@@ -166,8 +167,9 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
     # decoding the simulated tau replays, so the two compare
     tree = ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"]
     runs = [("chain", []), ("tree", tree), ("chain_full_draft", ["decoding.adaptive=false"])]
-    if stage.lookup:  # the tree again, with prompt-lookup continuations grafted on (serve_eval.lookup)
-        runs.append(("tree_lookup", [*tree, f"decoding.lookup={stage.lookup}"]))
+    if stage.lookup:  # the chain and the tree again, with prompt-lookup continuations grafted on (serve_eval.lookup)
+        lookup = f"decoding.lookup={stage.lookup}"
+        runs += [("chain_lookup", [lookup]), ("tree_lookup", [*tree, lookup])]
     for mode, extra in runs:
         overrides = [f"output_dir={out / 'shipped_drafter' / mode}", f"drafter={folder}", f"target.path={target_dir}",
                      *extra, *stage.overrides]

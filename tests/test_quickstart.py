@@ -30,7 +30,7 @@ def test_quickstart_with_the_shipped_target(tmp_path):
     assert 1 < target["val_ppl"] < 60 and target["tokens_per_s"] > 0 and 0 < target["mfu"] < 1
     shipped = saved["shipped_drafter"]  # the shipped DFlash drafter, measured now as a chain and as a tree
     assert shipped == summary["shipped_drafter"] and shipped["kind"] == "dflash" and shipped["simulated_tau"] > 1
-    for mode in ("chain", "tree", "chain_full_draft", "tree_lookup"):
+    for mode in ("chain", "tree", "chain_full_draft", "chain_lookup", "tree_lookup"):
         assert shipped[mode]["lossless"] is True and shipped[mode]["prompts"] == 2 and shipped[mode]["tau"] >= 1
         assert shipped[f"{mode}_speedup"] == shipped[mode]["speedup"] > 0
     assert shipped["simulated_minus_measured_tau"] == round(shipped["simulated_tau"] - shipped["chain_full_draft_tau"], 4)

@@ -108,8 +108,8 @@ class QuickstartShippedDrafterStage(QuickstartEvalStage):
     kind: DrafterKind = "dflash"
     tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
                                                                "shipped with (results.json)")
-    lookup: int = Field(10, ge=0, description="also measure the tree with prompt-lookup continuations of up to this "
-                                              "many tokens grafted on (decoding.lookup); 0 = not")
+    lookup: int = Field(10, ge=0, description="also measure the chain and the tree with prompt-lookup continuations of up "
+                                              "to this many tokens grafted on (decoding.lookup); 0 = not")
 
     @model_validator(mode="after")
     def _shipped(self) -> "QuickstartShippedDrafterStage":
