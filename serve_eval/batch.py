@@ -3,7 +3,9 @@
 Rows. Each prompt is a row of one batched forward. Rows keep different numbers of drafts, so their
 lengths drift apart. The target's KV cache holds one *slot* per token read, with a validity mask per
 row: every step appends the same ``n`` slots to every row, and afterwards a row marks the slots of
-the drafts it rejected invalid (a hole that is never attended again). Positions (RoPE) follow each
+the drafts it rejected invalid (a hole that is never attended again); once holes make up a quarter of
+the slots, every row's valid slots move to its front (:meth:`BatchTarget.compact`), so attention does
+not keep paying for them (at 16 rows they had grown to over half the slots and a fifth of the time). Positions (RoPE) follow each
 row's own count of valid tokens, so a row computes exactly what it would alone. Rows that finish
 (``max_new_tokens`` or EOS) leave the batch. The drafter's context (target features of each row's
 verified tokens) is kept compact per row and right-padded, so a block anchored at row ``i``'s length
@@ -18,9 +20,10 @@ tokens per second,
     n* = argmax_n  (R + sum_rows sum_{j < n} P_row,j) / (c(R n) + d_R),
 
 ``P`` from the calibrated acceptance of :class:`~serve_eval.budget.Budget` (the drafter's top
-probability per position, never a drawn token's), ``c(m)`` the measured cost of a target forward over
-``m`` tokens (a matmul over ``R n`` rows costs what one row of ``R n`` tokens costs) and ``d_R`` the
-measured drafting cost at ``R`` rows. Where speculation stops paying (large batches on a compute-bound
+probability per position, never a drawn token's), ``c(R n)`` the measured cost of a batched step
+(before a batch size runs, :func:`measure_step_seconds` times its steps over ``n = 1..K`` tokens a
+row; for fewer rows, as rows finish, the one-row cost of ``R n`` tokens scaled by the same ratio) and
+``d_R`` the measured drafting cost at ``R`` rows. Where speculation stops paying (large batches on a compute-bound
 CPU) the scheduler also stops drafting: while the best rate its calibration predicts is below plain
 decoding's, steps read the bonus only and the drafter just reads the new features, with a drafted
 probe step now and then (after 8, 16, 32, 64 plain steps) to notice when that changes (Nightjar's
@@ -94,9 +97,24 @@ class BatchTarget:
         return out
 
     def keep(self, counts: torch.Tensor, n: int) -> None:
-        """After a step of ``n`` slots: row ``i`` keeps the first ``counts[i]`` of them."""
+        """After a step of ``n`` slots: row ``i`` keeps the first ``counts[i]`` of them. When the holes
+        make up a quarter of the slots (32 at least), every row's valid slots move to its front."""
         self.valid[:, -n:] = torch.arange(n)[None] < counts[:, None]
         self.lengths += counts
+        slots, longest = self.valid.shape[1], int(self.valid.sum(1).max())
+        if slots - longest >= max(32, slots // 4):
+            self.compact()
+
+    def compact(self) -> None:
+        """Close the holes: each row's valid slots, in order, become its first ones. Attention reads the
+        same keys and values under the same mask (positions were applied when they were written), over
+        fewer slots."""
+        counts = self.valid.sum(1)
+        longest = int(counts.max())
+        order = torch.argsort((~self.valid).to(torch.uint8), dim=1, stable=True)[:, :longest]  # valid slots first
+        for layer in self.cache.layers:
+            layer.gather(order)
+        self.valid = torch.arange(longest)[None] < counts[:, None]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of the batch."""
@@ -175,8 +193,9 @@ class BatchScheduler:
     """Chooses ``n`` for each batched step and when to stop drafting (see the module doc)."""
 
     def __init__(self, budget: Budget, block_size: int, probe_first: int = 8, probe_limit: int = 64,
-                 min_drafts: int = 8):
+                 min_drafts: int = 8, step_seconds: dict[int, float] | None = None, rows: int | None = None):
         self.budget, self.K = budget, block_size
+        self.step_seconds, self.rows = step_seconds, rows  # measured batched steps: n -> seconds at `rows` rows
         self.min_drafts = min_drafts  # drafted steps seen before the off switch may act (1: a calibrated budget)
         self.draft_seconds: dict[int, float] = {}  # rows -> running mean of the drafting cost
         self.top_q_mean = [0.0] * (block_size - 1)  # per position, running mean over drafted rows of the top q
@@ -185,6 +204,19 @@ class BatchScheduler:
         self.chosen: list[int] = []  # n of every step (1: no drafts verified)
         self.drafted_steps = 0
         self.off: float | None = None  # the predicted speedup, when it turned this batch size off up front
+        self.predicted: float | None = None  # the up-front prediction (predicted_speedup), when one was made
+
+    def verify_seconds(self, rows: int, n: int) -> float:
+        """A batched step over ``rows`` rows reading ``n`` tokens each: the budget's one-row cost of
+        ``rows * n`` tokens, for ``n > 1`` scaled by what a batched step measured at this batch size
+        against it (:func:`measure_step_seconds`: a batch's masked attention over its rows' own caches,
+        and the features it captures, cost more than one row's forward over as many tokens, by 20-40%
+        on this CPU)."""
+        proxy = self.budget.verify_seconds(rows * n)
+        if self.step_seconds is None or n == 1:  # a plain step: what batched plain decoding pays (no features
+            return proxy                          # captured, no holes), as the one-row table has it
+
+        return proxy * self.step_seconds[n] / self.budget.verify_seconds(self.rows * n)
 
     def predicted_speedup(self, rows: int) -> float:
         """Before a batch of ``rows`` drafts at all: the best predicted rate of drafted steps against
@@ -194,14 +226,14 @@ class BatchScheduler:
         for depth in range(1, self.K):
             p *= self.budget.depth_acceptance(depth)
             reach.append(rows * p)
-        return self._best(rows, reach)[1] / (rows / self.budget.verify_seconds(rows))
+        return self._best(rows, reach)[1] / (rows / self.verify_seconds(rows, 1))
 
     def _draft_cost(self, rows: int) -> float:
         return self.draft_seconds.get(rows, max(self.draft_seconds.values(), default=0.0))
 
     def _best(self, rows: int, gains: list[float]) -> tuple[int, float]:
         """The best ``n >= 2`` of a drafted step and its rate, drafting included."""
-        rates = {n: (rows + sum(gains[:n - 1])) / (self.budget.verify_seconds(rows * n) + self._draft_cost(rows))
+        rates = {n: (rows + sum(gains[:n - 1])) / (self.verify_seconds(rows, n) + self._draft_cost(rows))
                  for n in range(2, self.K + 1)}
         n = max(rates, key=rates.__getitem__)
         return n, rates[n]
@@ -215,7 +247,7 @@ class BatchScheduler:
         for depth, q in enumerate(self.top_q_mean, start=1):  # a typical row under the calibration as it stands now
             p *= self.budget.acceptance(q, depth)
             reach.append(rows * p)
-        if self._best(rows, reach)[1] > rows / self.budget.verify_seconds(rows):
+        if self._best(rows, reach)[1] > rows / self.verify_seconds(rows, 1):
             return True
         self.probes.skipped()
         return False
@@ -223,7 +255,7 @@ class BatchScheduler:
     def _causal(self, rows: int, top_q: torch.Tensor) -> tuple[int, float]:
         """``n`` and its rate when position ``k`` is chosen from positions ``<= k`` alone (sampled drafts
         drawn one after another; :class:`~serve_eval.budget.CausalChain` over every row)."""
-        cost = lambda m: self.budget.verify_seconds(rows * (m + 1)) + self._draft_cost(rows)  # noqa: E731
+        cost = lambda m: self.verify_seconds(rows, m + 1) + self._draft_cost(rows)  # noqa: E731
         chain = CausalChain(self.budget, self.K - 1, cost, rows)
         for qs in top_q.t().tolist():
             if not chain.offer(*qs):
@@ -237,7 +269,7 @@ class BatchScheduler:
         self.drafts_seen += 1
         weight = max(1 / self.drafts_seen, 0.05)  # a running mean that forgets slowly
         self.top_q_mean = [m + (q - m) * weight for m, q in zip(self.top_q_mean, top_q.mean(0).tolist())]
-        plain = self.budget.verify_seconds(rows)
+        plain = self.verify_seconds(rows, 1)
         if causal:
             n, rate = self._causal(rows, top_q)
         else:
@@ -256,9 +288,12 @@ class BatchScheduler:
 
     def summary(self) -> dict:
         steps = max(1, len(self.chosen))
+        measured = {"step_ms": {n: round(t * 1e3, 2) for n, t in self.step_seconds.items()}} if self.step_seconds else {}
+        if self.predicted is not None:
+            measured["predicted_speedup"] = round(self.predicted, 4)
         if not self.chosen and self.off is not None:
-            return {"off": True, "predicted_speedup": round(self.off, 4), "drafted_fraction": 0.0}
-        return {"mean_verified": round(sum(self.chosen) / steps, 3),
+            return {"off": True, "drafted_fraction": 0.0, **measured}
+        return {**measured, "mean_verified": round(sum(self.chosen) / steps, 3),
                 "verified_histogram": {str(n): self.chosen.count(n) for n in sorted(set(self.chosen))},
                 "drafted_fraction": round(self.drafted_steps / steps, 4)}
 
@@ -276,6 +311,30 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
     anchors = torch.randint(0, cfg.vocab_size, (rows, 1), generator=gen).to(device)
     lengths = torch.full((rows, 1), context, device=device)
     return median_seconds(lambda: drafter.propose(drafter.block_hidden(None, anchors, lengths, ctx_kv), anchors), repeats, device)
+
+
+@torch.no_grad()
+def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_n: int, context: int,
+                         kv: KVQuant | None = None, repeats: int = 3) -> dict[int, float]:
+    """Seconds of a batched target step over ``rows`` rows of ``context`` cached tokens reading ``n``
+    tokens each, for ``n = 1..max_n`` (median of ``repeats`` after a warm-up; each step undone), on
+    random tokens: the cost does not depend on them."""
+    device = next(target.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    session = BatchTarget(target, capture, kv)
+    vocab = target.config.vocab_size
+    session.prefill([torch.randint(0, vocab, (context,), generator=gen).to(device) for _ in range(rows)])
+    valid = session.valid
+    seconds = {}
+    for n in range(1, max_n + 1):
+        ids = torch.randint(0, vocab, (rows, n), generator=gen).to(device)
+
+        def undo(n=n):
+            session.cache.crop(-n)
+            session.valid = valid
+
+        seconds[n] = median_seconds(lambda: session.step(ids), repeats, device, after=undo)  # noqa: B023
+    return seconds
 
 
 @dataclass
@@ -421,12 +480,16 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
     for B in batch_sizes:
         groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]
         # a calibration lent by a one-row run is trusted from the first drafted step on
-        scheduler = None if budget is None else BatchScheduler(budget, K, min_drafts=1 if calibration else 8)
-        if scheduler is not None:
+        scheduler = None
+        if budget is not None:  # the batched step's own cost at this size, over a cache about the mean's length
+            # the mean prompt, three quarters of the answer: the rows' mean length plus the holes compaction leaves
+            context = sum(len(encoded[i]) for g in groups for i in g) // max(1, B * len(groups)) + dec.max_new_tokens * 3 // 4
+            steps = measure_step_seconds(target, capture, B, K, context, kv)
+            scheduler = BatchScheduler(budget, K, min_drafts=1 if calibration else 8, step_seconds=steps, rows=B)
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
-            predicted = scheduler.predicted_speedup(B)
-            if calibration is not None and predicted < 1.0:  # a calibrated prediction: drafting cannot pay here
-                scheduler.off = predicted
+            scheduler.predicted = scheduler.predicted_speedup(B)
+            if calibration is not None and scheduler.predicted < 1.0:  # a calibrated prediction: drafting cannot pay here
+                scheduler.off = scheduler.predicted
         tokens = base_tokens = forwards = 0
         spec_s = base_s = 0.0
         lossless = True

@@ -159,6 +159,16 @@ class InPlaceLayer(DynamicLayer):
         for buffer in self._buffers:
             buffer[:, :, start:start + len(source)] = buffer.index_select(2, source)
 
+    def gather(self, index: torch.Tensor) -> None:
+        """Row ``r`` keeps the entries ``index[r]`` [R, S'] (slot numbers), in that order, as its first
+        ``S'``; the rest are dropped (a batch's rows closing their holes, :mod:`serve_eval.batch`)."""
+        index = index.to(self.device)
+        rows, kept = index.shape
+        for buffer in self._buffers:
+            expand = index.view(rows, 1, kept, *[1] * (buffer.dim() - 3)).expand(-1, buffer.shape[1], -1, *buffer.shape[3:])
+            buffer[:, :, :kept] = buffer.gather(2, expand)
+        self._set_length(kept)
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized and self._buffers is not None:
             self._buffers = [buffer[indices.to(self.device)] for buffer in self._buffers]

@@ -276,16 +276,23 @@ def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_draf
     assert set(dear.chosen) == {1} and dear.summary()["drafted_fraction"] < 0.5  # the off switch, with probes
 
 
-def test_a_batch_size_is_judged_before_it_drafts(trained_drafters):
+def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_drafters):
     """The up-front prediction for a batch size: a typical row at the measured per-depth acceptance,
-    the drafting cost measured at that many rows, against a plain step. Where a forward costs what its
+    the drafting cost measured at that many rows, against a plain step (batched steps timed at that
+    size stand in for the one-row cost table, and scale it for fewer rows). Where a forward costs what its
     tokens cost (compute-bound) drafting cannot pay; where extra tokens are nearly free it does."""
-    from serve_eval.batch import BatchScheduler, measure_draft_seconds
+    from serve_eval.batch import BatchScheduler, measure_draft_seconds, measure_step_seconds
 
     drafter = trained_drafters["dflash"]
     K = drafter.config.block_size
     seconds = measure_draft_seconds(drafter, 4, context=16, repeats=2)
     assert 0 < seconds < 1
+    steps = measure_step_seconds(target_and_prompts[0], None, 4, K, context=16, repeats=2)
+    assert sorted(steps) == list(range(1, K + 1)) and all(0 < t < 1 for t in steps.values())
+    proxy = Budget({1: 1.0, 4 * K: 2.0})
+    measured = BatchScheduler(proxy, K, step_seconds={n: 3.0 for n in range(1, K + 1)}, rows=4)
+    assert measured.verify_seconds(4, 2) == 3.0  # the batch size it measured: the measurement
+    assert measured.verify_seconds(2, 2) == pytest.approx(proxy.verify_seconds(4) * 3.0 / proxy.verify_seconds(8))
     for costs, pays in (({1: 1.0, 4 * K: 4.0 * K}, False), ({1: 1.0, 4 * K: 1.2}, True)):
         budget = Budget(costs)
         for _ in range(50):  # drafts at every depth kept 90% of the time
@@ -342,6 +349,29 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
         alone.observe(f, 0, p[1:])
         _, logits = alone.propose(p[-1], len(p), Sampler())
         assert torch.allclose(batched[i, 0], logits, atol=1e-4)
+
+
+def test_a_compacted_batch_cache_reads_what_the_holey_one_did(target_and_prompts):
+    """Rows that rejected drafts leave holes in the batch's KV cache; closing them (each row's valid
+    slots moved to its front) changes neither the next step's logits nor any later ones."""
+    from serve_eval.batch import BatchTarget
+
+    target, _, prompts = target_and_prompts
+    rows = [prompts[0][:20], prompts[1][:11], prompts[2][:15]]  # ragged: the prefill pads too
+    holey, compact = BatchTarget(target), BatchTarget(target)
+    for session in (holey, compact):
+        session.prefill(rows)
+    torch.manual_seed(0)
+    for step in range(6):
+        ids = torch.randint(0, target.config.vocab_size, (3, 5))
+        (a, _), (b, _) = holey.step(ids), compact.step(ids)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        counts = torch.randint(1, 6, (3,))
+        holey.valid[:, -5:] = torch.arange(5)[None] < counts[:, None]  # keep() without its compaction
+        holey.lengths += counts
+        compact.keep(counts, 5)
+        compact.compact()
+        assert compact.valid.shape[1] == int(compact.valid.sum(1).max()) < holey.valid.shape[1]
 
 
 def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
