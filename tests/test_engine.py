@@ -290,9 +290,12 @@ def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_dra
     steps = measure_step_seconds(target_and_prompts[0], None, 4, K, context=16, repeats=2)
     assert sorted(steps) == list(range(1, K + 1)) and all(0 < t < 1 for t in steps.values())
     proxy = Budget({1: 1.0, 4 * K: 2.0})
-    measured = BatchScheduler(proxy, K, step_seconds={n: 3.0 for n in range(1, K + 1)}, rows=4)
-    assert measured.verify_seconds(4, 2) == 3.0  # the batch size it measured: the measurement
-    assert measured.verify_seconds(2, 2) == pytest.approx(proxy.verify_seconds(4) * 3.0 / proxy.verify_seconds(8))
+    dearer = {n: 1.5 * proxy.verify_seconds(4 * n) for n in range(1, K + 1)}
+    dearer[2] = 9.0  # one noisy timing: the median ratio ignores it
+    measured = BatchScheduler(proxy, K, step_seconds=dearer, rows=4)
+    assert measured.verify_seconds(4, 3) == pytest.approx(dearer[3])  # drafted steps: the table x the measured ratio
+    assert measured.verify_seconds(2, 3) == pytest.approx(1.5 * proxy.verify_seconds(6))
+    assert measured.verify_seconds(2, 1) == proxy.verify_seconds(2)  # a plain step: batched plain decoding's cost
     for costs, pays in (({1: 1.0, 4 * K: 4.0 * K}, False), ({1: 1.0, 4 * K: 1.2}, True)):
         budget = Budget(costs)
         for _ in range(50):  # drafts at every depth kept 90% of the time
@@ -362,7 +365,7 @@ def test_a_compacted_batch_cache_reads_what_the_holey_one_did(target_and_prompts
     for session in (holey, compact):
         session.prefill(rows)
     torch.manual_seed(0)
-    for step in range(6):
+    for _ in range(6):
         ids = torch.randint(0, target.config.vocab_size, (3, 5))
         (a, _), (b, _) = holey.step(ids), compact.step(ids)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -78,6 +78,13 @@ class DecodingSection(Strict):
         return self
 
     @model_validator(mode="after")
+    def _batches_without_lookup(self):
+        if self.lookup and self.batch_sizes:
+            raise ValueError(f"batch_sizes {self.batch_sizes}: batched decoding does not graft prompt-lookup copies; "
+                             f"set lookup: 0 (got {self.lookup}) or measure batches in a run of their own")
+        return self
+
+    @model_validator(mode="after")
     def _ssd_chains(self):
         if self.ssd and (self.mode != "chain" or self.adaptive or self.lookup or self.batch_sizes):
             raise ValueError("ssd verifies every draft of a chain the speculation made: it needs mode: chain, "
