@@ -544,23 +544,24 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                     keep = budget.causal_length(top_q, K - 1) if causal else budget.chain_length(top_q)
                 all_drafts = drafts
                 drafts, draft_logits = drafts[:keep], draft_logits[:keep]
-            chain = DraftTree.chain(drafts)
-            tree, copied_nodes = _graft_lookup(chain, copied, budget) if drafting else (chain, [])
-            if len(tree) > len(chain):  # the copy departs from the chain: one tree forward verifies both
+            tree, copied_nodes = _graft_lookup(DraftTree.chain(drafts), copied, budget) if copied and drafting \
+                else (None, [])
+            if tree is not None and len(tree) > len(drafts):  # the copy departs: one tree forward verifies both
                 draft_q = None if sampler.greedy else sampler.probs(draft_logits)
                 ids, logits, feats, path, new_bonus = _verify_tree(session, bonus, tree, sampler, draft_q, walk)
-                n = sum(node <= len(chain) for node in path[1:])  # drafts kept: a copied node's children are copied
+                n = sum(node <= len(drafts) for node in path[1:])  # drafts kept: a copied node's children are copied
                 accepted = ids[0, path[1:]]
                 session.keep(anchor_pos, path)
+                path_feats = None if feats is None else feats.aux[:, path]
             else:
                 logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
                 n, new_bonus = verify(sampler, drafts, draft_logits, logits)
                 path, accepted = list(range(n + 1)), drafts[:n]
                 session.rollback(anchor_pos + n + 1)
-            path_feats = None if feats is None else feats.aux[:, path]
+                path_feats = None if feats is None else feats.aux[:, :n + 1]
             if budget is not None:
                 budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n))
-                if copied and drafting:
+                if tree is not None:
                     _record_lookup(budget.lookup, copied, copied_nodes, path, accepted.tolist() + [int(new_bonus)])
         stats.target_forwards += 1
         n = len(accepted)
