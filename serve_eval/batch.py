@@ -5,8 +5,9 @@ lengths drift apart. The target's KV cache holds one *slot* per token read, with
 row: every step appends the same ``n`` slots to every row, and afterwards a row marks the slots of
 the drafts it rejected invalid (a hole that is never attended again); once holes make up a quarter of
 the slots, every row's valid slots move to its front (:meth:`BatchTarget.compact`), so attention does
-not keep paying for them (at 16 rows they had grown to over half the slots and a fifth of the time). Positions (RoPE) follow each
-row's own count of valid tokens, so a row computes exactly what it would alone. Rows that finish
+not keep paying for them (left alone, at 16 rows they grew to over half the slots and attention to a
+sixth of the time). Positions (RoPE) follow each row's own count of valid tokens, so a row computes
+exactly what it would alone. Rows that finish
 (``max_new_tokens`` or EOS) leave the batch. The drafter's context (target features of each row's
 verified tokens) is kept compact per row and right-padded, so a block anchored at row ``i``'s length
 sees exactly row ``i``'s context (:func:`drafters.core.block_attention_mask`).
