@@ -165,6 +165,8 @@ class InPlaceLayer(DynamicLayer):
         index = index.to(self.device)
         rows, kept = index.shape
         for buffer in self._buffers:
+            if buffer.element_size() == 1 and buffer.is_floating_point():  # fp8: gather has no CPU kernel, bytes do
+                buffer = buffer.view(torch.uint8)
             expand = index.view(rows, 1, kept, *[1] * (buffer.dim() - 3)).expand(-1, buffer.shape[1], -1, *buffer.shape[3:])
             buffer[:, :, :kept] = buffer.gather(2, expand)
         self._set_length(kept)

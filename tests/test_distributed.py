@@ -15,10 +15,21 @@ from safetensors.torch import load_file
 
 from .conftest import REPO, run_cli, tiny_lm_recipe, write_recipe
 
-# one pytest-xdist worker runs them all, one after another: their launchers bind fixed ports
+# one pytest-xdist worker runs them all, one after another
 pytestmark = pytest.mark.xdist_group("distributed")
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+
+
+def launcher(config: Path) -> list[str]:
+    """``accelerate launch`` with ``config`` on a port free now: a killed launch's rendezvous socket
+    can outlive it for a moment, and the default port 29500 is then still taken."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(port)]
 
 
 def launch_env(config: Path) -> tuple[object, dict]:
@@ -95,8 +106,7 @@ def test_two_cpu_ranks_equal_one_rank_with_double_accumulation(tmp_path):
 def test_recipe_runs_under_accelerate_launch(tmp_path):
     out = tmp_path / "run"
     path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(out, train={"max_steps": 2, "eval_every": 2, "save_every": 2}))
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml")]
-    r = run_cli("run", str(path), launcher=launcher)
+    r = run_cli("run", str(path), launcher=launcher(REPO / "accelerate_configs" / "cpu.yaml"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
@@ -115,19 +125,18 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     from recipes.registry import parse_recipe
 
     base = dict(train={"max_steps": 8, "save_every": 4, "eval_every": 8})
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(REPO / f"accelerate_configs/cpu_zero{stage}.yaml")]
+    config = REPO / f"accelerate_configs/cpu_zero{stage}.yaml"
     reference = tmp_path / "reference"
     if stage == 2:
         train_lm.main(parse_recipe(tiny_lm_recipe(reference, **base)))
     else:
-        done = run_cli("run", str(write_recipe(tmp_path / "ref.yaml", tiny_lm_recipe(reference, **base))), launcher=launcher)
+        done = run_cli("run", str(write_recipe(tmp_path / "ref.yaml", tiny_lm_recipe(reference, **base))), launcher=launcher(config))
         assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / f"zero{stage}"
     path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(out, **base))
-    killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:6"}, launcher=launcher)
+    killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:6"}, launcher=launcher(config))
     assert killed.returncode != 0 and not (out / "model").exists(), killed.stderr[-2000:]
-    resumed = run_cli("run", str(path), launcher=launcher)
+    resumed = run_cli("run", str(path), launcher=launcher(config))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     strategy = json.loads((out / "provenance.json").read_text())["strategy"]
@@ -195,12 +204,11 @@ def test_a_drafter_trains_under_deepspeed_zero_resumes_and_matches_one_process(t
     train_drafter.main(parse_recipe(recipe))
     out = tmp_path / f"zero{stage}"
     path = write_recipe(tmp_path / "r.yaml", {**recipe, "output_dir": str(out)})
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(REPO / f"accelerate_configs/cpu_zero{stage}.yaml")]
+    config = REPO / f"accelerate_configs/cpu_zero{stage}.yaml"
     if stage == 2:
-        killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:4"}, launcher=launcher)
+        killed = run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:4"}, launcher=launcher(config))
         assert killed.returncode != 0 and not (out / "model").exists(), killed.stderr[-2000:]
-    done = run_cli("run", str(path), launcher=launcher)
+    done = run_cli("run", str(path), launcher=launcher(config))
     assert done.returncode == 0, done.stderr[-3000:]
     assert stage != 2 or "resumed from" in done.stdout + done.stderr
     strategy = json.loads((out / "provenance.json").read_text())["strategy"]
