@@ -154,17 +154,19 @@ def accept_every_copy(tree, logits, sampler, probs):
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lookup_copies_sample_the_target_distribution(toy_target, mode):
     """Prompt-lookup copies grafted onto sampled chains and trees are point-mass proposals in the
-    recursive rejection sampling (kept with probability p(x), else p without x): with and without a
-    budget the output follows the target; a walk that keeps every copy does not. A 6-token vocabulary
-    makes copies frequent."""
+    recursive rejection sampling (kept with probability p(x), else p without x): trees with every copy
+    and chains with a budget follow the target; a walk that keeps every copy does not. A 6-token
+    vocabulary makes copies frequent."""
     torch.manual_seed(5)
     section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
     drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
     args = {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
     kwargs = {"mode": mode, "tree_budget": 4, "lookup": 3}
-    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, **kwargs), exact) > 1e-3
-    budget = Budget(VARIED_COSTS)
+    if mode == "tree":  # every copy grafted, no budget
+        assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, **kwargs), exact) > 1e-3
+        return
+    budget = Budget(VARIED_COSTS)  # chains of varied lengths, as many copied tokens as pay
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, budget=budget, **kwargs), exact) > 1e-3
     assert sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)  # copies were verified
     broken = sampled_joint(toy_target, drafter, args, walk=accept_every_copy, **kwargs)
