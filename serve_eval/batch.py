@@ -212,7 +212,7 @@ class BatchScheduler:
         self.probes = Probes(probe_first, probe_limit)
         self.chosen: list[int] = []  # n of every step (1: no drafts verified)
         self.drafted_steps = 0
-        self.off: float | None = None  # the predicted speedup, when it turned this batch size off up front
+        self.off = False  # the up-front prediction turned this batch size off
         self.predicted: float | None = None  # the up-front prediction (predicted_speedup), when one was made
 
     def verify_seconds(self, rows: int, n: int) -> float:
@@ -302,7 +302,7 @@ class BatchScheduler:
         measured = {"step_ms": {n: round(t * 1e3, 2) for n, t in self.step_seconds.items()}} if self.step_seconds else {}
         if self.predicted is not None:
             measured["predicted_speedup"] = round(self.predicted, 4)
-        if not self.chosen and self.off is not None:
+        if not self.chosen and self.off:
             return {"off": True, "drafted_fraction": 0.0, **measured}
         return {**measured, "mean_verified": round(sum(self.chosen) / steps, 3),
                 "verified_histogram": {str(n): self.chosen.count(n) for n in sorted(set(self.chosen))},
@@ -500,14 +500,14 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
             scheduler.predicted = scheduler.predicted_speedup(B)
             if calibration is not None and scheduler.predicted < UP_FRONT_MARGIN:  # a calibrated prediction: drafting
-                scheduler.off = scheduler.predicted                                  # would not pay here
+                scheduler.off = True                                                 # would not pay here
         tokens = base_tokens = forwards = 0
         spec_s = base_s = 0.0
         lossless = True
         for group in groups:
             prompts = [encoded[i] for i in group]
             base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group], kv)
-            if scheduler is not None and scheduler.off is not None:  # speculation off: the loop is plain decoding
+            if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
                 ours, stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group], kv)
             else:
                 ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos,

@@ -57,6 +57,5 @@ def graft(tree: DraftTree, tokens: list[int]) -> tuple[DraftTree, list[int]]:
             children[(current, token)] = node
         path.append(node)
         current = node
-    drafted = len(tree) if tree.drafted is None else tree.drafted
     return DraftTree(torch.tensor(node_tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     torch.tensor(depths, dtype=torch.long), drafted), path
+                     torch.tensor(depths, dtype=torch.long), tree.drawn), path

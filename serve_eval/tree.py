@@ -50,6 +50,11 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def drawn(self) -> int:
+        """How many nodes (the first ones) were drawn from the drafter; the rest are copies."""
+        return len(self) if self.drafted is None else self.drafted
+
     def prefix(self, n: int) -> "DraftTree":
         """The first ``n`` nodes: a tree whenever every parent comes before its children (pop order)."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.drafted)
@@ -148,7 +153,7 @@ def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tenso
     for i, parent in enumerate(tree.parents.tolist()):
         kids[parent + 1].append(i + 1)
     tokens, depths = tree.tokens.tolist(), tree.depths.tolist()
-    drafted = len(tree) if tree.drafted is None else tree.drafted  # children past it are copied tokens
+    drafted = tree.drawn  # children past it are copied tokens
     path, current = [0], 0
     while True:
         p = sampler.probs(logits[current])

@@ -142,7 +142,7 @@ def test_tree_sampling_matches_the_target_distribution(toy_target, args):
 
 def accept_every_copy(tree, logits, sampler, probs):
     """A broken walk: follows copied (prompt-lookup) nodes from the root whatever the target chooses."""
-    drafted, path = len(tree) if tree.drafted is None else tree.drafted, [0]
+    drafted, path = tree.drawn, [0]
     while True:
         copied = [i + 1 for i, parent in enumerate(tree.parents.tolist()) if parent + 1 == path[-1] and i >= drafted]
         if not copied:
