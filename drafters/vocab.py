@@ -12,6 +12,15 @@ At temperature 0 a target argmax outside it is never drafted: that draft is reje
 token is the target's own. At temperature > 0 speculative sampling is exact for any proposal ``q``:
 tokens outside are reached through the residual ``max(0, p - q)``. Only acceptance (tau) changes:
 by at most the target's probability mass outside the draft vocabulary, position by position.
+
+**Per-step vocabularies** (:class:`CandidateHead`, SpecVocab's idea: Williams et al. 2026): a fixed
+list misses the rare tokens of the text at hand, which at T > 0 the target samples often. Every call
+picks its own subset: the static ids, plus the ``k`` best tokens of each row under a rank-``r``
+approximation of the head (``W ~ U S V^T``, a truncated SVD of the head's own weights: ``x V`` then
+``(U S)``, ``r (H + V)`` multiply-adds a row instead of ``V H``), and computes exact logits on that
+subset only. The subset depends only on the drafter's hidden states, known before anything is
+drawn, so the argument above holds for every call: ``q`` is exactly the softmax over the subset that
+drafting drew from, and verification reads those same logits.
 """
 
 from __future__ import annotations
@@ -74,6 +83,58 @@ class RestrictedHead(nn.Linear):
         return over_vocab(F.linear(x, self.rows), self.ids, self.out_features, self.fill)
 
 
+class CandidateHead(nn.Linear):
+    """A head onto the vocabulary computed, at each call, on its own subset (module doc, per-step
+    vocabularies): ``static`` ids plus the top ``candidates`` ids of each row by a rank-``rank``
+    approximation of the head; logits come back over the full vocabulary, ``fill`` elsewhere. The
+    truncated SVD is ``torch.svd_lowrank`` with a fixed seed (the same factors every time, at any
+    vocabulary size). It keeps the full ``weight`` (the same Parameter) and counts the subsets it chose."""
+
+    def __init__(self, head: nn.Linear, static: torch.Tensor | None, candidates: int, rank: int,
+                 fill: float = float("-inf")):
+        nn.Module.__init__(self)
+        if not 0 < candidates <= head.out_features or not 0 < rank <= min(head.in_features, head.out_features):
+            raise ValueError(f"{candidates} candidates at rank {rank} do not fit a {head.out_features} x "
+                             f"{head.in_features} head")
+        self.in_features, self.out_features, self.fill = head.in_features, head.out_features, fill
+        self.candidates, self.rank = candidates, rank
+        self.weight = head.weight
+        self.register_parameter("bias", None)
+        weight = head.weight.detach()
+        with torch.random.fork_rng(devices=[weight.device] if weight.device.type == "cuda" else []):
+            torch.manual_seed(0)
+            u, s, v = torch.svd_lowrank(weight.float(), q=rank, niter=4)
+        self.register_buffer("down", v.to(weight.dtype).contiguous(), persistent=False)  # [H, r]
+        self.register_buffer("up", (u * s).T.to(weight.dtype).contiguous(), persistent=False)  # [r, V]
+        static = torch.empty(0, dtype=torch.long) if static is None else static.to(torch.long)
+        self.register_buffer("static", static.to(weight.device), persistent=False)
+        self.calls = self.chosen = self.most = 0
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """The subset for hidden states ``x`` [..., H]: ascending ids."""
+        approx = x.reshape(-1, self.in_features) @ self.down @ self.up
+        return torch.cat([self.static, approx.topk(self.candidates, dim=-1).indices.flatten()]).unique()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.select(x)
+        self.calls, self.chosen, self.most = self.calls + 1, self.chosen + len(ids), max(self.most, len(ids))
+        return over_vocab(F.linear(x, self.weight[ids]), ids, self.out_features, self.fill)
+
+    def summary(self) -> dict:
+        """What a report records: the setting and the subsets' mean and largest size so far."""
+        return {"static": len(self.static), "candidates": self.candidates, "rank": self.rank,
+                "mean_size": round(self.chosen / max(1, self.calls), 1), "max_size": self.most}
+
+
+def speculate_vocab(drafter, static: torch.Tensor | None, candidates: int, rank: int) -> CandidateHead:
+    """Give a loaded drafter a per-step vocabulary (:class:`CandidateHead`) on its output head, in place:
+    a decoding setting, not saved with it. DSpark's Markov term keeps its whole vocabulary (it is added
+    to logits that are -inf outside the subset). Returns the head."""
+    head = CandidateHead(_full(drafter.lm_head), static, candidates, rank)
+    drafter.lm_head = head
+    return head
+
+
 def restrict_vocab(drafter, ids: torch.Tensor):
     """Restrict a loaded drafter's decoding heads to the draft vocabulary ``ids`` (in place; returns it)
     and record it: ``config.draft_vocab_size`` and the buffer ``draft_vocab`` go with the drafter
@@ -91,7 +152,7 @@ def restrict_vocab(drafter, ids: torch.Tensor):
 
 def _full(head: nn.Linear) -> nn.Linear:
     """A restricted head's plain Linear over the whole vocabulary (the same weight), or ``head``."""
-    if not isinstance(head, RestrictedHead):
+    if not isinstance(head, (RestrictedHead, CandidateHead)):
         return head
     plain = nn.Linear(head.in_features, head.out_features, bias=False, device="meta")
     plain.weight = head.weight

@@ -38,6 +38,8 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
   draftsmith eval --drafter distill/assets/testbed_dflash --lookup 10        # prompt-lookup copies grafted onto each draft
   draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
+  draftsmith eval --drafter distill/assets/testbed_dflash --draft-vocab 768 --draft-candidates 64 --temperature 1
+                                                                                  # ... chosen per step
   draftsmith eval --drafter distill/assets/testbed_dflash --kv-cache int4 --kv-rotate   # a quantized target KV cache
   draftsmith eval --drafter distill/assets/testbed_dflash --drafter-int8 off      # the drafter's head in fp32 (CPU default: int8)
   draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter
@@ -90,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="graft a prompt-lookup continuation of up to N tokens onto every draft (serve_eval.lookup); 0 = off")
     ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
+    ev.add_argument("--draft-candidates", type=int, default=0, metavar="K",
+                    help="choose the draft vocabulary per step: the --draft-vocab tokens plus the K best of each drafted "
+                         "row under a low-rank approximation of the head (drafters.vocab.CandidateHead); 0 = off")
+    ev.add_argument("--draft-rank", type=int, default=64, metavar="R", help="--draft-candidates: the approximation's rank")
     ev.add_argument("--drafter-int8", default="auto", choices=["auto", "off", "head", "all"],
                     help="the drafter's head (or all its Linears) in int8, a CPU kernel; auto (default): the head on "
                          "the CPU, off on a GPU. The target stays as it is")
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
                                                 "adaptive": not (args.fixed_budget or args.ssd), "draft_vocab": args.draft_vocab,
+                                                "draft_vocab_candidates": args.draft_candidates, "draft_vocab_rank": args.draft_rank,
                                                 "lookup": args.lookup, "drafter_int8": args.drafter_int8, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
                                                 "ssd_backup": args.ssd_backup, "ssd_concurrent": not args.ssd_inline,
                                                 "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,

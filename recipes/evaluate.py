@@ -69,13 +69,19 @@ def load_drafter(folder: str, target, device):
 
 
 def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
-                                new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> dict:
+                                new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                                candidates: int = 0, rank: int = 64) -> dict:
     """Restrict the drafter's heads to the ``size`` tokens the target emits most (EAGLE-3's way,
     :mod:`drafters.vocab`): counted over its answers to ``prompts`` prompts cut from ``data``'s train
     split (never the evaluation prompts), sampled as the evaluation samples (greedy at T = 0: a
     sampled target emits many tokens its greedy answers never do), answered once and cached under
     ``$DRAFTSMITH_CACHE/draft_vocab/``. Returns what a report records: the size, where the counts
-    come from, and the share of those answer tokens the draft vocabulary covers."""
+    come from, and the share of those answer tokens the draft vocabulary covers.
+
+    With ``candidates`` the vocabulary is chosen per step instead (:class:`drafters.vocab.CandidateHead`):
+    those ``size`` tokens (none at ``size`` 0: nothing is counted) plus the ``candidates`` best of each
+    drafted row under a rank-``rank`` approximation of the head; the record then holds the head itself
+    under ``"head"``, whose ``summary()`` says how large the subsets were."""
     import hashlib
     import json
 
@@ -83,8 +89,11 @@ def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: 
     from distill.feature_cache import target_fingerprint
     from distill.regenerate import answer_prompts, corpus_prompts
     from distill.testbed import cache_dir
-    from drafters.vocab import coverage, frequent_tokens, restrict_vocab
+    from drafters.vocab import coverage, frequent_tokens, restrict_vocab, speculate_vocab
 
+    if size == 0:
+        head = speculate_vocab(drafter, None, candidates, rank)
+        return {"size": 0, "of": drafter.config.vocab_size, "head": head}
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     key = hashlib.sha256(json.dumps([target_fingerprint(target), data.model_dump(mode="json"), seed, prompts,
                                      prompt_tokens, new_tokens, sampling]).encode()).hexdigest()[:16]
@@ -96,10 +105,19 @@ def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: 
     tokens = [t for line in answers.read_text().splitlines() for t in json.loads(line)["response_ids"]]
     counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=drafter.config.vocab_size)
     ids = frequent_tokens(counts, size)
+    record = {"size": len(ids), "of": drafter.config.vocab_size, "counted_tokens": len(tokens),
+              "source": f"the target's answers to {prompts} train-split prompts at T = {temperature}",
+              "coverage": round(coverage(ids, counts), 4)}
+    if candidates:
+        return {**record, "head": speculate_vocab(drafter, ids, candidates, rank)}
     restrict_vocab(drafter, ids)
-    return {"size": len(ids), "of": drafter.config.vocab_size, "counted_tokens": len(tokens),
-            "source": f"the target's answers to {prompts} train-split prompts at T = {temperature}",
-            "coverage": round(coverage(ids, counts), 4)}
+    return record
+
+
+def _vocab_report(record: dict) -> dict:
+    """A draft-vocabulary record as the report writes it: a per-step head's subsets summarised."""
+    head = record.get("head")
+    return {k: v for k, v in record.items() if k != "head"} | ({"per_step": head.summary()} if head is not None else {})
 
 
 def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:
@@ -128,10 +146,24 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
                           f"EAGLE-3 drafter's heads; this drafter is {drafter.config.model_type!r}")
     if dec.draft_vocab > len(tokenizer):
         raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
+    if dec.draft_vocab_candidates:
+        if drafters.kind_of(drafter) is None:
+            raise RecipeError(f"decoding.draft_vocab_candidates = {dec.draft_vocab_candidates}: per-step vocabularies "
+                              f"choose a DFlash / DSpark / EAGLE-3 drafter's output rows; this drafter is "
+                              f"{drafter.config.model_type!r}")
+        head = drafter.lm_head.weight.shape
+        if dec.draft_vocab_candidates > head[0] or dec.draft_vocab_rank > min(head):
+            raise RecipeError(f"decoding.draft_vocab_candidates = {dec.draft_vocab_candidates} / draft_vocab_rank = "
+                              f"{dec.draft_vocab_rank} do not fit the drafter's {head[0]} x {head[1]} output head")
+        if dec.drafter_int8 == "head":
+            raise RecipeError("decoding.drafter_int8 = 'head' with draft_vocab_candidates: the per-step vocabulary "
+                              "computes its own rows (auto leaves the head to it)")
     try:  # a target drafting for itself with head / all was refused with the recipe
         int8 = resolve_int8(dec.drafter_int8, device, same)
     except ValueError as e:
         raise RecipeError(str(e)) from None
+    if int8 == "head" and dec.draft_vocab_candidates:  # auto: the per-step vocabulary is the head's fast path
+        int8 = "off"
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
         raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
                           f"{device} set ssd_concurrent: false (inline)")
@@ -149,7 +181,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     eos = tokenizer.eos_token_id
     vocab_record = restrict_to_frequent_tokens(
         drafter, target, tokenizer, dec.draft_vocab, dec.draft_vocab_prompts, recipe.data, recipe.seed,
-        recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k) if dec.draft_vocab else None
+        recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k,
+        dec.draft_vocab_candidates, dec.draft_vocab_rank) if dec.draft_vocab or dec.draft_vocab_candidates else None
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
@@ -185,7 +218,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         **runs[0],
         "torch_threads": torch.get_num_threads(),
         "device": device,
-        **({"draft_vocab": vocab_record} if vocab_record else {}),
+        **({"draft_vocab": _vocab_report(vocab_record)} if vocab_record else {}),
         **({"drafter_int8": int8_record} if int8_record else {}),
     }
     if dec.kv_cache != "full":

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.vocab import VOCAB_HEADS, RestrictedHead, over_vocab
+from drafters.vocab import VOCAB_HEADS, CandidateHead, RestrictedHead, over_vocab
 
 
 def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +98,8 @@ def int8_drafter(drafter: nn.Module, which: str) -> dict:
     converted, before, after = 0, 0, 0
     for parent in list(drafter.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or (which == "head" and name not in VOCAB_HEADS):
+            if (not isinstance(child, nn.Linear) or isinstance(child, CandidateHead)  # a per-step head keeps its rows
+                    or (which == "head" and name not in VOCAB_HEADS)):
                 continue
             restricted = isinstance(child, RestrictedHead)
             weight = child.rows if restricted else child.weight

@@ -438,3 +438,31 @@ def test_draft_vocabulary_tables_and_restricted_head():
     torch.testing.assert_close(restricted[..., ids], full[..., ids])
     assert torch.isneginf(restricted[..., [1, 4, 5]]).all()
     assert (RestrictedHead(head, ids, fill=0.0)(x)[..., [1, 4, 5]] == 0).all()
+
+
+def test_per_step_vocabulary_head():
+    """drafters.vocab.CandidateHead: exact logits on the subset it chose (the static ids and each row's
+    best under the rank-r approximation), -inf elsewhere; at full rank the approximation is the head,
+    so each row's true top-k is in the subset; the factors do not depend on the global RNG."""
+    from drafters.vocab import CandidateHead
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 64, bias=False)
+    x = torch.randn(3, 16)
+    static = torch.tensor([5, 40])
+    exact = CandidateHead(head, static, candidates=4, rank=16)
+    ids = exact.select(x)
+    assert bool(torch.isin(static, ids).all()) and bool((ids[1:] > ids[:-1]).all()) and len(ids) <= 2 + 3 * 4
+    assert bool(torch.isin(head(x).topk(4, -1).indices, ids).all())
+    out = exact(x)
+    torch.testing.assert_close(out[:, ids], head(x)[:, ids])
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(out[:, outside]).all()
+    assert exact.summary() == {"static": 2, "candidates": 4, "rank": 16, "mean_size": float(len(ids)), "max_size": len(ids)}
+    low = CandidateHead(head, None, candidates=2, rank=3)
+    torch.manual_seed(123)
+    again = CandidateHead(head, None, candidates=2, rank=3)
+    assert torch.equal(low.down, again.down) and torch.equal(low.up, again.up) and len(low.static) == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        CandidateHead(head, None, candidates=65, rank=3)

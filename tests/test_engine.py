@@ -164,7 +164,9 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
 
 
 @pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
-                                      {"draft_vocab": 128, "draft_vocab_prompts": 4, "drafter_int8": "head"}])
+                                      {"draft_vocab": 128, "draft_vocab_prompts": 4, "drafter_int8": "head"},
+                                      {"draft_vocab": 96, "draft_vocab_prompts": 4, "draft_vocab_candidates": 8,
+                                       "draft_vocab_rank": 16, "drafter_int8": "all"}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -205,8 +207,14 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000
     if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
         vocab = report["draft_vocab"]
-        assert vocab["size"] == 128 and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1
-    if "drafter_int8" in decoding:  # the restricted head, served from int8 codes of its 128 rows
+        assert vocab["size"] == decoding["draft_vocab"] and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1
+    if "draft_vocab_candidates" in decoding:  # 96 static tokens and each row's 8 best by a rank-16 head
+        per_step = report["draft_vocab"]["per_step"]
+        assert (per_step["static"], per_step["candidates"], per_step["rank"]) == (96, 8, 16)
+        assert 96 < per_step["mean_size"] <= per_step["max_size"] <= 96 + 8 * 8
+        assert report["drafter_int8"]["which"] == "all"  # every Linear but the per-step head, which keeps its rows
+        assert type(trained_drafters["dflash"].lm_head).__name__ != "CandidateHead"  # the eval's own copy changed
+    elif "drafter_int8" in decoding:  # the restricted head, served from int8 codes of its 128 rows
         int8 = report["drafter_int8"]
         assert int8["which"] == "head" and int8["linears"] == 1 and int8["int8_bytes"] < int8["weight_bytes"] / 3
 
@@ -448,6 +456,34 @@ def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and
         assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
     tokens = torch.cat(drafted)
     assert len(tokens) and bool(torch.isin(tokens, ids).all()), "a token outside the draft vocabulary was drafted"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target_and_prompts, trained_drafters, kind):
+    """A per-step vocabulary (drafters.vocab.CandidateHead: a few static tokens plus each row's best under
+    a rank-8 approximation of the head): greedy chains and trees equal plain decoding, every drafted
+    token is in the subset its call chose, and the subsets do change from call to call."""
+    import copy
+
+    from drafters.vocab import speculate_vocab
+
+    target, tok, prompts = target_and_prompts
+    drafter = copy.deepcopy(trained_drafters[kind])
+    head = speculate_vocab(drafter, torch.arange(0, drafter.config.vocab_size, 16), candidates=4, rank=8)
+    subsets, drafted = [], []
+    select = head.select
+    head.select = lambda x: (lambda ids: subsets.append(ids) or ids)(select(x))
+    proposer = make_proposer(drafter)
+    inner = proposer.propose
+    proposer.propose = lambda *a, **k: (lambda out: drafted.append((out[0], subsets[-1])) or out)(inner(*a, **k))
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        proposer.begin(prompt)
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, proposer=proposer)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+    if kind != "eagle3":  # one head call a draft; EAGLE-3 calls it once a drafted token (the last subset: its last)
+        assert all(bool(torch.isin(tokens, ids).all()) for tokens, ids in drafted), "a token outside its subset was drafted"
+    assert len({tuple(ids.tolist()) for ids in subsets}) > 1 and head.summary()["mean_size"] > len(head.static)
 
 
 @pytest.mark.parametrize("kind", KINDS)

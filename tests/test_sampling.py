@@ -275,15 +275,20 @@ def test_batched_speculative_sampling_matches_the_target_per_row(toy_target, kin
     assert chi_square_pvalue(joint(), exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark", "eagle3"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "eagle3", "dflash per step"])
 def test_draft_vocabularies_keep_the_target_distribution(toy_target, kind):
     """A drafter restricted to half the vocabulary proposes nothing else (q = 0 outside it); the
-    samples still follow the target, with and without a per-step budget."""
-    from drafters.vocab import restrict_vocab
+    samples still follow the target, with and without a per-step budget. Per step: a DFlash drafter
+    whose vocabulary is one static token plus each row's best under a rank-1 head (subsets that change)."""
+    from drafters.vocab import restrict_vocab, speculate_vocab
 
     torch.manual_seed(1)
-    section = DrafterSection(kind=kind, block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])
-    drafter = restrict_vocab(build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval(), torch.tensor([0, 2, 3]))
+    section = DrafterSection(kind=kind.split()[0], block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])
+    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
+    if kind.endswith("per step"):
+        speculate_vocab(drafter, torch.tensor([0]), candidates=1, rank=1)
+    else:
+        restrict_vocab(drafter, torch.tensor([0, 2, 3]))
     args = {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args), exact) > 1e-3

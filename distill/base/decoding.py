@@ -34,6 +34,11 @@ class DecodingSection(Strict):
                                              "draft, chain or tree, greedy or sampled (serve_eval.lookup); 0 = off")
     draft_vocab: int = Field(0, ge=0, description="DFlash / DSpark / EAGLE-3: draft from the N tokens the target emits "
                                                   "most only (drafters.vocab); 0 = the whole vocabulary")
+    draft_vocab_candidates: int = Field(0, ge=0, description="DFlash / DSpark / EAGLE-3: choose the draft vocabulary "
+                                        "per step (drafters.vocab.CandidateHead, SpecVocab's way): the draft_vocab "
+                                        "tokens plus the k best of each drafted row under a low-rank approximation "
+                                        "of the head; 0 = off")
+    draft_vocab_rank: int = Field(64, gt=0, description="draft_vocab_candidates: the rank of the head's approximation")
     draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the "
                                                             "target's tokens for draft_vocab")
     drafter_int8: Literal["auto", "off", "head", "all"] = Field(
