@@ -15,10 +15,10 @@ by at most the target's probability mass outside the draft vocabulary, position 
 
 **Per-step vocabularies** (:class:`CandidateHead`, SpecVocab's idea: Williams et al. 2026): a fixed
 list misses the rare tokens of the text at hand, which at T > 0 the target samples often. Every call
-picks its own subset: the static ids, plus the ``k`` best tokens of each row under a rank-``r``
-approximation of the head (``W ~ U S V^T``, a truncated SVD of the head's own weights: ``x V`` then
-``(U S)``, ``r (H + V)`` multiply-adds a row instead of ``V H``), and computes exact logits on that
-subset only. The subset depends only on the drafter's hidden states, known before anything is
+picks its own subset of a fixed size: the static ids, plus the ``k`` tokens whose probability is
+highest in any of the call's rows under a rank-``r`` approximation of the head (``W ~ U S V^T``, a
+truncated SVD of the head's own weights: ``x V`` then ``(U S)``, ``r (H + V)`` multiply-adds a row
+instead of ``V H``), and computes exact logits on that subset only. The subset depends only on the drafter's hidden states, known before anything is
 drawn, so the argument above holds for every call: ``q`` is exactly the softmax over the subset that
 drafting drew from, and verification reads those same logits.
 """
@@ -85,17 +85,18 @@ class RestrictedHead(nn.Linear):
 
 class CandidateHead(nn.Linear):
     """A head onto the vocabulary computed, at each call, on its own subset (module doc, per-step
-    vocabularies): ``static`` ids plus the top ``candidates`` ids of each row by a rank-``rank``
+    vocabularies): ``static`` ids plus the ``candidates`` ids likeliest in any row under a rank-``rank``
     approximation of the head; logits come back over the full vocabulary, ``fill`` elsewhere. The
     truncated SVD is ``torch.svd_lowrank`` with a fixed seed (the same factors every time, at any
-    vocabulary size). It keeps the full ``weight`` (the same Parameter) and counts the subsets it chose."""
+    vocabulary size). It keeps the full ``weight`` (the same Parameter) and a copy of the static rows."""
 
     def __init__(self, head: nn.Linear, static: torch.Tensor | None, candidates: int, rank: int,
                  fill: float = float("-inf")):
         nn.Module.__init__(self)
-        if not 0 < candidates <= head.out_features or not 0 < rank <= min(head.in_features, head.out_features):
-            raise ValueError(f"{candidates} candidates at rank {rank} do not fit a {head.out_features} x "
-                             f"{head.in_features} head")
+        static = (torch.empty(0, dtype=torch.long) if static is None else static.to(torch.long).unique()).to(head.weight.device)
+        if not 0 < candidates <= head.out_features - len(static) or not 0 < rank <= min(head.in_features, head.out_features):
+            raise ValueError(f"{len(static)} static ids and {candidates} candidates at rank {rank} do not fit a "
+                             f"{head.out_features} x {head.in_features} head")
         self.in_features, self.out_features, self.fill = head.in_features, head.out_features, fill
         self.candidates, self.rank = candidates, rank
         self.weight = head.weight
@@ -106,30 +107,40 @@ class CandidateHead(nn.Linear):
             u, s, v = torch.svd_lowrank(weight.float(), q=rank, niter=4)
         self.register_buffer("down", v.to(weight.dtype).contiguous(), persistent=False)  # [H, r]
         self.register_buffer("up", (u * s).T.to(weight.dtype).contiguous(), persistent=False)  # [r, V]
-        static = torch.empty(0, dtype=torch.long) if static is None else static.to(torch.long)
-        self.register_buffer("static", static.to(weight.device), persistent=False)
-        self.calls = self.chosen = self.most = 0
+        self.register_buffer("static", static, persistent=False)
+        self.register_buffer("rows", weight[static].contiguous(), persistent=False)  # copied once, as RestrictedHead's
+        self.register_buffer("is_static", t2d(static, head.out_features), persistent=False)
 
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        """The subset for hidden states ``x`` [..., H]: ascending ids."""
+    def select(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """The subset for hidden states ``x`` [..., H] (and a ``shift`` the caller adds to the logits): the
+        static ids, then, ascending, the ``candidates`` other ids whose approximate probability is highest
+        in any of the rows (a fixed size: ``len(static) + candidates``)."""
         approx = x.reshape(-1, self.in_features) @ self.down @ self.up
-        return torch.cat([self.static, approx.topk(self.candidates, dim=-1).indices.flatten()]).unique()
+        if shift is not None:
+            approx = approx + shift.reshape(approx.shape)
+        best = approx.log_softmax(-1).amax(0).masked_fill_(self.is_static, float("-inf"))  # [V]: the likeliest in any row
+        return torch.cat([self.static, best.topk(self.candidates).indices.sort().values])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids = self.select(x)
-        self.calls, self.chosen, self.most = self.calls + 1, self.chosen + len(ids), max(self.most, len(ids))
-        return over_vocab(F.linear(x, self.weight[ids]), ids, self.out_features, self.fill)
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [..., V] of ``x`` [..., H]; with ``shift`` [..., V], a term added to them (DSpark's Markov
+        term), the candidates are the best of approximation + shift and the result includes it."""
+        ids = self.select(x, shift)
+        small = torch.cat([F.linear(x, self.rows), F.linear(x, self.weight[ids[len(self.static):]])], dim=-1)
+        if shift is not None:
+            small = small + shift[..., ids]
+        return over_vocab(small, ids, self.out_features, self.fill)
 
     def summary(self) -> dict:
-        """What a report records: the setting and the subsets' mean and largest size so far."""
+        """What a report records: the setting, and the rows each call computes."""
         return {"static": len(self.static), "candidates": self.candidates, "rank": self.rank,
-                "mean_size": round(self.chosen / max(1, self.calls), 1), "max_size": self.most}
+                "size": len(self.static) + self.candidates}
 
 
 def speculate_vocab(drafter, static: torch.Tensor | None, candidates: int, rank: int) -> CandidateHead:
     """Give a loaded drafter a per-step vocabulary (:class:`CandidateHead`) on its output head, in place:
-    a decoding setting, not saved with it. DSpark's Markov term keeps its whole vocabulary (it is added
-    to logits that are -inf outside the subset). Returns the head."""
+    a decoding setting, not saved with it. DSpark's Markov term keeps its whole vocabulary: DSpark
+    passes it as the head's ``shift``, position by position, so that the tokens it favours are
+    candidates too. Returns the head."""
     head = CandidateHead(_full(drafter.lm_head), static, candidates, rank)
     drafter.lm_head = head
     return head
