@@ -107,6 +107,23 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     assert "plain steps" in capsys.readouterr().out
 
 
+def test_the_vocabulary_sweep_reports_tau_per_setting(capsys):
+    """``python -m recipes.vocab_tau``, briefly, on the shipped target and DFlash drafter at T = 1: one
+    row per setting, its share of the first's tau, the per-step head's size; a malformed entry exits 2."""
+    from recipes.vocab_tau import main, parse_vocab
+
+    rows = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--seeds", "2",
+                 "--vocab", "full", "0:256:16"])
+    assert [r["vocab"] for r in rows] == ["full", "0:256:16"] and rows[0]["share"] == 1.0
+    assert all(1.0 <= r["tau"] <= 8 for r in rows) and rows[1]["share"] == pytest.approx(rows[1]["tau"] / rows[0]["tau"], abs=1e-3)
+    assert rows[1]["per_step"] == {"static": 0, "candidates": 256, "rank": 16, "size": 256}
+    assert "of full" in capsys.readouterr().out
+    assert parse_vocab("full") is None and parse_vocab("1024") == (1024, 0, 64) and parse_vocab("8:4") == (8, 4, 64)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--drafter", "distill/assets/testbed_dflash", "--vocab", "1:2:3:4"])
+    assert exit_.value.code == 2
+
+
 @pytest.mark.parametrize("name", ["dflash_qwen3_8b", "dspark_qwen3_8b", "eagle3_qwen3_8b"])
 def test_gpu_drafter_recipes_fit_an_80_gb_device(name, monkeypatch):
     """The memory estimate ``--dry-run`` prints, for the Qwen3-8B drafter recipes (models built on the

@@ -1,0 +1,95 @@
+"""Acceptance against draft vocabulary: a drafter's tau with its whole head, a static draft vocabulary
+and per-step vocabularies, on the same prompts and seeds.
+
+    python -m recipes.vocab_tau --drafter distill/assets/testbed_dflash --temperature 1 --seeds 4 \
+        --vocab full 1024 512:512 0:1024
+
+Each ``--vocab`` entry is ``full``, ``N`` (the N tokens the target's answers use most,
+:func:`recipes.evaluate.restrict_to_frequent_tokens`) or ``N:K[:R]`` (a per-step vocabulary: those N
+plus the K likeliest under a rank-R approximation, R = 64 by default, :class:`drafters.vocab.CandidateHead`).
+Every draft is verified (no budget: tau depends on acceptance only, not on timing), over the eval
+recipe's held-out prompts (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``) times ``--seeds``
+sampling seeds; at T = 0 one seed is enough. Prints tau and its share of the first entry's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+
+def parse_vocab(entry: str) -> tuple[int, int, int] | None:
+    """``full`` -> None; ``N`` -> (N, 0, 64); ``N:K[:R]`` -> (N, K, R)."""
+    if entry == "full":
+        return None
+    parts = [int(p) for p in entry.split(":")]
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"--vocab {entry!r}: full, N, N:K or N:K:R")
+    return parts[0], parts[1] if len(parts) > 1 else 0, parts[2] if len(parts) > 2 else 64
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--recipe", default="recipes/configs/eval_testbed.yaml")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seeds", type=int, default=4, help="sampling seeds per prompt")
+    parser.add_argument("--vocab", nargs="+", default=["full", "1024", "512:512", "0:1024"])
+    parser.add_argument("--prompts", type=int, help="the first N held-out prompts (default: the recipe's all)")
+    parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
+    args = parser.parse_args(argv)
+    try:
+        entries = [(v, parse_vocab(v)) for v in args.vocab]
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+
+    import torch
+
+    import drafters
+    from distill.models import load_target
+    from distill.regenerate import encoded_prompts
+    from distill.runtime import set_threads
+    from recipes.evaluate import load_drafter, restrict_to_frequent_tokens
+    from recipes.registry import load_recipe
+    from serve_eval import engine
+    from serve_eval.sampling import Sampler
+
+    recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", f"decoding.temperature={args.temperature}"]
+                         + ([f"decoding.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []))
+    dec = recipe.decoding
+    set_threads(dec.torch_threads)
+    target, tokenizer = load_target(recipe.target, "cpu")
+    loaded = load_drafter(recipe.drafter, target, "cpu")
+    shared = drafters.shares_target_io(recipe.drafter)  # a copy re-shares the target's head, as loading did
+    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
+    rows = []
+    for name, vocab in entries:
+        drafter = copy.deepcopy(loaded)
+        if shared:
+            drafter.share_target_io(target)
+        record = {}
+        if vocab is not None:
+            record = restrict_to_frequent_tokens(drafter, target, tokenizer, vocab[0], dec.draft_vocab_prompts, recipe.data,
+                                                 recipe.seed, recipe.prompts.prompt_tokens, dec.max_new_tokens,
+                                                 dec.temperature, dec.top_p, dec.top_k, vocab[1], vocab[2])
+        tokens = forwards = 0
+        for seed in range(args.seeds if dec.temperature > 0 else 1):
+            for i, prompt in enumerate(prompts):
+                sampler = Sampler(dec.temperature, dec.top_k, dec.top_p, torch.Generator().manual_seed(1000 * seed + i))
+                _, stats = engine.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler)
+                tokens, forwards = tokens + stats.tokens, forwards + stats.target_forwards - 1  # the prefill emits one
+        tau = tokens / forwards
+        head = record.get("head")
+        rows.append({"vocab": name, "tau": round(tau, 4), "share": round(tau / rows[0]["tau"], 4) if rows else 1.0,
+                     **({"coverage": record["coverage"]} if "coverage" in record else {}),
+                     **({"per_step": head.summary()} if head is not None else {})})
+        print(f"{name:>10s}  tau {tau:.3f}  ({rows[-1]['share']:.1%} of {entries[0][0]})"
+              f"{'  static coverage %.3f' % record['coverage'] if 'coverage' in record else ''}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    from distill.runtime import quiet_third_party
+
+    quiet_third_party()
+    main()
