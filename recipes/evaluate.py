@@ -141,16 +141,15 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     same = same_folder(recipe.drafter, recipe.target.path)
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
-    if dec.draft_vocab and drafters.kind_of(drafter) is None:
-        raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab}: draft vocabularies restrict a DFlash / DSpark / "
-                          f"EAGLE-3 drafter's heads; this drafter is {drafter.config.model_type!r}")
+    vocab_keys = [f"{k} = {v}" for k, v in (("draft_vocab", dec.draft_vocab),
+                                             ("draft_vocab_candidates", dec.draft_vocab_candidates)) if v]
+    if vocab_keys and (same or not isinstance(getattr(drafter, "lm_head", None), torch.nn.Linear)):
+        raise RecipeError(f"decoding.{vocab_keys[0]}: a draft vocabulary restricts a drafter's own output head "
+                          + ("(here the drafter is the target: restricting it would change the target)" if same else
+                             f"(an lm_head Linear); this drafter, {drafter.config.model_type!r}, has none"))
     if dec.draft_vocab > len(tokenizer):
         raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
     if dec.draft_vocab_candidates:
-        if drafters.kind_of(drafter) is None:
-            raise RecipeError(f"decoding.draft_vocab_candidates = {dec.draft_vocab_candidates}: per-step vocabularies "
-                              f"choose a DFlash / DSpark / EAGLE-3 drafter's output rows; this drafter is "
-                              f"{drafter.config.model_type!r}")
         head = drafter.lm_head.weight.shape
         if dec.draft_vocab_candidates > head[0] or dec.draft_vocab_rank > min(head):
             raise RecipeError(f"decoding.draft_vocab_candidates = {dec.draft_vocab_candidates} / draft_vocab_rank = "

@@ -403,6 +403,32 @@ def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trai
     assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
 
 
+def test_draft_vocabularies_refuse_what_they_cannot_restrict(tmp_path, tiny_target_dir, trained_drafters):
+    """A draft vocabulary (static or per step) on a target drafting for itself would change the target;
+    a per-step one with an explicit int8 head, or larger than the head, is refused too: each before any
+    compute, naming the key."""
+    from distill.config import RecipeError
+    from recipes import evaluate
+    from recipes.registry import parse_recipe
+
+    def recipe(drafter, **decoding):
+        return parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
+                             "drafter": str(drafter), "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
+                             "decoding": {"max_new_tokens": 8, **decoding},
+                             "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
+
+    with pytest.raises(RecipeError, match="decoding.draft_vocab = 64: .*the drafter is the target"):
+        evaluate.main(recipe(tiny_target_dir, draft_vocab=64, drafter_int8="off"))
+    with pytest.raises(RecipeError, match="decoding.draft_vocab_candidates = 64: .*the drafter is the target"):
+        evaluate.main(recipe(tiny_target_dir, draft_vocab_candidates=64, drafter_int8="off"))
+    dflash = trained_drafters["dflash"].folder
+    with pytest.raises(RecipeError, match="drafter_int8 = 'head' with draft_vocab_candidates"):
+        evaluate.main(recipe(dflash, draft_vocab_candidates=64, drafter_int8="head"))
+    with pytest.raises(RecipeError, match="do not fit the drafter's 512 x"):
+        evaluate.main(recipe(dflash, draft_vocab_candidates=600))
+    assert not (tmp_path / "report.json").exists()
+
+
 def test_the_in_place_cache_holds_what_a_dynamic_cache_holds(target_and_prompts):
     """The loop's target cache (serve_eval.kv) against transformers' own under the calls the loop
     makes: appends across buffer growth, crops, row selection; the same keys, values and logits."""
@@ -432,18 +458,19 @@ def test_the_in_place_cache_holds_what_a_dynamic_cache_holds(target_and_prompts)
             assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "causal_lm"])
 def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and_prompts, trained_drafters, kind):
     """A drafter restricted to a quarter of the vocabulary (drafters.vocab): greedy chains and trees still
-    equal plain decoding, and every drafted token is one of the draft vocabulary's."""
+    equal plain decoding, and every drafted token is one of the draft vocabulary's. causal_lm: a copy of
+    the target drafting as an LM (a student's or PARD's proposer path)."""
     import copy
 
     from drafters.vocab import restrict_vocab
 
     target, tok, prompts = target_and_prompts
-    vocab = trained_drafters[kind].config.vocab_size
+    vocab = target.config.vocab_size
     ids = torch.arange(0, vocab, 4)
-    drafter = restrict_vocab(copy.deepcopy(trained_drafters[kind]), ids)
+    drafter = restrict_vocab(copy.deepcopy(target if kind == "causal_lm" else trained_drafters[kind]), ids)
     drafted = []
     proposer = make_proposer(drafter)
     inner = proposer.propose
@@ -457,7 +484,7 @@ def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and
     assert len(tokens) and bool(torch.isin(tokens, ids).all()), "a token outside the draft vocabulary was drafted"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "causal_lm"])
 def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target_and_prompts, trained_drafters, kind):
     """A per-step vocabulary (drafters.vocab.CandidateHead: a few static tokens plus the 4 likeliest in any
     row under a rank-8 approximation of the head): greedy chains and trees equal plain decoding, every
@@ -467,7 +494,7 @@ def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target
     from drafters.vocab import speculate_vocab
 
     target, tok, prompts = target_and_prompts
-    drafter = copy.deepcopy(trained_drafters[kind])
+    drafter = copy.deepcopy(target if kind == "causal_lm" else trained_drafters[kind])
     head = speculate_vocab(drafter, torch.arange(0, drafter.config.vocab_size, 16), candidates=4, rank=8)
     subsets, drafted = [], []
     select = head.select

@@ -312,14 +312,19 @@ def test_a_quantized_kv_cache_samples_the_quantized_target(toy_target, mode):
     assert (exact - exact_joint(toy_target, Sampler(**args))).abs().sum() / 2 > 5e-3, "int4 left the target unchanged"
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "chain, per-step vocabulary"])
 def test_pard_drafts_sample_the_target_distribution(toy_target, mode):
-    """A PARD drafter (K drafts from one forward over mask tokens, serve_eval.engine.PardProposer) at T = 1."""
+    """A PARD drafter (K drafts from one forward over mask tokens, serve_eval.engine.PardProposer) at T = 1,
+    also with a per-step vocabulary (one static token and the 2 likeliest under a rank-2 head)."""
+    from drafters.vocab import speculate_vocab
     from serve_eval.engine import PardProposer
 
     torch.manual_seed(3)
     drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
                                           max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+    if mode.endswith("per-step vocabulary"):
+        speculate_vocab(drafter, torch.tensor([0]), candidates=2, rank=2)
+        mode = "chain"
     args = {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
     counts = torch.zeros(VOCAB, VOCAB)
