@@ -18,9 +18,11 @@ list misses the rare tokens of the text at hand, which at T > 0 the target sampl
 picks its own subset of a fixed size: the static ids, plus the ``k`` tokens whose probability is
 highest in any of the call's rows under a rank-``r`` approximation of the head (``W ~ U S V^T``, a
 truncated SVD of the head's own weights: ``x V`` then ``(U S)``, ``r (H + V)`` multiply-adds a row
-instead of ``V H``), and computes exact logits on that subset only. The subset depends only on the drafter's hidden states, known before anything is
-drawn, so the argument above holds for every call: ``q`` is exactly the softmax over the subset that
-drafting drew from, and verification reads those same logits.
+instead of ``V H``), and computes exact logits on that subset only. The subset depends only on the
+drafter's hidden states (and on what the caller adds to the logits, DSpark's Markov term after the
+token drawn before), known before the call's drafts are drawn, so the argument above holds for every
+call: ``q`` is exactly the softmax over the subset that drafting drew from, and verification reads
+those same logits.
 """
 
 from __future__ import annotations

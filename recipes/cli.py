@@ -93,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
     ev.add_argument("--draft-candidates", type=int, default=0, metavar="K",
-                    help="choose the draft vocabulary per step: the --draft-vocab tokens plus the K best of each drafted "
-                         "row under a low-rank approximation of the head (drafters.vocab.CandidateHead); 0 = off")
+                    help="choose the draft vocabulary per step: the --draft-vocab tokens plus the K likeliest in any "
+                         "drafted row under a low-rank approximation of the head (drafters.vocab.CandidateHead); 0 = off")
     ev.add_argument("--draft-rank", type=int, default=64, metavar="R", help="--draft-candidates: the approximation's rank")
     ev.add_argument("--drafter-int8", default="auto", choices=["auto", "off", "head", "all"],
                     help="the drafter's head (or all its Linears) in int8, a CPU kernel; auto (default): the head on "

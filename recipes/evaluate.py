@@ -79,9 +79,9 @@ def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: 
     come from, and the share of those answer tokens the draft vocabulary covers.
 
     With ``candidates`` the vocabulary is chosen per step instead (:class:`drafters.vocab.CandidateHead`):
-    those ``size`` tokens (none at ``size`` 0: nothing is counted) plus the ``candidates`` best of each
-    drafted row under a rank-``rank`` approximation of the head; the record then holds the head itself
-    under ``"head"``, whose ``summary()`` says how large the subsets were."""
+    those ``size`` tokens (none at ``size`` 0: nothing is counted) plus the ``candidates`` likeliest in
+    any drafted row under a rank-``rank`` approximation of the head; the record then holds the head
+    itself under ``"head"`` (its ``summary()`` goes in the report)."""
     import hashlib
     import json
 
@@ -115,7 +115,7 @@ def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: 
 
 
 def _vocab_report(record: dict) -> dict:
-    """A draft-vocabulary record as the report writes it: a per-step head's subsets summarised."""
+    """A draft-vocabulary record as the report writes it: a per-step head by its summary."""
     head = record.get("head")
     return {k: v for k, v in record.items() if k != "head"} | ({"per_step": head.summary()} if head is not None else {})
 

@@ -32,12 +32,12 @@ class DecodingSection(Strict):
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
     lookup: int = Field(0, ge=0, description="graft a prompt-lookup continuation of up to this many tokens onto every "
                                              "draft, chain or tree, greedy or sampled (serve_eval.lookup); 0 = off")
-    draft_vocab: int = Field(0, ge=0, description="DFlash / DSpark / EAGLE-3: draft from the N tokens the target emits "
-                                                  "most only (drafters.vocab); 0 = the whole vocabulary")
-    draft_vocab_candidates: int = Field(0, ge=0, description="DFlash / DSpark / EAGLE-3: choose the draft vocabulary "
-                                        "per step (drafters.vocab.CandidateHead, SpecVocab's way): the draft_vocab "
-                                        "tokens plus the k best of each drafted row under a low-rank approximation "
-                                        "of the head; 0 = off")
+    draft_vocab: int = Field(0, ge=0, description="a drafter with its own output head (DFlash, DSpark, EAGLE-3, a "
+                                                  "PARD or student LM; not the target itself): draft from the N tokens "
+                                                  "the target emits most only (drafters.vocab); 0 = the whole vocabulary")
+    draft_vocab_candidates: int = Field(0, ge=0, description="choose the draft vocabulary per step (drafters.vocab."
+                                        "CandidateHead, SpecVocab's way): the draft_vocab tokens plus the K likeliest "
+                                        "in any of a call's rows under a low-rank approximation of the head; 0 = off")
     draft_vocab_rank: int = Field(64, gt=0, description="draft_vocab_candidates: the rank of the head's approximation")
     draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the "
                                                             "target's tokens for draft_vocab")
