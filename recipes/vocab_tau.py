@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     set_threads(dec.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     loaded = load_drafter(recipe.drafter, target, "cpu")
-    shared = drafters.shares_target_io(recipe.drafter)  # a copy re-shares the target's head, as loading did
+    # a copy of a drafter that shares the target's embeddings and head shares them again, as loading did
+    shared = drafters.kind_of(loaded) is not None and drafters.shares_target_io(recipe.drafter)
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
     rows = []
     for name, vocab in entries:
