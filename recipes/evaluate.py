@@ -68,9 +68,9 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
-def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
-                                new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                                candidates: int = 0, rank: int = 64) -> dict:
+def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
+                     new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                     candidates: int = 0, rank: int = 64) -> dict:
     """Restrict the drafter's heads to the ``size`` tokens the target emits most (EAGLE-3's way,
     :mod:`drafters.vocab`): counted over its answers to ``prompts`` prompts cut from ``data``'s train
     split (never the evaluation prompts), sampled as the evaluation samples (greedy at T = 0: a
@@ -80,8 +80,8 @@ def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: 
 
     With ``candidates`` the vocabulary is chosen per step instead (:class:`drafters.vocab.CandidateHead`):
     those ``size`` tokens (none at ``size`` 0: nothing is counted) plus the ``candidates`` likeliest in
-    any drafted row under a rank-``rank`` approximation of the head; the record then holds the head
-    itself under ``"head"`` (its ``summary()`` goes in the report)."""
+    any drafted row under a rank-``rank`` approximation of the head; the record says so under
+    ``"per_step"`` (:meth:`drafters.vocab.CandidateHead.summary`)."""
     import hashlib
     import json
 
@@ -92,8 +92,7 @@ def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: 
     from drafters.vocab import coverage, frequent_tokens, restrict_vocab, speculate_vocab
 
     if size == 0:
-        head = speculate_vocab(drafter, None, candidates, rank)
-        return {"size": 0, "of": drafter.config.vocab_size, "head": head}
+        return {"size": 0, "of": drafter.config.vocab_size, "per_step": speculate_vocab(drafter, None, candidates, rank).summary()}
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     key = hashlib.sha256(json.dumps([target_fingerprint(target), data.model_dump(mode="json"), seed, prompts,
                                      prompt_tokens, new_tokens, sampling]).encode()).hexdigest()[:16]
@@ -109,15 +108,9 @@ def restrict_to_frequent_tokens(drafter, target, tokenizer, size: int, prompts: 
               "source": f"the target's answers to {prompts} train-split prompts at T = {temperature}",
               "coverage": round(coverage(ids, counts), 4)}
     if candidates:
-        return {**record, "head": speculate_vocab(drafter, ids, candidates, rank)}
+        return {**record, "per_step": speculate_vocab(drafter, ids, candidates, rank).summary()}
     restrict_vocab(drafter, ids)
     return record
-
-
-def _vocab_report(record: dict) -> dict:
-    """A draft-vocabulary record as the report writes it: a per-step head by its summary."""
-    head = record.get("head")
-    return {k: v for k, v in record.items() if k != "head"} | ({"per_step": head.summary()} if head is not None else {})
 
 
 def plot_acceptance(acceptance: list[float], tau: float, path: Path, title: str) -> None:
@@ -178,7 +171,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
-    vocab_record = restrict_to_frequent_tokens(
+    vocab_record = draft_vocabulary(
         drafter, target, tokenizer, dec.draft_vocab, dec.draft_vocab_prompts, recipe.data, recipe.seed,
         recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k,
         dec.draft_vocab_candidates, dec.draft_vocab_rank) if dec.draft_vocab or dec.draft_vocab_candidates else None
@@ -217,7 +210,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         **runs[0],
         "torch_threads": torch.get_num_threads(),
         "device": device,
-        **({"draft_vocab": _vocab_report(vocab_record)} if vocab_record else {}),
+        **({"draft_vocab": vocab_record} if vocab_record else {}),
         **({"drafter_int8": int8_record} if int8_record else {}),
     }
     if dec.kv_cache != "full":

@@ -113,7 +113,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
         write_sglang_eagle3,
         write_speculators,
     )
-    from recipes.evaluate import load_drafter, restrict_to_frequent_tokens
+    from recipes.evaluate import draft_vocabulary, load_drafter
     from serve_eval.parity import describe_failure, run_gate
 
     t0 = time.perf_counter()
@@ -138,7 +138,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     simulated = recipe.gate.simulated_tau if recipe.gate.simulated_tau is not None else recorded_simulated_tau(record)
     verifier = recipe.verifier_name_or_path or cfg.target_name_or_path or recipe.target.path
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
-    vocab_record = restrict_to_frequent_tokens(
+    vocab_record = draft_vocabulary(
         trained, target, tokenizer, recipe.draft_vocab, recipe.draft_vocab_prompts, recipe.data, recipe.seed,
         recipe.prompts.prompt_tokens, recipe.gate.max_new_tokens) if recipe.draft_vocab else None
     out = Path(recipe.output_dir)

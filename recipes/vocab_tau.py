@@ -5,8 +5,9 @@ and per-step vocabularies, on the same prompts and seeds.
         --vocab full 1024 512:512 0:1024
 
 Each ``--vocab`` entry is ``full``, ``N`` (the N tokens the target's answers use most,
-:func:`recipes.evaluate.restrict_to_frequent_tokens`) or ``N:K[:R]`` (a per-step vocabulary: those N
-plus the K likeliest under a rank-R approximation, R = 64 by default, :class:`drafters.vocab.CandidateHead`).
+:func:`recipes.evaluate.draft_vocabulary`) or ``N:K[:R]`` (a per-step vocabulary: those N
+plus the K likeliest under a rank-R approximation, R = ``decoding.draft_vocab_rank``'s default,
+:class:`drafters.vocab.CandidateHead`).
 Every draft is verified (no budget: tau depends on acceptance only, not on timing), over the eval
 recipe's held-out prompts (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``) times ``--seeds``
 sampling seeds; at T = 0 one seed is enough. Prints tau and its share of the first entry's.
@@ -15,17 +16,20 @@ sampling seeds; at T = 0 one seed is enough. Prints tau and its share of the fir
 from __future__ import annotations
 
 import argparse
-import copy
+
+from distill.base.decoding import DecodingSection
+
+DEFAULT_RANK = DecodingSection.model_fields["draft_vocab_rank"].default
 
 
 def parse_vocab(entry: str) -> tuple[int, int, int] | None:
-    """``full`` -> None; ``N`` -> (N, 0, 64); ``N:K[:R]`` -> (N, K, R)."""
+    """``full`` -> None; ``N`` -> (N, 0, DEFAULT_RANK); ``N:K[:R]`` -> (N, K, R)."""
     if entry == "full":
         return None
     parts = [int(p) for p in entry.split(":")]
     if not 1 <= len(parts) <= 3:
         raise ValueError(f"--vocab {entry!r}: full, N, N:K or N:K:R")
-    return parts[0], parts[1] if len(parts) > 1 else 0, parts[2] if len(parts) > 2 else 64
+    return parts[0], parts[1] if len(parts) > 1 else 0, parts[2] if len(parts) > 2 else DEFAULT_RANK
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -45,11 +49,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import torch
 
-    import drafters
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
     from distill.runtime import set_threads
-    from recipes.evaluate import load_drafter, restrict_to_frequent_tokens
+    from recipes.evaluate import draft_vocabulary, load_drafter
     from recipes.registry import load_recipe
     from serve_eval import engine
     from serve_eval.sampling import Sampler
@@ -59,20 +62,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dec = recipe.decoding
     set_threads(dec.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
-    loaded = load_drafter(recipe.drafter, target, "cpu")
-    # a copy of a drafter that shares the target's embeddings and head shares them again, as loading did
-    shared = drafters.kind_of(loaded) is not None and drafters.shares_target_io(recipe.drafter)
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
     rows = []
     for name, vocab in entries:
-        drafter = copy.deepcopy(loaded)
-        if shared:
-            drafter.share_target_io(target)
+        drafter = load_drafter(recipe.drafter, target, "cpu")  # afresh: each entry changes its head
         record = {}
         if vocab is not None:
-            record = restrict_to_frequent_tokens(drafter, target, tokenizer, vocab[0], dec.draft_vocab_prompts, recipe.data,
-                                                 recipe.seed, recipe.prompts.prompt_tokens, dec.max_new_tokens,
-                                                 dec.temperature, dec.top_p, dec.top_k, vocab[1], vocab[2])
+            record = draft_vocabulary(drafter, target, tokenizer, vocab[0], dec.draft_vocab_prompts, recipe.data,
+                                      recipe.seed, recipe.prompts.prompt_tokens, dec.max_new_tokens,
+                                      dec.temperature, dec.top_p, dec.top_k, vocab[1], vocab[2])
         tokens = forwards = 0
         for seed in range(args.seeds if dec.temperature > 0 else 1):
             for i, prompt in enumerate(prompts):
@@ -80,10 +78,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 _, stats = engine.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler)
                 tokens, forwards = tokens + stats.tokens, forwards + stats.target_forwards - 1  # the prefill emits one
         tau = tokens / forwards
-        head = record.get("head")
         rows.append({"vocab": name, "tau": round(tau, 4), "share": round(tau / rows[0]["tau"], 4) if rows else 1.0,
-                     **({"coverage": record["coverage"]} if "coverage" in record else {}),
-                     **({"per_step": head.summary()} if head is not None else {})})
+                     **{k: record[k] for k in ("coverage", "per_step") if k in record}})
         print(f"{name:>10s}  tau {tau:.3f}  ({rows[-1]['share']:.1%} of {entries[0][0]})"
               f"{'  static coverage %.3f' % record['coverage'] if 'coverage' in record else ''}", flush=True)
     return rows
