@@ -67,6 +67,14 @@ from .vocab import restrict_vocab
 RMSNorm = LlamaRMSNorm
 
 
+def rms(norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` in one fused operation where that is the same arithmetic (fp32: transformers' module
+    computes in fp32, then scales by its weight); the module itself otherwise."""
+    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
 class DraftAttention(nn.Module):
     """Multi-head attention whose queries and keys/values may come from different inputs (the context's
     keys and values are projected once, :meth:`project_kv`, and cached by decoding).
@@ -94,27 +102,54 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
         self.rotary = LlamaRotaryEmbedding(llama_view(cfg))
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x`` [B, heads, L, D] rotated to ``positions`` [B, L]."""
-        cos, sin = self.rotary(x, positions)
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, table: bool = False) -> torch.Tensor:
+        """``x`` [B, heads, L, D] rotated to ``positions`` [B, L]; ``table``: cos/sin read from
+        :meth:`rope_table` (decoding) instead of computed for these positions."""
+        cos, sin = self.rope_table(positions, x.dtype) if table and self.static_rope else self.rotary(x, positions)
         return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
-    def project_kv(self, kv_in: torch.Tensor, kv_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def static_rope(self) -> bool:
+        """Whether cos/sin depend on the position alone; dynamic NTK and LongRoPE rescale with the length seen."""
+        kind = self.rotary.rope_type
+        return "dynamic" not in kind and kind != "longrope"
+
+    def rope_table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, L, D] at ``positions`` [B, L], read from a table the rotary embedding computed once
+        (the same values: each entry is one product ``position * inv_freq``), grown by doubling. Decoding
+        rotates a few positions a call, where computing them costs more than the rotation."""
+        need = int(positions.max()) + 1
+        table = getattr(self, "_rope_cache", None)
+        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+            size = max(2 * need, 256)
+            probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=positions.device)[None])
+            table = self._rope_cache = (cos[0], sin[0])
+        return table[0][positions].to(dtype), table[1][positions].to(dtype)
+
+    def project_kv(self, kv_in: torch.Tensor, kv_pos: torch.Tensor, lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [B, kv_heads, L, D] of ``kv_in`` [B, L, in] at ``kv_pos``;
+        ``lean`` (decoding): the same values by fewer operations (:func:`rms`, :meth:`rope_table`)."""
         B, L, _ = kv_in.shape
         k = self.k_proj(kv_in).view(B, L, self.kv_heads, self.head_dim)
-        k = (k if self.k_norm is None else self.k_norm(k)).transpose(1, 2)
+        k = (k if self.k_norm is None else rms(self.k_norm, k) if lean else self.k_norm(k)).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        return self._rope(k, kv_pos), v
+        return self._rope(k, kv_pos, table=lean), v
 
     def attend(self, q_in: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+               mask: torch.Tensor | BlockMask | None, lean: bool = False) -> torch.Tensor:
+        """Attention of ``q_in`` [B, Q, in] at ``q_pos`` over keys/values [B, kv_heads, S, D], through
+        ``o_proj``. ``lean`` (decoding): :func:`rms`, :meth:`rope_table` and, with SDPA, the kernel called
+        directly (the same math as transformers' wrapper, without its per-call work)."""
         B, Q, _ = q_in.shape
         q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim)
-        q = self._rope((q if self.q_norm is None else self.q_norm(q)).transpose(1, 2), q_pos)
+        q = self._rope((q if self.q_norm is None else rms(self.q_norm, q) if lean else self.q_norm(q)).transpose(1, 2), q_pos, lean)
+        impl = self.config._attn_implementation or "sdpa"
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
+        elif lean and impl == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
         else:
-            impl = self.config._attn_implementation or "sdpa"
             if impl == "eager" and mask is not None and mask.dtype == torch.bool:  # eager adds its mask to the scores
                 mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
             attention = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
@@ -172,15 +207,15 @@ class InjectedLayer(nn.Module):
         """:meth:`forward` for one block after a cached context of ``length`` positions, without
         copying the context: ``keys`` / ``values`` are :class:`ContextCache` buffers; the block's own
         entries are written after the context (scratch space, overwritten by the next append)."""
-        h = self.input_norm(x)
-        k, v = self.attn.project_kv(h, x_pos)
+        h = rms(self.input_norm, x)
+        k, v = self.attn.project_kv(h, x_pos, lean=True)
         end = length + k.shape[2]
         keys[:, :, length:end], values[:, :, length:end] = k, v
-        return self._attend_and_mlp(x, h, x_pos, keys[:, :, :end], values[:, :, :end], mask)
+        return self._attend_and_mlp(x, h, x_pos, keys[:, :, :end], values[:, :, :end], mask, lean=True)
 
-    def _attend_and_mlp(self, x, h, x_pos, keys, values, mask):
-        x = x + self.attn.attend(h, x_pos, keys, values, mask)
-        return x + self.mlp(self.post_norm(x))
+    def _attend_and_mlp(self, x, h, x_pos, keys, values, mask, lean: bool = False):
+        x = x + self.attn.attend(h, x_pos, keys, values, mask, lean)
+        return x + self.mlp(rms(self.post_norm, x) if lean else self.post_norm(x))
 
 
 class ContextCache:
@@ -530,7 +565,7 @@ class BlockDrafter(DrafterBase):
             mask[:, anchor_pos:] = torch.ones(K, K, dtype=torch.bool, device=tokens.device).tril()
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
             x = layer.decode(x, x_pos, keys, values, anchor_pos, mask)
-        return self.norm(x).view(1, 1, K, -1)
+        return rms(self.norm, x).view(1, 1, K, -1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):
         """Decode-time drafts for block positions 1..K-1 from :meth:`block_hidden`: (tokens [B, N, K-1],
@@ -539,10 +574,12 @@ class BlockDrafter(DrafterBase):
         logits = self.lm_head(hidden)[:, :, 1:]  # all K rows: MKL multiplies 8 rows faster than 7
         return (choose or argmax_choice)(logits), logits, None
 
-    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, keys and values of target features ``aux`` [B, C, F] at ``positions`` [B, C]."""
-        ctx = self.hidden_norm(self.fc(aux))
-        return [layer.attn.project_kv(ctx, positions) for layer in self.layers]
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor, lean: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, keys and values of target features ``aux`` [B, C, F] at ``positions`` [B, C];
+        ``lean``: decoding's path (:meth:`DraftAttention.project_kv`), the same values."""
+        ctx = self.fc(aux)
+        ctx = rms(self.hidden_norm, ctx) if lean else self.hidden_norm(ctx)
+        return [layer.attn.project_kv(ctx, positions, lean) for layer in self.layers]
 
     def anchors_for(self, input_ids: torch.Tensor, anchors: torch.Tensor | None, loss_mask: torch.Tensor | None) -> torch.Tensor:
         """The given anchors, or ``num_anchors`` random ones per sequence where labels are scored."""

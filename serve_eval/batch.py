@@ -142,7 +142,7 @@ class BatchContext:
         if not self.keys:
             self.lengths = torch.zeros(R, dtype=torch.long)
         positions = self.lengths[:, None] + torch.arange(m)
-        kv = self.drafter.context_kv(aux, positions.to(aux.device))
+        kv = self.drafter.context_kv(aux, positions.to(aux.device), lean=True)
         end = int(self.lengths.max()) + m
         if not self.keys:
             self.keys = [k.new_zeros(R, k.shape[1], max(2 * end, 64), k.shape[3]) for k, _ in kv]

@@ -188,7 +188,7 @@ class BlockProposer(Proposer):
     @torch.no_grad()
     def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
         pos = torch.arange(start, start + aux.shape[1], device=aux.device)[None]
-        self.context.append(self.drafter.context_kv(aux, pos))
+        self.context.append(self.drafter.context_kv(aux, pos, lean=True))
 
     @torch.no_grad()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:

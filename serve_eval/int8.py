@@ -3,9 +3,16 @@
 A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 
 * weights, once, per output channel ``o``: ``s_o = max_i |W_oi| / 127``, codes ``C_oi = round(W_oi / s_o)``
-  in [-127, 127], stored transposed (in x out, the layout ``torch._int_mm`` reads fastest);
-* activations, every call, per row ``r`` (a token): ``a_r = max_i |x_ri| / 127``, ``X_ri = round(x_ri / a_r)``;
-* ``y_ro = a_r s_o sum_i X_ri C_oi + b_o``: the sum is exact in int32 (``|sum| <= in * 127^2 < 2^31`` for
+  in [-127, 127];
+* activations, every call, in one of two kernels (the first where this torch has it):
+
+  - fbgemm's dynamic int8 GEMM (``quantized::linear_dynamic``, the weight codes prepacked once): the
+    whole input at one step ``a = (max(x, 0) - min(x, 0)) / 127`` with a zero point, 7-bit codes so
+    the kernel's 16-bit pair sums cannot saturate;
+  - ATen's ``torch._int_mm`` (codes stored transposed, in x out): each row ``r`` (a token) at its own
+    step ``a_r = max_i |x_ri| / 127``, ``X_ri = round(x_ri / a_r)``;
+
+* ``y_ro = a s_o sum_i X_ri C_oi + b_o``: the sum is exact in int32 (``|sum| <= in * 127^2 < 2^31`` for
   ``in`` below 133,000), so the only errors are the two roundings, at most half a step of each factor.
 
 Losslessness does not depend on any of it: the loop verifies with the full-precision target, and the
@@ -15,11 +22,13 @@ and the drafting time can move, and the report measures both.
 
 Why here: a drafter's cost on a CPU is reading its weights (the 4,096 x 320 LM head of the testbed
 is 5.2 MB in fp32, most of the drafter) and int8 codes are a quarter of that. Measured on this CPU
-(1 thread, 8 rows x 320 -> 4,096): fp32 0.44-0.57 ms, this 0.17-0.19 ms; torchao's
-``Int8DynamicActivationIntxWeightConfig`` (the project's ``8da8w`` scheme, :mod:`distill.quantize`)
-5.6 ms and ``Int8DynamicActivationInt8WeightConfig`` 0.79 ms (a tensor subclass dispatched from
-Python at every call, with no fused CPU kernel for these shapes); ``torch.ao.quantization``'s dynamic
-quantization (fbgemm, 0.09 ms) is deprecated and due for removal. ``torch._int_mm`` is ATen's int8 GEMM.
+(1 thread, 8 rows x 320 -> 4,096, the median of 1,000 calls): fp32 0.45-0.47 ms, ``torch._int_mm``
+with its per-row quantization 0.22 ms, fbgemm 0.09-0.10 ms; 8 x 320 -> 960 (a layer's q, k and v):
+0.092 / 0.069 / 0.034 ms. torchao's ``Int8DynamicActivationIntxWeightConfig`` (the project's ``8da8w``
+scheme, :mod:`distill.quantize`) took 5.6 ms and ``Int8DynamicActivationInt8WeightConfig`` 0.79 ms
+(a tensor subclass dispatched from Python at every call, with no fused CPU kernel for these shapes).
+fbgemm's packed weights are made from a quantized tensor, a kind torch 2.13 deprecates (it warns,
+naming no release for the removal): where it is gone, ``torch._int_mm`` serves, tested the same way.
 On a GPU the drafter runs in the target's bf16 and this is refused.
 
 ``which``: ``head`` converts the projections onto the vocabulary (``lm_head``, DSpark's ``markov_out``),
@@ -27,6 +36,8 @@ the largest weights by far; ``all`` every Linear.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -41,27 +52,51 @@ def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).to(torch.int8).T.contiguous(), scale
 
 
-class Int8Linear(nn.Module):
-    """``x W^T + b`` from int8 weight codes and per-row int8 activations (see the module docstring)."""
+def _fbgemm_pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """fbgemm's prepacked weight holding exactly ``codes`` (in x out) and ``scale``, or None where this torch
+    has no such kernel (see the module docstring)."""
+    engines = torch.backends.quantized.supported_engines
+    if not hasattr(torch, "_make_per_channel_quantized_tensor") or not {"fbgemm", "x86"} & set(engines):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
+            weight = torch._make_per_channel_quantized_tensor(codes.T.contiguous(), scale.double(),
+                                                              torch.zeros_like(scale, dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(weight, bias)
+    except (AttributeError, RuntimeError):
+        return None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+class Int8Linear(nn.Module):
+    """``x W^T + b`` from int8 weight codes and int8 activations (see the module docstring):
+    ``kernel`` ``fbgemm`` where this torch has it, else ``int_mm``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "auto"):
         super().__init__()
         codes, scale = _codes(weight)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.packed = _fbgemm_pack(codes, scale, self.bias) if kernel in ("auto", "fbgemm") else None
+        if kernel == "fbgemm" and self.packed is None:
+            raise RuntimeError("fbgemm's int8 kernel is not in this torch build")
+        self.kernel = "int_mm" if self.packed is None else "fbgemm"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> "Int8Linear":
+        return cls(linear.weight, linear.bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()
-        step = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
-        y = torch._int_mm(torch.round(rows / step).to(torch.int8), self.codes).float().mul_(step).mul_(self.scale)
-        if self.bias is not None:
-            y += self.bias
+        if self.packed is not None:
+            y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)  # 7-bit activations (reduce_range)
+        else:
+            step = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
+            y = torch._int_mm(torch.round(rows / step).to(torch.int8), self.codes).float().mul_(step).mul_(self.scale)
+            if self.bias is not None:
+                y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
@@ -92,10 +127,11 @@ def resolve(setting: str, device: str, drafter_is_target: bool) -> str:
 def int8_drafter(drafter: nn.Module, which: str) -> dict:
     """Replace the drafter's Linears (``which``: ``head``, the heads onto the vocabulary, or ``all``) by
     int8 ones, in place, after any draft-vocabulary restriction. Returns what the report records:
-    which, how many Linears, and the bytes of their weights before (as loaded) and after (codes + scales)."""
+    which, how many Linears, the bytes of their weights before (as loaded) and after (codes + scales),
+    and the kernel that serves them."""
     if which not in ("head", "all"):
         raise ValueError(f"drafter_int8: 'head' or 'all', got {which!r}")
-    converted, before, after = 0, 0, 0
+    converted, before, after, kernels = 0, 0, 0, set()
     for parent in list(drafter.modules()):
         for name, child in list(parent.named_children()):
             if (not isinstance(child, nn.Linear) or isinstance(child, CandidateHead)  # a per-step head keeps its rows
@@ -106,8 +142,9 @@ def int8_drafter(drafter: nn.Module, which: str) -> dict:
             int8 = Int8RestrictedHead(child) if restricted else Int8Linear(weight, child.bias)
             setattr(parent, name, int8)
             converted += 1
+            kernels.add(int8.kernel)
             before += weight.numel() * weight.element_size()
             after += int8.codes.numel() + int8.scale.numel() * int8.scale.element_size()
     if not converted:
         raise ValueError(f"drafter_int8 = {which!r}: the drafter has no Linear of that kind")
-    return {"which": which, "linears": converted, "weight_bytes": before, "int8_bytes": after}
+    return {"which": which, "linears": converted, "weight_bytes": before, "int8_bytes": after, "kernel": "/".join(sorted(kernels))}

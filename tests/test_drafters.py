@@ -157,22 +157,36 @@ def test_block_sees_only_features_before_its_anchor(attention):
     assert not torch.allclose(other[:, 0, 3], base[:, 0, 3]) and torch.equal(other[:, 1], base[:, 1])
 
 
-@pytest.mark.parametrize("attention", ["bidirectional", "causal"])
-def test_cached_decoding_block_equals_the_training_block(attention):
+@pytest.mark.parametrize("attention,qk_norm,kv_heads,rope", [("bidirectional", False, 4, None), ("causal", False, 4, None),
+                                                             ("bidirectional", True, 2, None),
+                                                             ("bidirectional", True, 4, {"rope_type": "yarn", "factor": 2.0,
+                                                                                         "original_max_position_embeddings": 32})])
+def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_heads, rope):
     """The decoding fast path (context keys/values appended in place, the block written after them,
-    no mask for bidirectional blocks) gives the training forward's block, across buffer growth."""
+    no mask for bidirectional blocks; the lean operations: fused norms, a rotary table, SDPA called
+    directly) gives the training forward's block, across buffer and rotary-table growth, with
+    Qwen3's query/key norms, grouped keys/values and YaRN scaling. A rotary scaling that changes with
+    the length seen (dynamic NTK) gets no table."""
     from drafters import DFlashConfig, DFlashDrafter
     from drafters.core import ContextCache
 
     torch.manual_seed(0)
-    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, target_layer_ids=[0],
-                       target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention, num_hidden_layers=2)
+    rope_parameters = {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}
+    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=64,
+                       target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention,
+                       num_hidden_layers=2, qk_norm=qk_norm, rope_parameters=rope_parameters, max_position_embeddings=64)
     m = DFlashDrafter(cfg).eval()
-    aux = torch.randn(1, 150, 32)
+    for norm in (m.norm, m.hidden_norm):
+        norm.weight.data.uniform_(0.5, 1.5)  # not ones: the fused norm must scale by its weight
+    assert m.layers[0].attn.static_rope
+    if rope:
+        dynamic = DFlashConfig(**{**cfg.to_dict(), "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}})
+        assert not DFlashDrafter(dynamic).layers[0].attn.static_rope
+    aux = torch.randn(1, 300, 32)
     cache, done = ContextCache(spare=cfg.block_size), 0
     with torch.no_grad():
-        for anchor in (7, 9, 70, 71, 140):  # appends of 7, 2, 61, 1 and 69 positions; buffers grow past 64
-            cache.append(m.context_kv(aux[:, done:anchor], torch.arange(done, anchor)[None]))
+        for anchor in (7, 9, 70, 71, 140, 290):  # appends of 7, 2, 61, 1, 69 and 150 positions; buffers grow past 64
+            cache.append(m.context_kv(aux[:, done:anchor], torch.arange(done, anchor)[None], lean=True))
             done = anchor
             token = torch.tensor(5 + anchor % 7)
             fast = m.decode_hidden(token, anchor, cache)

@@ -15,23 +15,39 @@ from serve_eval.int8 import Int8Linear, Int8RestrictedHead, int8_drafter
 @pytest.mark.parametrize("shape", [(1, 37), (8, 64), (3, 5, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_is_its_codes_exactly_and_close_to_the_float_linear(shape, bias):
+    """Both kernels: ``torch._int_mm`` computes exactly its per-row arithmetic; fbgemm holds exactly the same
+    weight codes and misses the codes' own product by at most its activation rounding (half a step
+    per input, ``a/2 * sum_i |W_q,oi|``); both stay within a few percent of the float Linear."""
     torch.manual_seed(0)
     linear = nn.Linear(shape[-1], 50, bias=bias)
     x = torch.randn(*shape)
-    int8 = Int8Linear.from_linear(linear)
+    int8 = Int8Linear.from_linear(linear, kernel="int_mm")
+    assert int8.kernel == "int_mm" and int8.packed is None
     assert int8.codes.dtype == torch.int8 and int8.codes.shape == (shape[-1], 50) and int8.codes.abs().max() == 127
     y = int8(x)
     # the same arithmetic in float64: per-row activation codes times the weight codes, rescaled
     rows = x.reshape(-1, shape[-1]).double()
     step = rows.abs().amax(1, keepdim=True) / 127
     exact = (torch.round(rows / step) @ int8.codes.double()) * step * int8.scale.double()
-    if bias:
-        exact += linear.bias.double()
+    bias64 = linear.bias.double() if bias else torch.zeros(50, dtype=torch.float64)
+    exact += bias64
     assert y.shape == (*shape[:-1], 50)
     assert torch.allclose(y.reshape(-1, 50).double(), exact, rtol=1e-5, atol=1e-5)
     full = linear(x)
     assert (y - full).norm() / full.norm() < 0.02  # two roundings of ~0.4% each
     assert not torch.equal(y, full)
+
+    fbgemm = Int8Linear.from_linear(linear)
+    assert fbgemm.kernel == "fbgemm", "this torch (2.13, x86) has fbgemm's kernel"
+    weight, _ = torch.ops.quantized.linear_unpack(fbgemm.packed)
+    assert torch.equal(weight.int_repr(), int8.codes.T) and torch.equal(weight.q_per_channel_scales().float(), int8.scale)
+    y = fbgemm(x)
+    assert y.shape == (*shape[:-1], 50) and not torch.equal(y, full)
+    w_q = int8.codes.double() * int8.scale.double()  # in x out
+    a = (rows.max().clamp_min(0) - rows.min().clamp_max(0)) / 127
+    bound = a / 2 * w_q.abs().sum(0) + 1e-4
+    assert ((y.reshape(-1, 50).double() - (rows @ w_q + bias64)).abs() <= bound).all()
+    assert (y - full).norm() / full.norm() < 0.04  # 7-bit activations, one step for all rows
 
 
 def test_a_restricted_head_keeps_its_rows_and_fill():
@@ -57,7 +73,8 @@ def test_int8_drafter_converts_heads_or_everything():
             self.lm_head = nn.Linear(8, 32, bias=False)
 
     head_only = int8_drafter(Toy(), "head")
-    assert head_only == {"which": "head", "linears": 1, "weight_bytes": 32 * 8 * 4, "int8_bytes": 32 * 8 + 32 * 4}
+    assert head_only == {"which": "head", "linears": 1, "weight_bytes": 32 * 8 * 4, "int8_bytes": 32 * 8 + 32 * 4,
+                         "kernel": "fbgemm"}
     toy = Toy()
     assert int8_drafter(toy, "all")["linears"] == 2
     assert isinstance(toy.layer[0], Int8Linear) and isinstance(toy.lm_head, Int8Linear)
