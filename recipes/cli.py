@@ -41,7 +41,7 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dflash --draft-vocab 768 --draft-candidates 64 --temperature 1
                                                                                   # ... chosen per step
   draftsmith eval --drafter distill/assets/testbed_dflash --kv-cache int4 --kv-rotate   # a quantized target KV cache
-  draftsmith eval --drafter distill/assets/testbed_dflash --drafter-int8 off      # the drafter's head in fp32 (CPU default: int8)
+  draftsmith eval --drafter distill/assets/testbed_dflash --drafter-int8 off      # the drafter in fp32 (CPU default: int8)
   draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter
   draftsmith eval --drafter runs/pard_testbed/model                    # a PARD drafter: its block in one forward""",
     "export": """examples:
@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                          "drafted row under a low-rank approximation of the head (drafters.vocab.CandidateHead); 0 = off")
     ev.add_argument("--draft-rank", type=int, default=64, metavar="R", help="--draft-candidates: the approximation's rank")
     ev.add_argument("--drafter-int8", default="auto", choices=["auto", "off", "head", "all"],
-                    help="the drafter's head (or all its Linears) in int8, a CPU kernel; auto (default): the head on "
+                    help="all the drafter's Linears (or its head only) in int8, a CPU kernel; auto (default): all on "
                          "the CPU, off on a GPU. The target stays as it is")
     ev.add_argument("--kv-cache", default="full", choices=["full", "int8", "fp8", "int4"],
                     help="the target's KV cache in both loops (serve_eval.kv); the report compares it with full precision")

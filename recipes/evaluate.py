@@ -149,13 +149,11 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
                               f"{dec.draft_vocab_rank} do not fit the drafter's {head[0]} x {head[1]} output head")
         if dec.drafter_int8 == "head":
             raise RecipeError("decoding.drafter_int8 = 'head' with draft_vocab_candidates: the per-step vocabulary "
-                              "computes its own rows (auto leaves the head to it)")
+                              "computes its own rows (auto and all serve the rest in int8 and leave the head to it)")
     try:  # a target drafting for itself with head / all was refused with the recipe
         int8 = resolve_int8(dec.drafter_int8, device, same)
     except ValueError as e:
         raise RecipeError(str(e)) from None
-    if int8 == "head" and dec.draft_vocab_candidates:  # auto: the per-step vocabulary is the head's fast path
-        int8 = "off"
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
         raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
                           f"{device} set ssd_concurrent: false (inline)")

@@ -6,13 +6,17 @@ A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
   in [-127, 127];
 * activations, every call, in one of two kernels (the first where this torch has it):
 
-  - fbgemm's dynamic int8 GEMM (``quantized::linear_dynamic``, the weight codes prepacked once): the
-    whole input at one step ``a = (max(x, 0) - min(x, 0)) / 127`` with a zero point, 7-bit codes so
-    the kernel's 16-bit pair sums cannot saturate;
+  - fbgemm's dynamic int8 GEMM (``quantized::linear_dynamic``, the weight codes prepacked once), over
+    the rows each divided by its largest magnitude ``m_r = max_i |x_ri|`` (and the outputs multiplied
+    back): the kernel quantizes its whole input at one step ``a = (max(u, 0) - min(u, 0)) / 127 <= 2/127``
+    with a zero point, 7-bit codes so its 16-bit pair sums cannot saturate, which after the row
+    scaling is a step of ``a m_r`` for row ``r``. Without the row scaling (the kernel alone) one
+    large row sets every row's step: on the shipped drafters' served states the drafts agreed with
+    fp32's argmax 93% of the time with every Linear in int8, against 96-97% with it;
   - ATen's ``torch._int_mm`` (codes stored transposed, in x out): each row ``r`` (a token) at its own
     step ``a_r = max_i |x_ri| / 127``, ``X_ri = round(x_ri / a_r)``;
 
-* ``y_ro = a s_o sum_i X_ri C_oi + b_o``: the sum is exact in int32 (``|sum| <= in * 127^2 < 2^31`` for
+* ``y_ro = a_r s_o sum_i X_ri C_oi + b_o``: the sum is exact in int32 (``|sum| <= in * 127^2 < 2^31`` for
   ``in`` below 133,000), so the only errors are the two roundings, at most half a step of each factor.
 
 Losslessness does not depend on any of it: the loop verifies with the full-precision target, and the
@@ -79,7 +83,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.packed = _fbgemm_pack(codes, scale, self.bias) if kernel in ("auto", "fbgemm") else None
+        self.packed = _fbgemm_pack(codes, scale, None) if kernel in ("auto", "fbgemm") else None
         if kernel == "fbgemm" and self.packed is None:
             raise RuntimeError("fbgemm's int8 kernel is not in this torch build")
         self.kernel = "int_mm" if self.packed is None else "fbgemm"
@@ -90,13 +94,14 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()
-        if self.packed is not None:
-            y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)  # 7-bit activations (reduce_range)
+        peak = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+        if self.packed is not None:  # rows scaled to peak 1; 7-bit activations (reduce_range)
+            y = torch.ops.quantized.linear_dynamic(rows / peak, self.packed, True).mul_(peak)
         else:
-            step = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
+            step = peak.div_(127)
             y = torch._int_mm(torch.round(rows / step).to(torch.int8), self.codes).float().mul_(step).mul_(self.scale)
-            if self.bias is not None:
-                y += self.bias
+        if self.bias is not None:
+            y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
@@ -114,10 +119,10 @@ class Int8RestrictedHead(Int8Linear):
 
 
 def resolve(setting: str, device: str, drafter_is_target: bool) -> str:
-    """What ``decoding.drafter_int8`` means here: ``auto`` is ``head`` on the CPU, ``off`` on a GPU or for a
+    """What ``decoding.drafter_int8`` means here: ``auto`` is ``all`` on the CPU, ``off`` on a GPU or for a
     target drafting for itself; ``head`` / ``all`` on a GPU are a ValueError (the kernel is the CPU's)."""
     if setting == "auto":
-        return "head" if device == "cpu" and not drafter_is_target else "off"
+        return "all" if device == "cpu" and not drafter_is_target else "off"
     if setting != "off" and device != "cpu":
         raise ValueError(f"decoding.drafter_int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
                          f"(torch._int_mm); on {device} the drafter runs in the target's dtype (auto or off)")

@@ -166,7 +166,7 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
 @pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
                                       {"draft_vocab": 128, "draft_vocab_prompts": 4, "drafter_int8": "head"},
                                       {"draft_vocab": 96, "draft_vocab_prompts": 4, "draft_vocab_candidates": 8,
-                                       "draft_vocab_rank": 16, "drafter_int8": "all"}])
+                                       "draft_vocab_rank": 16}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -205,6 +205,8 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     split = report["time_split"]
     assert 0 < split["draft_fraction"] < 1 and 0 < split["verify_fraction"] < 1 and report["torch_threads"] == 1
     assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000
+    # auto on the CPU: every Linear of the drafter in int8, on fbgemm's kernel (this torch has it)
+    assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] == "fbgemm"
     if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
         vocab = report["draft_vocab"]
         assert vocab["size"] == decoding["draft_vocab"] and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1

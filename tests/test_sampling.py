@@ -20,7 +20,7 @@ from serve_eval.kv import KVQuant, inplace_cache
 from serve_eval.sampling import Sampler, verify_chain
 from serve_eval.tree import walk_tree
 
-VOCAB, PROMPT, SAMPLES = 6, torch.tensor([1, 2, 3]), 1500
+VOCAB, PROMPT, SAMPLES = 6, torch.tensor([1, 2, 3]), 1000
 VARIED_COSTS = {1: 1.0, 2: 1.4, 3: 1.7, 6: 2.6}  # seconds per verified tokens: some steps verify 0 drafts, some all
 
 
@@ -105,8 +105,9 @@ def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, 
     skipping = sampled_joint(toy_target, drafter, sampler_args, budget=Budget(VARIED_COSTS))
     assert chi_square_pvalue(skipping, exact) > 1e-3, "skipped drafts changed the distribution"
     monkeypatch.undo()
-    broken = sampled_joint(toy_target, drafter, sampler_args, verify=accept_everything)
-    assert chi_square_pvalue(broken, exact) < 1e-6, "the test cannot tell a broken verifier apart"
+    if kind == "dflash":  # the test's power, once (the verifier is shared)
+        broken = sampled_joint(toy_target, drafter, sampler_args, verify=accept_everything)
+        assert chi_square_pvalue(broken, exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
 
 def test_an_int8_drafter_samples_the_target_distribution(toy_target):
@@ -136,8 +137,9 @@ def test_tree_sampling_matches_the_target_distribution(toy_target, args):
     budget = Budget(VARIED_COSTS)
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, budget=budget), exact) > 1e-3
     assert len(set(budget.chosen)) > 1  # trees of several sizes were verified
-    broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
-    assert chi_square_pvalue(broken, exact) < 1e-6
+    if "top_k" not in args:  # the test's power, once (the walk is shared)
+        broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
+        assert chi_square_pvalue(broken, exact) < 1e-6
 
 
 def accept_every_copy(tree, logits, sampler, probs):
@@ -300,7 +302,7 @@ def test_draft_vocabularies_keep_the_target_distribution(toy_target, kind):
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_a_quantized_kv_cache_samples_the_quantized_target(toy_target, mode):
     """With an int4 KV cache the target is another model (serve_eval.kv: here its joint is 0.011 in
-    total variation from full precision's, too close for 1,500 samples to tell apart, so that part
+    total variation from full precision's, too close for 1,000 samples to tell apart, so that part
     is checked exactly); speculative samples follow that model's distribution, chains and trees."""
     torch.manual_seed(1)
     section = DrafterSection(kind="dflash", block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])

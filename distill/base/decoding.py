@@ -43,7 +43,7 @@ class DecodingSection(Strict):
                                                             "target's tokens for draft_vocab")
     drafter_int8: Literal["auto", "off", "head", "all"] = Field(
         "auto", description="serve the drafter's projections onto the vocabulary (head) or all its Linears (all) from "
-                            "int8 weight codes and int8 activations (serve_eval.int8, a CPU kernel); auto: head on "
+                            "int8 weight codes and int8 activations (serve_eval.int8, a CPU kernel); auto: all on "
                             "the CPU, off on a GPU or when the drafter is the target itself. The target is untouched")
     kv_cache: Literal["full", "int8", "fp8", "int4"] = Field(
         "full", description="the target's KV cache: full precision, or int8 / fp8 / int4 codes with an fp16 scale per "
