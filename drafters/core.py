@@ -230,20 +230,27 @@ class ContextCache:
         self.length = 0
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Add per-layer ``(keys, values)`` [1, heads, n, head_dim] of the next ``n`` positions."""
-        n = kv[0][0].shape[2]
+        """Add per-layer ``(keys, values)`` [B, heads, n, head_dim] of the next ``n`` positions."""
+        B, heads, n, dim = kv[0][0].shape
+        self.reserve(n, B, heads, dim, kv[0][0].dtype, kv[0][0].device, len(kv))
         end = self.length + n
-        if not self.keys or end + self.spare > self.keys[0].shape[2]:
-            capacity = max(2 * self.length + n + self.spare, 64)
-            self.keys = [self._grown(old, k, capacity) for old, (k, _) in zip(self.keys or [None] * len(kv), kv)]
-            self.values = [self._grown(old, v, capacity) for old, (_, v) in zip(self.values or [None] * len(kv), kv)]
         for layer, (k, v) in enumerate(kv):
             self.keys[layer][:, :, self.length:end] = k
             self.values[layer][:, :, self.length:end] = v
         self.length = end
 
-    def _grown(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        new = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3])
+    def reserve(self, n: int, batch: int, heads: int, dim: int, dtype, device, layers: int) -> None:
+        """Room for ``n`` positions after ``length`` and the ``spare`` ones after them (for a caller that
+        writes entries itself, as EAGLE-3's decoding does)."""
+        end = self.length + n
+        if self.keys and end + self.spare <= self.keys[0].shape[2]:
+            return
+        shape = (batch, heads, max(2 * self.length + n + self.spare, 64), dim)
+        self.keys = [self._grown(old, shape, dtype, device) for old in self.keys or [None] * layers]
+        self.values = [self._grown(old, shape, dtype, device) for old in self.values or [None] * layers]
+
+    def _grown(self, old: torch.Tensor | None, shape: tuple, dtype, device) -> torch.Tensor:
+        new = torch.empty(shape, dtype=dtype, device=device)
         if old is not None:
             new[:, :, :self.length] = old[:, :, :self.length]
         return new

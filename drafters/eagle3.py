@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .core import MLP, DraftAttention, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm, argmax_choice
+from .core import MLP, ContextCache, DraftAttention, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm, argmax_choice, rms
 from .losses import block_scores
 
 
@@ -127,42 +127,55 @@ class Eagle3Drafter(DrafterBase):
                              logs={"soft_ce": loss.detach()})
 
     # ---------------------------------------------------------------------------------------------
-    # Decoding: a KV cache of step-0 entries (one per position the target has verified) and the
-    # layer output at the newest position; drafts append temporary entries that are dropped after.
+    # Decoding: keys/values of step-0 entries (one per position the target has verified) in a
+    # ContextCache, written in place, and the layer output at the newest position; drafts write their
+    # entries after the context as scratch space, overwritten by the next append. The lean operations
+    # of the block drafters' decode path (drafters.core: fused norms, a rotary table, SDPA called directly).
+
+    def _decode_step(self, emb, hidden, pos, cache: ContextCache, mask):
+        """The layer over ``[emb ; hidden]`` at ``pos`` [B, n] whose keys/values are written at
+        ``cache.length + i`` and see the cache before them (``mask``: None, or which of them each sees)."""
+        layer = self.layer
+        x = torch.cat([rms(layer.embed_norm, emb), rms(layer.hidden_norm, hidden)], dim=-1)
+        k, v = layer.attn.project_kv(x, pos, lean=True)
+        start, end = cache.length, cache.length + k.shape[2]
+        cache.keys[0][:, :, start:end], cache.values[0][:, :, start:end] = k, v
+        h = hidden + layer.attn.attend(x, pos, cache.keys[0][:, :, :end], cache.values[0][:, :, :end], mask, lean=True)
+        return h + layer.mlp(rms(layer.post_norm, h))
 
     def extend(self, state: dict, aux: torch.Tensor, next_tokens: torch.Tensor, start: int) -> dict:
         """Add positions ``start .. start+n-1`` (target features ``aux`` [B, n, F], each with its next
         token ``next_tokens`` [B, n]) to the cache and keep the layer output at the last one."""
         n = aux.shape[1]
+        cache = state.get("cache") or ContextCache(spare=self.config.block_size)
+        if cache.length != start:
+            raise ValueError(f"the cache holds {cache.length} positions, the new ones start at {start}")
+        attn = self.layer.attn
+        cache.reserve(n, aux.shape[0], attn.kv_heads, attn.head_dim, aux.dtype, aux.device, layers=1)
         pos = torch.arange(start, start + n, device=aux.device)[None].expand(aux.shape[0], -1)
-        hidden = self.fc(aux)
-        x = self.layer.layer_input(self.embed_tokens(next_tokens), hidden)
-        k, v = self.layer.attn.project_kv(x, pos)
-        keys = k if "k" not in state else torch.cat([state["k"], k], dim=2)
-        values = v if "v" not in state else torch.cat([state["v"], v], dim=2)
-        mask = (torch.arange(keys.shape[2], device=aux.device)[None, :] <= pos[0, :, None])[None, None]
-        h = hidden + self.layer.attn.attend(x, pos, keys, values, mask)
-        g = h + self.layer.mlp(self.layer.post_norm(h))
-        return {"k": keys, "v": values, "g": g[:, -1:], "length": start + n}
+        mask = None if n == 1 else (torch.arange(start + n, device=aux.device)[None, :] <= pos[0, :, None])[None, None]
+        g = self._decode_step(self.embed_tokens(next_tokens), self.fc(aux), pos, cache, mask)
+        cache.length += n
+        return {"cache": cache, "g": g[:, -1:], "length": start + n}
 
     def propose_chain(self, state: dict, steps: int, choose=None, stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts for the ``steps`` tokens after the newest token's successor: (tokens [B, steps],
         logits [B, steps, V]); ``choose(logits) -> tokens`` picks each (argmax by default); drafting
         ends early after the first position whose logits ``stop(logits)`` is true for (fewer tokens)."""
         choose = choose or argmax_choice
-        g, keys, values = state["g"], state["k"], state["v"]
-        p = state["length"] - 1
+        g, cache = state["g"], state["cache"]
+        length, p = cache.length, state["length"] - 1
         logits, tokens = [], []
-        for s in range(steps):
-            step_logits = self.lm_head(self.norm(g))
-            logits.append(step_logits)
-            tokens.append(choose(step_logits))
-            if s == steps - 1 or (stop is not None and stop(step_logits)):
-                break
-            pos = torch.full((g.shape[0], 1), p + s + 1, device=g.device)
-            x = self.layer.layer_input(self.embed_tokens(tokens[-1]), g)
-            k, v = self.layer.attn.project_kv(x, pos)
-            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-            h = g + self.layer.attn.attend(x, pos, keys, values, None)
-            g = h + self.layer.mlp(self.layer.post_norm(h))
+        try:
+            for s in range(steps):
+                step_logits = self.lm_head(rms(self.norm, g))
+                logits.append(step_logits)
+                tokens.append(choose(step_logits))
+                if s == steps - 1 or (stop is not None and stop(step_logits)):
+                    break
+                pos = torch.full((g.shape[0], 1), p + s + 1, device=g.device)
+                g = self._decode_step(self.embed_tokens(tokens[-1]), g, pos, cache, None)
+                cache.length += 1  # the draft's entry, seen by the next draft
+        finally:
+            cache.length = length  # the drafts' entries are scratch: the next extend overwrites them
         return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)

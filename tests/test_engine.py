@@ -138,7 +138,8 @@ def test_tree_compaction_equals_recomputing_the_accepted_path(target_and_prompts
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_drafters, kind):
-    """The cached decoding path proposes what the training forward would (same masks, same inputs)."""
+    """The cached decoding path proposes what the training forward would (same masks, same inputs), its
+    context appended in two pieces."""
     from distill.base.features import FeatureCapture
 
     target, tok, prompts = target_and_prompts
@@ -148,16 +149,20 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     feats = FeatureCapture(target, drafter.config.target_layer_ids)(seq)
     a = prompts[0].shape[0]  # the first bonus token's position
     proposer = make_proposer(drafter)
-    proposer.observe(feats.aux[:, :a], 0, seq[0, 1:a + 1])
+    proposer.observe(feats.aux[:, :a - 3], 0, seq[0, 1:a - 2])
+    proposer.observe(feats.aux[:, a - 3:a], a - 3, seq[0, a - 2:a + 1])
     from serve_eval.sampling import Sampler
 
-    decoded, _ = proposer.propose(seq[0, a], a, Sampler())
+    decoded, logits = proposer.propose(seq[0, a], a, Sampler())
     if kind == "eagle3":
         out = drafter(seq, feats.aux, feats.last)  # chain starting at t = a - 1
-        trained = out.draft_logits[0, a - 1].argmax(-1)
+        trained_logits = out.draft_logits[0, a - 1]
     else:
         out = drafter(seq, feats.aux, feats.last, anchors=torch.tensor([[a]]))
-        trained = out.draft_logits[0, 0].argmax(-1)
+        trained_logits = out.draft_logits[0, 0]
+    trained = trained_logits.argmax(-1)
+    if kind != "dspark":  # DSpark's training logits follow the answer's tokens, its drafts its own
+        torch.testing.assert_close(logits, trained_logits, rtol=1e-4, atol=1e-4)
     if kind == "dspark":
         trained = drafter.propose(drafter.block_hidden(feats.aux, seq[:, a:a + 1], torch.tensor([[a]])), seq[:, a:a + 1])[0][0, 0]
     assert torch.equal(decoded, trained)
