@@ -214,6 +214,9 @@ class Eagle3Proposer(Proposer):
         self.block_size = drafter.config.block_size
         self.state: dict = {}
 
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.state = {}
+
     @torch.no_grad()
     def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
         self.state = self.drafter.extend(self.state, aux, next_tokens.view(1, -1), start)

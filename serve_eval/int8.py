@@ -56,7 +56,7 @@ def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).to(torch.int8).T.contiguous(), scale
 
 
-def _fbgemm_pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+def _fbgemm_pack(codes: torch.Tensor, scale: torch.Tensor):
     """fbgemm's prepacked weight holding exactly ``codes`` (in x out) and ``scale``, or None where this torch
     has no such kernel (see the module docstring)."""
     engines = torch.backends.quantized.supported_engines
@@ -67,7 +67,7 @@ def _fbgemm_pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
             weight = torch._make_per_channel_quantized_tensor(codes.T.contiguous(), scale.double(),
                                                               torch.zeros_like(scale, dtype=torch.long), 0)
-        return torch.ops.quantized.linear_prepack(weight, bias)
+        return torch.ops.quantized.linear_prepack(weight, None)  # the bias is added after the row scaling
     except (AttributeError, RuntimeError):
         return None
 
@@ -83,7 +83,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.packed = _fbgemm_pack(codes, scale, None) if kernel in ("auto", "fbgemm") else None
+        self.packed = _fbgemm_pack(codes, scale) if kernel in ("auto", "fbgemm") else None
         if kernel == "fbgemm" and self.packed is None:
             raise RuntimeError("fbgemm's int8 kernel is not in this torch build")
         self.kernel = "int_mm" if self.packed is None else "fbgemm"
