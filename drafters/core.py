@@ -67,10 +67,13 @@ from .vocab import restrict_vocab
 RMSNorm = LlamaRMSNorm
 
 
-def rms(norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)`` in one fused operation where that is the same arithmetic (fp32: transformers' module
-    computes in fp32, then scales by its weight); the module itself otherwise."""
-    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+def rms(norm: LlamaRMSNorm | None, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """``norm(x)`` (``x`` itself for no norm), with ``fused`` in one operation where that is the same
+    arithmetic (fp32: transformers' module computes in fp32, then scales by its weight). Decoding fuses;
+    training calls the module (DeepSpeed ZeRO-3 gathers a partitioned weight in the module's hooks)."""
+    if norm is None:
+        return x
+    if not fused or x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
         return norm(x)
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
@@ -132,7 +135,7 @@ class DraftAttention(nn.Module):
         ``lean`` (decoding): the same values by fewer operations (:func:`rms`, :meth:`rope_table`)."""
         B, L, _ = kv_in.shape
         k = self.k_proj(kv_in).view(B, L, self.kv_heads, self.head_dim)
-        k = (k if self.k_norm is None else rms(self.k_norm, k) if lean else self.k_norm(k)).transpose(1, 2)
+        k = rms(self.k_norm, k, lean).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
         return self._rope(k, kv_pos, table=lean), v
 
@@ -143,7 +146,7 @@ class DraftAttention(nn.Module):
         directly (the same math as transformers' wrapper, without its per-call work)."""
         B, Q, _ = q_in.shape
         q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim)
-        q = self._rope((q if self.q_norm is None else rms(self.q_norm, q) if lean else self.q_norm(q)).transpose(1, 2), q_pos, lean)
+        q = self._rope(rms(self.q_norm, q, lean).transpose(1, 2), q_pos, lean)
         impl = self.config._attn_implementation or "sdpa"
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
@@ -215,7 +218,7 @@ class InjectedLayer(nn.Module):
 
     def _attend_and_mlp(self, x, h, x_pos, keys, values, mask, lean: bool = False):
         x = x + self.attn.attend(h, x_pos, keys, values, mask, lean)
-        return x + self.mlp(rms(self.post_norm, x) if lean else self.post_norm(x))
+        return x + self.mlp(rms(self.post_norm, x, lean))
 
 
 class ContextCache:
@@ -231,26 +234,25 @@ class ContextCache:
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add per-layer ``(keys, values)`` [B, heads, n, head_dim] of the next ``n`` positions."""
+        self.length = self.write(kv)
+
+    def write(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Write per-layer ``(keys, values)`` of ``n`` positions after the context without counting them
+        (entries that attention reads once and the next write overwrites: a draft's own, or positions a
+        caller counts itself); returns the end, ``length + n``."""
         B, heads, n, dim = kv[0][0].shape
-        self.reserve(n, B, heads, dim, kv[0][0].dtype, kv[0][0].device, len(kv))
         end = self.length + n
+        if not self.keys or end + self.spare > self.keys[0].shape[2]:
+            shape = (B, heads, max(2 * self.length + n + self.spare, 64), dim)
+            self.keys = [self._grown(old, shape, k) for old, (k, _) in zip(self.keys or [None] * len(kv), kv)]
+            self.values = [self._grown(old, shape, v) for old, (_, v) in zip(self.values or [None] * len(kv), kv)]
         for layer, (k, v) in enumerate(kv):
             self.keys[layer][:, :, self.length:end] = k
             self.values[layer][:, :, self.length:end] = v
-        self.length = end
+        return end
 
-    def reserve(self, n: int, batch: int, heads: int, dim: int, dtype, device, layers: int) -> None:
-        """Room for ``n`` positions after ``length`` and the ``spare`` ones after them (for a caller that
-        writes entries itself, as EAGLE-3's decoding does)."""
-        end = self.length + n
-        if self.keys and end + self.spare <= self.keys[0].shape[2]:
-            return
-        shape = (batch, heads, max(2 * self.length + n + self.spare, 64), dim)
-        self.keys = [self._grown(old, shape, dtype, device) for old in self.keys or [None] * layers]
-        self.values = [self._grown(old, shape, dtype, device) for old in self.values or [None] * layers]
-
-    def _grown(self, old: torch.Tensor | None, shape: tuple, dtype, device) -> torch.Tensor:
-        new = torch.empty(shape, dtype=dtype, device=device)
+    def _grown(self, old: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        new = like.new_empty(shape)
         if old is not None:
             new[:, :, :self.length] = old[:, :, :self.length]
         return new
@@ -584,8 +586,7 @@ class BlockDrafter(DrafterBase):
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor, lean: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, keys and values of target features ``aux`` [B, C, F] at ``positions`` [B, C];
         ``lean``: decoding's path (:meth:`DraftAttention.project_kv`), the same values."""
-        ctx = self.fc(aux)
-        ctx = rms(self.hidden_norm, ctx) if lean else self.hidden_norm(ctx)
+        ctx = rms(self.hidden_norm, self.fc(aux), lean)
         return [layer.attn.project_kv(ctx, positions, lean) for layer in self.layers]
 
     def anchors_for(self, input_ids: torch.Tensor, anchors: torch.Tensor | None, loss_mask: torch.Tensor | None) -> torch.Tensor:

@@ -46,8 +46,9 @@ class Eagle3Layer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def layer_input(self, emb, hidden):
-        return torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1)
+    def layer_input(self, emb, hidden, lean: bool = False):
+        """``[embed_norm(emb) ; hidden_norm(hidden)]``; ``lean``: decoding's fused norms (drafters.core.rms)."""
+        return torch.cat([rms(self.embed_norm, emb, lean), rms(self.hidden_norm, hidden, lean)], dim=-1)
 
 
 def ttt_mask(step: int, seq_len: int, device=None) -> torch.Tensor:
@@ -134,12 +135,11 @@ class Eagle3Drafter(DrafterBase):
 
     def _decode_step(self, emb, hidden, pos, cache: ContextCache, mask):
         """The layer over ``[emb ; hidden]`` at ``pos`` [B, n] whose keys/values are written at
-        ``cache.length + i`` and see the cache before them (``mask``: None, or which of them each sees)."""
+        ``cache.length + i`` (uncounted: the caller counts them) and see the cache before them (``mask``:
+        None, or which of them each sees)."""
         layer = self.layer
-        x = torch.cat([rms(layer.embed_norm, emb), rms(layer.hidden_norm, hidden)], dim=-1)
-        k, v = layer.attn.project_kv(x, pos, lean=True)
-        start, end = cache.length, cache.length + k.shape[2]
-        cache.keys[0][:, :, start:end], cache.values[0][:, :, start:end] = k, v
+        x = layer.layer_input(emb, hidden, lean=True)
+        end = cache.write([layer.attn.project_kv(x, pos, lean=True)])
         h = hidden + layer.attn.attend(x, pos, cache.keys[0][:, :, :end], cache.values[0][:, :, :end], mask, lean=True)
         return h + layer.mlp(rms(layer.post_norm, h))
 
@@ -150,13 +150,11 @@ class Eagle3Drafter(DrafterBase):
         cache = state.get("cache") or ContextCache(spare=self.config.block_size)
         if cache.length != start:
             raise ValueError(f"the cache holds {cache.length} positions, the new ones start at {start}")
-        attn = self.layer.attn
-        cache.reserve(n, aux.shape[0], attn.kv_heads, attn.head_dim, aux.dtype, aux.device, layers=1)
         pos = torch.arange(start, start + n, device=aux.device)[None].expand(aux.shape[0], -1)
         mask = None if n == 1 else (torch.arange(start + n, device=aux.device)[None, :] <= pos[0, :, None])[None, None]
         g = self._decode_step(self.embed_tokens(next_tokens), self.fc(aux), pos, cache, mask)
         cache.length += n
-        return {"cache": cache, "g": g[:, -1:], "length": start + n}
+        return {"cache": cache, "g": g[:, -1:]}
 
     def propose_chain(self, state: dict, steps: int, choose=None, stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts for the ``steps`` tokens after the newest token's successor: (tokens [B, steps],
@@ -164,7 +162,7 @@ class Eagle3Drafter(DrafterBase):
         ends early after the first position whose logits ``stop(logits)`` is true for (fewer tokens)."""
         choose = choose or argmax_choice
         g, cache = state["g"], state["cache"]
-        length, p = cache.length, state["length"] - 1
+        length = cache.length  # the newest verified position is length - 1
         logits, tokens = [], []
         try:
             for s in range(steps):
@@ -173,7 +171,7 @@ class Eagle3Drafter(DrafterBase):
                 tokens.append(choose(step_logits))
                 if s == steps - 1 or (stop is not None and stop(step_logits)):
                     break
-                pos = torch.full((g.shape[0], 1), p + s + 1, device=g.device)
+                pos = torch.full((g.shape[0], 1), length + s, device=g.device)
                 g = self._decode_step(self.embed_tokens(tokens[-1]), g, pos, cache, None)
                 cache.length += 1  # the draft's entry, seen by the next draft
         finally:
