@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from distill.base.features import FeatureCapture
 
@@ -59,7 +60,7 @@ class BatchTarget:
     each row's length (its next position). ``kv``: the cache's quantization (:mod:`serve_eval.kv`)."""
 
     def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
-        self.target, self.capture = target, capture
+        self.target, self.capture, self.kv = target, capture, kv
         self.cache = inplace_cache(target.config, kv)
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, slots]
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R]
@@ -87,6 +88,22 @@ class BatchTarget:
         logits, aux = self._run(ids, torch.arange(L, device=device)[None].expand(len(prompts), L), mask.to(device))
         self.valid, self.lengths = valid, lengths.clone()
         return logits[torch.arange(len(prompts)), lengths - 1], aux
+
+    def admit(self, prompts: list[torch.Tensor]):
+        """Add a row for each of ``prompts``, prefilled together apart from the batch (:meth:`prefill`'s
+        logits and features, for the new rows only). The batch's slots become the longer of the two;
+        the slots a row does not fill are holes (zeros, never attended) until compaction."""
+        if not len(self.lengths):  # no rows (yet, or any more): the batch starts afresh
+            self.cache = inplace_cache(self.target.config, self.kv)
+            return self.prefill(prompts)
+        new = BatchTarget(self.target, self.capture, self.kv)
+        logits, aux = new.prefill(prompts)
+        for layer, joining in zip(self.cache.layers, new.cache.layers):
+            layer.extend_rows(joining)
+        slots = max(self.valid.shape[1], new.valid.shape[1])
+        self.valid = torch.cat([F.pad(v, (0, slots - v.shape[1])) for v in (self.valid, new.valid)])
+        self.lengths = torch.cat([self.lengths, new.lengths])
+        return logits, aux
 
     def step(self, ids: torch.Tensor):
         """Read ``ids`` [R, n] after each row's valid tokens: logits [R, n, V] and features."""
@@ -183,6 +200,21 @@ class BatchContext:
         self.flush()
         C = int(self.lengths.max())
         return self.lengths, [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
+
+    def admit(self, aux: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Add rows whose first ``lengths[i]`` positions have features ``aux`` [R', m, F] (a prefill's)."""
+        if not len(self.lengths):  # no rows (yet, or any more)
+            self.keys, self.values, self.pending = [], [], []
+            self.append(aux, lengths)
+            return
+        self.flush()
+        new = BatchContext(self.drafter)
+        new.append(aux, lengths)
+        size = max(self.keys[0].shape[2], new.keys[0].shape[2])
+        pad = lambda t: F.pad(t, (0, 0, 0, size - t.shape[2]))  # noqa: E731  (positions are dim 2)
+        self.keys = [torch.cat([pad(a), pad(b)]) for a, b in zip(self.keys, new.keys)]
+        self.values = [torch.cat([pad(a), pad(b)]) for a, b in zip(self.values, new.values)]
+        self.lengths = torch.cat([self.lengths, new.lengths])
 
     def select(self, rows: torch.Tensor) -> None:
         self.pending = [(aux[rows], counts[rows]) for aux, counts in self.pending]
@@ -367,12 +399,28 @@ def _without_finished(outs, live: list[int], bonus: torch.Tensor, max_new: int, 
     """The rows of ``live`` (indices into ``outs``) still decoding, and their bonus tokens; the
     ``states`` (target session, drafter context) drop the others' rows."""
     keep = [j for j, i in enumerate(live) if len(outs[i]) < max_new and (eos is None or eos not in outs[i])]
-    if 0 < len(keep) < len(live):
-        rows = torch.tensor(keep)
+    if len(keep) < len(live):
+        rows = torch.tensor(keep, dtype=torch.long)
         for state in states:
             state.select(rows)
         bonus = bonus[rows]
     return [live[j] for j in keep], bonus
+
+
+def _admit(queue: list[int], live: list[int], bonus: torch.Tensor, slots: int, prompts, samplers, outs,
+           session: "BatchTarget", context: "BatchContext | None" = None):
+    """Move waiting prompts (``queue``, indices into ``prompts``) into the batch's free slots: prefilled
+    together, each emits its first token with its own sampler, and the drafter's context reads their
+    features. Returns the rows and their bonus tokens."""
+    joining = queue[:slots - len(live)]
+    del queue[:len(joining)]
+    logits, aux = session.admit([prompts[i] for i in joining])
+    first = _choose_rows([samplers[i] for i in joining], logits).cpu()
+    for i, t in zip(joining, first.tolist()):
+        outs[i].append(t)
+    if context is not None:
+        context.admit(aux, session.lengths[-len(joining):].clone())
+    return live + joining, torch.cat([bonus, first])
 
 
 def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
@@ -384,17 +432,19 @@ def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
-                           samplers: list[Sampler] | None = None, kv: KVQuant | None = None):
-    """Plain decoding of several prompts at once (rows leave the batch when they finish)."""
+                           samplers: list[Sampler] | None = None, kv: KVQuant | None = None, slots: int | None = None):
+    """Plain decoding of several prompts at once: at most ``slots`` rows (default: all), rows leave the
+    batch when they finish and waiting prompts take their places."""
     samplers = samplers or [Sampler() for _ in prompts]
+    slots = slots or len(prompts)
     start, stats = time.perf_counter(), BatchStats()
     session = BatchTarget(target, kv=kv)
-    logits, _ = session.prefill(prompts)
-    live = list(range(len(prompts)))
-    outs = [[int(t)] for t in _choose_rows(samplers, logits).tolist()]
-    bonus = torch.tensor([o[-1] for o in outs])
+    queue, live, outs, bonus = list(range(len(prompts))), [], [[] for _ in prompts], torch.zeros(0, dtype=torch.long)
     while True:
         live, bonus = _without_finished(outs, live, bonus, max_new_tokens, eos_token_id, session)
+        if queue and len(live) < slots:
+            live, bonus = _admit(queue, live, bonus, slots, prompts, samplers, outs, session)
+            continue  # a prompt may be done at its first token
         if not live:
             return _finish(outs, eos_token_id, max_new_tokens, stats, start)
         logits, _ = session.step(bonus[:, None].to(prompts[0].device))
@@ -409,22 +459,24 @@ def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: 
 @torch.no_grad()
 def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
                                  eos_token_id: int | None = None, samplers: list[Sampler] | None = None,
-                                 scheduler: BatchScheduler | None = None, kv: KVQuant | None = None):
-    """Speculative decoding of several prompts at once with a block drafter (see the module doc).
+                                 scheduler: BatchScheduler | None = None, kv: KVQuant | None = None,
+                                 slots: int | None = None):
+    """Speculative decoding of several prompts at once with a block drafter (see the module doc): at
+    most ``slots`` rows (default: all) at a time, waiting prompts taking the places of rows that finish.
     Without a scheduler every step verifies all ``K - 1`` drafts of every row."""
     samplers = samplers or [Sampler() for _ in prompts]
     greedy = samplers[0].greedy
     K = drafter.config.block_size
+    slots = slots or len(prompts)
     start, stats = time.perf_counter(), BatchStats()
     session = BatchTarget(target, FeatureCapture(target, drafter.config.target_layer_ids), kv)
     context = BatchContext(drafter)
-    logits, aux = session.prefill(prompts)
-    live = list(range(len(prompts)))
-    bonus = _choose_rows(samplers, logits).cpu()
-    outs = [[t] for t in bonus.tolist()]
-    context.append(aux, session.lengths.clone())
+    queue, live, outs, bonus = list(range(len(prompts))), [], [[] for _ in prompts], torch.zeros(0, dtype=torch.long)
     while True:
         live, bonus = _without_finished(outs, live, bonus, max_new_tokens, eos_token_id, session, context)
+        if queue and len(live) < slots:
+            live, bonus = _admit(queue, live, bonus, slots, prompts, samplers, outs, session, context)
+            continue  # a prompt may be done at its first token
         if not live:
             return _finish(outs, eos_token_id, max_new_tokens, stats, start)
         R = len(live)
@@ -476,8 +528,9 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
 
 def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int],
                     calibration: Budget | None = None) -> list[dict]:
-    """Batched plain and batched speculative decoding of the prompts in groups of each batch size,
-    back to back (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
+    """Batched plain and batched speculative decoding of all the prompts, back to back, for each batch
+    size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
+    (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
     calibration (``calibration``'s, when given: e.g. that of a one-row run of the same drafter, which
     learns on every step, where a batch scheduler that stops drafting learns only from its probes)
     and one cost table serve every batch size; each has its own scheduler."""
@@ -488,37 +541,30 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         capture = FeatureCapture(target, drafter.config.target_layer_ids)
         budget = Budget(measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture, kv=kv), share=calibration)
     rows = []
+    prompts, samplers = list(encoded), lambda: [sampler(i) for i in range(len(encoded))]  # noqa: E731
     for B in batch_sizes:
-        groups = [list(range(i, i + B)) for i in range(0, len(encoded) - B + 1, B)]
         # a calibration lent by a one-row run is trusted from the first drafted step on
         scheduler = None
         if budget is not None:  # the batched step's own cost at this size, over a cache about the mean's length
             # the mean prompt, three quarters of the answer: the rows' mean length plus the holes compaction leaves
-            context = sum(len(encoded[i]) for g in groups for i in g) // max(1, B * len(groups)) + dec.max_new_tokens * 3 // 4
+            context = sum(map(len, prompts)) // len(prompts) + dec.max_new_tokens * 3 // 4
             steps = measure_step_seconds(target, capture, B, K, context, kv)
             scheduler = BatchScheduler(budget, K, min_drafts=1 if calibration else 8, step_seconds=steps, rows=B)
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
             scheduler.predicted = scheduler.predicted_speedup(B)
             if calibration is not None and scheduler.predicted < UP_FRONT_MARGIN:  # a calibrated prediction: drafting
                 scheduler.off = True                                                 # would not pay here
-        tokens = base_tokens = forwards = 0
-        spec_s = base_s = 0.0
-        lossless = True
-        for group in groups:
-            prompts = [encoded[i] for i in group]
-            base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group], kv)
-            if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
-                ours, stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, [sampler(i) for i in group], kv)
-            else:
-                ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos,
-                                                           [sampler(i) for i in group], scheduler, kv)
-            lossless = lossless and ours == base if dec.temperature == 0 else None
-            tokens, base_tokens = tokens + stats.tokens, base_tokens + base_stats.tokens
-            spec_s, base_s = spec_s + stats.seconds, base_s + base_stats.seconds
-            forwards += stats.row_steps + len(group)  # the prefill reads every row once
-        tokens_per_s, baseline = tokens / spec_s, base_tokens / base_s
-        rows.append({"batch": B, "prompts": B * len(groups), "tau": round(tokens / forwards, 4),
+        base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
+        if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
+            ours, stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
+        else:
+            ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(),
+                                                       scheduler, kv, slots=B)
+        tokens_per_s, baseline = stats.tokens / stats.seconds, base_stats.tokens / base_stats.seconds
+        rows.append({"batch": B, "prompts": len(prompts),
+                     "tau": round(stats.tokens / (stats.row_steps + len(prompts)), 4),  # each prefill reads its row once
                      "tokens_per_s": round(tokens_per_s, 2), "baseline_tokens_per_s": round(baseline, 2),
-                     "speedup": round(tokens_per_s / baseline, 4), "lossless": lossless,
+                     "speedup": round(tokens_per_s / baseline, 4),
+                     "lossless": ours == base if dec.temperature == 0 else None,
                      "scheduler": None if scheduler is None else scheduler.summary()})
     return rows

@@ -171,6 +171,20 @@ class InPlaceLayer(DynamicLayer):
             buffer[:, :, :kept] = buffer.gather(2, expand)
         self._set_length(kept)
 
+    def extend_rows(self, other: "InPlaceLayer") -> None:
+        """Append ``other``'s rows after this layer's (a batch's rows joining, :mod:`serve_eval.batch`):
+        both keep their entries at their own slots; the slots past a side's length are zeros, which the
+        batch's validity mask never lets attention read."""
+        length = max(self.length, other.length)
+        joined = []
+        for mine, theirs in zip(self._buffers, other._buffers):
+            both = mine.new_zeros(mine.shape[0] + theirs.shape[0], mine.shape[1], max(2 * length, 64), *mine.shape[3:])
+            both[:mine.shape[0], :, :self.length] = mine[:, :, :self.length]
+            both[mine.shape[0]:, :, :other.length] = theirs[:, :, :other.length]
+            joined.append(both)
+        self._buffers = joined
+        self._set_length(length)
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized and self._buffers is not None:
             self._buffers = [buffer[indices.to(self.device)] for buffer in self._buffers]

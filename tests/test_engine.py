@@ -264,7 +264,8 @@ def test_tree_beats_chain_on_acceptance(target_and_prompts, trained_drafters):
 def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_drafters, kind):
     """Rows of different lengths, a row that stops at EOS early, drafts kept and rejected per row: every
     row emits exactly its own greedy tokens, with every draft verified, with a scheduler that always
-    drafts and with one that finds speculation too dear and mostly reads the bonus only."""
+    drafts and with one that finds speculation too dear and mostly reads the bonus only, and with
+    fewer slots than prompts (waiting prompts join as rows finish)."""
     from serve_eval.batch import BatchScheduler, batched_plain_generate, batched_speculative_generate
 
     target, _, prompts = target_and_prompts
@@ -278,14 +279,18 @@ def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_draf
     assert batched_plain_generate(target, prompts, MAX_NEW, eos)[0] == reference
     ours, stats = batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos)
     assert ours == reference
+    # two slots: the third and fourth prompts wait, and join a batch whose rows are mid-answer (longer
+    # caches, holes) as rows finish; the early EOS frees a slot first
+    assert batched_plain_generate(target, prompts, MAX_NEW, eos, slots=2)[0] == reference
+    assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos, slots=2)[0] == reference
     # a row drafts what it would alone (same context, same positions), so it takes as many steps
     alone = sum(speculative_generate(target, drafter, p, MAX_NEW, eos)[1].target_forwards - 1 for p in prompts)
     assert abs(stats.row_steps - alone) <= len(prompts)
     K = drafter.config.block_size
     cheap = BatchScheduler(Budget({1: 100.0, 4 * K: 100.0}), K)  # reading more costs nothing (drafting ~0): all drafts
     dear = BatchScheduler(Budget({1: 1.0, 2: 100.0, 4 * K: 3000.0}), K)
-    for scheduler in (cheap, dear):
-        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos, scheduler=scheduler)[0] == reference
+    for scheduler, slots in ((cheap, None), (dear, None), (cheap, 3)):
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, eos, scheduler=scheduler, slots=slots)[0] == reference
     assert set(cheap.chosen) == {K} and cheap.summary()["drafted_fraction"] == 1.0
     assert set(dear.chosen) == {1} and dear.summary()["drafted_fraction"] < 0.5  # the off switch, with probes
 
@@ -339,8 +344,9 @@ def test_greedy_drafts_with_lookup_equal_greedy(target_and_prompts, trained_draf
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, trained_drafters, kind):
-    """Rows of different lengths, features appended at once and queued in two parts: each row's block
-    logits equal the one-row decoding path's (its own context, positions and mask)."""
+    """Rows of different lengths, features appended at once and queued in two parts, and a third row
+    joining them (its prefill's features): each row's block logits equal the one-row decoding path's
+    (its own context, positions and mask)."""
     from distill.base.features import FeatureCapture
     from serve_eval.batch import BatchContext
     from serve_eval.engine import BlockProposer
@@ -359,6 +365,11 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
     context.defer(tail, torch.tensor([5, 5]))  # queued, appended by view()
     lengths, kv = context.view()
     assert lengths.tolist() == [20, 13]
+    rows.append(prompts[2][:17])
+    feats.append(capture(rows[-1][None]).aux)
+    context.admit(torch.cat([feats[-1], torch.zeros(1, 3, feats[-1].shape[-1])], dim=1), torch.tensor([17]))  # padded
+    lengths, kv = context.view()
+    assert lengths.tolist() == [20, 13, 17]
     anchors = torch.stack([p[-1] for p in rows])[:, None]
     batched = drafter.propose(drafter.block_hidden(None, anchors, lengths[:, None], kv), anchors)[1]
     for i, (p, f) in enumerate(zip(rows, feats)):
@@ -389,6 +400,34 @@ def test_a_compacted_batch_cache_reads_what_the_holey_one_did(target_and_prompts
         compact.keep(counts, 5)
         compact.compact()
         assert compact.valid.shape[1] == int(compact.valid.sum(1).max()) < holey.valid.shape[1]
+
+
+def test_a_row_joining_a_batch_reads_what_it_reads_alone(target_and_prompts):
+    """A prompt admitted into a batch whose rows are mid-answer (more slots than it has tokens, holes):
+    every row's logits from then on equal those of its own session."""
+    from serve_eval.batch import BatchTarget
+
+    target, _, prompts = target_and_prompts
+    rows = [prompts[0][:20], prompts[1][:11]]
+    joined, apart, alone = BatchTarget(target), BatchTarget(target), BatchTarget(target)
+    for session in (joined, apart):
+        session.prefill(rows)
+    torch.manual_seed(0)
+    for _ in range(3):  # the first rows decode, keeping some of each step's slots
+        ids, counts = torch.randint(0, target.config.vocab_size, (2, 4)), torch.randint(1, 5, (2,))
+        for session in (joined, apart):
+            session.step(ids)
+            session.keep(counts, 4)
+    first, _ = joined.admit([prompts[2][:9]])
+    torch.testing.assert_close(first, alone.prefill([prompts[2][:9]])[0], atol=1e-5, rtol=1e-5)
+    assert joined.valid.shape[1] > 9 and joined.lengths.tolist()[-1] == 9
+    for _ in range(3):
+        ids, counts = torch.randint(0, target.config.vocab_size, (3, 4)), torch.randint(1, 5, (3,))
+        (both, _), (a, _), (b, _) = joined.step(ids), apart.step(ids[:2]), alone.step(ids[2:])
+        torch.testing.assert_close(both, torch.cat([a, b]), atol=1e-5, rtol=1e-5)
+        joined.keep(counts, 4)
+        apart.keep(counts[:2], 4)
+        alone.keep(counts[2:], 4)
 
 
 def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):

@@ -250,31 +250,32 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 
 @pytest.mark.parametrize("kind,sampler_args", [("dflash", {"temperature": 1.0}), ("dspark", {"temperature": 0.8, "top_k": 4})])
 def test_batched_speculative_sampling_matches_the_target_per_row(toy_target, kind, sampler_args, monkeypatch):
-    """Two rows of the test prompt beside a longer third row (ragged), each row with its own generator:
-    both counted rows follow the target's distribution, with every draft verified and with a
-    scheduler whose (made-up) costs make it verify varied lengths."""
+    """Two rows of the test prompt with a longer one between them (ragged), each row with its own
+    generator: both counted rows follow the target's distribution, with every draft verified and with
+    a scheduler whose (made-up) costs make it verify varied lengths, over two slots (the third row
+    joins when one finishes)."""
     from serve_eval import batch
 
     torch.manual_seed(4)
     section = DrafterSection(kind=kind, block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])
     drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
     exact = exact_joint(toy_target, Sampler(**sampler_args))
-    rows = [PROMPT, PROMPT, torch.tensor([4, 1, 0, 2, 3])]
+    rows = [PROMPT, torch.tensor([4, 1, 0, 2, 3]), PROMPT]
 
-    def joint(scheduler=None) -> torch.Tensor:
+    def joint(scheduler=None, slots=None) -> torch.Tensor:
         counts = torch.zeros(VOCAB, VOCAB)
         gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
         for _ in range(SAMPLES // 2):
             outs, _ = batch.batched_speculative_generate(toy_target, drafter, rows, 3,
                                                          samplers=[Sampler(**sampler_args, generator=g) for g in gens],
-                                                         scheduler=scheduler)
-            for out in outs[:2]:
+                                                         scheduler=scheduler, slots=slots)
+            for out in outs[::2]:  # the third row waits for a slot when there are two
                 counts[out[1], out[2]] += 1
         return counts
 
     assert chi_square_pvalue(joint(), exact) > ALPHA, "batched speculative samples do not follow the target"
     scheduler = batch.BatchScheduler(Budget({1: 1.0, 3: 1.3, 6: 2.0, 9: 2.4}), 3)
-    assert chi_square_pvalue(joint(scheduler), exact) > ALPHA, "the batch scheduler changed the distribution"
+    assert chi_square_pvalue(joint(scheduler, slots=2), exact) > ALPHA, "the batch scheduler or slots changed the distribution"
     assert len(set(scheduler.chosen)) > 1
     monkeypatch.setattr(batch, "verify_chain", accept_everything)
     assert chi_square_pvalue(joint(), exact) < 1e-6, "the test cannot tell a broken verifier apart"
