@@ -206,15 +206,18 @@ class InjectedLayer(nn.Module):
         k, v = self.attn.project_kv(h, x_pos)
         return self._attend_and_mlp(x, h, x_pos, torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2), mask)
 
-    def decode(self, x, x_pos, keys: torch.Tensor, values: torch.Tensor, length: int, mask):
+    def decode(self, x, kv_pos, keys: torch.Tensor, values: torch.Tensor, length: int, mask, ctx=None):
         """:meth:`forward` for one block after a cached context of ``length`` positions, without
-        copying the context: ``keys`` / ``values`` are :class:`ContextCache` buffers; the block's own
-        entries are written after the context (scratch space, overwritten by the next append)."""
+        copying the context: ``keys`` / ``values`` are :class:`ContextCache` buffers. ``ctx`` (the
+        projected features of the positions between the cache and the block, or None) is projected to
+        keys and values together with the block, one matrix product for both; their entries are
+        written after the context, the block's last (scratch space, overwritten by the next call).
+        ``kv_pos``: the positions of ``[ctx ; block]``."""
         h = rms(self.input_norm, x)
-        k, v = self.attn.project_kv(h, x_pos, lean=True)
+        k, v = self.attn.project_kv(h if ctx is None else torch.cat([ctx, h], dim=1), kv_pos, lean=True)
         end = length + k.shape[2]
         keys[:, :, length:end], values[:, :, length:end] = k, v
-        return self._attend_and_mlp(x, h, x_pos, keys[:, :, :end], values[:, :, :end], mask, lean=True)
+        return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :end], values[:, :, :end], mask, lean=True)
 
     def _attend_and_mlp(self, x, h, x_pos, keys, values, mask, lean: bool = False):
         x = x + self.attn.attend(h, x_pos, keys, values, mask, lean)
@@ -240,16 +243,20 @@ class ContextCache:
         """Write per-layer ``(keys, values)`` of ``n`` positions after the context without counting them
         (entries that attention reads once and the next write overwrites: a draft's own, or positions a
         caller counts itself); returns the end, ``length + n``."""
-        B, heads, n, dim = kv[0][0].shape
-        end = self.length + n
-        if not self.keys or end + self.spare > self.keys[0].shape[2]:
-            shape = (B, heads, max(2 * self.length + n + self.spare, 64), dim)
-            self.keys = [self._grown(old, shape, k) for old, (k, _) in zip(self.keys or [None] * len(kv), kv)]
-            self.values = [self._grown(old, shape, v) for old, (_, v) in zip(self.values or [None] * len(kv), kv)]
+        end = self.length + kv[0][0].shape[2]
+        self.ensure(end + self.spare, kv[0][0], len(kv))
         for layer, (k, v) in enumerate(kv):
             self.keys[layer][:, :, self.length:end] = k
             self.values[layer][:, :, self.length:end] = v
         return end
+
+    def ensure(self, end: int, like: torch.Tensor, layers: int) -> None:
+        """Buffers for ``layers`` layers with room for ``end`` positions, shaped and typed like ``like``
+        [B, heads, *, head_dim] (grown by doubling; the context's entries move along)."""
+        if not self.keys or end > self.keys[0].shape[2]:
+            shape = (like.shape[0], like.shape[1], max(2 * end, 64), like.shape[3])
+            self.keys = [self._grown(old, shape, like) for old in self.keys or [None] * layers]
+            self.values = [self._grown(old, shape, like) for old in self.values or [None] * layers]
 
     def _grown(self, old: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         new = like.new_empty(shape)
@@ -556,24 +563,33 @@ class BlockDrafter(DrafterBase):
             x = layer(x, x_pos, kv, mask)
         return self.norm(x).view(B, N, K, -1)
 
-    def decode_hidden(self, anchor_token: torch.Tensor, anchor_pos: int, cache: ContextCache) -> torch.Tensor:
+    def decode_hidden(self, anchor_token: torch.Tensor, anchor_pos: int, cache: ContextCache,
+                      features: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`block_hidden` [1, 1, K, H] of one block at ``anchor_pos`` whose context (every position
-        before it) is in ``cache``: the decoding fast path, with no mask for bidirectional blocks (the
-        whole context is visible) and no copy of the context's keys and values."""
+        before it) is in ``cache``, followed by ``features`` [1, n, F] of the positions the cache does not
+        hold yet, which this call adds to it (each layer projects them and the block in one product):
+        the decoding fast path, with no mask for bidirectional blocks (the whole context is visible)
+        and no copy of the context's keys and values."""
         cfg = self.config
         K = cfg.block_size
-        if cache.length != anchor_pos:
-            raise ValueError(f"the context cache holds {cache.length} positions, the block is anchored at {anchor_pos}")
-        tokens = torch.full((1, K), cfg.mask_token_id, dtype=torch.long, device=anchor_token.device)
+        start = cache.length
+        if start + (0 if features is None else features.shape[1]) != anchor_pos:
+            raise ValueError(f"the context cache holds {start} positions and {0 if features is None else features.shape[1]} "
+                             f"arrive, the block is anchored at {anchor_pos}")
+        device = anchor_token.device
+        tokens = torch.full((1, K), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0] = anchor_token
         x = self.embed_tokens(tokens)
-        x_pos = torch.arange(anchor_pos, anchor_pos + K, device=tokens.device)[None]
+        kv_pos = torch.arange(start, anchor_pos + K, device=device)[None]
+        ctx = None if features is None else rms(self.hidden_norm, self.fc(features))
         mask = None
         if self.causal_blocks:  # every context key, and block keys up to the query's own position
-            mask = torch.ones(K, anchor_pos + K, dtype=torch.bool, device=tokens.device)
-            mask[:, anchor_pos:] = torch.ones(K, K, dtype=torch.bool, device=tokens.device).tril()
+            mask = torch.ones(K, anchor_pos + K, dtype=torch.bool, device=device)
+            mask[:, anchor_pos:] = torch.ones(K, K, dtype=torch.bool, device=device).tril()
+        cache.ensure(anchor_pos + K, x.new_empty(1, cfg.num_key_value_heads, 0, cfg.head_dim), len(self.layers))
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            x = layer.decode(x, x_pos, keys, values, anchor_pos, mask)
+            x = layer.decode(x, kv_pos, keys, values, start, mask, ctx)
+        cache.length = anchor_pos
         return rms(self.norm, x).view(1, 1, K, -1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):

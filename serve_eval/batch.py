@@ -8,7 +8,10 @@ the slots, every row's valid slots move to its front (:meth:`BatchTarget.compact
 not keep paying for them (left alone, at 16 rows they grew to over half the slots and attention to a
 sixth of the time). Positions (RoPE) follow each row's own count of valid tokens, so a row computes
 exactly what it would alone. Rows that finish
-(``max_new_tokens`` or EOS) leave the batch. The drafter's context (target features of each row's
+(``max_new_tokens`` or EOS) leave the batch, and with ``slots`` (fewer rows at a time than prompts)
+a waiting prompt takes the place: it is prefilled apart and its cache entries join the batch's at its
+own slots (:meth:`BatchTarget.admit`), so the batch keeps ``slots`` rows busy instead of running at
+the pace of its slowest row (continuous batching, as serving engines do). The drafter's context (target features of each row's
 verified tokens) is kept compact per row and right-padded, so a block anchored at row ``i``'s length
 sees exactly row ``i``'s context (:func:`drafters.core.block_attention_mask`).
 

@@ -180,20 +180,23 @@ class BlockProposer(Proposer):
         self.block_size = drafter.config.block_size
         self.conditional = drafter.conditional_drafts
         self.confidence_threshold = confidence_threshold
-        self.context = ContextCache(spare=self.block_size)
+        self.begin(None)
 
-    def begin(self, prompt: torch.Tensor) -> None:
+    def begin(self, prompt: torch.Tensor | None) -> None:
         self.context = ContextCache(spare=self.block_size)
+        self.arrived: torch.Tensor | None = None  # verified positions' features the context has not read yet
 
     @torch.no_grad()
     def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
-        pos = torch.arange(start, start + aux.shape[1], device=aux.device)[None]
-        self.context.append(self.drafter.context_kv(aux, pos, lean=True))
+        """Keep the features for the next draft, whose forward reads them with its block (one product per
+        layer for both: ``decode_hidden``); steps that do not draft let them accumulate."""
+        self.arrived = aux if self.arrived is None else torch.cat([self.arrived, aux], dim=1)
 
     @torch.no_grad()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
-        hidden = self.drafter.decode_hidden(anchor, anchor_pos, self.context)
+        hidden = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived)
+        self.arrived = None
         tokens, logits, confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
         tokens, logits = tokens[0, 0], logits[0, 0]
         if confidence is not None and self.confidence_threshold > 0:

@@ -162,9 +162,9 @@ def test_block_sees_only_features_before_its_anchor(attention):
                                                              ("bidirectional", True, 4, {"rope_type": "yarn", "factor": 2.0,
                                                                                          "original_max_position_embeddings": 32})])
 def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_heads, rope):
-    """The decoding fast path (context keys/values appended in place, the block written after them,
-    no mask for bidirectional blocks; the lean operations: fused norms, a rotary table, SDPA called
-    directly) gives the training forward's block, across buffer and rotary-table growth, with
+    """The decoding fast path (the context's keys/values appended in place, or projected in the block's
+    own forward; the block written after them, no mask for bidirectional blocks; the lean operations:
+    fused norms, a rotary table, SDPA called directly) gives the training forward's block, across buffer and rotary-table growth, with
     Qwen3's query/key norms, grouped keys/values and YaRN scaling. A rotary scaling that changes with
     the length seen (dynamic NTK) gets no table."""
     from drafters import DFlashConfig, DFlashDrafter
@@ -185,11 +185,15 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
     aux = torch.randn(1, 300, 32)
     cache, done = ContextCache(spare=cfg.block_size), 0
     with torch.no_grad():
-        for anchor in (7, 9, 70, 71, 140, 290):  # appends of 7, 2, 61, 1, 69 and 150 positions; buffers grow past 64
-            cache.append(m.context_kv(aux[:, done:anchor], torch.arange(done, anchor)[None], lean=True))
+        for i, anchor in enumerate((7, 9, 70, 71, 140, 290)):  # 7, 2, 61, 1, 69 and 150 new positions; buffers grow past 64
+            new = aux[:, done:anchor]
+            if i % 3 == 1:  # appended first; otherwise read by the block's own forward
+                cache.append(m.context_kv(new, torch.arange(done, anchor)[None], lean=True))
+                new = None
             done = anchor
             token = torch.tensor(5 + anchor % 7)
-            fast = m.decode_hidden(token, anchor, cache)
+            fast = m.decode_hidden(token, anchor, cache, new)
+            assert cache.length == anchor
             reference = m.block_hidden(aux[:, :anchor], token.view(1, 1), torch.tensor([[anchor]]))
             torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="anchored at"):
