@@ -572,10 +572,9 @@ class BlockDrafter(DrafterBase):
         and no copy of the context's keys and values."""
         cfg = self.config
         K = cfg.block_size
-        start = cache.length
-        if start + (0 if features is None else features.shape[1]) != anchor_pos:
-            raise ValueError(f"the context cache holds {start} positions and {0 if features is None else features.shape[1]} "
-                             f"arrive, the block is anchored at {anchor_pos}")
+        start, arriving = cache.length, 0 if features is None else features.shape[1]
+        if start + arriving != anchor_pos:
+            raise ValueError(f"the context cache holds {start} positions and {arriving} arrive, the block is anchored at {anchor_pos}")
         device = anchor_token.device
         tokens = torch.full((1, K), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0] = anchor_token

@@ -5,7 +5,7 @@
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
 speculative step for the drafter's parts (the proposer's ``propose`` and ``observe`` and, for block
-drafters, the layer forward ``decode_hidden``, the heads and the context keys/values) and the
+drafters, the layer forward ``decode_hidden``, which also reads the newly verified context, and the heads) and the
 budget's bookkeeping, beside the plain step and the step as a whole. The timers wrap the methods as
 they run, so what is printed is what the loop spends; the first prompt warms up and is not counted.
 A benchmark: run it on an otherwise idle core (``taskset -c 1``).
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("propose", "observe"):
         _timed(proposer_class, name, f"proposer.{name}", totals, calls)
     if proposer_class is engine.BlockProposer:
-        for name in ("decode_hidden", "propose", "context_kv"):
+        for name in ("decode_hidden", "propose"):
             _timed(drafter, name, f"  drafter.{name}", totals, calls)
     for name in ("chain_length", "causal_length", "record_chain"):
         _timed(Budget, name, f"budget.{name}", totals, calls)

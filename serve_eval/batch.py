@@ -96,11 +96,11 @@ class BatchTarget:
         """Add a row for each of ``prompts``, prefilled together apart from the batch (:meth:`prefill`'s
         logits and features, for the new rows only). The batch's slots become the longer of the two;
         the slots a row does not fill are holes (zeros, never attended) until compaction."""
-        if not len(self.lengths):  # no rows (yet, or any more): the batch starts afresh
-            self.cache = inplace_cache(self.target.config, self.kv)
-            return self.prefill(prompts)
         new = BatchTarget(self.target, self.capture, self.kv)
         logits, aux = new.prefill(prompts)
+        if not len(self.lengths):  # no rows (yet, or any more): the new ones are the batch
+            self.cache, self.valid, self.lengths = new.cache, new.valid, new.lengths
+            return logits, aux
         for layer, joining in zip(self.cache.layers, new.cache.layers):
             layer.extend_rows(joining)
         slots = max(self.valid.shape[1], new.valid.shape[1])
@@ -145,6 +145,11 @@ class BatchTarget:
         self.valid, self.lengths = self.valid[rows], self.lengths[rows]
 
 
+def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``t`` [R, H, C, D] with zeros after its ``C`` positions up to ``size``."""
+    return F.pad(t, (0, 0, 0, size - t.shape[2]))
+
+
 class BatchContext:
     """A block drafter's context keys/values per row, compact and right-padded: row ``i`` holds its
     first ``lengths[i]`` positions."""
@@ -168,8 +173,8 @@ class BatchContext:
             self.keys = [k.new_zeros(R, k.shape[1], max(2 * end, 64), k.shape[3]) for k, _ in kv]
             self.values = [v.new_zeros(R, v.shape[1], max(2 * end, 64), v.shape[3]) for _, v in kv]
         elif end > self.keys[0].shape[2]:  # grow by doubling
-            more = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], end, t.shape[3])], dim=2)  # noqa: E731
-            self.keys, self.values = [more(k) for k in self.keys], [more(v) for v in self.values]
+            self.keys = [_padded(k, k.shape[2] + end) for k in self.keys]
+            self.values = [_padded(v, v.shape[2] + end) for v in self.values]
         # every row writes all m entries after its length; those past its new length are never attended
         # (a block sees positions < its anchor only) and the next append overwrites them
         rows, slots = torch.arange(R)[:, None], self.lengths[:, None] + torch.arange(m)
@@ -206,17 +211,15 @@ class BatchContext:
 
     def admit(self, aux: torch.Tensor, lengths: torch.Tensor) -> None:
         """Add rows whose first ``lengths[i]`` positions have features ``aux`` [R', m, F] (a prefill's)."""
-        if not len(self.lengths):  # no rows (yet, or any more)
-            self.keys, self.values, self.pending = [], [], []
-            self.append(aux, lengths)
-            return
-        self.flush()
         new = BatchContext(self.drafter)
         new.append(aux, lengths)
+        if not len(self.lengths):  # no rows (yet, or any more): the new ones are the batch
+            self.keys, self.values, self.lengths, self.pending = new.keys, new.values, new.lengths, []
+            return
+        self.flush()
         size = max(self.keys[0].shape[2], new.keys[0].shape[2])
-        pad = lambda t: F.pad(t, (0, 0, 0, size - t.shape[2]))  # noqa: E731  (positions are dim 2)
-        self.keys = [torch.cat([pad(a), pad(b)]) for a, b in zip(self.keys, new.keys)]
-        self.values = [torch.cat([pad(a), pad(b)]) for a, b in zip(self.values, new.values)]
+        self.keys = [torch.cat([_padded(a, size), _padded(b, size)]) for a, b in zip(self.keys, new.keys)]
+        self.values = [torch.cat([_padded(a, size), _padded(b, size)]) for a, b in zip(self.values, new.values)]
         self.lengths = torch.cat([self.lengths, new.lengths])
 
     def select(self, rows: torch.Tensor) -> None:
