@@ -47,6 +47,8 @@ from serve_eval.engine import make_proposer, measure, plain_generate, speculativ
 from serve_eval.int8 import int8_drafter
 from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
+from serve_eval.prepack import prepack_linears
+from serve_eval.prepack import resolve as resolve_prepack
 from serve_eval.sampling import Sampler
 
 
@@ -152,6 +154,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
                               "computes its own rows (auto and all serve the rest in int8 and leave the head to it)")
     try:  # a target drafting for itself with head / all was refused with the recipe
         int8 = resolve_int8(dec.drafter_int8, device, same)
+        prepack = resolve_prepack(dec.prepack, device)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
@@ -177,6 +180,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
     int8_record = int8_drafter(drafter, int8) if int8 != "off" else None
+    prepack_record = prepack_linears(target) if prepack == "on" else None
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)
@@ -210,6 +214,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         "device": device,
         **({"draft_vocab": vocab_record} if vocab_record else {}),
         **({"drafter_int8": int8_record} if int8_record else {}),
+        "target_prepack": prepack_record or "off",
     }
     if dec.kv_cache != "full":
         report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler)

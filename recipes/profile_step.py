@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|off]
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
     parser.add_argument("--drafter-int8", choices=["auto", "off", "head", "all"],
                         help="the drafter's head / all its Linears in int8, or off (default: the recipe's, auto)")
+    parser.add_argument("--prepack", choices=["auto", "on", "off"],
+                        help="the target's Linears prepacked for oneDNN, or off (default: the recipe's, auto)")
     args = parser.parse_args(argv)
 
     from distill.base.features import FeatureCapture
@@ -54,10 +56,12 @@ def main(argv: list[str] | None = None) -> dict:
     from serve_eval.budget import Budget
     from serve_eval.int8 import int8_drafter
     from serve_eval.int8 import resolve as resolve_int8
+    from serve_eval.prepack import prepack_linears
+    from serve_eval.prepack import resolve as resolve_prepack
     from serve_eval.sampling import Sampler
 
-    recipe = load_recipe(args.recipe, [f"drafter={args.drafter}"] + ([f"decoding.drafter_int8={args.drafter_int8}"]
-                                                                     if args.drafter_int8 else []))
+    overrides = [f"decoding.{key}={value}" for key, value in (("drafter_int8", args.drafter_int8), ("prepack", args.prepack)) if value]
+    recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", *overrides])
     max_new = args.max_new_tokens or recipe.decoding.max_new_tokens
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     int8 = resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False)
     if int8 != "off":
         int8_drafter(drafter, int8)
+    if resolve_prepack(recipe.decoding.prepack, "cpu") == "on":
+        prepack_linears(target)
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

@@ -210,7 +210,8 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     split = report["time_split"]
     assert 0 < split["draft_fraction"] < 1 and 0 < split["verify_fraction"] < 1 and report["torch_threads"] == 1
     assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000
-    # auto on the CPU: every Linear of the drafter in int8, on fbgemm's kernel (this torch has it)
+    # auto on the CPU: the target's Linears prepacked for oneDNN, every Linear of the drafter in int8 on fbgemm's kernel
+    assert report["target_prepack"]["linears"] == 7 * 4 + 1  # the tiny target: 4 layers
     assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] == "fbgemm"
     if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
         vocab = report["draft_vocab"]
@@ -625,6 +626,33 @@ def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_p
                                          "train_files": [str(tmp_path / "serve" / "served.jsonl")], "max_documents": None})
     summary = train_drafter.main(adapt.model_copy(update={"data": data}))
     assert summary["steps"] == 6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters, kind):
+    """A target served from oneDNN's prepacked weights (serve_eval.prepack) is the target both loops
+    decode with: its logits are the float Linears' up to summation order, and greedy chains, trees and
+    batches still equal its own plain decoding."""
+    import copy
+
+    from drafters import is_block_drafter
+    from serve_eval.batch import batched_speculative_generate
+    from serve_eval.prepack import prepack_linears
+
+    target, tok, prompts = target_and_prompts
+    packed = copy.deepcopy(target)
+    record = prepack_linears(packed)
+    assert record["linears"] == 7 * target.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; the head
+    ids = torch.cat(prompts)[None]
+    with torch.no_grad():
+        assert torch.allclose(packed(ids).logits, target(ids).logits, rtol=1e-4, atol=1e-4)
+    drafter = trained_drafters[kind]
+    references = [plain_generate(packed, prompt, MAX_NEW)[0] for prompt in prompts]
+    for prompt, reference in zip(prompts, references):
+        assert speculative_generate(packed, drafter, prompt, MAX_NEW)[0] == reference
+        assert speculative_generate(packed, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+    if is_block_drafter(drafter):  # batches run block drafters
+        assert batched_speculative_generate(packed, drafter, prompts, MAX_NEW)[0] == references
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "causal_lm"])

@@ -45,6 +45,10 @@ class DecodingSection(Strict):
         "auto", description="serve the drafter's projections onto the vocabulary (head) or all its Linears (all) from "
                             "int8 weight codes and int8 activations (serve_eval.int8, a CPU kernel); auto: all on "
                             "the CPU, off on a GPU or when the drafter is the target itself. The target is untouched")
+    prepack: Literal["auto", "on", "off"] = Field(
+        "auto", description="serve the target's Linears from weights prepacked once for oneDNN's CPU kernel "
+                            "(serve_eval.prepack): verifying several tokens then costs about what one does; both loops "
+                            "use it; auto: on on the CPU where torch has the ops, off on a GPU")
     kv_cache: Literal["full", "int8", "fp8", "int4"] = Field(
         "full", description="the target's KV cache: full precision, or int8 / fp8 / int4 codes with an fp16 scale per "
                             "32 channels (serve_eval.kv); both loops use it, the report measures it against full")
@@ -64,10 +68,10 @@ class DecodingSection(Strict):
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
 
-    @field_validator("drafter_int8", mode="before")
+    @field_validator("drafter_int8", "prepack", mode="before")
     @classmethod
     def _yaml_off(cls, v):
-        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+        return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v  # YAML 1.1 reads bare on / off as booleans
 
     @field_validator("batch_sizes")
     @classmethod
