@@ -68,7 +68,7 @@ class BatchTarget:
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, slots]
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], cache=self.cache, use_cache=True)
         if self.capture is None:
@@ -77,6 +77,7 @@ class BatchTarget:
             out = self.target(**kwargs)
         return out.logits, self.capture.features(captured).aux
 
+    @torch.inference_mode()
     def prefill(self, prompts: list[torch.Tensor]):
         """Read right-padded prompts: each row's logits after its last prompt token [R, V], and the
         features [R, L, F] (row ``i`` valid up to its length)."""
@@ -92,6 +93,7 @@ class BatchTarget:
         self.valid, self.lengths = valid, lengths.clone()
         return logits[torch.arange(len(prompts)), lengths - 1], aux
 
+    @torch.inference_mode()
     def admit(self, prompts: list[torch.Tensor]):
         """Add a row for each of ``prompts``, prefilled together apart from the batch (:meth:`prefill`'s
         logits and features, for the new rows only). The batch's slots become the longer of the two;
@@ -108,6 +110,7 @@ class BatchTarget:
         self.lengths = torch.cat([self.lengths, new.lengths])
         return logits, aux
 
+    @torch.inference_mode()
     def step(self, ids: torch.Tensor):
         """Read ``ids`` [R, n] after each row's valid tokens: logits [R, n, V] and features."""
         R, n = ids.shape
@@ -118,6 +121,7 @@ class BatchTarget:
         self.valid = torch.cat([self.valid, torch.ones(R, n, dtype=torch.bool)], dim=1)
         return out
 
+    @torch.inference_mode()
     def keep(self, counts: torch.Tensor, n: int) -> None:
         """After a step of ``n`` slots: row ``i`` keeps the first ``counts[i]`` of them. When the holes
         make up a quarter of the slots (32 at least), every row's valid slots move to its front."""
@@ -127,6 +131,7 @@ class BatchTarget:
         if slots - longest >= max(32, slots // 4):
             self.compact()
 
+    @torch.inference_mode()
     def compact(self) -> None:
         """Close the holes: each row's valid slots, in order, become its first ones. Attention reads the
         same keys and values under the same mask (positions were applied when they were written), over
@@ -138,6 +143,7 @@ class BatchTarget:
             layer.gather(order)
         self.valid = torch.arange(longest)[None] < counts[:, None]
 
+    @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of the batch."""
         for layer in self.cache.layers:
@@ -161,6 +167,7 @@ class BatchContext:
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    @torch.inference_mode()
     def append(self, aux: torch.Tensor, counts: torch.Tensor) -> None:
         """Row ``i`` appends the first ``counts[i]`` of ``aux`` [R, m, F] (features of its next positions)."""
         R, m, _ = aux.shape
@@ -183,11 +190,13 @@ class BatchContext:
             values[rows, :, slots] = v.transpose(1, 2)
         self.lengths = self.lengths + counts
 
+    @torch.inference_mode()
     def defer(self, aux: torch.Tensor, counts: torch.Tensor) -> None:
         """:meth:`append` later, at the next :meth:`flush`: steps that draft nothing only queue their
         features, and a run of steps where every row keeps every slot is appended in one call."""
         self.pending.append((aux, counts))
 
+    @torch.inference_mode()
     def flush(self) -> None:
         run: list[torch.Tensor] = []
         for aux, counts in self.pending + [(None, None)]:
@@ -202,6 +211,7 @@ class BatchContext:
                 self.append(aux, counts)
         self.pending = []
 
+    @torch.inference_mode()
     def view(self) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Each row's length [R] and the per-layer keys/values [R, H, C, D] (C the longest row), with
         every queued feature appended first."""
@@ -209,6 +219,7 @@ class BatchContext:
         C = int(self.lengths.max())
         return self.lengths, [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
 
+    @torch.inference_mode()
     def admit(self, aux: torch.Tensor, lengths: torch.Tensor) -> None:
         """Add rows whose first ``lengths[i]`` positions have features ``aux`` [R', m, F] (a prefill's)."""
         new = BatchContext(self.drafter)
@@ -222,6 +233,7 @@ class BatchContext:
         self.values = [torch.cat([_padded(a, size), _padded(b, size)]) for a, b in zip(self.values, new.values)]
         self.lengths = torch.cat([self.lengths, new.lengths])
 
+    @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
         self.pending = [(aux[rows], counts[rows]) for aux, counts in self.pending]
         self.keys = [k[rows] for k in self.keys]
@@ -347,7 +359,7 @@ class BatchScheduler:
                 "drafted_fraction": round(self.drafted_steps / steps, 4)}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5) -> float:
     """Seconds of one batched block draft over ``rows`` rows of ``context`` cached positions (the
     layers and heads; median of ``repeats`` after a warm-up), on random features: the cost does not
@@ -362,7 +374,7 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
     return median_seconds(lambda: drafter.propose(drafter.block_hidden(None, anchors, lengths, ctx_kv), anchors), repeats, device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_n: int, context: int,
                          kv: KVQuant | None = None, repeats: int = 3) -> dict[int, float]:
     """Seconds of a batched target step over ``rows`` rows of ``context`` cached tokens reading ``n``
@@ -436,7 +448,7 @@ def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([s.choose(row) for s, row in zip(samplers, logits)])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
                            samplers: list[Sampler] | None = None, kv: KVQuant | None = None, slots: int | None = None):
     """Plain decoding of several prompts at once: at most ``slots`` rows (default: all), rows leave the
@@ -462,7 +474,7 @@ def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: 
         stats.row_steps += len(live)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
                                  eos_token_id: int | None = None, samplers: list[Sampler] | None = None,
                                  scheduler: BatchScheduler | None = None, kv: KVQuant | None = None,

@@ -59,7 +59,7 @@ class TargetSession:
         self.cache = inplace_cache(target.config, kv)
         self.length = 0
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, TargetFeatures | None]:
         """Read ``ids`` [1, n] at the next positions: logits [n, V] and the features of those positions."""
         n = ids.shape[1]
@@ -74,13 +74,14 @@ class TargetSession:
         self.length += n
         return out.logits[0], feats
 
+    @torch.inference_mode()
     def rollback(self, length: int) -> None:
         """Forget every position from ``length`` on."""
         if length < self.length:
             self.cache.crop(length - self.length)
             self.length = length
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward_tree(self, ids: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor):
         """Read a tree ``ids`` [1, n] (root first) whose node i sits at position ``length + depths[i]``
         and sees the cached prefix and the nodes ``ancestors[i]`` marks. Returns logits and features."""
@@ -89,6 +90,7 @@ class TargetSession:
         mask = torch.cat([torch.ones(n, self.length, dtype=torch.bool), ancestors], dim=1)[None, None].to(ids.device)
         return self.forward(ids, position_ids=positions, attention_mask=mask)
 
+    @torch.inference_mode()
     def keep(self, prefix: int, nodes: list[int]) -> None:
         """After a tree forward: keep the first ``prefix`` positions and the tree entries ``nodes``
         (the accepted path, root first). Only the tree's tail moves; the prefix stays where it is."""
@@ -96,7 +98,7 @@ class TargetSession:
         self.length = prefix + len(nodes)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5,
                          kv: KVQuant | None = None) -> dict[int, float]:
     """Seconds of one target forward over ``n`` new tokens after ``context`` cached ones, for each ``n``
@@ -186,13 +188,13 @@ class BlockProposer(Proposer):
         self.context = ContextCache(spare=self.block_size)
         self.arrived: torch.Tensor | None = None  # verified positions' features the context has not read yet
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
         """Keep the features for the next draft, whose forward reads them with its block (one product per
         layer for both: ``decode_hidden``); steps that do not draft let them accumulate."""
         self.arrived = aux if self.arrived is None else torch.cat([self.arrived, aux], dim=1)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
         hidden = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived)
@@ -220,11 +222,11 @@ class Eagle3Proposer(Proposer):
     def begin(self, prompt: torch.Tensor) -> None:
         self.state = {}
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def observe(self, aux: torch.Tensor, start: int, next_tokens: torch.Tensor) -> None:
         self.state = self.drafter.extend(self.state, aux, next_tokens.view(1, -1), start)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler, stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, logits = self.drafter.propose_chain(self.state, self.block_size - 1, sampler.choose, stop)
         return tokens[0], logits[0]
@@ -270,7 +272,7 @@ class LMProposer(Proposer):
         self.read += tokens
         return logits
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler, stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, all_logits = [], []
         pending = self.sequence[len(self.read):anchor_pos + 1]  # catch up to the bonus (at anchor_pos)
@@ -298,7 +300,7 @@ class PardProposer(LMProposer):
         super().__init__(model, draft_tokens)
         self.masks = [mask_token_id] * (draft_tokens - 1)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         pending = self.sequence[len(self.read):anchor_pos + 1]
         start, n = len(self.read), len(pending) + len(self.masks)
@@ -454,7 +456,7 @@ def _truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[i
     return tokens
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                    sampler: Sampler | None = None, kv: KVQuant | None = None):
     """Plain decoding with a KV cache (the baseline), with the same sampler and KV cache as the speculative loop."""
@@ -473,7 +475,7 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
     return _truncate(out, max_new_tokens, eos_token_id), stats
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          sampler: Sampler | None = None, proposer=None, verify=verify_chain,
                          confidence_threshold: float = 0.0, mode: str = "chain", tree_budget: int = 16,

@@ -188,7 +188,7 @@ class Speculator:
                       cache=p.cache, use_cache=True, **kwargs, **p.forward_kwargs)
         return out.logits[0]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def speculate(self, interrupted=lambda: False) -> None:
         """Build the speculation cache for the drafts just handed out, until ``interrupted()`` says the
         outcome has arrived (asked between forwards)."""
@@ -240,7 +240,7 @@ class Speculator:
                 tokens = chosen.tolist()
         cache.seconds = time.perf_counter() - start
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def resolve(self, n: int, token: int):
         """The verification's outcome: ``n`` drafts accepted, ``token`` the next bonus. Returns the next
         drafts and their logits (None at temperature 0) from the cache on a hit, just in time on a miss."""
@@ -398,7 +398,7 @@ def _tensors(answer, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.tensor(drafts, dtype=torch.long, device=device), None if logits is None else torch.from_numpy(logits).to(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | None = None, sampler: Sampler | None = None, seed: int = 0,
                  kv: KVQuant | None = None, verify=verify_chain):
