@@ -104,6 +104,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
         self.rotary = LlamaRotaryEmbedding(llama_view(cfg))
+        self.qkv_proj: nn.Linear | None = None  # decoding's one product for q, k and v (fuse_projections)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, table: bool = False) -> torch.Tensor:
         """``x`` [B, heads, L, D] rotated to ``positions`` [B, L]; ``table``: cos/sin read from
@@ -139,6 +140,27 @@ class DraftAttention(nn.Module):
         v = self.v_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
         return self._rope(k, kv_pos, table=lean), v
 
+    def fuse_projections(self) -> None:
+        """Give decoding one product for queries, keys and values: ``qkv_proj`` holds ``[W_q; W_k; W_v]``,
+        a copy (training and batched drafting read the separate Linears; call again after they change)."""
+        self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
+
+    def project_qkv(self, x: torch.Tensor, pos: torch.Tensor, queries: int) -> tuple[torch.Tensor, ...]:
+        """Decoding through ``qkv_proj``: queries [B, heads, queries, D] of the last ``queries`` rows of
+        ``x`` [B, L, in] and keys and values [B, kv_heads, L, D] of all of them, at ``pos`` [B, L]: what
+        :meth:`project_kv` and :meth:`attend` compute, from one product and one rotary lookup."""
+        B, L, _ = x.shape
+        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        qkv = self.qkv_proj(x)
+        q = rms(self.q_norm, qkv[:, L - queries:, :q_end].view(B, queries, self.heads, self.head_dim))
+        k = rms(self.k_norm, qkv[..., q_end:k_end].view(B, L, self.kv_heads, self.head_dim))
+        v = qkv[..., k_end:].view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rope_table(pos, x.dtype) if self.static_rope else self.rotary(x, pos)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, L, 1, D]: every head
+        k = k * cos + rotate_half(k) * sin
+        q = q * cos[:, L - queries:] + rotate_half(q) * sin[:, L - queries:]
+        return q.transpose(1, 2), k.transpose(1, 2), v
+
     def attend(self, q_in: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | BlockMask | None, lean: bool = False) -> torch.Tensor:
         """Attention of ``q_in`` [B, Q, in] at ``q_pos`` over keys/values [B, kv_heads, S, D], through
@@ -146,7 +168,12 @@ class DraftAttention(nn.Module):
         directly (the same math as transformers' wrapper, without its per-call work)."""
         B, Q, _ = q_in.shape
         q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim)
-        q = self._rope(rms(self.q_norm, q, lean).transpose(1, 2), q_pos, lean)
+        return self.attend_queries(self._rope(rms(self.q_norm, q, lean).transpose(1, 2), q_pos, lean), k, v, mask, lean)
+
+    def attend_queries(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
+                       lean: bool = False) -> torch.Tensor:
+        """:meth:`attend` from queries already projected, normed and rotated, [B, heads, Q, D]."""
+        B, Q = q.shape[0], q.shape[2]
         impl = self.config._attn_implementation or "sdpa"
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
@@ -167,6 +194,15 @@ def llama_view(cfg) -> LlamaConfig:
                        mlp_bias=False, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
                        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
                        rope_parameters=dict(cfg.rope_parameters))
+
+
+def fused_linear(*linears: nn.Linear) -> nn.Linear:
+    """One bias-free Linear whose output is the given Linears' outputs side by side (their weights stacked,
+    copied): decoding's fused projections, one product where there were several over the same input."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,6 +234,12 @@ class InjectedLayer(nn.Module):
         self.attn = DraftAttention(cfg, cfg.hidden_size)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.gate_up_proj: nn.Linear | None = None  # decoding's one product for gate and up (fuse_projections)
+
+    def fuse_projections(self) -> None:
+        """Decoding's fused products (a copy of the weights): ``[W_q; W_k; W_v]`` and ``[W_gate; W_up]``."""
+        self.attn.fuse_projections()
+        self.gate_up_proj = fused_linear(self.mlp.gate_proj, self.mlp.up_proj)
 
     def forward(self, x, x_pos, ctx_kv: tuple[torch.Tensor, torch.Tensor], mask):
         """``ctx_kv``: this layer's keys and values of the context features (``attn.project_kv(ctx, pos)``),
@@ -214,10 +256,18 @@ class InjectedLayer(nn.Module):
         written after the context, the block's last (scratch space, overwritten by the next call).
         ``kv_pos``: the positions of ``[ctx ; block]``."""
         h = rms(self.input_norm, x)
-        k, v = self.attn.project_kv(h if ctx is None else torch.cat([ctx, h], dim=1), kv_pos, lean=True)
+        kv_in = h if ctx is None else torch.cat([ctx, h], dim=1)
+        if self.gate_up_proj is None:
+            k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
+        else:  # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
+            q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1])
         end = length + k.shape[2]
         keys[:, :, length:end], values[:, :, length:end] = k, v
-        return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :end], values[:, :, :end], mask, lean=True)
+        if self.gate_up_proj is None:
+            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :end], values[:, :, :end], mask, lean=True)
+        x = x + self.attn.attend_queries(q, keys[:, :, :end], values[:, :, :end], mask, lean=True)
+        gate, up = self.gate_up_proj(rms(self.post_norm, x)).chunk(2, dim=-1)
+        return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
     def _attend_and_mlp(self, x, h, x_pos, keys, values, mask, lean: bool = False):
         x = x + self.attn.attend(h, x_pos, keys, values, mask, lean)
@@ -529,6 +579,14 @@ class BlockDrafter(DrafterBase):
 
     def build_heads(self, config) -> None:
         """Subclasses add their own modules here, before weights are initialised."""
+
+    def fuse_projections(self) -> "BlockDrafter":
+        """Serve :meth:`decode_hidden` from fused products (:meth:`InjectedLayer.fuse_projections`): per
+        layer one for queries, keys and values and one for the MLP's gate and up, three fewer calls a
+        layer. Copies of the weights, made once for serving; returns the drafter."""
+        for layer in self.layers:
+            layer.fuse_projections()
+        return self
 
     @property
     def causal_blocks(self) -> bool:

@@ -179,6 +179,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
+    if drafters.is_block_drafter(drafter):  # serving's fused products, then (below) int8 codes of them
+        drafter.fuse_projections()
     int8_record = int8_drafter(drafter, int8) if int8 != "off" else None
     prepack_record = prepack_linears(target) if prepack == "on" else None
 

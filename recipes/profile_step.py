@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
     from distill.runtime import set_threads
+    from drafters import is_block_drafter
     from recipes.evaluate import load_drafter
     from recipes.registry import load_recipe
     from serve_eval import engine
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
     int8 = resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False)
+    if is_block_drafter(drafter):
+        drafter.fuse_projections()
     if int8 != "off":
         int8_drafter(drafter, int8)
     if resolve_prepack(recipe.decoding.prepack, "cpu") == "on":

@@ -3,6 +3,7 @@ exactly what decoding will show them, round-trip through save/load, and read the
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -164,7 +165,7 @@ def test_block_sees_only_features_before_its_anchor(attention):
 def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_heads, rope):
     """The decoding fast path (the context's keys/values appended in place, or projected in the block's
     own forward; the block written after them, no mask for bidirectional blocks; the lean operations:
-    fused norms, a rotary table, SDPA called directly) gives the training forward's block, across buffer and rotary-table growth, with
+    fused norms, a rotary table, SDPA called directly; fused projections or not) gives the training forward's block, across buffer and rotary-table growth, with
     Qwen3's query/key norms, grouped keys/values and YaRN scaling. A rotary scaling that changes with
     the length seen (dynamic NTK) gets no table."""
     from drafters import DFlashConfig, DFlashDrafter
@@ -184,6 +185,8 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
         assert not DFlashDrafter(dynamic).layers[0].attn.static_rope
     aux = torch.randn(1, 300, 32)
     cache, done = ContextCache(spare=cfg.block_size), 0
+    fused = copy.deepcopy(m).fuse_projections()  # one product for q, k, v and one for gate, up: every other block
+    assert fused.layers[1].attn.qkv_proj.weight.shape == (32 + 2 * kv_heads * 8, 32)
     with torch.no_grad():
         for i, anchor in enumerate((7, 9, 70, 71, 140, 290)):  # 7, 2, 61, 1, 69 and 150 new positions; buffers grow past 64
             new = aux[:, done:anchor]
@@ -192,7 +195,7 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
                 new = None
             done = anchor
             token = torch.tensor(5 + anchor % 7)
-            fast = m.decode_hidden(token, anchor, cache, new)
+            fast = (fused if i % 2 else m).decode_hidden(token, anchor, cache, new)
             assert cache.length == anchor
             reference = m.block_hidden(aux[:, :anchor], token.view(1, 1), torch.tensor([[anchor]]))
             torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
