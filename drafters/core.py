@@ -105,6 +105,7 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
         self.rotary = LlamaRotaryEmbedding(llama_view(cfg))
         self.qkv_proj: nn.Linear | None = None  # decoding's one product for q, k and v (fuse_projections)
+        self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, D]: q_norm's weight, then k_norm's
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, table: bool = False) -> torch.Tensor:
         """``x`` [B, heads, L, D] rotated to ``positions`` [B, L]; ``table``: cos/sin read from
@@ -118,18 +119,28 @@ class DraftAttention(nn.Module):
         kind = self.rotary.rope_type
         return "dynamic" not in kind and kind != "longrope"
 
-    def rope_table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, L, D] at ``positions`` [B, L], read from a table the rotary embedding computed once
-        (the same values: each entry is one product ``position * inv_freq``), grown by doubling. Decoding
-        rotates a few positions a call, where computing them costs more than the rotation."""
-        need = int(positions.max()) + 1
+    def rope_table(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None,
+                   signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, L, D] at ``positions`` [B, L] (all below ``end`` when the caller knows it), read
+        from a table the rotary embedding computed once (the same values: each entry is one product
+        ``position * inv_freq``), grown by doubling. Decoding rotates a few positions a call, where
+        computing them costs more than the rotation. ``signed``: sin with its first half negated, so that
+        ``rotate_half(x) * sin == x.roll(D / 2, -1) * signed_sin`` (:meth:`rotate`)."""
+        need = int(positions.max()) + 1 if end is None else end
         table = getattr(self, "_rope_cache", None)
         if table is None or table[0].shape[0] < need or table[0].device != positions.device:
             size = max(2 * need, 256)
             probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
             cos, sin = self.rotary(probe, torch.arange(size, device=positions.device)[None])
-            table = self._rope_cache = (cos[0], sin[0])
-        return table[0][positions].to(dtype), table[1][positions].to(dtype)
+            half = sin.shape[-1] // 2
+            table = self._rope_cache = (cos[0], sin[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))
+        return table[0][positions].to(dtype), table[2 if signed else 1][positions].to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """RoPE ``x * cos + rotate_half(x) * sin`` in three operations: ``rotate_half(x) = [-x2, x1]`` is
+        ``x.roll(D / 2)`` = ``[x2, x1]`` with the sign moved into ``signed_sin`` (:meth:`rope_table`)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
     def project_kv(self, kv_in: torch.Tensor, kv_pos: torch.Tensor, lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values [B, kv_heads, L, D] of ``kv_in`` [B, L, in] at ``kv_pos``;
@@ -144,22 +155,33 @@ class DraftAttention(nn.Module):
         """Give decoding one product for queries, keys and values: ``qkv_proj`` holds ``[W_q; W_k; W_v]``,
         a copy (training and batched drafting read the separate Linears; call again after they change)."""
         self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
+        if self.q_norm is not None and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
+            self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.heads, -1),
+                                             self.k_norm.weight.detach().expand(self.kv_heads, -1)])
 
-    def project_qkv(self, x: torch.Tensor, pos: torch.Tensor, queries: int) -> tuple[torch.Tensor, ...]:
+    def project_qkv(self, x: torch.Tensor, pos: torch.Tensor, queries: int, end: int | None = None) -> tuple[torch.Tensor, ...]:
         """Decoding through ``qkv_proj``: queries [B, heads, queries, D] of the last ``queries`` rows of
-        ``x`` [B, L, in] and keys and values [B, kv_heads, L, D] of all of them, at ``pos`` [B, L]: what
-        :meth:`project_kv` and :meth:`attend` compute, from one product and one rotary lookup."""
+        ``x`` [B, L, in] and keys and values [B, kv_heads, L, D] of all of them, at ``pos`` [B, L] (below
+        ``end``): what :meth:`project_kv` and :meth:`attend` compute, from one product, one norm and
+        one rotation for queries and keys together."""
         B, L, _ = x.shape
-        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        H, D = self.heads, self.head_dim
+        k_end = (H + self.kv_heads) * D
         qkv = self.qkv_proj(x)
-        q = rms(self.q_norm, qkv[:, L - queries:, :q_end].view(B, queries, self.heads, self.head_dim))
-        k = rms(self.k_norm, qkv[..., q_end:k_end].view(B, L, self.kv_heads, self.head_dim))
-        v = qkv[..., k_end:].view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.rope_table(pos, x.dtype) if self.static_rope else self.rotary(x, pos)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, L, 1, D]: every head
-        k = k * cos + rotate_half(k) * sin
-        q = q * cos[:, L - queries:] + rotate_half(q) * sin[:, L - queries:]
-        return q.transpose(1, 2), k.transpose(1, 2), v
+        qk = qkv[..., :k_end].view(B, L, H + self.kv_heads, D)  # queries of every row (the context's: unused)
+        if self.q_norm is not None:  # both norms in one: normalised, then each head scaled by its norm's weight
+            if self.qk_norm_weight is None or qk.dtype != torch.float32:  # (transformers' norm computes in fp32)
+                qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+            else:
+                qk = F.rms_norm(qk, (D,), None, self.q_norm.variance_epsilon) * self.qk_norm_weight
+        if self.static_rope:
+            cos, sin = self.rope_table(pos, x.dtype, end=end, signed=True)
+            qk = self.rotate(qk, cos[:, :, None], sin[:, :, None])  # [B, L, 1, D]: every head
+        else:
+            cos, sin = self.rotary(x, pos)
+            qk = qk * cos[:, :, None] + rotate_half(qk) * sin[:, :, None]
+        v = qkv[..., k_end:].view(B, L, self.kv_heads, D).transpose(1, 2)
+        return qk[:, L - queries:, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v
 
     def attend(self, q_in: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | BlockMask | None, lean: bool = False) -> torch.Tensor:
@@ -260,7 +282,7 @@ class InjectedLayer(nn.Module):
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
         else:  # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
-            q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1])
+            q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=length + kv_in.shape[1])
         end = length + k.shape[2]
         keys[:, :, length:end], values[:, :, length:end] = k, v
         if self.gate_up_proj is None:

@@ -93,7 +93,9 @@ class Int8Linear(nn.Module):
         return cls(linear.weight, linear.bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float()
+        rows = x.reshape(-1, x.shape[-1])  # (each operation counts: a drafter calls this a few times a token)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
         peak = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
         if self.packed is not None:  # rows scaled to peak 1; 7-bit activations (reduce_range)
             y = torch.ops.quantized.linear_dynamic(rows / peak, self.packed, True).mul_(peak)
@@ -102,7 +104,8 @@ class Int8Linear(nn.Module):
             y = torch._int_mm(torch.round(rows / step).to(torch.int8), self.codes).float().mul_(step).mul_(self.scale)
         if self.bias is not None:
             y += self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class Int8RestrictedHead(Int8Linear):
