@@ -274,7 +274,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     for row in report.get("by_batch", []):
         scheduler = row["scheduler"] or {}
         print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
-              f"tokens/s batched plain, speedup {row['speedup']:.3f}, lossless {row['lossless']}"
+              f"tokens/s batched plain, speedup {row['speedup']:.3f} (halves {' / '.join(map(str, row['speedup_halves']))}), "
+              f"lossless {row['lossless']}"
               + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else ""))
     for row in report.get("by_budget", []):
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")

@@ -546,8 +546,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
 
 def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int],
                     calibration: Budget | None = None) -> list[dict]:
-    """Batched plain and batched speculative decoding of all the prompts, back to back, for each batch
-    size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
+    """Batched plain and batched speculative decoding of all the prompts, each twice in the order plain,
+    speculative, speculative, plain, for each batch size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
     (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
     calibration (``calibration``'s, when given: e.g. that of a one-row run of the same drafter, which
     learns on every step, where a batch scheduler that stops drafting learns only from its probes)
@@ -572,17 +572,24 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             scheduler.predicted = scheduler.predicted_speedup(B)
             if calibration is not None and scheduler.predicted < UP_FRONT_MARGIN:  # a calibrated prediction: drafting
                 scheduler.off = True                                                 # would not pay here
-        base, base_stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
-        if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
-            ours, stats = batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
-        else:
-            ours, stats = batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(),
-                                                       scheduler, kv, slots=B)
-        tokens_per_s, baseline = stats.tokens / stats.seconds, base_stats.tokens / base_stats.seconds
+        def plain(B=B):
+            return batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
+
+        def speculative(B=B, scheduler=scheduler):
+            if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
+                return plain()
+            return batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(), scheduler, kv, slots=B)
+
+        # plain, speculative, speculative, plain: a machine that drifts (these do) shifts both sides alike
+        (base, base_stats), (ours, stats), (again, stats2), (base2, base_stats2) = plain(), speculative(), speculative(), plain()
+        tokens_per_s = (stats.tokens + stats2.tokens) / (stats.seconds + stats2.seconds)
+        baseline = (base_stats.tokens + base_stats2.tokens) / (base_stats.seconds + base_stats2.seconds)
         rows.append({"batch": B, "prompts": len(prompts),
-                     "tau": round(stats.tokens / (stats.row_steps + len(prompts)), 4),  # each prefill reads its row once
+                     "tau": round((stats.tokens + stats2.tokens) / (stats.row_steps + stats2.row_steps + 2 * len(prompts)), 4),  # each prefill reads its row once
                      "tokens_per_s": round(tokens_per_s, 2), "baseline_tokens_per_s": round(baseline, 2),
                      "speedup": round(tokens_per_s / baseline, 4),
-                     "lossless": ours == base if dec.temperature == 0 else None,
+                     "speedup_halves": [round((stats.tokens / stats.seconds) / (base_stats.tokens / base_stats.seconds), 4),
+                                        round((stats2.tokens / stats2.seconds) / (base_stats2.tokens / base_stats2.seconds), 4)],
+                     "lossless": ours == base == again == base2 if dec.temperature == 0 else None,
                      "scheduler": None if scheduler is None else scheduler.summary()})
     return rows

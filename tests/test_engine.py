@@ -451,6 +451,24 @@ def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trai
     assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
 
 
+def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tmp_path, tiny_target_dir, trained_drafters):
+    """``decoding.batch_sizes``: each size decodes every prompt plainly, speculatively, speculatively
+    again and plainly again (drift cancels); the row's speedup is over both pairs, each half is
+    reported, and all four outputs are the same greedy tokens."""
+    from recipes import evaluate
+    from recipes.registry import parse_recipe
+
+    recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
+                           "drafter": str(trained_drafters["dflash"].folder),
+                           "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
+                           "decoding": {"max_new_tokens": 12, "batch_sizes": [2]},
+                           "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
+    [row] = evaluate.main(recipe)["by_batch"]
+    assert row["batch"] == 2 and row["prompts"] == 3 and row["lossless"] is True
+    assert len(row["speedup_halves"]) == 2 and min(row["speedup_halves"]) <= row["speedup"] <= max(row["speedup_halves"])
+    assert 1.0 <= row["tau"] <= 4.0 and row["scheduler"]["predicted_speedup"] > 0
+
+
 def test_draft_vocabularies_refuse_what_they_cannot_restrict(tmp_path, tiny_target_dir, trained_drafters):
     """A draft vocabulary (static or per step) on a target drafting for itself would change the target;
     a per-step one with an explicit int8 head, or larger than the head, is refused too: each before any
