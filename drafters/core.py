@@ -279,14 +279,13 @@ class InjectedLayer(nn.Module):
         ``kv_pos``: the positions of ``[ctx ; block]``."""
         h = rms(self.input_norm, x)
         kv_in = h if ctx is None else torch.cat([ctx, h], dim=1)
+        end = length + kv_in.shape[1]
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
-        else:  # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
-            q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=length + kv_in.shape[1])
-        end = length + k.shape[2]
-        keys[:, :, length:end], values[:, :, length:end] = k, v
-        if self.gate_up_proj is None:
+            keys[:, :, length:end], values[:, :, length:end] = k, v
             return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :end], values[:, :, :end], mask, lean=True)
+        # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
+        q, keys[:, :, length:end], values[:, :, length:end] = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=end)
         x = x + self.attn.attend_queries(q, keys[:, :, :end], values[:, :, :end], mask, lean=True)
         gate, up = self.gate_up_proj(rms(self.post_norm, x)).chunk(2, dim=-1)
         return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)

@@ -70,6 +70,16 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
+def serve(target, drafter, int8: str, prepack: str) -> tuple[dict | None, dict | None]:
+    """Ready both models for decoding, as settled by :func:`serve_eval.int8.resolve` and
+    :func:`serve_eval.prepack.resolve`: a block drafter's fused products, then int8 codes of the
+    drafter's Linears, and the target's Linears prepacked. Returns the int8 and prepack records (None: off)."""
+    if drafters.is_block_drafter(drafter):
+        drafter.fuse_projections()
+    return (int8_drafter(drafter, int8) if int8 != "off" else None,
+            prepack_linears(target) if prepack == "on" else None)
+
+
 def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
                      new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                      candidates: int = 0, rank: int = 64) -> dict:
@@ -179,10 +189,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
-    if drafters.is_block_drafter(drafter):  # serving's fused products, then (below) int8 codes of them
-        drafter.fuse_projections()
-    int8_record = int8_drafter(drafter, int8) if int8 != "off" else None
-    prepack_record = prepack_linears(target) if prepack == "on" else None
+    int8_record, prepack_record = serve(target, drafter, int8, prepack)
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)

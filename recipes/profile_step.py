@@ -50,14 +50,11 @@ def main(argv: list[str] | None = None) -> dict:
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
     from distill.runtime import set_threads
-    from drafters import is_block_drafter
-    from recipes.evaluate import load_drafter
+    from recipes.evaluate import load_drafter, serve
     from recipes.registry import load_recipe
     from serve_eval import engine
     from serve_eval.budget import Budget
-    from serve_eval.int8 import int8_drafter
     from serve_eval.int8 import resolve as resolve_int8
-    from serve_eval.prepack import prepack_linears
     from serve_eval.prepack import resolve as resolve_prepack
     from serve_eval.sampling import Sampler
 
@@ -67,13 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
-    int8 = resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False)
-    if is_block_drafter(drafter):
-        drafter.fuse_projections()
-    if int8 != "off":
-        int8_drafter(drafter, int8)
-    if resolve_prepack(recipe.decoding.prepack, "cpu") == "on":
-        prepack_linears(target)
+    serve(target, drafter, resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False),
+          resolve_prepack(recipe.decoding.prepack, "cpu"))
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

@@ -190,7 +190,6 @@ class BatchContext:
             values[rows, :, slots] = v.transpose(1, 2)
         self.lengths = self.lengths + counts
 
-    @torch.inference_mode()
     def defer(self, aux: torch.Tensor, counts: torch.Tensor) -> None:
         """:meth:`append` later, at the next :meth:`flush`: steps that draft nothing only queue their
         features, and a run of steps where every row keeps every slot is appended in one call."""
