@@ -270,23 +270,28 @@ class InjectedLayer(nn.Module):
         k, v = self.attn.project_kv(h, x_pos)
         return self._attend_and_mlp(x, h, x_pos, torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2), mask)
 
-    def decode(self, x, kv_pos, keys: torch.Tensor, values: torch.Tensor, length: int, mask, ctx=None):
+    def decode(self, x, kv_pos, keys: torch.Tensor, values: torch.Tensor, length: int, mask, ctx=None,
+               slots: torch.Tensor | None = None):
         """:meth:`forward` for one block after a cached context of ``length`` positions, without
         copying the context: ``keys`` / ``values`` are :class:`ContextCache` buffers. ``ctx`` (the
         projected features of the positions between the cache and the block, or None) is projected to
         keys and values together with the block, one matrix product for both; their entries are
         written after the context, the block's last (scratch space, overwritten by the next call).
-        ``kv_pos``: the positions of ``[ctx ; block]``."""
+        ``kv_pos``: the positions of ``[ctx ; block]``.
+
+        ``slots`` (static shapes, :meth:`BlockDrafter.decode_static`): the buffer entries ``[ctx ; block]``
+        go to instead, and attention reads the whole buffers (``mask`` hides what it must not see)."""
         h = rms(self.input_norm, x)
         kv_in = h if ctx is None else torch.cat([ctx, h], dim=1)
         end = length + kv_in.shape[1]
+        where, seen = (slice(length, end), end) if slots is None else (slots, keys.shape[2])
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
-            keys[:, :, length:end], values[:, :, length:end] = k, v
-            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :end], values[:, :, :end], mask, lean=True)
+            keys[:, :, where], values[:, :, where] = k, v
+            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :seen], values[:, :, :seen], mask, lean=True)
         # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
-        q, keys[:, :, length:end], values[:, :, length:end] = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=end)
-        x = x + self.attn.attend_queries(q, keys[:, :, :end], values[:, :, :end], mask, lean=True)
+        q, keys[:, :, where], values[:, :, where] = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=seen)
+        x = x + self.attn.attend_queries(q, keys[:, :, :seen], values[:, :, :seen], mask, lean=True)
         gate, up = self.gate_up_proj(rms(self.post_norm, x)).chunk(2, dim=-1)
         return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
@@ -298,10 +303,13 @@ class InjectedLayer(nn.Module):
 class ContextCache:
     """Decode-time keys and values of the verified context, per drafter layer, in buffers that grow by
     doubling: appending the newly verified positions writes in place instead of re-copying the whole
-    context every step, and one block's own entries fit after the context (``spare`` positions)."""
+    context every step, and one block's own entries fit after the context (``spare`` positions).
+    ``capacity``: the buffers' length from the start, for a compiled draft whose graph is built for one
+    length (:mod:`serve_eval.compiled`); past it they grow by doubling all the same."""
 
-    def __init__(self, spare: int):
+    def __init__(self, spare: int, capacity: int = 0):
         self.spare = spare
+        self.capacity = capacity  # buffers of exactly this many positions while the context fits them
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0
@@ -323,14 +331,16 @@ class ContextCache:
 
     def ensure(self, end: int, like: torch.Tensor, layers: int) -> None:
         """Buffers for ``layers`` layers with room for ``end`` positions, shaped and typed like ``like``
-        [B, heads, *, head_dim] (grown by doubling; the context's entries move along)."""
+        [B, heads, *, head_dim] (grown by doubling; the context's entries move along). Zeros where nothing
+        was written: :meth:`BlockDrafter.decode_static` attends over whole buffers, the unwritten entries
+        masked, and a masked NaN would still reach the output (0 * NaN)."""
         if not self.keys or end > self.keys[0].shape[2]:
-            shape = (like.shape[0], like.shape[1], max(2 * end, 64), like.shape[3])
+            shape = (like.shape[0], like.shape[1], self.capacity if end <= self.capacity else max(2 * end, 64), like.shape[3])
             self.keys = [self._grown(old, shape, like) for old in self.keys or [None] * layers]
             self.values = [self._grown(old, shape, like) for old in self.values or [None] * layers]
 
     def _grown(self, old: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-        new = like.new_empty(shape)
+        new = like.new_zeros(shape)
         if old is not None:
             new[:, :, :self.length] = old[:, :, :self.length]
         return new
@@ -668,6 +678,40 @@ class BlockDrafter(DrafterBase):
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
             x = layer.decode(x, kv_pos, keys, values, start, mask, ctx)
         cache.length = anchor_pos
+        return rms(self.norm, x).view(1, 1, K, -1)
+
+    def decode_static(self, anchor_token: torch.Tensor, counts: torch.Tensor, features: torch.Tensor,
+                      keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`decode_hidden` in shapes that do not change from call to call, for a compiled graph
+        (:mod:`serve_eval.compiled`): the same block hidden states [1, 1, K, H].
+
+        ``counts`` = ``[start, n]`` (a tensor, so that the graph does not specialise on them): the cache
+        holds ``start`` positions and ``n`` more arrive, ``1 <= n <= K``, in the first ``n`` rows of
+        ``features`` [1, K, F] (the rest padding). ``keys`` / ``values``: the cache's buffers, each
+        [1, kv_heads, S, D] with ``S > start + n + K``, zero where nothing was written. Per layer:
+
+        * the rows ``[features ; block]`` are projected together, 2K of them, and written to slots
+          ``start + i`` (feature ``i < n``), the last slot ``S - 1`` (padding: never a position, never
+          visible) and ``a + k`` (block row ``k``, anchor ``a = start + n``);
+        * the block's queries attend over the whole buffer, masked to the slots below ``a + K``
+          (bidirectional blocks) or below ``a + k + 1`` (causal ones): what :meth:`decode_hidden`'s
+          slices select, so the keys a query sees and their values are the same.
+
+        Padding rows change no other row (each row's products and norms are its own); the caller advances
+        ``cache.length`` to ``a``."""
+        cfg = self.config
+        K = cfg.block_size
+        S = keys[0].shape[2]
+        rows = torch.arange(K, device=features.device)
+        start, anchor_pos = counts[0], counts[0] + counts[1]
+        x = self.embed_tokens(torch.where(rows == 0, anchor_token, cfg.mask_token_id)[None])
+        ctx = rms(self.hidden_norm, self.fc(features))
+        kv_pos = torch.cat([start + rows, anchor_pos + rows])[None]
+        slots = torch.cat([torch.where(rows < counts[1], start + rows, S - 1), anchor_pos + rows])
+        last = anchor_pos + 1 + rows if self.causal_blocks else (anchor_pos + K).expand(K)
+        mask = torch.arange(S, device=features.device) < last[:, None]  # [K, S]: query k sees slots below last[k]
+        for layer, k, v in zip(self.layers, keys, values):
+            x = layer.decode(x, kv_pos, k, v, 0, mask, ctx, slots=slots)
         return rms(self.norm, x).view(1, 1, K, -1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):

@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--prepack", default="auto", choices=["auto", "on", "off"],
                     help="the target's Linears from weights prepacked once for oneDNN (serve_eval.prepack), both loops; "
                          "auto (default): on on the CPU, off on a GPU")
+    ev.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="a block drafter's draft as one torch.compile graph (serve_eval.compiled); auto (default): on "
+                         "for block drafters on the CPU where a C++ compiler is found")
     ev.add_argument("--kv-cache", default="full", choices=["full", "int8", "fp8", "int4"],
                     help="the target's KV cache in both loops (serve_eval.kv); the report compares it with full precision")
     ev.add_argument("--kv-rotate", action="store_true", help="quantize keys and values after a fixed random rotation")
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "adaptive": not (args.fixed_budget or args.ssd), "draft_vocab": args.draft_vocab,
                                                 "draft_vocab_candidates": args.draft_candidates, "draft_vocab_rank": args.draft_rank,
                                                 "lookup": args.lookup, "drafter_int8": args.drafter_int8,
-                                                "prepack": args.prepack, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
+                                                "prepack": args.prepack, "compile": args.compile, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
                                                 "ssd_backup": args.ssd_backup, "ssd_concurrent": not args.ssd_inline,
                                                 "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,
                                                 "parallel_drafts": not args.autoregressive}},

@@ -44,6 +44,8 @@ from recipes.plots import saved_figure
 from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
+from serve_eval.compiled import compile_drafts, for_drafter
+from serve_eval.compiled import resolve as resolve_compile
 from serve_eval.int8 import int8_drafter
 from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
@@ -70,14 +72,17 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
-def serve(target, drafter, int8: str, prepack: str) -> tuple[dict | None, dict | None]:
-    """Ready both models for decoding, as settled by :func:`serve_eval.int8.resolve` and
-    :func:`serve_eval.prepack.resolve`: a block drafter's fused products, then int8 codes of the
-    drafter's Linears, and the target's Linears prepacked. Returns the int8 and prepack records (None: off)."""
+def serve(target, drafter, int8: str, prepack: str, compile: str = "off", positions: int = 0) -> dict:
+    """Ready both models for decoding, as settled by :func:`serve_eval.int8.resolve`,
+    :func:`serve_eval.prepack.resolve` and :func:`serve_eval.compiled.resolve`: a block drafter's fused
+    products, then int8 codes of the drafter's Linears, its draft compiled over them (for sequences of
+    up to ``positions`` tokens), and the target's Linears prepacked. Returns the report's records of
+    the three (off where off)."""
     if drafters.is_block_drafter(drafter):
         drafter.fuse_projections()
-    return (int8_drafter(drafter, int8) if int8 != "off" else None,
-            prepack_linears(target) if prepack == "on" else None)
+    return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",
+            "draft_compiled": compile_drafts(drafter, positions) if compile == "on" else "off",
+            "target_prepack": prepack_linears(target) if prepack == "on" else "off"}
 
 
 def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
@@ -165,6 +170,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     try:  # a target drafting for itself with head / all was refused with the recipe
         int8 = resolve_int8(dec.drafter_int8, device, same)
         prepack = resolve_prepack(dec.prepack, device)
+        compiled = resolve_compile(dec.compile, device, drafter)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
@@ -189,11 +195,11 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
-    int8_record, prepack_record = serve(target, drafter, int8, prepack)
+    records = serve(target, drafter, int8, prepack, compiled, max(len(p.view(-1)) for p in encoded) + dec.max_new_tokens)
 
-    # warm-up: first calls pay for allocations and lazy initialisation
+    # warm-up: first calls pay for allocations, lazy initialisation and compiling (a few steps after the first)
     plain_generate(target, encoded[0], 4, eos)
-    speculative_generate(target, drafter, encoded[0], 4, eos,
+    speculative_generate(target, drafter, encoded[0], 32 if compiled == "on" else 4, eos,
                          proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence,
                                                 parallel=dec.parallel_drafts))
 
@@ -222,9 +228,10 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         "torch_threads": torch.get_num_threads(),
         "device": device,
         **({"draft_vocab": vocab_record} if vocab_record else {}),
-        **({"drafter_int8": int8_record} if int8_record else {}),
-        "target_prepack": prepack_record or "off",
+        **records,
     }
+    if compiled == "on":  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
+        report["draft_compiled"]["graph_drafts"] = for_drafter(drafter).calls
     if dec.kv_cache != "full":
         report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler)
     if len(runs) > 1:

@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|off]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|off] [--compile auto|on|off]
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the drafter's head / all its Linears in int8, or off (default: the recipe's, auto)")
     parser.add_argument("--prepack", choices=["auto", "on", "off"],
                         help="the target's Linears prepacked for oneDNN, or off (default: the recipe's, auto)")
+    parser.add_argument("--compile", choices=["auto", "on", "off"],
+                        help="a block drafter's draft as one compiled graph, or eager (default: the recipe's, auto)")
     args = parser.parse_args(argv)
 
     from distill.base.features import FeatureCapture
@@ -54,19 +56,22 @@ def main(argv: list[str] | None = None) -> dict:
     from recipes.registry import load_recipe
     from serve_eval import engine
     from serve_eval.budget import Budget
+    from serve_eval.compiled import resolve as resolve_compile
     from serve_eval.int8 import resolve as resolve_int8
     from serve_eval.prepack import resolve as resolve_prepack
     from serve_eval.sampling import Sampler
 
-    overrides = [f"decoding.{key}={value}" for key, value in (("drafter_int8", args.drafter_int8), ("prepack", args.prepack)) if value]
+    overrides = [f"decoding.{key}={value}" for key, value in (("drafter_int8", args.drafter_int8), ("prepack", args.prepack),
+                                                                           ("compile", args.compile)) if value]
     recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", *overrides])
     max_new = args.max_new_tokens or recipe.decoding.max_new_tokens
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
-    serve(target, drafter, resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False),
-          resolve_prepack(recipe.decoding.prepack, "cpu"))
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
+    serve(target, drafter, resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False),
+          resolve_prepack(recipe.decoding.prepack, "cpu"), resolve_compile(recipe.decoding.compile, "cpu", drafter),
+          max(len(p.view(-1)) for p in prompts) + max_new)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     proposer_class = type(engine.make_proposer(drafter))
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     for i, prompt in enumerate(prompts):
         sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
         _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
-        _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(), budget=budget)
+        _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(),  # the warm-up (compiling too) without
+                                              budget=budget if i else None)  # the budget, whose draft costs it would skew
         if i == 0:  # warm-up
             totals.clear()
             calls.clear()

@@ -43,6 +43,7 @@ from drafters import Eagle3Drafter, is_block_drafter
 from drafters.core import ContextCache
 
 from .budget import Budget, CausalChain
+from .compiled import for_drafter
 from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
 from .lookup import graft, lookup_continuation
 from .sampling import Sampler, verify_chain
@@ -182,10 +183,11 @@ class BlockProposer(Proposer):
         self.block_size = drafter.config.block_size
         self.conditional = drafter.conditional_drafts
         self.confidence_threshold = confidence_threshold
+        self.compiled = for_drafter(drafter)  # serve_eval.compiled: the draft as one graph, where it was set up
         self.begin(None)
 
     def begin(self, prompt: torch.Tensor | None) -> None:
-        self.context = ContextCache(spare=self.block_size)
+        self.context = ContextCache(spare=self.block_size, capacity=self.compiled.positions if self.compiled else 0)
         self.arrived: torch.Tensor | None = None  # verified positions' features the context has not read yet
 
     @torch.inference_mode()
@@ -197,9 +199,18 @@ class BlockProposer(Proposer):
     @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
-        hidden = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived)
+        if self.compiled is not None and self.compiled.fits(self.context, self.arrived):
+            if self.context.length + self.arrived.shape[1] != anchor_pos:
+                raise ValueError(f"the context cache holds {self.context.length} positions and {self.arrived.shape[1]} "
+                                 f"arrive, the block is anchored at {anchor_pos}")
+            hidden, logits, greedy = self.compiled(anchor, self.context, self.arrived)
+        else:
+            hidden, logits = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived), None
         self.arrived = None
-        tokens, logits, confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
+        if logits is not None:  # the graph's head: BlockDrafter.propose's logits (and their argmax)
+            tokens, confidence = greedy if sampler.greedy else sampler.choose(logits), None
+        else:
+            tokens, logits, confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
         tokens, logits = tokens[0, 0], logits[0, 0]
         if confidence is not None and self.confidence_threshold > 0:
             low = (confidence[0, 0] < self.confidence_threshold).nonzero()

@@ -35,6 +35,10 @@ fbgemm's packed weights are made from a quantized tensor, a kind torch 2.13 depr
 naming no release for the removal): where it is gone, ``torch._int_mm`` serves, tested the same way.
 On a GPU the drafter runs in the target's bf16 and this is refused.
 
+Under ``torch.compile`` (:mod:`serve_eval.compiled`) fbgemm's product is the operator
+``draftsmith::int8_linear`` (one Linear's packed weight named by a key: a graph cannot hold fbgemm's
+packed object), so that Dynamo keeps one graph through it and fuses the row scaling around it.
+
 ``which``: ``head`` converts the projections onto the vocabulary (``lm_head``, DSpark's ``markov_out``),
 the largest weights by far; ``all`` every Linear.
 """
@@ -42,6 +46,7 @@ the largest weights by far; ``all`` every Linear.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -72,6 +77,14 @@ def _fbgemm_pack(codes: torch.Tensor, scale: torch.Tensor):
         return None
 
 
+_LINEARS: "weakref.WeakValueDictionary[int, Int8Linear]" = weakref.WeakValueDictionary()
+_OPS = torch.library.Library("draftsmith", "DEF")
+_OPS.define("int8_linear(Tensor rows, int key) -> Tensor")
+_OPS.impl("int8_linear", lambda rows, key: torch.ops.quantized.linear_dynamic(rows, _LINEARS[key].packed, True), "CPU")
+torch.library.register_fake("draftsmith::int8_linear", lambda rows, key: rows.new_empty(rows.shape[0], _LINEARS[key].out_features),
+                            lib=_OPS)
+
+
 class Int8Linear(nn.Module):
     """``x W^T + b`` from int8 weight codes and int8 activations (see the module docstring):
     ``kernel`` ``fbgemm`` where this torch has it, else ``int_mm``."""
@@ -87,6 +100,16 @@ class Int8Linear(nn.Module):
         if kernel == "fbgemm" and self.packed is None:
             raise RuntimeError("fbgemm's int8 kernel is not in this torch build")
         self.kernel = "int_mm" if self.packed is None else "fbgemm"
+        self.key = self._register()
+
+    def _register(self) -> int:
+        """This Linear's key for ``draftsmith::int8_linear`` (its id: an entry lives as long as the module)."""
+        _LINEARS[id(self)] = self
+        return id(self)
+
+    def __setstate__(self, state):  # a copy (deepcopy, unpickling) gets a key of its own
+        super().__setstate__(state)
+        self.key = self._register()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> "Int8Linear":
@@ -98,7 +121,10 @@ class Int8Linear(nn.Module):
             rows = rows.float()
         peak = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
         if self.packed is not None:  # rows scaled to peak 1; 7-bit activations (reduce_range)
-            y = torch.ops.quantized.linear_dynamic(rows / peak, self.packed, True).mul_(peak)
+            scaled = rows / peak
+            y = torch.ops.draftsmith.int8_linear(scaled, self.key) if torch.compiler.is_compiling() \
+                else torch.ops.quantized.linear_dynamic(scaled, self.packed, True)
+            y = y.mul_(peak)
         else:
             step = peak.div_(127)
             y = torch._int_mm(torch.round(rows / step).to(torch.int8), self.codes).float().mul_(step).mul_(self.scale)

@@ -203,6 +203,42 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
             m.decode_hidden(torch.tensor(5), done + 1, cache)
 
 
+@pytest.mark.parametrize("attention", ["bidirectional", "causal"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_static_decoding_block_equals_the_cached_one(attention, fused):
+    """decode_static (one shape for every step: features padded to K rows, the padding written to the
+    buffers' last slot, attention over whole zero-initialised buffers under a mask) gives decode_hidden's
+    block and leaves the same context in the cache, for 1..K arriving features at a time."""
+    from drafters import DFlashConfig, DFlashDrafter
+    from drafters.core import ContextCache
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                       target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention,
+                       num_hidden_layers=2, qk_norm=True, rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
+                       max_position_embeddings=64)
+    m = DFlashDrafter(cfg).eval()
+    if fused:
+        m.fuse_projections()
+    aux = torch.randn(1, 200, 32)
+    cached, static = ContextCache(spare=4), ContextCache(spare=4, capacity=200)
+    with torch.no_grad():
+        for cache in (cached, static):
+            m.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
+        assert static.keys[0].shape[2] == 200
+        pos = 10
+        for step in range(40):
+            n, token = 1 + step % 4, torch.tensor(5 + step % 7)
+            expected = m.decode_hidden(token, pos + n, cached, aux[:, pos:pos + n])
+            features = torch.zeros(1, 4, 32)
+            features[:, :n] = aux[:, pos:pos + n]
+            got = m.decode_static(token.view(1), torch.tensor([pos, n]), features, static.keys, static.values)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            pos = static.length = pos + n
+            for a, b in zip(cached.keys + cached.values, static.keys + static.values):
+                torch.testing.assert_close(b[:, :, :pos], a[:, :, :pos], rtol=1e-5, atol=1e-5)
+
+
 def test_eagle3_ttt_chain_sees_only_its_own_past():
     from drafters.eagle3 import ttt_mask
 

@@ -213,6 +213,9 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     # auto on the CPU: the target's Linears prepacked for oneDNN, every Linear of the drafter in int8 on fbgemm's kernel
     assert report["target_prepack"]["linears"] == 7 * 4 + 1  # the tiny target: 4 layers
     assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] == "fbgemm"
+    graph = report["draft_compiled"]  # and the draft compiled as one graph, over caches for 16 + 24 positions and a block
+    assert graph["graph"] == "decode_static" + ("" if "draft_vocab_candidates" in decoding else " + head")
+    assert graph["cache_positions"] == 16 + 24 + 4 + 1 and graph["graph_drafts"] > 10
     if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
         vocab = report["draft_vocab"]
         assert vocab["size"] == decoding["draft_vocab"] and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1
@@ -692,3 +695,44 @@ def test_int8_drafters_stay_lossless(target_and_prompts, trained_drafters, kind)
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert speculative_generate(target, drafter, prompt, MAX_NEW)[0] == reference
         assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
+    """A block drafter's draft compiled as one graph (serve_eval.compiled, over the fused int8 drafter
+    the eval serves) gives each step the eager draft's block, to rounding; greedy chains and trees
+    still equal plain decoding, and a sequence longer than the graph's caches drafts eagerly past them."""
+    import copy
+
+    from serve_eval import compiled
+    from serve_eval.int8 import int8_drafter
+
+    target, tok, prompts = target_and_prompts
+    drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
+    int8_drafter(drafter, "all")
+    record = compiled.compile_drafts(drafter, max(len(p) for p in prompts) + MAX_NEW)
+    assert record["graph"] == ("decode_static + head" if kind == "dflash" else "decode_static")
+    graph_call, counts = compiled.CompiledDraft.__call__, []
+
+    def checked(self, anchor, cache, arrived):  # the eager block from a copy of the same cache, beside the graph's
+        eager_cache = copy.deepcopy(cache)
+        reference = drafter.decode_hidden(anchor, cache.length + arrived.shape[1], eager_cache, arrived)
+        hidden, logits, greedy = graph_call(self, anchor, cache, arrived)
+        torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
+        assert cache.length == eager_cache.length
+        if logits is not None:
+            torch.testing.assert_close(logits, drafter.lm_head(reference)[:, :, 1:], rtol=1e-4, atol=1e-4)
+            assert torch.equal(greedy, logits.argmax(-1))
+        counts.append(arrived.shape[1])
+        return hidden, logits, greedy
+
+    monkeypatch.setattr(compiled.CompiledDraft, "__call__", checked)
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        assert speculative_generate(target, drafter, prompt, MAX_NEW)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}))[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+    assert len(counts) > 20 and len(set(counts)) > 2  # the graph drafted, after steps that kept various counts
+    longer, before = torch.cat([prompts[0]] * 3), len(counts)  # past the graph's caches: eager, still lossless
+    assert speculative_generate(target, drafter, longer, MAX_NEW)[0] == plain_generate(target, longer, MAX_NEW)[0]
+    assert len(counts) == before

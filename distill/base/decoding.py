@@ -49,6 +49,10 @@ class DecodingSection(Strict):
         "auto", description="serve the target's Linears from weights prepacked once for oneDNN's CPU kernel "
                             "(serve_eval.prepack): verifying several tokens then costs about what one does; both loops "
                             "use it; auto: on on the CPU where torch has the ops, off on a GPU")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="a block drafter's draft as one torch.compile graph (serve_eval.compiled: inductor's "
+                            "fused CPU kernels, compiled once in the warm-up); auto: on for block drafters on the "
+                            "CPU where a C++ compiler is found, off on a GPU (not measured there) and for other drafters")
     kv_cache: Literal["full", "int8", "fp8", "int4"] = Field(
         "full", description="the target's KV cache: full precision, or int8 / fp8 / int4 codes with an fp16 scale per "
                             "32 channels (serve_eval.kv); both loops use it, the report measures it against full")
@@ -68,7 +72,7 @@ class DecodingSection(Strict):
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
 
-    @field_validator("drafter_int8", "prepack", mode="before")
+    @field_validator("drafter_int8", "prepack", "compile", mode="before")
     @classmethod
     def _yaml_off(cls, v):
         return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v  # YAML 1.1 reads bare on / off as booleans

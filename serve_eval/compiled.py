@@ -1,0 +1,129 @@
+"""A block drafter's draft as one compiled graph (``decoding.compile``).
+
+Eager, one draft of the shipped DFlash drafter is ~100 small operations (norms, rotations, the int8
+row scaling, masks, the head's argmax) at 5-10 µs each around six int8 products: on this CPU the
+operations cost as much as the products. ``torch.compile`` (inductor's C++ kernels) fuses them, but
+only where the graph holds still, so the draft is traced through :meth:`drafters.core.BlockDrafter.
+decode_static` (shapes that do not change from step to step; see its docstring for why its block
+equals :meth:`~drafters.core.BlockDrafter.decode_hidden`'s) and the int8 products through an operator
+of their own (:mod:`serve_eval.int8`). What varies from step to step is data:
+
+* the cache length and the number of arriving features, ``counts`` = ``[start, n]``, a tensor;
+* the arriving features, padded to ``K`` rows;
+* the cache buffers have one length for the whole run (the longest sequence it decodes, set up front),
+  so that no context compiles another graph (in shapes that vary, inductor's kernels and Dynamo's
+  guards each cost more: 0.83 of eager's time against 0.73, measured).
+
+One graph, compiled at the first draft that fits it (a few seconds with inductor's on-disk cache
+warm, ~30 s cold; the eval compiles it in its warm-up); a first draft after a prompt (more than ``K``
+features at once) or after steps that did not draft stays eager. The graph returns the block's
+hidden states and, for a drafter whose proposal is the head over them (DFlash), the logits and their
+argmax too (a greedy draft without another call).
+
+Losslessness does not depend on any of it: a compiled drafter is another drafter, whose logits (its
+``q``) are what both drafting and verification read. Its logits differ from eager's by rounding only
+(fused reductions); tests hold them to eager's and the loop to plain decoding.
+"""
+
+from __future__ import annotations
+
+import shutil
+import weakref
+
+import torch
+
+from drafters.core import BlockDrafter, ContextCache
+from drafters.vocab import CandidateHead
+
+
+def available() -> bool:
+    """Whether inductor can build its CPU kernels here: it needs a C++ compiler."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return shutil.which(get_cpp_compiler()) is not None
+    except Exception:  # noqa: BLE001  (no inductor, no compiler: both mean no)
+        return False
+
+
+def resolve(setting: str, device: str, drafter) -> str:
+    """What ``decoding.compile`` means here: ``auto`` is ``on`` for a block drafter on the CPU where
+    inductor can compile, else ``off``; ``on`` for another drafter, or without a compiler, is a ValueError.
+    (On a GPU ``on`` compiles the same graph; it is not measured here, so ``auto`` leaves it off.)"""
+    block = isinstance(drafter, BlockDrafter)
+    if setting == "auto":
+        return "on" if device == "cpu" and block and available() else "off"
+    if setting == "on" and not block:
+        raise ValueError(f"decoding.compile = 'on' compiles a block drafter's draft (DFlash, DSpark); "
+                         f"{type(drafter).__name__} drafts eagerly (auto or off)")
+    if setting == "on" and device == "cpu" and not available():
+        raise ValueError("decoding.compile = 'on': inductor finds no C++ compiler here; install one (g++) or use auto / off")
+    return setting
+
+
+def _draft(drafter, anchor, counts, features, keys, values, head: bool):
+    hidden = drafter.decode_static(anchor, counts, features, keys, values)
+    if not head:
+        return hidden, None, None
+    logits = drafter.lm_head(hidden)[:, :, 1:]  # BlockDrafter.propose's logits
+    return hidden, logits, logits.argmax(-1)
+
+
+_compiled_draft = torch.compile(_draft, fullgraph=True, dynamic=False)
+
+
+class CompiledDraft:
+    """The compiled draft of one block drafter over caches of ``positions`` slots (:func:`compile_drafts`
+    makes it, the loop's :class:`~serve_eval.engine.BlockProposer` finds it with :func:`for_drafter` and
+    gives its context cache that capacity)."""
+
+    def __init__(self, drafter: BlockDrafter, positions: int):
+        self.drafter = drafter
+        self.block_size = drafter.config.block_size
+        self.positions = positions
+        # the head inside the graph where proposing is the head alone (DFlash); DSpark's chain stays eager
+        self.head = type(drafter).propose is BlockDrafter.propose and not isinstance(drafter.lm_head, CandidateHead)
+        for layer in drafter.layers:  # rotary tables that cover every slot, built here rather than in the graph
+            layer.attn.rope_table(torch.zeros(1, 1, dtype=torch.long, device=drafter.device), drafter.dtype,
+                                  end=positions, signed=True)
+        self.calls = 0
+
+    def fits(self, cache: ContextCache, arrived: torch.Tensor | None) -> bool:
+        """Whether this draft can be the graph's: a context already cached in buffers of the graph's
+        length, with room for 1..K arriving features and the block (and the padding slot after them)."""
+        return (cache.length > 0 and arrived is not None and arrived.shape[1] <= self.block_size
+                and cache.keys[0].shape[2] == self.positions > cache.length + arrived.shape[1] + self.block_size)
+
+    def __call__(self, anchor: torch.Tensor, cache: ContextCache, arrived: torch.Tensor):
+        """The block after ``cache`` and the ``arrived`` features [1, n, F] (:meth:`fits`): (hidden
+        [1, 1, K, H], logits [1, 1, K-1, V] and their argmax, or None and None without the head); the
+        cache then holds the arrived positions, as after :meth:`~drafters.core.BlockDrafter.decode_hidden`."""
+        K, start, n = self.block_size, cache.length, arrived.shape[1]
+        features = arrived.new_zeros(1, K, arrived.shape[2])
+        features[:, :n] = arrived
+        counts = torch.tensor([start, n], device=arrived.device)
+        out = _compiled_draft(self.drafter, anchor.view(1), counts, features, cache.keys, cache.values, self.head)
+        cache.length = start + n
+        self.calls += 1
+        return out
+
+
+_COMPILED: "weakref.WeakKeyDictionary[BlockDrafter, CompiledDraft]" = weakref.WeakKeyDictionary()
+
+
+def compile_drafts(drafter: BlockDrafter, positions: int) -> dict:
+    """Serve ``drafter``'s drafts from the compiled graph from now on, for sequences of up to
+    ``positions`` tokens (the longest prompt plus the new tokens: the cache buffers' one length; a longer
+    one drafts eagerly past it). Call it after the drafter's fused products and int8 codes: the graph
+    is traced over what it serves. Returns what the eval report records."""
+    positions += drafter.config.block_size + 1  # the last block's slots and the padding slot
+    _COMPILED[drafter] = compiled = CompiledDraft(drafter, positions)
+    return {"graph": "decode_static" + (" + head" if compiled.head else ""), "cache_positions": positions}
+
+
+def for_drafter(drafter) -> CompiledDraft | None:
+    """The compiled draft :func:`compile_drafts` set up for ``drafter``, if any."""
+    try:
+        return _COMPILED.get(drafter)
+    except TypeError:  # not weak-referenceable: never compiled
+        return None
