@@ -43,9 +43,9 @@ from distill.runtime import set_threads
 from recipes.plots import saved_figure
 from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
-from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.compiled import compile_drafts, for_drafter
 from serve_eval.compiled import resolve as resolve_compile
+from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.int8 import int8_drafter
 from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant

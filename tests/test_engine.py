@@ -736,3 +736,31 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     longer, before = torch.cat([prompts[0]] * 3), len(counts)  # past the graph's caches: eager, still lossless
     assert speculative_generate(target, drafter, longer, MAX_NEW)[0] == plain_generate(target, longer, MAX_NEW)[0]
     assert len(counts) == before
+
+
+def test_each_compiled_drafter_has_a_graph_of_its_own():
+    """Two drafters alike in every shape, one with causal blocks and one with bidirectional ones, each
+    compiled (serve_eval.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
+    them would give one the other's mask): each draft equals its own drafter's eager one."""
+    import copy
+
+    from drafters import DFlashConfig, DFlashDrafter
+    from drafters.core import ContextCache
+    from serve_eval import compiled
+
+    torch.manual_seed(0)
+    aux = torch.randn(1, 40, 32)
+    for attention in ("causal", "bidirectional"):
+        cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+                           target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4,
+                           block_attention=attention, num_hidden_layers=1, qk_norm=True, max_position_embeddings=64)
+        drafter = DFlashDrafter(cfg).eval().fuse_projections()
+        compiled.compile_drafts(drafter, 32)
+        graph = compiled.for_drafter(drafter)
+        cache = ContextCache(spare=4, capacity=graph.positions)
+        with torch.inference_mode():
+            drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
+            eager = copy.deepcopy(cache)
+            assert graph.fits(cache, aux[:, 10:13])
+            hidden, logits, _ = graph(torch.tensor(7), cache, aux[:, 10:13])
+            torch.testing.assert_close(hidden, drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4)
