@@ -329,6 +329,13 @@ class ContextCache:
             self.values[layer][:, :, self.length:end] = v
         return end
 
+    def check_anchor(self, anchor_pos: int, arriving: torch.Tensor | None) -> None:
+        """A block anchored at ``anchor_pos`` must follow the cached positions and the ``arriving``
+        features [B, n, F] (or None) directly: a ValueError otherwise."""
+        n = 0 if arriving is None else arriving.shape[1]
+        if self.length + n != anchor_pos:
+            raise ValueError(f"the context cache holds {self.length} positions and {n} arrive, the block is anchored at {anchor_pos}")
+
     def ensure(self, end: int, like: torch.Tensor, layers: int) -> None:
         """Buffers for ``layers`` layers with room for ``end`` positions, shaped and typed like ``like``
         [B, heads, *, head_dim] (grown by doubling; the context's entries move along). Zeros where nothing
@@ -661,9 +668,8 @@ class BlockDrafter(DrafterBase):
         and no copy of the context's keys and values."""
         cfg = self.config
         K = cfg.block_size
-        start, arriving = cache.length, 0 if features is None else features.shape[1]
-        if start + arriving != anchor_pos:
-            raise ValueError(f"the context cache holds {start} positions and {arriving} arrive, the block is anchored at {anchor_pos}")
+        start = cache.length
+        cache.check_anchor(anchor_pos, features)
         device = anchor_token.device
         tokens = torch.full((1, K), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0] = anchor_token

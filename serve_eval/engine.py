@@ -200,9 +200,7 @@ class BlockProposer(Proposer):
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
         if self.compiled is not None and self.compiled.fits(self.context, self.arrived):
-            if self.context.length + self.arrived.shape[1] != anchor_pos:
-                raise ValueError(f"the context cache holds {self.context.length} positions and {self.arrived.shape[1]} "
-                                 f"arrive, the block is anchored at {anchor_pos}")
+            self.context.check_anchor(anchor_pos, self.arrived)
             hidden, logits, greedy = self.compiled(anchor, self.context, self.arrived)
         else:
             hidden, logits = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived), None
