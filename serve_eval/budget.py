@@ -336,10 +336,13 @@ class DraftSwitch:
     optimistic reference); the first time a state's drafted steps fall below it, ``measure`` plain
     steps are run to measure them. It decides from earlier steps only: lossless at every temperature."""
 
-    def __init__(self, plain_seconds: float, min_drafts: int = 16, measure: int = 3, margin: float = 0.9,
+    def __init__(self, plain_seconds: float, min_drafts: int = 16, measure: int = 3, margin: float = 1.0,
                  probes: Probes | None = None):
         self.min_drafts, self.measure = min_drafts, measure
-        self.margin = margin  # skip only below this fraction of the plain rate: noise must not switch off a drafter that pays
+        # skip below this fraction of the plain rate. Both rates are running means over ~200 steps, steady
+        # enough to compare as they are; 0.9 kept a drafter that ran at 0.85-0.95x plain decoding drafting
+        # once a prepacked target made verifying two tokens cost about one (serve_eval.prepack)
+        self.margin = margin
         self.bare_seconds = plain_seconds
         self.plain = [0.0, 0]  # measured plain steps: running mean of seconds, count
         self.stats = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # last step kept a draft -> tokens, seconds, steps
