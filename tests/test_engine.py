@@ -435,7 +435,7 @@ def test_a_row_joining_a_batch_reads_what_it_reads_alone(target_and_prompts):
         alone.keep(counts[2:], 4)
 
 
-def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
+def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
     from distill.config import RecipeError
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -451,7 +451,10 @@ def test_batches_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trai
         evaluate.main(recipe("eagle3", batch_sizes=[2]))
     with pytest.raises(RecipeError, match="need at least as many prompts"):
         evaluate.main(recipe("dflash", batch_sizes=[4]))
+    with pytest.raises(RecipeError, match="decoding.compile = 'on' compiles a block drafter's draft.*Eagle3Drafter"):
+        evaluate.main(recipe("eagle3", compile="on"))  # a compiled draft is a block drafter's; off / auto: eager
     assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
+    assert evaluate.main(recipe("eagle3", compile=False))["draft_compiled"] == "off"  # a bare YAML off
 
 
 def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tmp_path, tiny_target_dir, trained_drafters):
