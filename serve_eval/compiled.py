@@ -21,8 +21,9 @@ serve (fused products, int8 codes), and change it no more.
 One graph, compiled at the first draft that fits it (a few seconds with inductor's on-disk cache
 warm, ~30 s cold; the eval compiles it in its warm-up); a first draft after a prompt (more than ``K``
 features at once) or after steps that did not draft stays eager. The graph returns the block's
-hidden states and, for a drafter whose proposal is the head over them (DFlash), the logits and their
-argmax too (a greedy draft without another call).
+hidden states and the drafter's greedy proposal over them: DFlash's head and argmax, DSpark's Markov
+chain position after position (at T > 0 DFlash draws from the graph's logits; a sampled DSpark chain,
+which conditions on its own draws, runs eagerly over the graph's block).
 
 Measured on the shipped DFlash drafter (1 thread): a draft alone, alternated with eager on one cache
 state, 0.65-0.72 of eager's time; in the loop, where the target's forward has just pushed the
@@ -71,12 +72,9 @@ def resolve(setting: str, device: str, drafter) -> str:
     return setting
 
 
-def _draft(drafter, anchor, counts, features, keys, values, head: bool):
+def _draft(drafter, anchor, counts, features, keys, values, propose: bool):
     hidden = drafter.decode_static(anchor, counts, features, keys, values)
-    if not head:
-        return hidden, None, None
-    logits = drafter.lm_head(hidden)[:, :, 1:]  # BlockDrafter.propose's logits
-    return hidden, logits, logits.argmax(-1)
+    return hidden, drafter.propose(hidden, anchor.view(1, 1)) if propose else None  # greedy: (tokens, logits, confidence)
 
 
 def _without_module_guards(entries) -> list[bool]:
@@ -102,13 +100,20 @@ class CompiledDraft:
         self.drafter = drafter
         self.block_size = drafter.config.block_size
         self.positions = positions
-        # the head inside the graph where proposing is the head alone (DFlash); DSpark's chain stays eager
-        self.head = type(drafter).propose is BlockDrafter.propose and not isinstance(drafter.lm_head, CandidateHead)
+        # the greedy proposal inside the graph too (DFlash's head; DSpark's Markov chain, position after
+        # position); not a per-step vocabulary, which chooses its rows from the data
+        self.proposes = not isinstance(drafter.lm_head, CandidateHead)
         self.graph = _own_graph()
         for layer in drafter.layers:  # rotary tables that cover every slot, built here rather than in the graph
             layer.attn.rope_table(torch.zeros(1, 1, dtype=torch.long, device=drafter.device), drafter.dtype,
                                   end=positions, signed=True)
         self.calls = 0
+
+    def proposes_for(self, greedy: bool) -> bool:
+        """Whether the graph's proposal serves a step: greedy steps, and sampled ones of a drafter whose
+        logits do not depend on the drafts before them (DFlash: its tokens are then drawn from the
+        graph's logits). A sampled DSpark chain conditions on its own draws: the graph gives the block."""
+        return self.proposes and (greedy or not self.drafter.conditional_drafts)
 
     def fits(self, cache: ContextCache, arrived: torch.Tensor | None) -> bool:
         """Whether this draft can be the graph's: a context already cached in buffers of the graph's
@@ -116,15 +121,16 @@ class CompiledDraft:
         return (cache.length > 0 and arrived is not None and arrived.shape[1] <= self.block_size
                 and cache.keys[0].shape[2] == self.positions > cache.length + arrived.shape[1] + self.block_size)
 
-    def __call__(self, anchor: torch.Tensor, cache: ContextCache, arrived: torch.Tensor):
-        """The block after ``cache`` and the ``arrived`` features [1, n, F] (:meth:`fits`): (hidden
-        [1, 1, K, H], logits [1, 1, K-1, V] and their argmax, or None and None without the head); the
-        cache then holds the arrived positions, as after :meth:`~drafters.core.BlockDrafter.decode_hidden`."""
+    def __call__(self, anchor: torch.Tensor, cache: ContextCache, arrived: torch.Tensor, propose: bool):
+        """The block after ``cache`` and the ``arrived`` features [1, n, F] (:meth:`fits`): its hidden
+        states [1, 1, K, H] and, with ``propose``, the drafter's greedy proposal over them (tokens,
+        logits and confidence, as :meth:`~drafters.core.BlockDrafter.propose` gives them); the cache
+        then holds the arrived positions, as after :meth:`~drafters.core.BlockDrafter.decode_hidden`."""
         K, start, n = self.block_size, cache.length, arrived.shape[1]
         features = arrived.new_zeros(1, K, arrived.shape[2])
         features[:, :n] = arrived
         counts = torch.tensor([start, n], device=arrived.device)
-        out = self.graph(self.drafter, anchor.view(1), counts, features, cache.keys, cache.values, self.head)
+        out = self.graph(self.drafter, anchor.view(1), counts, features, cache.keys, cache.values, propose)
         cache.length = start + n
         self.calls += 1
         return out
@@ -140,7 +146,8 @@ def compile_drafts(drafter: BlockDrafter, positions: int) -> dict:
     is traced over what it serves. Returns what the eval report records."""
     positions += drafter.config.block_size + 1  # the last block's slots and the padding slot
     _COMPILED[drafter] = compiled = CompiledDraft(drafter, positions)
-    return {"graph": "decode_static" + (" + head" if compiled.head else ""), "cache_positions": positions}
+    return {"graph": "decode_static" + (" + propose" if compiled.proposes else ""),
+            "sampled_proposal": compiled.proposes_for(greedy=False), "cache_positions": positions}
 
 
 def for_drafter(drafter) -> CompiledDraft | None:

@@ -201,14 +201,15 @@ class BlockProposer(Proposer):
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
         if self.compiled is not None and self.compiled.fits(self.context, self.arrived):
             self.context.check_anchor(anchor_pos, self.arrived)
-            hidden, logits, greedy = self.compiled(anchor, self.context, self.arrived)
+            hidden, proposal = self.compiled(anchor, self.context, self.arrived, self.compiled.proposes_for(sampler.greedy))
         else:
-            hidden, logits = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived), None
+            hidden, proposal = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived), None
         self.arrived = None
-        if logits is not None:  # the graph's head: BlockDrafter.propose's logits (and their argmax)
-            tokens, confidence = greedy if sampler.greedy else sampler.choose(logits), None
-        else:
-            tokens, logits, confidence = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
+        if proposal is None:
+            proposal = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
+        elif not sampler.greedy:  # the graph's logits do not depend on its argmax drafts (proposes_for): draw from them
+            proposal = (sampler.choose(proposal[1]), *proposal[1:])
+        tokens, logits, confidence = proposal
         tokens, logits = tokens[0, 0], logits[0, 0]
         if confidence is not None and self.confidence_threshold > 0:
             low = (confidence[0, 0] < self.confidence_threshold).nonzero()

@@ -214,7 +214,7 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     assert report["target_prepack"]["linears"] == 7 * 4 + 1  # the tiny target: 4 layers
     assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] == "fbgemm"
     graph = report["draft_compiled"]  # and the draft compiled as one graph, over caches for 16 + 24 positions and a block
-    assert graph["graph"] == "decode_static" + ("" if "draft_vocab_candidates" in decoding else " + head")
+    assert graph["graph"] == "decode_static" + ("" if "draft_vocab_candidates" in decoding else " + propose")
     assert graph["cache_positions"] == 16 + 24 + 4 + 1 and graph["graph_drafts"] > 10
     if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
         vocab = report["draft_vocab"]
@@ -703,8 +703,9 @@ def test_int8_drafters_stay_lossless(target_and_prompts, trained_drafters, kind)
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
     """A block drafter's draft compiled as one graph (serve_eval.compiled, over the fused int8 drafter
-    the eval serves) gives each step the eager draft's block, to rounding; greedy chains and trees
-    still equal plain decoding, and a sequence longer than the graph's caches drafts eagerly past them."""
+    the eval serves) gives each step the eager draft's block and greedy proposal (DSpark's chain after
+    the graph's own drafts), to rounding; greedy chains and trees still equal plain decoding, and a
+    sequence longer than the graph's caches drafts eagerly past them."""
     import copy
 
     from serve_eval import compiled
@@ -714,20 +715,23 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
     record = compiled.compile_drafts(drafter, max(len(p) for p in prompts) + MAX_NEW)
-    assert record["graph"] == ("decode_static + head" if kind == "dflash" else "decode_static")
+    assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
     graph_call, counts = compiled.CompiledDraft.__call__, []
 
-    def checked(self, anchor, cache, arrived):  # the eager block from a copy of the same cache, beside the graph's
+    def checked(self, anchor, cache, arrived, propose):  # the eager block from a copy of the same cache, beside the graph's
         eager_cache = copy.deepcopy(cache)
         reference = drafter.decode_hidden(anchor, cache.length + arrived.shape[1], eager_cache, arrived)
-        hidden, logits, greedy = graph_call(self, anchor, cache, arrived)
+        hidden, proposal = graph_call(self, anchor, cache, arrived, propose)
         torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
-        assert cache.length == eager_cache.length
-        if logits is not None:
-            torch.testing.assert_close(logits, drafter.lm_head(reference)[:, :, 1:], rtol=1e-4, atol=1e-4)
-            assert torch.equal(greedy, logits.argmax(-1))
+        assert cache.length == eager_cache.length and propose
+        tokens, logits, confidence = proposal  # greedy: each position's logits after the graph's own drafts
+        drafts = iter(tokens.unbind(-1))  # the eager proposal over the eager block, fed the graph's drafts
+        _, expected, expected_confidence = drafter.propose(reference, anchor.view(1, 1), lambda _: next(drafts))
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(confidence, expected_confidence, rtol=1e-4, atol=1e-4)  # DFlash: None, None
+        assert torch.equal(tokens, logits.argmax(-1))
         counts.append(arrived.shape[1])
-        return hidden, logits, greedy
+        return hidden, proposal
 
     monkeypatch.setattr(compiled.CompiledDraft, "__call__", checked)
     for prompt in prompts:
@@ -765,5 +769,5 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
             drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
             eager = copy.deepcopy(cache)
             assert graph.fits(cache, aux[:, 10:13])
-            hidden, logits, _ = graph(torch.tensor(7), cache, aux[:, 10:13])
+            hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
             torch.testing.assert_close(hidden, drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4)
