@@ -69,15 +69,15 @@ def main(argv: list[str] | None = None) -> dict:
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
+    compiled = resolve_compile(recipe.decoding.compile, "cpu", drafter)
     serve(target, drafter, resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False),
-          resolve_prepack(recipe.decoding.prepack, "cpu"), resolve_compile(recipe.decoding.compile, "cpu", drafter),
-          max(len(p.view(-1)) for p in prompts) + max_new)
+          resolve_prepack(recipe.decoding.prepack, "cpu"), compiled, max(len(p.view(-1)) for p in prompts) + max_new)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     proposer_class = type(engine.make_proposer(drafter))
     for name in ("propose", "observe"):
         _timed(proposer_class, name, f"proposer.{name}", totals, calls)
-    if proposer_class is engine.BlockProposer:
+    if proposer_class is engine.BlockProposer and compiled == "off":  # compiled, the draft is one graph: timed as a whole
         for name in ("decode_hidden", "propose"):
             _timed(drafter, name, f"  drafter.{name}", totals, calls)
     for name in ("chain_length", "causal_length", "record_chain"):
