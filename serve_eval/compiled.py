@@ -97,7 +97,8 @@ class CompiledDraft:
     gives its context cache that capacity)."""
 
     def __init__(self, drafter: BlockDrafter, positions: int):
-        self.drafter = drafter
+        self._drafter = weakref.ref(drafter)  # (a strong one would keep the drafter's _COMPILED entry alive forever)
+        self.conditional = drafter.conditional_drafts
         self.block_size = drafter.config.block_size
         self.positions = positions
         # the greedy proposal inside the graph too (DFlash's head; DSpark's Markov chain, position after
@@ -113,7 +114,7 @@ class CompiledDraft:
         """Whether the graph's proposal serves a step: greedy steps, and sampled ones of a drafter whose
         logits do not depend on the drafts before them (DFlash: its tokens are then drawn from the
         graph's logits). A sampled DSpark chain conditions on its own draws: the graph gives the block."""
-        return self.proposes and (greedy or not self.drafter.conditional_drafts)
+        return self.proposes and (greedy or not self.conditional)
 
     def fits(self, cache: ContextCache, arrived: torch.Tensor | None) -> bool:
         """Whether this draft can be the graph's: a context already cached in buffers of the graph's
@@ -130,7 +131,7 @@ class CompiledDraft:
         features = arrived.new_zeros(1, K, arrived.shape[2])
         features[:, :n] = arrived
         counts = torch.tensor([start, n], device=arrived.device)
-        out = self.graph(self.drafter, anchor.view(1), counts, features, cache.keys, cache.values, propose)
+        out = self.graph(self._drafter(), anchor.view(1), counts, features, cache.keys, cache.values, propose)
         cache.length = start + n
         self.calls += 1
         return out
