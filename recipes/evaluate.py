@@ -19,7 +19,9 @@ is lossless) in the records a drafter recipe trains on, so a drafter can keep le
 served (online adaptation, ``recipes/configs/adapt_testbed.yaml``). With a quantized KV
 cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
-token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s.
+token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s. How the
+models were served: ``drafter_int8``, ``target_prepack`` and ``draft_compiled`` (the graph, the cache
+length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off.
 
     draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
     draftsmith run recipes/configs/eval_testbed.yaml drafter=runs/dflash_testbed/checkpoints/best
