@@ -284,13 +284,14 @@ class InjectedLayer(nn.Module):
         h = rms(self.input_norm, x)
         kv_in = h if ctx is None else torch.cat([ctx, h], dim=1)
         end = length + kv_in.shape[1]
-        where, seen = (slice(length, end), end) if slots is None else (slots, keys.shape[2])
+        seen = end if slots is None else keys.shape[2]
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
-            keys[:, :, where], values[:, :, where] = k, v
+            _store(keys, values, k, v, length, end, slots)
             return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :seen], values[:, :, :seen], mask, lean=True)
         # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
-        q, keys[:, :, where], values[:, :, where] = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=seen)
+        q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=seen)
+        _store(keys, values, k, v, length, end, slots)
         x = x + self.attn.attend_queries(q, keys[:, :, :seen], values[:, :, :seen], mask, lean=True)
         gate, up = self.gate_up_proj(rms(self.post_norm, x)).chunk(2, dim=-1)
         return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
@@ -298,6 +299,17 @@ class InjectedLayer(nn.Module):
     def _attend_and_mlp(self, x, h, x_pos, keys, values, mask, lean: bool = False):
         x = x + self.attn.attend(h, x_pos, keys, values, mask, lean)
         return x + self.mlp(rms(self.post_norm, x, lean))
+
+
+def _store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, end: int,
+           slots: torch.Tensor | None) -> None:
+    """Write keys and values [B, heads, L, D] into cache buffers [B, heads, S, D]: after the context
+    (``length:end``), or row by row to ``slots`` [B, L]."""
+    if slots is None:
+        keys[:, :, length:end], values[:, :, length:end] = k, v
+        return
+    batch = torch.arange(slots.shape[0], device=slots.device)[:, None]
+    keys[batch, :, slots], values[batch, :, slots] = k.transpose(1, 2), v.transpose(1, 2)
 
 
 class ContextCache:
@@ -686,15 +698,17 @@ class BlockDrafter(DrafterBase):
         cache.length = anchor_pos
         return rms(self.norm, x).view(1, 1, K, -1)
 
-    def decode_static(self, anchor_token: torch.Tensor, counts: torch.Tensor, features: torch.Tensor,
+    def decode_static(self, anchor_tokens: torch.Tensor, counts: torch.Tensor, features: torch.Tensor,
                       keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """:meth:`decode_hidden` in shapes that do not change from call to call, for a compiled graph
-        (:mod:`serve_eval.compiled`): the same block hidden states [1, 1, K, H].
+        (:mod:`serve_eval.compiled`), for ``R`` rows at once (a batch's, or one): each row's block
+        hidden states, [R, 1, K, H], as :meth:`decode_hidden` gives them for that row alone.
 
-        ``counts`` = ``[start, n]`` (a tensor, so that the graph does not specialise on them): the cache
-        holds ``start`` positions and ``n`` more arrive, ``1 <= n <= K``, in the first ``n`` rows of
-        ``features`` [1, K, F] (the rest padding). ``keys`` / ``values``: the cache's buffers, each
-        [1, kv_heads, S, D] with ``S > start + n + K``, zero where nothing was written. Per layer:
+        ``anchor_tokens`` [R]; ``counts`` [R, 2] = ``[start, n]`` per row (a tensor, so that the graph
+        does not specialise on them): row ``r``'s cache holds ``start`` positions and ``n`` more arrive,
+        ``0 <= n <= K``, in the first ``n`` rows of ``features[r]`` [K, F] (the rest padding).
+        ``keys`` / ``values``: the cache's buffers, each [R, kv_heads, S, D] with ``S > start + n + K``,
+        zero where nothing was written. Per layer and row:
 
         * the rows ``[features ; block]`` are projected together, 2K of them, and written to slots
           ``start + i`` (feature ``i < n``), the last slot ``S - 1`` (padding: never a position, never
@@ -703,22 +717,23 @@ class BlockDrafter(DrafterBase):
           (bidirectional blocks) or below ``a + k + 1`` (causal ones): what :meth:`decode_hidden`'s
           slices select, so the keys a query sees and their values are the same.
 
-        Padding rows change no other row (each row's products and norms are its own); the caller advances
-        ``cache.length`` to ``a``."""
+        A padding entry changes no other (each entry's products and norms are its own); the caller advances
+        each row's cache length to its ``a``."""
         cfg = self.config
         K = cfg.block_size
         S = keys[0].shape[2]
         rows = torch.arange(K, device=features.device)
-        start, anchor_pos = counts[0], counts[0] + counts[1]
-        x = self.embed_tokens(torch.where(rows == 0, anchor_token, cfg.mask_token_id)[None])
+        start, n = counts[:, :1], counts[:, 1:]
+        anchor_pos = start + n  # [R, 1]
+        x = self.embed_tokens(torch.where(rows == 0, anchor_tokens[:, None], cfg.mask_token_id))
         ctx = rms(self.hidden_norm, self.fc(features))
-        kv_pos = torch.cat([start + rows, anchor_pos + rows])[None]
-        slots = torch.cat([torch.where(rows < counts[1], start + rows, S - 1), anchor_pos + rows])
-        last = anchor_pos + 1 + rows if self.causal_blocks else (anchor_pos + K).expand(K)
-        mask = torch.arange(S, device=features.device) < last[:, None]  # [K, S]: query k sees slots below last[k]
+        kv_pos = torch.cat([start + rows, anchor_pos + rows], dim=1)  # [R, 2K]
+        slots = torch.cat([torch.where(rows < n, start + rows, S - 1), anchor_pos + rows], dim=1)
+        last = anchor_pos + 1 + rows if self.causal_blocks else (anchor_pos + K).expand(-1, K)
+        mask = torch.arange(S, device=features.device) < last[:, None, :, None]  # [R, 1, K, S]: query k sees slots below last
         for layer, k, v in zip(self.layers, keys, values):
             x = layer.decode(x, kv_pos, k, v, 0, mask, ctx, slots=slots)
-        return rms(self.norm, x).view(1, 1, K, -1)
+        return rms(self.norm, x).view(features.shape[0], 1, K, -1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):
         """Decode-time drafts for block positions 1..K-1 from :meth:`block_hidden`: (tokens [B, N, K-1],

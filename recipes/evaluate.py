@@ -74,16 +74,20 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
-def serve(target, drafter, int8: str, prepack: str, compile: str = "off", positions: int = 0) -> dict:
+def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompts=(), max_new_tokens: int = 0,
+          sampled: bool = False, rows: tuple[int, ...] = ()) -> dict:
     """Ready both models for decoding, as settled by :func:`serve_eval.int8.resolve`,
     :func:`serve_eval.prepack.resolve` and :func:`serve_eval.compiled.resolve`: a block drafter's fused
-    products, then int8 codes of the drafter's Linears, its draft compiled over them (for sequences of
-    up to ``positions`` tokens), and the target's Linears prepacked. Returns the report's records of
-    the three (off where off)."""
+    products, then int8 codes of the drafter's Linears, its draft compiled over them (for ``prompts``
+    and ``max_new_tokens`` new tokens, greedy or ``sampled``, one row and batches of ``rows``), and the
+    target's Linears prepacked.
+    Returns the report's records of the three (off where off)."""
     if drafters.is_block_drafter(drafter):
         drafter.fuse_projections()
-    return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",
-            "draft_compiled": compile_drafts(drafter, positions) if compile == "on" else "off",
+    int8_record = int8_drafter(drafter, int8) if int8 != "off" else "off"
+    positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
+    return {"drafter_int8": int8_record,
+            "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
             "target_prepack": prepack_linears(target) if prepack == "on" else "off"}
 
 
@@ -197,11 +201,11 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
-    records = serve(target, drafter, int8, prepack, compiled, max(len(p.view(-1)) for p in encoded) + dec.max_new_tokens)
+    records = serve(target, drafter, int8, prepack, compiled, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batch_sizes))
 
-    # warm-up: first calls pay for allocations, lazy initialisation and compiling (a few steps after the first)
+    # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos)
-    speculative_generate(target, drafter, encoded[0], 32 if compiled == "on" else 4, eos,
+    speculative_generate(target, drafter, encoded[0], 4, eos,
                          proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence,
                                                 parallel=dec.parallel_drafts))
 

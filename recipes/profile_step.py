@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
     compiled = resolve_compile(recipe.decoding.compile, "cpu", drafter)
     serve(target, drafter, resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False),
-          resolve_prepack(recipe.decoding.prepack, "cpu"), compiled, max(len(p.view(-1)) for p in prompts) + max_new)
+          resolve_prepack(recipe.decoding.prepack, "cpu"), compiled, prompts, max_new, sampled=args.temperature > 0)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     proposer_class = type(engine.make_proposer(drafter))
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     for i, prompt in enumerate(prompts):
         sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
         _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
-        _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(),  # the warm-up (compiling too) without
-                                              budget=budget if i else None)  # the budget, whose draft costs it would skew
+        _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(), budget=budget)
         if i == 0:  # warm-up
             totals.clear()
             calls.clear()

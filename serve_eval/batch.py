@@ -15,7 +15,9 @@ the pace of its slowest row (continuous batching, as serving engines do). The dr
 verified tokens) is kept compact per row and right-padded, so a block anchored at row ``i``'s length
 sees exactly row ``i``'s context (:func:`drafters.core.block_attention_mask`).
 
-A step. The drafter drafts ``K - 1`` tokens for every row in one batched block forward; the scheduler
+A step. The drafter drafts ``K - 1`` tokens for every row in one batched block forward (one compiled
+graph that also reads the last step's features, where the draft is compiled for this many rows:
+:mod:`serve_eval.compiled`; eager otherwise, the features appended to the context first); the scheduler
 picks one ``n`` for the batch (each row reads its bonus and ``n - 1`` drafts); each row verifies its
 own drafts, greedily or by speculative sampling with its own generator (:mod:`serve_eval.sampling`):
 lossless per row, as in :mod:`serve_eval.engine`. With ``R`` rows the choice maximises expected
@@ -53,6 +55,8 @@ import torch.nn.functional as F
 from distill.base.features import FeatureCapture
 
 from .budget import Budget, CausalChain, Probes
+from .compiled import for_drafter
+from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, measure_verify_costs, median_seconds, verify_sizes
 from .kv import KVQuant, inplace_cache, kv_quant
 from .sampling import Sampler, verify_chain
@@ -158,14 +162,21 @@ def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
 
 class BatchContext:
     """A block drafter's context keys/values per row, compact and right-padded: row ``i`` holds its
-    first ``lengths[i]`` positions."""
+    first ``lengths[i]`` positions. Where the drafter's draft is compiled (:mod:`serve_eval.compiled`)
+    the buffers hold the graph's positions from the start, and :meth:`draft` reads the last step's
+    features in the graph's forward."""
 
     def __init__(self, drafter):
         self.drafter = drafter
+        self.compiled = for_drafter(drafter)
+        self.capacity = self.compiled.positions if self.compiled else 0  # buffers of this length while they fit
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _size(self, end: int) -> int:
+        return self.capacity if end < self.capacity else max(2 * end, 64)
 
     @torch.inference_mode()
     def append(self, aux: torch.Tensor, counts: torch.Tensor) -> None:
@@ -177,11 +188,11 @@ class BatchContext:
         kv = self.drafter.context_kv(aux, positions.to(aux.device), lean=True)
         end = int(self.lengths.max()) + m
         if not self.keys:
-            self.keys = [k.new_zeros(R, k.shape[1], max(2 * end, 64), k.shape[3]) for k, _ in kv]
-            self.values = [v.new_zeros(R, v.shape[1], max(2 * end, 64), v.shape[3]) for _, v in kv]
+            self.keys = [k.new_zeros(R, k.shape[1], self._size(end), k.shape[3]) for k, _ in kv]
+            self.values = [v.new_zeros(R, v.shape[1], self._size(end), v.shape[3]) for _, v in kv]
         elif end > self.keys[0].shape[2]:  # grow by doubling
-            self.keys = [_padded(k, k.shape[2] + end) for k in self.keys]
-            self.values = [_padded(v, v.shape[2] + end) for v in self.values]
+            self.keys = [_padded(k, self._size(end)) for k in self.keys]
+            self.values = [_padded(v, self._size(end)) for v in self.values]
         # every row writes all m entries after its length; those past its new length are never attended
         # (a block sees positions < its anchor only) and the next append overwrites them
         rows, slots = torch.arange(R)[:, None], self.lengths[:, None] + torch.arange(m)
@@ -189,6 +200,28 @@ class BatchContext:
             keys[rows, :, slots] = k.transpose(1, 2)
             values[rows, :, slots] = v.transpose(1, 2)
         self.lengths = self.lengths + counts
+
+    @torch.inference_mode()
+    def draft(self, anchors: torch.Tensor, choose, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's block after its context and the queued features, anchored at ``anchors`` [R, 1]:
+        the drafts [R, K-1] and their logits [R, K-1, V] (drawn by ``choose`` over [R, 1, K-1, V]). One
+        compiled graph reads the last step's features and the blocks together where it fits
+        (:meth:`~serve_eval.compiled.CompiledDraft.fits_rows`), else the queue is appended first and
+        the drafter's ``block_hidden`` reads the context."""
+        graph, proposal = self.compiled, None
+        queued = self.pending[0] if len(self.pending) == 1 else (None, torch.zeros_like(self.lengths))
+        if graph is not None and len(self.pending) <= 1 and graph.fits_rows(
+                self.keys, self.lengths + queued[1], 0 if queued[0] is None else queued[0].shape[1]):
+            aux = queued[0] if queued[0] is not None else self.keys[0].new_zeros(len(self.lengths), 0, self.drafter.fc.in_features)
+            device = aux.device
+            hidden, proposal = graph.run(anchors[:, 0], self.lengths.to(device), aux, queued[1].to(device),
+                                         self.keys, self.values, graph.proposes_for(greedy))
+            self.lengths, self.pending = self.lengths + queued[1], []
+        else:
+            lengths, ctx_kv = self.view()
+            hidden = self.drafter.block_hidden(None, anchors, lengths.to(anchors.device)[:, None], ctx_kv)
+        drafts, logits, _ = compiled_proposal(self.drafter, hidden, proposal, anchors, choose, greedy)
+        return drafts[:, 0], logits[:, 0]
 
     def defer(self, aux: torch.Tensor, counts: torch.Tensor) -> None:
         """:meth:`append` later, at the next :meth:`flush`: steps that draft nothing only queue their
@@ -360,17 +393,25 @@ class BatchScheduler:
 
 @torch.inference_mode()
 def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5) -> float:
-    """Seconds of one batched block draft over ``rows`` rows of ``context`` cached positions (the
-    layers and heads; median of ``repeats`` after a warm-up), on random features: the cost does not
-    depend on them. A private generator leaves the caller's RNG alone."""
+    """Seconds of one batched greedy draft over ``rows`` rows of ``context`` cached positions, one more
+    feature arriving per row, as the batched loop drafts (:meth:`BatchContext.draft`: compiled where it
+    fits; median of ``repeats`` after a warm-up), on random features: the cost does not depend on them.
+    A private generator leaves the caller's RNG alone."""
     device = next(drafter.parameters()).device
     cfg = drafter.config
     gen = torch.Generator().manual_seed(0)
-    aux = torch.randn(rows, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=gen).to(device)
-    ctx_kv = drafter.context_kv(aux, torch.arange(context, device=device)[None].expand(rows, -1))
+    aux = torch.randn(rows, context + 1, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=gen).to(device)
+    cached = BatchContext(drafter)
+    cached.append(aux[:, :context], torch.full((rows,), context))
+    lengths = cached.lengths
     anchors = torch.randint(0, cfg.vocab_size, (rows, 1), generator=gen).to(device)
-    lengths = torch.full((rows, 1), context, device=device)
-    return median_seconds(lambda: drafter.propose(drafter.block_hidden(None, anchors, lengths, ctx_kv), anchors), repeats, device)
+
+    def draft():
+        cached.lengths = lengths  # the same context each time: what a draft writes after it is overwritten
+        cached.defer(aux[:, context:], torch.ones(rows, dtype=torch.long))
+        cached.draft(anchors, lambda x: x.argmax(-1), greedy=True)
+
+    return median_seconds(draft, repeats, device)
 
 
 @torch.inference_mode()
@@ -501,13 +542,9 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
         t0 = time.perf_counter()
         n, drafts = 1, None
         if scheduler is None or scheduler.should_draft(R):
-            device = next(drafter.parameters()).device
-            anchors = bonus.to(device)[:, None]
-            lengths, ctx_kv = context.view()
-            hidden = drafter.block_hidden(None, anchors, lengths.to(device)[:, None], ctx_kv)
+            anchors = bonus.to(next(drafter.parameters()).device)[:, None]
             choose = (lambda x: x.argmax(-1)) if greedy else (lambda x: _choose_rows(row_samplers, x))  # noqa: B023  (called within the iteration)
-            drafts, draft_logits, _ = drafter.propose(hidden, anchors, choose)
-            drafts, draft_logits = drafts[:, 0], draft_logits[:, 0]  # [R, K-1], [R, K-1, V]
+            drafts, draft_logits = context.draft(anchors, choose, greedy)  # [R, K-1], [R, K-1, V]
             q = draft_logits.float().softmax(-1) if greedy else torch.stack(
                 [s.probs(row) for s, row in zip(row_samplers, draft_logits)])
             top_q = q.amax(-1)
@@ -580,6 +617,8 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             return batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(), scheduler, kv, slots=B)
 
         # plain, speculative, speculative, plain: a machine that drifts (these do) shifts both sides alike
+        graph = for_drafter(drafter)
+        graph_before = graph.calls if graph else 0
         (base, base_stats), (ours, stats), (again, stats2), (base2, base_stats2) = plain(), speculative(), speculative(), plain()
         tokens_per_s = (stats.tokens + stats2.tokens) / (stats.seconds + stats2.seconds)
         baseline = (base_stats.tokens + base_stats2.tokens) / (base_stats.seconds + base_stats2.seconds)
@@ -590,5 +629,6 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
                      "speedup_halves": [round((stats.tokens / stats.seconds) / (base_stats.tokens / base_stats.seconds), 4),
                                         round((stats2.tokens / stats2.seconds) / (base_stats2.tokens / base_stats2.seconds), 4)],
                      "lossless": ours == base == again == base2 if dec.temperature == 0 else None,
-                     "scheduler": None if scheduler is None else scheduler.summary()})
+                     "scheduler": None if scheduler is None else scheduler.summary(),
+                     **({"graph_drafts": graph.calls - graph_before} if graph else {})})  # drafts the compiled graph made
     return rows

@@ -8,27 +8,31 @@ decode_static` (shapes that do not change from step to step; see its docstring f
 equals :meth:`~drafters.core.BlockDrafter.decode_hidden`'s) and the int8 products through an operator
 of their own (:mod:`serve_eval.int8`). What varies from step to step is data:
 
-* the cache length and the number of arriving features, ``counts`` = ``[start, n]``, a tensor;
+* per row, the cache length and the number of arriving features, ``counts`` = ``[start, n]``, a tensor;
 * the arriving features, padded to ``K`` rows;
 * the cache buffers have one length for the whole run (the longest sequence it decodes, set up front),
   so that no context compiles another graph (with the length marked dynamic instead, inductor's
   kernels and Dynamo's guards each cost more: a draft took 0.83 of eager's time against 0.75).
 
-Each drafter gets a graph of its own, without Dynamo's guards on its modules (they cost about a tenth
-of a compiled draft; see :func:`_without_module_guards`): compile a drafter once it is ready to
-serve (fused products, int8 codes), and change it no more.
+The same code drafts one row (:class:`~serve_eval.engine.BlockProposer`) or a batch's rows at once
+(:class:`~serve_eval.batch.BatchContext`, whose per-row buffers the graph writes by index): one graph
+per number of rows, each compiled when the draft is set up (:func:`compile_drafts`'s ``rows``), by a
+draft over throwaway caches, so that no timed draft pays for it (a few seconds each with inductor's
+on-disk cache warm, ~30 s cold). A batch of another size drafts eagerly, as does a first draft after a
+prompt on one row (more than ``K`` features at once) or a draft after steps that did not draft.
 
-One graph, compiled at the first draft that fits it (a few seconds with inductor's on-disk cache
-warm, ~30 s cold; the eval compiles it in its warm-up); a first draft after a prompt (more than ``K``
-features at once) or after steps that did not draft stays eager. The graph returns the block's
-hidden states and the drafter's greedy proposal over them: DFlash's head and argmax, DSpark's Markov
-chain position after position (at T > 0 DFlash draws from the graph's logits; a sampled DSpark chain,
-which conditions on its own draws, runs eagerly over the graph's block).
+Each drafter gets graphs of its own, without Dynamo's guards on its modules (they cost about a tenth
+of a compiled draft; see :func:`_without_module_guards`): compile a drafter once it is ready to
+serve (fused products, int8 codes), and change it no more. A graph returns the blocks' hidden states
+and the drafter's greedy proposal over them: DFlash's head and argmax, DSpark's Markov chain position
+after position (at T > 0 DFlash draws from the graph's logits; a sampled DSpark chain, which
+conditions on its own draws, runs eagerly over the graph's block: :func:`proposal`).
 
 Measured on the shipped DFlash drafter (1 thread): a draft alone, alternated with eager on one cache
 state, 0.65-0.72 of eager's time; in the loop, where the target's forward has just pushed the
 drafter's weights and code out of the caches, 0.72-0.85 (``python -m recipes.profile_step --compile
-on|off``: 0.160-0.168 plain steps against 0.199-0.201).
+on|off``: 0.160-0.168 plain steps against 0.199-0.201). Four rows at once, alone: 1.87 ms against
+2.86 ms eager (the eager batch path also appends the context in a product of its own).
 
 Losslessness does not depend on any of it: a compiled drafter is another drafter, whose logits (its
 ``q``) are what both drafting and verification read. Its logits differ from eager's by rounding only
@@ -72,9 +76,9 @@ def resolve(setting: str, device: str, drafter) -> str:
     return setting
 
 
-def _draft(drafter, anchor, counts, features, keys, values, propose: bool):
-    hidden = drafter.decode_static(anchor, counts, features, keys, values)
-    return hidden, drafter.propose(hidden, anchor.view(1, 1)) if propose else None  # greedy: (tokens, logits, confidence)
+def _draft(drafter, anchors, counts, features, keys, values, propose: bool):
+    hidden = drafter.decode_static(anchors, counts, features, keys, values)
+    return hidden, drafter.propose(hidden, anchors[:, None]) if propose else None  # greedy: (tokens, logits, confidence)
 
 
 def _without_module_guards(entries) -> list[bool]:
@@ -93,14 +97,16 @@ def _own_graph():
 
 class CompiledDraft:
     """The compiled draft of one block drafter over caches of ``positions`` slots (:func:`compile_drafts`
-    makes it, the loop's :class:`~serve_eval.engine.BlockProposer` finds it with :func:`for_drafter` and
-    gives its context cache that capacity)."""
+    makes it, the loop's :class:`~serve_eval.engine.BlockProposer` and the batched loop's
+    :class:`~serve_eval.batch.BatchContext` find it with :func:`for_drafter` and give their caches that
+    capacity). One graph per number of rows it is called with (``rows``: those compiled up front)."""
 
     def __init__(self, drafter: BlockDrafter, positions: int):
         self._drafter = weakref.ref(drafter)  # (a strong one would keep the drafter's _COMPILED entry alive forever)
         self.conditional = drafter.conditional_drafts
         self.block_size = drafter.config.block_size
         self.positions = positions
+        self.rows: set[int] = set()
         # the greedy proposal inside the graph too (DFlash's head; DSpark's Markov chain, position after
         # position); not a per-step vocabulary, which chooses its rows from the data
         self.proposes = not isinstance(drafter.lm_head, CandidateHead)
@@ -108,6 +114,21 @@ class CompiledDraft:
         for layer in drafter.layers:  # rotary tables that cover every slot, built here rather than in the graph
             layer.attn.rope_table(torch.zeros(1, 1, dtype=torch.long, device=drafter.device), drafter.dtype,
                                   end=positions, signed=True)
+        self.calls = 0
+
+    def warm(self, rows: int, sampled: bool) -> None:
+        """Compile now the graph a greedy or ``sampled`` run of ``rows`` rows calls, by one draft over
+        throwaway caches, so that no draft of the run pays for it (another graph would still compile
+        when first called)."""
+        drafter = self._drafter()
+        cfg = drafter.config
+        like = torch.zeros((), dtype=drafter.dtype, device=drafter.device)
+        buffers = [like.new_zeros(rows, cfg.num_key_value_heads, self.positions, cfg.head_dim) for _ in range(2 * len(drafter.layers))]
+        zeros = torch.zeros(rows, dtype=torch.long, device=drafter.device)
+        with torch.inference_mode():  # as the loops draft: Dynamo's guards include the grad mode
+            self.run(zeros, zeros, like.new_zeros(rows, 1, drafter.fc.in_features),
+                     zeros + 1, buffers[::2], buffers[1::2], self.proposes_for(greedy=not sampled))
+        self.rows.add(rows)
         self.calls = 0
 
     def proposes_for(self, greedy: bool) -> bool:
@@ -122,33 +143,64 @@ class CompiledDraft:
         return (cache.length > 0 and arrived is not None and arrived.shape[1] <= self.block_size
                 and cache.keys[0].shape[2] == self.positions > cache.length + arrived.shape[1] + self.block_size)
 
+    def fits_rows(self, keys: list[torch.Tensor], ends: torch.Tensor, arriving: int) -> bool:
+        """Whether a batch's draft can be the graph's: as many rows as a graph compiled up front, buffers
+        of the graph's length, each row's context ending by ``ends`` [R] (arrived features counted) with
+        room for the block, and at most K features arriving."""
+        return (bool(keys) and keys[0].shape[0] in self.rows and keys[0].shape[2] == self.positions
+                and arriving <= self.block_size and int(ends.max()) + self.block_size < self.positions)
+
+    def run(self, anchors: torch.Tensor, starts: torch.Tensor, arriving: torch.Tensor, counts: torch.Tensor,
+            keys: list[torch.Tensor], values: list[torch.Tensor], propose: bool):
+        """The graph's draft for ``R`` rows: anchors [R], each row's cached length ``starts`` [R] and
+        ``counts`` [R] of the ``arriving`` features [R, m, F] (``m <= K``) that are its own; returns the
+        hidden states [R, 1, K, H] and, with ``propose``, the greedy proposal over them, as
+        :meth:`~drafters.core.BlockDrafter.propose` gives it. The buffers then hold the arrived positions."""
+        R, m, F = arriving.shape
+        features = arriving.new_zeros(R, self.block_size, F)
+        features[:, :m] = arriving
+        out = self.graph(self._drafter(), anchors, torch.stack([starts, counts], dim=1), features, keys, values, propose)
+        self.calls += 1
+        return out
+
     def __call__(self, anchor: torch.Tensor, cache: ContextCache, arrived: torch.Tensor, propose: bool):
         """The block after ``cache`` and the ``arrived`` features [1, n, F] (:meth:`fits`): its hidden
         states [1, 1, K, H] and, with ``propose``, the drafter's greedy proposal over them (tokens,
         logits and confidence, as :meth:`~drafters.core.BlockDrafter.propose` gives them); the cache
         then holds the arrived positions, as after :meth:`~drafters.core.BlockDrafter.decode_hidden`."""
-        K, start, n = self.block_size, cache.length, arrived.shape[1]
-        features = arrived.new_zeros(1, K, arrived.shape[2])
-        features[:, :n] = arrived
-        counts = torch.tensor([start, n], device=arrived.device)
-        out = self.graph(self._drafter(), anchor.view(1), counts, features, cache.keys, cache.values, propose)
+        start, n = cache.length, arrived.shape[1]
+        device = arrived.device
+        out = self.run(anchor.view(1), torch.tensor([start], device=device), arrived, torch.tensor([n], device=device),
+                       cache.keys, cache.values, propose)
         cache.length = start + n
-        self.calls += 1
         return out
 
 
 _COMPILED: "weakref.WeakKeyDictionary[BlockDrafter, CompiledDraft]" = weakref.WeakKeyDictionary()
 
 
-def compile_drafts(drafter: BlockDrafter, positions: int) -> dict:
-    """Serve ``drafter``'s drafts from the compiled graph from now on, for sequences of up to
-    ``positions`` tokens (the longest prompt plus the new tokens: the cache buffers' one length; a longer
-    one drafts eagerly past it). Call it after the drafter's fused products and int8 codes: the graph
-    is traced over what it serves. Returns what the eval report records."""
+def compile_drafts(drafter: BlockDrafter, positions: int, sampled: bool = False, rows: tuple[int, ...] = (1,)) -> dict:
+    """Compile ``drafter``'s draft and serve its drafts from the graph from now on, for sequences of up
+    to ``positions`` tokens (the longest prompt plus the new tokens: the cache buffers' one length; a
+    longer one drafts eagerly past it), greedy or ``sampled``, one row at a time and batches of each of
+    ``rows`` rows (a batch of another size drafts eagerly). Call it after the drafter's fused products
+    and int8 codes: the graph is traced over what it serves. Returns what the eval report records."""
     positions += drafter.config.block_size + 1  # the last block's slots and the padding slot
     _COMPILED[drafter] = compiled = CompiledDraft(drafter, positions)
+    for count in sorted({1, *rows}):
+        compiled.warm(count, sampled)
     return {"graph": "decode_static" + (" + propose" if compiled.proposes else ""),
-            "sampled_proposal": compiled.proposes_for(greedy=False), "cache_positions": positions}
+            "sampled_proposal": compiled.proposes_for(greedy=False), "cache_positions": positions,
+            "rows": sorted(compiled.rows)}
+
+
+def proposal(drafter, hidden: torch.Tensor, graphs: tuple | None, anchors: torch.Tensor, choose, greedy: bool):
+    """The drafter's proposal (tokens, logits, confidence) over a block's ``hidden`` states: the graph's
+    own where it gave one (``graphs``; its tokens drawn from its logits when sampling, as
+    :meth:`CompiledDraft.proposes_for` allows), else the drafter's ``propose`` with ``choose``."""
+    if graphs is None:
+        return drafter.propose(hidden, anchors, choose)
+    return graphs if greedy else (choose(graphs[1]), *graphs[1:])
 
 
 def for_drafter(drafter) -> CompiledDraft | None:

@@ -44,6 +44,7 @@ from drafters.core import ContextCache
 
 from .budget import Budget, CausalChain
 from .compiled import for_drafter
+from .compiled import proposal as compiled_proposal
 from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
 from .lookup import graft, lookup_continuation
 from .sampling import Sampler, verify_chain
@@ -205,11 +206,7 @@ class BlockProposer(Proposer):
         else:
             hidden, proposal = self.drafter.decode_hidden(anchor, anchor_pos, self.context, self.arrived), None
         self.arrived = None
-        if proposal is None:
-            proposal = self.drafter.propose(hidden, anchor.view(1, 1), sampler.choose)
-        elif not sampler.greedy:  # the graph's logits do not depend on its argmax drafts (proposes_for): draw from them
-            proposal = (sampler.choose(proposal[1]), *proposal[1:])
-        tokens, logits, confidence = proposal
+        tokens, logits, confidence = compiled_proposal(self.drafter, hidden, proposal, anchor.view(1, 1), sampler.choose, sampler.greedy)
         tokens, logits = tokens[0, 0], logits[0, 0]
         if confidence is not None and self.confidence_threshold > 0:
             low = (confidence[0, 0] < self.confidence_threshold).nonzero()

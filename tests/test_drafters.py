@@ -207,8 +207,9 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
 @pytest.mark.parametrize("fused", [False, True])
 def test_static_decoding_block_equals_the_cached_one(attention, fused):
     """decode_static (one shape for every step: features padded to K rows, the padding written to the
-    buffers' last slot, attention over whole zero-initialised buffers under a mask) gives decode_hidden's
-    block and leaves the same context in the cache, for 1..K arriving features at a time."""
+    buffers' last slot, attention over whole zero-initialised buffers under a mask), for three rows at
+    once whose contexts drift apart (0..K features arriving per row and step), gives each row
+    decode_hidden's block for that row alone and leaves the same context in its buffers."""
     from drafters import DFlashConfig, DFlashDrafter
     from drafters.core import ContextCache
 
@@ -220,23 +221,28 @@ def test_static_decoding_block_equals_the_cached_one(attention, fused):
     m = DFlashDrafter(cfg).eval()
     if fused:
         m.fuse_projections()
-    aux = torch.randn(1, 200, 32)
-    cached, static = ContextCache(spare=4), ContextCache(spare=4, capacity=200)
+    R = 3
+    aux = torch.randn(R, 200, 32)
+    cached = [ContextCache(spare=4) for _ in range(R)]
+    keys, values = ([torch.zeros(R, 2, 200, cfg.head_dim) for _ in m.layers] for _ in range(2))
+    pos = [0] * R
     with torch.no_grad():
-        for cache in (cached, static):
-            m.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
-        assert static.keys[0].shape[2] == 200
-        pos = 10
         for step in range(40):
-            n, token = 1 + step % 4, torch.tensor(5 + step % 7)
-            expected = m.decode_hidden(token, pos + n, cached, aux[:, pos:pos + n])
-            features = torch.zeros(1, 4, 32)
-            features[:, :n] = aux[:, pos:pos + n]
-            got = m.decode_static(token.view(1), torch.tensor([pos, n]), features, static.keys, static.values)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            pos = static.length = pos + n
-            for a, b in zip(cached.keys + cached.values, static.keys + static.values):
-                torch.testing.assert_close(b[:, :, :pos], a[:, :, :pos], rtol=1e-5, atol=1e-5)
+            ns = [max((step + 2 * r) % 5, int(pos[r] == 0)) for r in range(R)]  # 0..K, at least one to start
+            tokens = torch.tensor([5 + (step + r) % 7 for r in range(R)])
+            features = torch.zeros(R, 4, 32)
+            expected = []
+            for r, n in enumerate(ns):
+                features[r, :n] = aux[r, pos[r]:pos[r] + n]
+                arriving = aux[r:r + 1, pos[r]:pos[r] + n] if n else None
+                expected.append(m.decode_hidden(tokens[r], pos[r] + n, cached[r], arriving))
+            got = m.decode_static(tokens, torch.tensor([[p, n] for p, n in zip(pos, ns)]), features, keys, values)
+            torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
+            pos = [p + n for p, n in zip(pos, ns)]
+            for r in range(R):
+                for a, b in zip(cached[r].keys + cached[r].values, keys + values):
+                    torch.testing.assert_close(b[r:r + 1, :, :pos[r]], a[:, :, :pos[r]], rtol=1e-5, atol=1e-5)
+        assert len(set(pos)) > 1  # the rows drifted apart
 
 
 def test_eagle3_ttt_chain_sees_only_its_own_past():

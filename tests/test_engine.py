@@ -745,6 +745,43 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     assert len(counts) == before
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
+    """A drafter compiled for batches of two and three rows: batched greedy decoding (every draft
+    verified or a scheduler's choice, rows of different lengths, fewer slots than prompts, rows leaving
+    and joining) drafts from the graph whenever the batch has a compiled size, each graph draft equal
+    to the eager decode_static on the same buffers, and every row equals plain decoding."""
+    import copy
+
+    from serve_eval import compiled
+    from serve_eval.batch import BatchScheduler, batched_speculative_generate
+    from serve_eval.int8 import int8_drafter
+
+    target, _, prompts = target_and_prompts
+    prompts = [prompts[0], prompts[1][:17], prompts[2][:9], prompts[0][:20]]
+    drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
+    int8_drafter(drafter, "all")
+    assert compiled.compile_drafts(drafter, max(map(len, prompts)) + MAX_NEW, rows=(2, 3))["rows"] == [1, 2, 3]
+    graph_run, rows_seen = compiled.CompiledDraft.run, []
+
+    def checked(self, anchors, starts, arriving, counts, keys, values, propose):
+        copies = [b.clone() for b in keys + values]
+        features = arriving.new_zeros(len(anchors), self.block_size, arriving.shape[2])
+        features[:, :arriving.shape[1]] = arriving
+        reference = drafter.decode_static(anchors, torch.stack([starts, counts], 1), features, copies[:len(keys)], copies[len(keys):])
+        hidden, proposal = graph_run(self, anchors, starts, arriving, counts, keys, values, propose)
+        torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
+        rows_seen.append(len(anchors))
+        return hidden, proposal
+
+    monkeypatch.setattr(compiled.CompiledDraft, "run", checked)
+    reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
+    K = drafter.config.block_size
+    for slots, scheduler in ((3, None), (2, None), (3, BatchScheduler(Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}), K))):
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler)[0] == reference
+    assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
+
+
 def test_each_compiled_drafter_has_a_graph_of_its_own():
     """Two drafters alike in every shape, one with causal blocks and one with bidirectional ones, each
     compiled (serve_eval.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
