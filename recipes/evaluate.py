@@ -227,6 +227,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         "drafter": recipe.drafter,
         "drafter_kind": drafter.config.model_type.removeprefix("draftsmith_"),
         "mode": dec.mode,
+        **({"verify_drafts": dec.verify_drafts} if dec.verify_drafts else {}),
         "temperature": dec.temperature,
         "prompts": len(encoded),
         "max_new_tokens": dec.max_new_tokens,

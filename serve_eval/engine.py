@@ -486,13 +486,15 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          sampler: Sampler | None = None, proposer=None, verify=verify_chain,
                          confidence_threshold: float = 0.0, mode: str = "chain", tree_budget: int = 16,
-                         walk=walk_tree, budget: Budget | None = None, lookup: int = 0, kv: KVQuant | None = None):
+                         walk=walk_tree, budget: Budget | None = None, lookup: int = 0, kv: KVQuant | None = None,
+                         verify_drafts: int = 0):
     """Speculative decoding with chain or tree verification (see the module docstrings of this file
     and of :mod:`serve_eval.tree`). With a :class:`~serve_eval.budget.Budget` each step verifies the
     prefix of the drafts (chain) or of the ``tree_budget``-node tree with the most expected tokens per
     second; ``lookup`` grafts a prompt-lookup continuation of up to that many tokens
     onto every draft, chain or tree (:mod:`serve_eval.lookup`); ``kv`` quantizes the target's KV cache
-    (:mod:`serve_eval.kv`); ``verify`` and ``walk`` are test hooks."""
+    (:mod:`serve_eval.kv`); without a budget, ``verify_drafts`` verifies a chain's first that many
+    drafts only (a fixed draft length; 0: all); ``verify`` and ``walk`` are test hooks."""
     sampler = sampler or Sampler()
     proposer = proposer or make_proposer(drafter, confidence_threshold)
     K = proposer.block_size
@@ -559,6 +561,8 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                     keep = budget.causal_length(top_q, K - 1) if causal else budget.chain_length(top_q)
                 all_drafts = drafts
                 drafts, draft_logits = drafts[:keep], draft_logits[:keep]
+            elif verify_drafts:  # a fixed draft length
+                drafts, draft_logits = drafts[:verify_drafts], draft_logits[:verify_drafts]
             tree, copied_nodes = _graft_lookup(DraftTree.chain(drafts), copied, budget) if copied and drafting \
                 else (None, [])
             if tree is not None and len(tree) > len(drafts):  # the copy departs: one tree forward verifies both
@@ -645,7 +649,7 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
             base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), kv)
             ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
                                                proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
-                                               budget=budget, lookup=dec.lookup, kv=kv)
+                                               budget=budget, lookup=dec.lookup, kv=kv, verify_drafts=dec.verify_drafts)
             if speculation is not None:  # plain speculative decoding above; speculative speculation here
                 totals["sd_tokens"] += stats.tokens
                 totals["sd_forwards"] += stats.target_forwards

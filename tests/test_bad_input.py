@@ -88,6 +88,9 @@ CASES = [
                                                  "decodng: {{}}\n"), "decodng"),
     ("override without a value", lambda t: ["run", str(REPO / "recipes/configs/eval_testbed.yaml"), "decoding.mode"],
      "decoding.mode"),
+    ("a fixed draft length under a budget",
+     lambda t: ["run", str(REPO / "recipes/configs/eval_testbed.yaml"), "decoding.verify_drafts=3"],
+     "verify_drafts 3: a fixed draft length is a chain's without a budget: it needs mode: chain, adaptive: false"),
 ]
 
 

@@ -264,6 +264,18 @@ def test_tree_beats_chain_on_acceptance(target_and_prompts, trained_drafters):
     assert tree <= chain
 
 
+def test_a_fixed_draft_length_verifies_that_many_drafts(target_and_prompts, trained_drafters):
+    """Without a budget, verify_drafts = N verifies a chain's first N drafts each step (a fixed draft
+    length): output equal to plain decoding, at most N + 1 tokens a step, and no position past N drafted."""
+    target, _, prompts = target_and_prompts
+    for n in (1, 3):
+        for p in prompts:
+            out, stats = speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW, verify_drafts=n)
+            assert out == plain_generate(target, p, MAX_NEW)[0]
+            assert stats.tokens <= (n + 1) * (stats.target_forwards - 1) + 1
+            assert sum(stats.drafted_by_position[n:]) == 0 < stats.drafted_by_position[0]
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_drafters, kind):
     """Rows of different lengths, a row that stops at EOS early, drafts kept and rejected per row: every

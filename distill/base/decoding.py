@@ -24,6 +24,9 @@ class DecodingSection(Strict):
                                               "the tree budget) with the most expected tokens/s under measured costs "
                                               "(serve_eval.budget)")
     confidence_threshold: float = Field(0.0, ge=0, lt=1, description="DSpark: stop a draft where confidence < this")
+    verify_drafts: int = Field(0, ge=0, description="with adaptive: false, a chain verifies the first N drafts of each "
+                                                    "step: a fixed draft length (vLLM's num_speculative_tokens), the "
+                                                    "baseline adaptive choices are measured against; 0 = every draft")
     draft_length: int = Field(7, gt=0, description="causal-LM drafters (students, Parcae): tokens drafted per step")
     parallel_drafts: bool = Field(True, description="a PARD-trained LM (drafters.pard) drafts its block in one forward; "
                                                      "false: one token a forward, draft_length tokens")
@@ -95,6 +98,14 @@ class DecodingSection(Strict):
         if self.lookup and self.batch_sizes:
             raise ValueError(f"batch_sizes {self.batch_sizes}: batched decoding does not graft prompt-lookup copies; "
                              f"set lookup: 0 (got {self.lookup}) or measure batches in a run of their own")
+        return self
+
+    @model_validator(mode="after")
+    def _fixed_length(self):
+        if self.verify_drafts and (self.adaptive or self.mode != "chain" or self.batch_sizes):
+            raise ValueError(f"verify_drafts {self.verify_drafts}: a fixed draft length is a chain's without a budget: it "
+                             f"needs mode: chain, adaptive: false and no batch_sizes (got mode {self.mode!r}, adaptive "
+                             f"{self.adaptive}, batch_sizes {self.batch_sizes})")
         return self
 
     @model_validator(mode="after")
