@@ -187,7 +187,7 @@ def compile_drafts(drafter: BlockDrafter, positions: int, sampled: bool = False,
     and int8 codes: the graph is traced over what it serves. Returns what the eval report records."""
     positions += drafter.config.block_size + 1  # the last block's slots and the padding slot
     _COMPILED[drafter] = compiled = CompiledDraft(drafter, positions)
-    for count in sorted({1, *rows}):
+    for count in sorted({1, *rows})[:torch._dynamo.config.recompile_limit]:  # Dynamo keeps that many graphs of a code
         compiled.warm(count, sampled)
     return {"graph": "decode_static" + (" + propose" if compiled.proposes else ""),
             "sampled_proposal": compiled.proposes_for(greedy=False), "cache_positions": positions,
