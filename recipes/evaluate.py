@@ -80,13 +80,11 @@ def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompt
     :func:`serve_eval.prepack.resolve` and :func:`serve_eval.compiled.resolve`: a block drafter's fused
     products, then int8 codes of the drafter's Linears, its draft compiled over them (for ``prompts``
     and ``max_new_tokens`` new tokens, greedy or ``sampled``, one row and batches of ``rows``), and the
-    target's Linears prepacked.
-    Returns the report's records of the three (off where off)."""
+    target's Linears prepacked. Returns the report's records of the three (off where off)."""
     if drafters.is_block_drafter(drafter):
         drafter.fuse_projections()
-    int8_record = int8_drafter(drafter, int8) if int8 != "off" else "off"
     positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
-    return {"drafter_int8": int8_record,
+    return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",  # before the compile: it traces them
             "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
             "target_prepack": prepack_linears(target) if prepack == "on" else "off"}
 
