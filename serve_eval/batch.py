@@ -206,12 +206,12 @@ class BatchContext:
         """Every row's block after its context and the queued features, anchored at ``anchors`` [R, 1]:
         the drafts [R, K-1] and their logits [R, K-1, V] (drawn by ``choose`` over [R, 1, K-1, V]). One
         compiled graph reads the last step's features and the blocks together where it fits
-        (:meth:`~serve_eval.compiled.CompiledDraft.fits_rows`), else the queue is appended first and
+        (:meth:`~serve_eval.compiled.CompiledDraft.fits`), else the queue is appended first and
         the drafter's ``block_hidden`` reads the context."""
         graph, proposal = self.compiled, None
         queued = self.pending[0] if len(self.pending) == 1 else (None, torch.zeros_like(self.lengths))
-        if graph is not None and len(self.pending) <= 1 and graph.fits_rows(
-                self.keys, self.lengths + queued[1], 0 if queued[0] is None else queued[0].shape[1]):
+        if graph is not None and len(self.pending) <= 1 and graph.fits(
+                self.keys, int((self.lengths + queued[1]).max()), 0 if queued[0] is None else queued[0].shape[1]):
             aux = queued[0] if queued[0] is not None else self.keys[0].new_zeros(len(self.lengths), 0, self.drafter.fc.in_features)
             device = aux.device
             hidden, proposal = graph.run(anchors[:, 0], self.lengths.to(device), aux, queued[1].to(device),
@@ -400,7 +400,7 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
     device = next(drafter.parameters()).device
     cfg = drafter.config
     gen = torch.Generator().manual_seed(0)
-    aux = torch.randn(rows, context + 1, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=gen).to(device)
+    aux = torch.randn(rows, context + 1, drafter.fc.in_features, generator=gen).to(device)
     cached = BatchContext(drafter)
     cached.append(aux[:, :context], torch.full((rows,), context))
     lengths = cached.lengths

@@ -137,18 +137,12 @@ class CompiledDraft:
         graph's logits). A sampled DSpark chain conditions on its own draws: the graph gives the block."""
         return self.proposes and (greedy or not self.conditional)
 
-    def fits(self, cache: ContextCache, arrived: torch.Tensor | None) -> bool:
-        """Whether this draft can be the graph's: a context already cached in buffers of the graph's
-        length, with room for 1..K arriving features and the block (and the padding slot after them)."""
-        return (cache.length > 0 and arrived is not None and arrived.shape[1] <= self.block_size
-                and cache.keys[0].shape[2] == self.positions > cache.length + arrived.shape[1] + self.block_size)
-
-    def fits_rows(self, keys: list[torch.Tensor], ends: torch.Tensor, arriving: int) -> bool:
-        """Whether a batch's draft can be the graph's: as many rows as a graph compiled up front, buffers
-        of the graph's length, each row's context ending by ``ends`` [R] (arrived features counted) with
-        room for the block, and at most K features arriving."""
+    def fits(self, keys: list[torch.Tensor], end: int, arriving: int) -> bool:
+        """Whether a draft can be the graph's: context buffers ``keys`` of the graph's length, for as many
+        rows as a graph compiled up front, at most K features ``arriving``, and room after the longest
+        row's context (``end``, arrived features counted) for the block and the padding slot."""
         return (bool(keys) and keys[0].shape[0] in self.rows and keys[0].shape[2] == self.positions
-                and arriving <= self.block_size and int(ends.max()) + self.block_size < self.positions)
+                and arriving <= self.block_size and end + self.block_size < self.positions)
 
     def run(self, anchors: torch.Tensor, starts: torch.Tensor, arriving: torch.Tensor, counts: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], propose: bool):
@@ -164,7 +158,7 @@ class CompiledDraft:
         return out
 
     def __call__(self, anchor: torch.Tensor, cache: ContextCache, arrived: torch.Tensor, propose: bool):
-        """The block after ``cache`` and the ``arrived`` features [1, n, F] (:meth:`fits`): its hidden
+        """The block after ``cache`` and the ``arrived`` features [1, n, F] (where it :meth:`fits`): its hidden
         states [1, 1, K, H] and, with ``propose``, the drafter's greedy proposal over them (tokens,
         logits and confidence, as :meth:`~drafters.core.BlockDrafter.propose` gives them); the cache
         then holds the arrived positions, as after :meth:`~drafters.core.BlockDrafter.decode_hidden`."""

@@ -200,7 +200,8 @@ class BlockProposer(Proposer):
     @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
-        if self.compiled is not None and self.compiled.fits(self.context, self.arrived):
+        arriving = None if self.arrived is None else self.arrived.shape[1]
+        if self.compiled is not None and arriving and self.compiled.fits(self.context.keys, self.context.length + arriving, arriving):
             self.context.check_anchor(anchor_pos, self.arrived)
             hidden, proposal = self.compiled(anchor, self.context, self.arrived, self.compiled.proposes_for(sampler.greedy))
         else:

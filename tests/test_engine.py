@@ -817,6 +817,6 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
         with torch.inference_mode():
             drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
             eager = copy.deepcopy(cache)
-            assert graph.fits(cache, aux[:, 10:13])
+            assert graph.fits(cache.keys, cache.length + 3, 3)
             hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
             torch.testing.assert_close(hidden, drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4)
