@@ -52,6 +52,31 @@ def test_int8_linear_is_its_codes_exactly_and_close_to_the_float_linear(shape, b
     assert (y - full).norm() / full.norm() < 0.03  # 7-bit activations, a step per row
 
 
+def test_the_cpp_operator_is_fbgemms_product_and_the_python_one_serves_without_it(monkeypatch):
+    """``draftsmith_int8::linear`` gives exactly ``quantized::linear_dynamic``'s products, eager and in a
+    compiled graph; a Linear made where it could not be built (``native_op`` None) computes the same
+    numbers through the Python operator, in a graph too. A key nobody registered is a clear error."""
+    from serve_eval import int8 as int8_module
+    from serve_eval.compiled import available
+
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 40)
+    x = torch.randn(5, 48)
+    native = Int8Linear.from_linear(linear)
+    assert native.native is int8_module.native_op() is not None, "this machine builds the C++ operator (g++)"
+    peak = x.abs().amax(1, keepdim=True)
+    direct = torch.ops.quantized.linear_dynamic(x / peak, native.packed, True).mul_(peak) + linear.bias
+    assert torch.equal(native(x), direct)
+    monkeypatch.setattr(int8_module, "native_op", lambda: None)
+    python = Int8Linear.from_linear(linear)
+    assert python.native is None and torch.equal(python(x), direct)
+    if available():
+        for module in (native, python):
+            assert torch.allclose(torch.compile(module, fullgraph=True)(x), direct, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="no weight registered under key 12345"):
+        torch.ops.draftsmith_int8.linear(x, 12345)
+
+
 def test_a_restricted_head_keeps_its_rows_and_fill():
     torch.manual_seed(0)
     head = nn.Linear(16, 40, bias=False)
@@ -76,7 +101,7 @@ def test_int8_drafter_converts_heads_or_everything():
 
     head_only = int8_drafter(Toy(), "head")
     assert head_only == {"which": "head", "linears": 1, "weight_bytes": 32 * 8 * 4, "int8_bytes": 32 * 8 + 32 * 4,
-                         "kernel": "fbgemm"}
+                         "kernel": "fbgemm", "op": "c++"}
     toy = Toy()
     assert int8_drafter(toy, "all")["linears"] == 2
     assert isinstance(toy.layer[0], Int8Linear) and isinstance(toy.lm_head, Int8Linear)
