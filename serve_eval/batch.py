@@ -28,7 +28,8 @@ tokens per second,
 ``P`` from the calibrated acceptance of :class:`~serve_eval.budget.Budget` (the drafter's top
 probability per position, never a drawn token's), ``c(R n)`` the measured cost of a batched step
 (before a batch size runs, :func:`measure_step_seconds` times its steps over ``n = 1..K`` tokens a
-row; for fewer rows, as rows finish, the one-row cost of ``R n`` tokens scaled by the same ratio) and
+row and a plain step, in interleaved rounds, so that drafted and plain steps are compared on one
+measurement; for fewer rows, as rows finish, the one-row cost of ``R n`` tokens scaled by the same ratios) and
 ``d_R`` the measured drafting cost at ``R`` rows. Where speculation stops paying (large batches on a compute-bound
 CPU) the scheduler also stops drafting: while the best rate its calibration predicts is below plain
 decoding's, steps read the bonus only and the drafter just reads the new features, with a drafted
@@ -57,7 +58,7 @@ from distill.base.features import FeatureCapture
 from .budget import Budget, CausalChain, Probes
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
-from .engine import _next_outcome, _truncate, measure_verify_costs, median_seconds, verify_sizes
+from .engine import _next_outcome, _truncate, device_clock, measure_verify_costs, median_seconds, verify_sizes
 from .kv import KVQuant, inplace_cache, kv_quant
 from .sampling import Sampler, verify_chain
 
@@ -299,17 +300,23 @@ class BatchScheduler:
 
     def verify_seconds(self, rows: int, n: int) -> float:
         """A batched step over ``rows`` rows reading ``n`` tokens each: the budget's one-row cost of
-        ``rows * n`` tokens, for ``n > 1`` scaled by what a batched step measured at this batch size
-        against it: the median ratio over ``n`` of :func:`measure_step_seconds` to the table (a batch's
-        masked attention over its rows' own caches, and the features it captures, cost more than one
-        row's forward over as many tokens, by 20-40% on this CPU)."""
+        ``rows * n`` tokens, scaled by what batched steps measured at this batch size against it
+        (:func:`measure_step_seconds`): for ``n > 1`` the median ratio over ``n`` of the drafted steps to
+        the table (a batch's masked attention over its rows' own caches, and the features it captures,
+        cost more than one row's forward over as many tokens, by 20-40% on this CPU); for ``n = 1`` (a
+        plain step) the ratio of the plain step timed in the same rounds. Both ratios come from one
+        interleaved measurement, so that a machine running faster or slower than when the one-row table
+        was timed moves drafted and plain steps alike, and their ratio, which every choice reads, stays."""
         proxy = self.budget.verify_seconds(rows * n)
-        if self.step_seconds is None or n == 1:  # a plain step: what batched plain decoding pays (no features
-            return proxy                          # captured, no holes), as the one-row table has it
+        if self.step_seconds is None:
+            return proxy
         if self.scale is None:  # one ratio, the median over n: single timings of a busy machine are noisy
             ratios = sorted(t / self.budget.verify_seconds(self.rows * m) for m, t in self.step_seconds.items() if m > 1)
             self.scale = ratios[len(ratios) // 2]
-        return proxy * self.scale
+        if n > 1:
+            return proxy * self.scale
+        plain = self.step_seconds.get(0)  # (a table without it: the one-row table's cost as it is)
+        return proxy if plain is None else proxy * plain / self.budget.verify_seconds(self.rows)
 
     def predicted_speedup(self, rows: int) -> float:
         """Before a batch of ``rows`` drafts at all: the best predicted rate of drafted steps against
@@ -381,7 +388,7 @@ class BatchScheduler:
 
     def summary(self) -> dict:
         steps = max(1, len(self.chosen))
-        measured = {"step_ms": {n: round(t * 1e3, 2) for n, t in self.step_seconds.items()}} if self.step_seconds else {}
+        measured = {"step_ms": {n: round(t * 1e3, 2) for n, t in self.step_seconds.items()}} if self.step_seconds else {}  # 0: plain
         if self.predicted is not None:
             measured["predicted_speedup"] = round(self.predicted, 4)
         if not self.chosen and self.off:
@@ -416,26 +423,32 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
 
 @torch.inference_mode()
 def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_n: int, context: int,
-                         kv: KVQuant | None = None, repeats: int = 3) -> dict[int, float]:
+                         kv: KVQuant | None = None, repeats: int = 5) -> dict[int, float]:
     """Seconds of a batched target step over ``rows`` rows of ``context`` cached tokens reading ``n``
-    tokens each, for ``n = 1..max_n`` (median of ``repeats`` after a warm-up; each step undone), on
-    random tokens: the cost does not depend on them."""
+    tokens each with ``capture``'s features, for ``n = 1..max_n``, and at ``0`` a plain step (one token a
+    row, no features: batched plain decoding's). Timed in ``repeats`` rounds after a warm-up round,
+    every size once a round (each step undone), so that a machine that drifts moves every size alike;
+    the median per size. On random tokens: the cost does not depend on them."""
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(0)
-    session = BatchTarget(target, capture, kv)
     vocab = target.config.vocab_size
-    session.prefill([torch.randint(0, vocab, (context,), generator=gen).to(device) for _ in range(rows)])
-    valid = session.valid
-    seconds = {}
-    for n in range(1, max_n + 1):
-        ids = torch.randint(0, vocab, (rows, n), generator=gen).to(device)
-
-        def undo(n=n):
-            session.cache.crop(-n)
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).to(device) for _ in range(rows)]
+    sessions = {plain: BatchTarget(target, None if plain else capture, kv) for plain in (False, True)}
+    for session in sessions.values():
+        session.prefill(prompts)
+    now = device_clock(device)
+    times: dict[int, list[float]] = {n: [] for n in range(max_n + 1)}
+    for _ in range(repeats + 1):
+        for n in times:
+            session = sessions[n == 0]
+            valid = session.valid
+            ids = torch.randint(0, vocab, (rows, max(n, 1)), generator=gen).to(device)
+            start = now()
+            session.step(ids)
+            times[n].append(now() - start)
+            session.cache.crop(-ids.shape[1])
             session.valid = valid
-
-        seconds[n] = median_seconds(lambda: session.step(ids), repeats, device, after=undo)  # noqa: B023
-    return seconds
+    return {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
 
 
 @dataclass

@@ -323,14 +323,20 @@ def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_dra
     seconds = measure_draft_seconds(drafter, 4, context=16, repeats=2)
     assert 0 < seconds < 1
     steps = measure_step_seconds(target_and_prompts[0], None, 4, K, context=16, repeats=2)
-    assert sorted(steps) == list(range(1, K + 1)) and all(0 < t < 1 for t in steps.values())
+    assert sorted(steps) == list(range(K + 1)) and all(0 < t < 1 for t in steps.values())  # 0: a plain step
     proxy = Budget({1: 1.0, 4 * K: 2.0})
     dearer = {n: 1.5 * proxy.verify_seconds(4 * n) for n in range(1, K + 1)}
     dearer[2] = 9.0  # one noisy timing: the median ratio ignores it
     measured = BatchScheduler(proxy, K, step_seconds=dearer, rows=4)
     assert measured.verify_seconds(4, 3) == pytest.approx(dearer[3])  # drafted steps: the table x the measured ratio
     assert measured.verify_seconds(2, 3) == pytest.approx(1.5 * proxy.verify_seconds(6))
-    assert measured.verify_seconds(2, 1) == proxy.verify_seconds(2)  # a plain step: batched plain decoding's cost
+    assert measured.verify_seconds(2, 1) == proxy.verify_seconds(2)  # no plain step timed: the table's cost
+    # the machine ran 3x slower while the batched steps were timed than while the one-row table was:
+    # drafted and plain steps, timed in the same rounds, scale alike, and so does the prediction
+    slow = BatchScheduler(proxy, K, step_seconds={n: 3 * t for n, t in {**dearer, 0: 1.2 * proxy.verify_seconds(4)}.items()}, rows=4)
+    assert slow.verify_seconds(4, 1) == pytest.approx(3 * 1.2 * proxy.verify_seconds(4))
+    assert slow.verify_seconds(2, 1) == pytest.approx(3 * 1.2 * proxy.verify_seconds(2))
+    assert slow.verify_seconds(4, 3) / slow.verify_seconds(4, 1) == pytest.approx(dearer[3] / (1.2 * proxy.verify_seconds(4)))
     for costs, pays in (({1: 1.0, 4 * K: 4.0 * K}, False), ({1: 1.0, 4 * K: 1.2}, True)):
         budget = Budget(costs)
         for _ in range(50):  # drafts at every depth kept 90% of the time
