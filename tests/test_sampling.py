@@ -247,6 +247,10 @@ def test_budgets_choose_causally_for_drafts_drawn_one_after_another(monkeypatch)
     from serve_eval import engine
 
     torch.manual_seed(3)  # a pair whose bias the test sees at this sample size
+    # the loop's clock ticks once a reading: the budget's timed costs and its draft switch (which compares
+    # drafted and plain steps' measured rates) then choose the same way however busy the machine is
+    ticks = itertools.count()
+    monkeypatch.setattr(engine, "device_clock", lambda device: lambda: next(ticks) * 1e-3)
     target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
                                          max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
     drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
