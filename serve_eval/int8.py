@@ -97,15 +97,16 @@ _SOURCE = Path(__file__).with_name("int8_op.cpp")
 @functools.cache
 def native_op():
     """``draftsmith_int8::linear`` (:file:`int8_op.cpp`), or None where it cannot be built here. Built once
-    per machine (source, torch and Python versions in the name) into torch's extensions folder: in a
-    private folder, then renamed into place, so that a build killed halfway leaves nothing a later run
-    would load, and two processes building at once do not wait on each other's lock."""
+    per machine (source, torch and Python versions in the name) into torch's extensions folder
+    (``TORCH_EXTENSIONS_DIR`` where set): in a private folder, then renamed into place, so that a build
+    killed halfway leaves nothing a later run would load, and two processes building at once do not
+    wait on each other's lock (each builds, ~20 s; the second rename replaces the first's file)."""
     try:
         from torch.utils import cpp_extension
 
         tag = hashlib.sha256(_SOURCE.read_bytes() + f"{torch.__version__} {sys.version}".encode()).hexdigest()[:16]
         name = f"draftsmith_int8_{tag}"
-        root = Path(cpp_extension.get_default_build_root())
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
         built = root / f"{name}.so"
         if built.exists():
             torch.ops.load_library(str(built))
