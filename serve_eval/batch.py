@@ -47,6 +47,7 @@ Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ from distill.base.features import FeatureCapture
 from .budget import Budget, CausalChain, Probes
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
-from .engine import _next_outcome, _truncate, device_clock, measure_verify_costs, median_seconds, verify_sizes
+from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
 from .kv import KVQuant, inplace_cache, kv_quant
 from .sampling import Sampler, verify_chain
 
@@ -290,7 +291,7 @@ class BatchScheduler:
                  min_drafts: int = 8, step_seconds: dict[int, float] | None = None, rows: int | None = None):
         self.budget, self.K = budget, block_size
         self.step_seconds, self.rows = step_seconds, rows  # measured batched steps: n -> seconds at `rows` rows
-        self.scale: float | None = None  # what those steps cost against the one-row table (verify_seconds)
+        self.scale: dict[bool, float] | None = None  # drafted (True) and plain steps against the one-row table (verify_seconds)
         self.min_drafts = min_drafts  # drafted steps seen before the off switch may act (1: a calibrated budget)
         self.draft_seconds: dict[int, float] = {}  # rows -> running mean of the drafting cost
         self.top_q_mean = [0.0] * (block_size - 1)  # per position, running mean over drafted rows of the top q
@@ -313,13 +314,11 @@ class BatchScheduler:
         proxy = self.budget.verify_seconds(rows * n)
         if self.step_seconds is None:
             return proxy
-        if self.scale is None:  # one ratio, the median over n: single timings of a busy machine are noisy
+        if self.scale is None:  # drafted: one ratio, the median over n (single timings of a busy machine are noisy)
             ratios = sorted(t / self.budget.verify_seconds(self.rows * m) for m, t in self.step_seconds.items() if m > 1)
-            self.scale = ratios[len(ratios) // 2]
-        if n > 1:
-            return proxy * self.scale
-        plain = self.step_seconds.get(0)  # (a table without it: the one-row table's cost as it is)
-        return proxy if plain is None else proxy * plain / self.budget.verify_seconds(self.rows)
+            plain = self.step_seconds.get(0)  # (a table without it: the one-row table's cost as it is)
+            self.scale = {True: ratios[len(ratios) // 2], False: 1.0 if plain is None else plain / self.budget.verify_seconds(self.rows)}
+        return proxy * self.scale[n > 1]
 
     def predicted_speedup(self, rows: int) -> float:
         """Before a batch of ``rows`` drafts at all: the best predicted rate of drafted steps against
@@ -436,22 +435,19 @@ def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     prompts = [torch.randint(0, vocab, (context,), generator=gen).to(device) for _ in range(rows)]
-    sessions = {plain: BatchTarget(target, None if plain else capture, kv) for plain in (False, True)}
-    for session in sessions.values():
+    runs = {}
+    for plain in (True, False):
+        session = BatchTarget(target, None if plain else capture, kv)
         session.prefill(prompts)
-    now = device_clock(device)
-    times: dict[int, list[float]] = {n: [] for n in range(max_n + 1)}
-    for _ in range(repeats + 1):
-        for n in times:
-            session = sessions[n == 0]
-            valid = session.valid
-            ids = torch.randint(0, vocab, (rows, max(n, 1)), generator=gen).to(device)
-            start = now()
-            session.step(ids)
-            times[n].append(now() - start)
-            session.cache.crop(-ids.shape[1])
+
+        def undo(session=session, valid=session.valid, n=1):
+            session.cache.crop(-n)
             session.valid = valid
-    return {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
+
+        for n in [0] if plain else range(1, max_n + 1):
+            ids = torch.randint(0, vocab, (rows, max(n, 1)), generator=gen).to(device)
+            runs[n] = (functools.partial(session.step, ids), functools.partial(undo, n=max(n, 1)))
+    return interleaved_seconds(runs, repeats, device)
 
 
 @dataclass

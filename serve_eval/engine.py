@@ -32,6 +32,7 @@ copy that departs from it is verified as a tree. Several prompts at once decode 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -104,18 +105,17 @@ class TargetSession:
 def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5,
                          kv: KVQuant | None = None) -> dict[int, float]:
     """Seconds of one target forward over ``n`` new tokens after ``context`` cached ones, for each ``n``
-    in ``sizes`` (the median of ``repeats``), with the loop's feature capture and KV cache. The
+    in ``sizes`` (the median of ``repeats`` interleaved rounds), with the loop's feature capture and KV cache. The
     tokens are random (a private generator: the caller's RNG is untouched); cost does not depend on them."""
     device = next(target.parameters()).device
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     session = TargetSession(target, capture, kv)
     session.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device))
-    costs = {}
-    for n in sorted(set(sizes)):
-        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-        costs[n] = median_seconds(lambda: session.forward(ids), repeats, device, after=lambda: session.rollback(context))  # noqa: B023  (called within the iteration)
-    return costs
+    undo = lambda: session.rollback(context)  # noqa: E731
+    runs = {n: (functools.partial(session.forward, torch.randint(0, vocab, (1, n), generator=gen).to(device)), undo)
+            for n in sorted(set(sizes))}
+    return interleaved_seconds(runs, repeats, device)
 
 
 def device_clock(device):
@@ -132,19 +132,25 @@ def device_clock(device):
     return now
 
 
-def median_seconds(run, repeats: int, device, after=None) -> float:
-    """The median seconds of ``repeats`` calls of ``run()`` after one warm-up call (CUDA synchronised;
-    ``after()`` runs untimed after each call, e.g. to undo it)."""
-    times = []
+def interleaved_seconds(runs: dict, repeats: int, device) -> dict:
+    """The median seconds of each ``runs[key] = (run, after)``: ``repeats`` rounds after a warm-up round,
+    every ``run()`` once a round in order (``after()``, when not None, untimed after it, e.g. to undo it),
+    so that a machine that drifts moves every key alike (CUDA synchronised: :func:`device_clock`)."""
+    now = device_clock(device)
+    times = {key: [] for key in runs}
     for _ in range(repeats + 1):
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        if after is not None:
-            after()
-    return sorted(times[1:])[len(times[1:]) // 2]
+        for key, (run, after) in runs.items():
+            start = now()
+            run()
+            times[key].append(now() - start)
+            if after is not None:
+                after()
+    return {key: sorted(t[1:])[len(t[1:]) // 2] for key, t in times.items()}
+
+
+def median_seconds(run, repeats: int, device, after=None) -> float:
+    """:func:`interleaved_seconds` of one ``run``."""
+    return interleaved_seconds({0: (run, after)}, repeats, device)[0]
 
 
 def verify_sizes(largest: int) -> list[int]:
