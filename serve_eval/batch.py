@@ -1,19 +1,21 @@
 """Speculative decoding of several prompts at once, and batched plain decoding of the same target.
 
 Rows. Each prompt is a row of one batched forward. Rows keep different numbers of drafts, so their
-lengths drift apart. The target's KV cache holds one *slot* per token read, with a validity mask per
-row: every step appends the same ``n`` slots to every row, and afterwards a row marks the slots of
-the drafts it rejected invalid (a hole that is never attended again); once holes make up a quarter of
-the slots, every row's valid slots move to its front (:meth:`BatchTarget.compact`), so attention does
-not keep paying for them (left alone, at 16 rows they grew to over half the slots and attention to a
-sixth of the time). Positions (RoPE) follow each row's own count of valid tokens, so a row computes
-exactly what it would alone. Rows that finish
-(``max_new_tokens`` or EOS) leave the batch, and with ``slots`` (fewer rows at a time than prompts)
-a waiting prompt takes the place: it is prefilled apart and its cache entries join the batch's at its
-own slots (:meth:`BatchTarget.admit`), so the batch keeps ``slots`` rows busy instead of running at
-the pace of its slowest row (continuous batching, as serving engines do). The drafter's context (target features of each row's
-verified tokens) is kept compact per row and right-padded, so a block anchored at row ``i``'s length
-sees exactly row ``i``'s context (:func:`drafters.core.block_attention_mask`).
+lengths drift apart. Row ``i`` holds its tokens at the first ``lengths[i]`` slots of the target's KV
+cache: a step writes each row's ``n`` tokens after its own length (:mod:`serve_eval.kv`'s per-row
+writes), the row keeps as many as it accepts, and the next step writes over the rest. A row attends
+to its own slots only (a mask per row: ``slot <= lengths[i] + j`` for its ``j``-th token), and its
+positions (RoPE) are its own, so a row computes exactly what it would alone; attention reads up to
+the longest row, with no holes to skip. Rows that finish (``max_new_tokens`` or EOS) leave the
+batch, and with ``slots`` (fewer rows at a time than prompts) a waiting prompt takes the place, so
+the batch keeps ``slots`` rows busy instead of running at the pace of its slowest row (continuous
+batching, as serving engines do). Waiting prompts are prefilled a group of ``slots`` at a time, ahead
+of need (:class:`Waiting`: one prompt prefilled alone as each row finishes costs about twice as much),
+and a prompt takes a finished row's place in place: its entries are copied over that row's slots
+(:meth:`BatchTarget.put`) and nothing else of the batch's caches moves. The drafter's context
+(target features of each row's verified tokens) is kept the same way, per row and right-padded, so a
+block anchored at row ``i``'s length sees exactly row ``i``'s context
+(:func:`drafters.core.block_attention_mask`).
 
 A step. The drafter drafts ``K - 1`` tokens for every row in one batched block forward (one compiled
 graph that also reads the last step's features, where the draft is compiled for this many rows:
@@ -47,6 +49,7 @@ Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one 
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from dataclasses import dataclass
@@ -60,22 +63,30 @@ from .budget import Budget, CausalChain, Probes
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
-from .kv import KVQuant, inplace_cache, kv_quant
+from .kv import InPlaceLayer, KVQuant, inplace_cache, kv_quant
 from .sampling import Sampler, verify_chain
 
 
 class BatchTarget:
-    """The target over a batch of rows: a KV cache of slots, which slots each row may attend, and
-    each row's length (its next position). ``kv``: the cache's quantization (:mod:`serve_eval.kv`)."""
+    """The target over a batch of rows: a KV cache in which row ``i`` holds its tokens at its first
+    ``lengths[i]`` slots (every row writes at slots of its own, :mod:`serve_eval.kv`), and each row's
+    length (its next position). ``kv``: the cache's quantization (:mod:`serve_eval.kv`)."""
 
     def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
         self.target, self.capture, self.kv = target, capture, kv
         self.cache = inplace_cache(target.config, kv)
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, slots]
+        if not all(isinstance(layer, InPlaceLayer) for layer in self.cache.layers):
+            raise ValueError("batched decoding needs a target whose every layer attends to the whole cache "
+                             "(no sliding-window layers)")
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R]
 
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        """The forward over ``ids`` [R, n] at ``positions``, each row writing its entries after its own
+        ``lengths`` slots, attending to the slots ``mask`` [R, n, slots] allows."""
+        write_at = (self.lengths.to(ids.device), mask.shape[-1])
+        for layer in self.cache.layers:
+            layer.write_at = write_at
         kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], cache=self.cache, use_cache=True)
         if self.capture is None:
             return self.target(**kwargs).logits, None
@@ -93,68 +104,49 @@ class BatchTarget:
         ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = p
-        valid = torch.arange(L)[None] < lengths[:, None]
-        mask = torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]  # causal, real tokens only
+        mask = torch.ones(L, L, dtype=torch.bool).tril()[None] & (torch.arange(L) < lengths[:, None])[:, None, :]  # causal, real tokens only
+        self.lengths = torch.zeros(len(prompts), dtype=torch.long)
         logits, aux = self._run(ids, torch.arange(L, device=device)[None].expand(len(prompts), L), mask.to(device))
-        self.valid, self.lengths = valid, lengths.clone()
+        self.lengths = lengths
         return logits[torch.arange(len(prompts)), lengths - 1], aux
 
     @torch.inference_mode()
-    def admit(self, prompts: list[torch.Tensor]):
-        """Add a row for each of ``prompts``, prefilled together apart from the batch (:meth:`prefill`'s
-        logits and features, for the new rows only). The batch's slots become the longer of the two;
-        the slots a row does not fill are holes (zeros, never attended) until compaction."""
-        new = BatchTarget(self.target, self.capture, self.kv)
-        logits, aux = new.prefill(prompts)
-        if not len(self.lengths):  # no rows (yet, or any more): the new ones are the batch
-            self.cache, self.valid, self.lengths = new.cache, new.valid, new.lengths
-            return logits, aux
-        for layer, joining in zip(self.cache.layers, new.cache.layers):
-            layer.extend_rows(joining)
-        slots = max(self.valid.shape[1], new.valid.shape[1])
-        self.valid = torch.cat([F.pad(v, (0, slots - v.shape[1])) for v in (self.valid, new.valid)])
-        self.lengths = torch.cat([self.lengths, new.lengths])
-        return logits, aux
-
-    @torch.inference_mode()
     def step(self, ids: torch.Tensor):
-        """Read ``ids`` [R, n] after each row's valid tokens: logits [R, n, V] and features."""
+        """Read ``ids`` [R, n] after each row's tokens: logits [R, n, V] and features. Nothing is kept
+        until :meth:`keep`: the next step writes over what this one wrote past the kept tokens."""
         R, n = ids.shape
         positions = self.lengths[:, None] + torch.arange(n)
-        mask = torch.cat([self.valid[:, None, :].expand(R, n, -1),
-                          torch.ones(n, n, dtype=torch.bool).tril()[None].expand(R, n, n)], dim=2)
-        out = self._run(ids, positions.to(ids.device), mask.to(ids.device))
-        self.valid = torch.cat([self.valid, torch.ones(R, n, dtype=torch.bool)], dim=1)
-        return out
+        mask = torch.arange(int(self.lengths.max()) + n)[None, None] <= positions[:, :, None]  # its own tokens, causal
+        return self._run(ids, positions.to(ids.device), mask.to(ids.device))
+
+    def keep(self, counts: torch.Tensor) -> None:
+        """After a step: row ``i`` keeps the first ``counts[i]`` tokens it read."""
+        self.lengths = self.lengths + counts
 
     @torch.inference_mode()
-    def keep(self, counts: torch.Tensor, n: int) -> None:
-        """After a step of ``n`` slots: row ``i`` keeps the first ``counts[i]`` of them. When the holes
-        make up a quarter of the slots (32 at least), every row's valid slots move to its front."""
-        self.valid[:, -n:] = torch.arange(n)[None] < counts[:, None]
-        self.lengths += counts
-        slots, longest = self.valid.shape[1], int(self.valid.sum(1).max())
-        if slots - longest >= max(32, slots // 4):
-            self.compact()
+    def put(self, rows: torch.Tensor, other: "BatchTarget", which: torch.Tensor) -> None:
+        """Rows ``rows`` start over as ``other``'s rows ``which`` (prompts prefilled apart taking the
+        places of rows that finished): their entries are copied over the finished rows' slots, nothing
+        else of the batch's cache moves."""
+        for layer, theirs in zip(self.cache.layers, other.cache.layers):
+            layer.put_rows(rows, theirs, which)
+        self.lengths = self.lengths.index_put((rows,), other.lengths[which])
 
-    @torch.inference_mode()
-    def compact(self) -> None:
-        """Close the holes: each row's valid slots, in order, become its first ones. Attention reads the
-        same keys and values under the same mask (positions were applied when they were written), over
-        fewer slots."""
-        counts = self.valid.sum(1)
-        longest = int(counts.max())
-        order = torch.argsort((~self.valid).to(torch.uint8), dim=1, stable=True)[:, :longest]  # valid slots first
-        for layer in self.cache.layers:
-            layer.gather(order)
-        self.valid = torch.arange(longest)[None] < counts[:, None]
+    def rows(self, which: torch.Tensor) -> "BatchTarget":
+        """A session of rows ``which`` of this one: this one when that is all of them, else a copy."""
+        if which.tolist() == list(range(len(self.lengths))):
+            return self
+        new = copy.copy(self)
+        new.cache = copy.deepcopy(self.cache)
+        new.select(which)
+        return new
 
     @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of the batch."""
         for layer in self.cache.layers:
             layer.batch_select_indices(rows.to(layer.device))
-        self.valid, self.lengths = self.valid[rows], self.lengths[rows]
+        self.lengths = self.lengths[rows]
 
 
 def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -254,18 +246,28 @@ class BatchContext:
         return self.lengths, [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
 
     @torch.inference_mode()
-    def admit(self, aux: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Add rows whose first ``lengths[i]`` positions have features ``aux`` [R', m, F] (a prefill's)."""
-        new = BatchContext(self.drafter)
-        new.append(aux, lengths)
-        if not len(self.lengths):  # no rows (yet, or any more): the new ones are the batch
-            self.keys, self.values, self.lengths, self.pending = new.keys, new.values, new.lengths, []
-            return
-        self.flush()
-        size = max(self.keys[0].shape[2], new.keys[0].shape[2])
-        self.keys = [torch.cat([_padded(a, size), _padded(b, size)]) for a, b in zip(self.keys, new.keys)]
-        self.values = [torch.cat([_padded(a, size), _padded(b, size)]) for a, b in zip(self.values, new.values)]
-        self.lengths = torch.cat([self.lengths, new.lengths])
+    def start(self, aux: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Begin anew with rows whose first ``lengths[i]`` positions have features ``aux`` [R, m, F] (a prefill's)."""
+        self.keys, self.values, self.pending = [], [], []
+        self.append(aux, lengths)
+
+    @torch.inference_mode()
+    def put(self, rows: torch.Tensor, aux: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Rows ``rows`` start over with the first ``lengths[i]`` positions of features ``aux``
+        [len(rows), m, F] (a prefill's; prompts taking the places of rows that finished). Features still
+        queued for the rows' former occupants count as none of the new rows': they are written past the
+        new lengths, where the next append writes over them."""
+        self.pending = [(queued, counts.index_fill(0, rows, 0)) for queued, counts in self.pending]
+        m = aux.shape[1]
+        kv = self.drafter.context_kv(aux, torch.arange(m, device=aux.device)[None].expand(len(rows), m), lean=True)
+        if m > self.keys[0].shape[2]:
+            self.keys = [_padded(k, self._size(m)) for k in self.keys]
+            self.values = [_padded(v, self._size(m)) for v in self.values]
+        at = rows.to(aux.device)
+        for (k, v), keys, values in zip(kv, self.keys, self.values):
+            keys[at, :, :m] = k
+            values[at, :, :m] = v
+        self.lengths = self.lengths.index_put((rows,), lengths)
 
     @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
@@ -276,8 +278,8 @@ class BatchContext:
 
 
 # A batch size drafts at all only if its steps are predicted this much faster than plain ones. The
-# per-step model leaves out what a run pays once or now and then (prompts admitted one at a time as rows
-# finish apart, the last rows stepping alone, hole compaction, the draft run with cold caches) and
+# per-step model leaves out what a run pays once or now and then (prompts prefilled as rows finish,
+# the last rows stepping alone, the draft run with cold caches) and
 # takes a typical row at the one-row run's acceptance: measured on the testbed (eleventh session, six
 # batch-4/8/16 runs with the plain step timed beside the drafted ones) the prediction read 1.30-1.75x
 # the measured speedup, median 1.45. At 16 rows it predicted 1.48 where drafting measured 1.008x.
@@ -440,13 +442,9 @@ def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_
         session = BatchTarget(target, None if plain else capture, kv)
         session.prefill(prompts)
 
-        def undo(session=session, valid=session.valid, n=1):
-            session.cache.crop(-n)
-            session.valid = valid
-
-        for n in [0] if plain else range(1, max_n + 1):
+        for n in [0] if plain else range(1, max_n + 1):  # (a step keeps nothing: each writes over the last)
             ids = torch.randint(0, vocab, (rows, max(n, 1)), generator=gen).to(device)
-            runs[n] = (functools.partial(session.step, ids), functools.partial(undo, n=max(n, 1)))
+            runs[n] = (functools.partial(session.step, ids), None)
     return interleaved_seconds(runs, repeats, device)
 
 
@@ -465,32 +463,75 @@ def _finish(outs, eos, max_new, stats, start):
     return outs, stats
 
 
-def _without_finished(outs, live: list[int], bonus: torch.Tensor, max_new: int, eos: int | None, *states):
-    """The rows of ``live`` (indices into ``outs``) still decoding, and their bonus tokens; the
-    ``states`` (target session, drafter context) drop the others' rows."""
-    keep = [j for j, i in enumerate(live) if len(outs[i]) < max_new and (eos is None or eos not in outs[i])]
-    if len(keep) < len(live):
-        rows = torch.tensor(keep, dtype=torch.long)
-        for state in states:
-            state.select(rows)
-        bonus = bonus[rows]
-    return [live[j] for j in keep], bonus
+class Waiting:
+    """The prompts not yet in the batch, prefilled a group at a time ahead of the rows they will take.
+
+    A group is the next ``slots`` prompts (fewer at the end), read in one forward, their first tokens
+    chosen with their own samplers; its rows then wait to take the places of rows that finish. Rows
+    of a speculative batch finish apart, and a prompt prefilled alone as each one finishes costs about
+    twice what it costs in a group (testbed, 64-token prompts: 78 ms against 39 ms a row in fours)."""
+
+    def __init__(self, target, capture: FeatureCapture | None, kv: KVQuant | None, prompts, samplers, slots: int, outs):
+        self.target, self.capture, self.kv = target, capture, kv
+        self.prompts, self.samplers, self.slots, self.outs = prompts, samplers, slots, outs
+        self.queue = list(range(len(prompts)))
+        self.group: BatchTarget | None = None
+        self.ready: list[int] = []  # rows of the group not taken yet
+
+    def __bool__(self) -> bool:
+        return bool(self.queue or self.ready)
+
+    def take(self, count: int) -> torch.Tensor:
+        """Up to ``count`` waiting rows, as row numbers of :attr:`group` (the next group prefilled first
+        when the last is used up); :attr:`indices`, :attr:`first` and :attr:`aux` give their prompts,
+        first tokens and features."""
+        if not self.ready:
+            joining = self.queue[:self.slots]
+            del self.queue[:len(joining)]
+            self.group = BatchTarget(self.target, self.capture, self.kv)
+            logits, self.aux = self.group.prefill([self.prompts[i] for i in joining])
+            self.first = _choose_rows([self.samplers[i] for i in joining], logits).cpu()
+            for i, t in zip(joining, self.first.tolist()):
+                self.outs[i].append(t)
+            self.indices, self.ready = joining, list(range(len(joining)))
+        which = torch.tensor(self.ready[:count], dtype=torch.long)
+        del self.ready[:count]
+        return which
 
 
-def _admit(queue: list[int], live: list[int], bonus: torch.Tensor, slots: int, prompts, samplers, outs,
-           session: "BatchTarget", context: "BatchContext | None" = None):
-    """Move waiting prompts (``queue``, indices into ``prompts``) into the batch's free slots: prefilled
-    together, each emits its first token with its own sampler, and the drafter's context reads their
-    features. Returns the rows and their bonus tokens."""
-    joining = queue[:slots - len(live)]
-    del queue[:len(joining)]
-    logits, aux = session.admit([prompts[i] for i in joining])
-    first = _choose_rows([samplers[i] for i in joining], logits).cpu()
-    for i, t in zip(joining, first.tolist()):
-        outs[i].append(t)
-    if context is not None:
-        context.admit(aux, session.lengths[-len(joining):].clone())
-    return live + joining, torch.cat([bonus, first])
+def _refill(waiting: Waiting, live: list[int], bonus: torch.Tensor, session: BatchTarget | None,
+            context: "BatchContext | None", max_new: int, eos: int | None):
+    """The batch after a step: each finished row's place taken by a waiting prompt (its cache rows
+    written over: nothing else of the batch's caches moves), or, with none waiting, the finished rows
+    leave; an empty batch starts with a group. ``live``: the rows' prompt indices. Returns the rows,
+    their bonus tokens and the target session."""
+    outs = waiting.outs
+    while True:
+        done = [r for r, i in enumerate(live) if len(outs[i]) >= max_new or (eos is not None and eos in outs[i])]
+        if waiting and not live:  # the batch starts with a group
+            which = waiting.take(waiting.slots)
+            session = waiting.group.rows(which)
+            if context is not None:
+                context.start(waiting.aux[which], session.lengths.clone())
+            live, bonus = [waiting.indices[w] for w in which.tolist()], waiting.first[which]
+        elif waiting and done:
+            which = waiting.take(len(done))
+            rows = torch.tensor(done[:len(which)], dtype=torch.long)
+            session.put(rows, waiting.group, which)
+            if context is not None:
+                context.put(rows, waiting.aux[which], waiting.group.lengths[which])
+            bonus = bonus.index_put((rows,), waiting.first[which])
+            for r, w in zip(rows.tolist(), which.tolist()):
+                live[r] = waiting.indices[w]
+        else:
+            break  # (a prompt may be done at its first token: look again)
+    if done:
+        keep = torch.tensor([r for r in range(len(live)) if r not in done], dtype=torch.long)
+        for state in (session, context):
+            if state is not None:
+                state.select(keep)
+        live, bonus = [live[r] for r in keep.tolist()], bonus[keep]
+    return live, bonus, session
 
 
 def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
@@ -506,19 +547,15 @@ def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: 
     """Plain decoding of several prompts at once: at most ``slots`` rows (default: all), rows leave the
     batch when they finish and waiting prompts take their places."""
     samplers = samplers or [Sampler() for _ in prompts]
-    slots = slots or len(prompts)
     start, stats = time.perf_counter(), BatchStats()
-    session = BatchTarget(target, kv=kv)
-    queue, live, outs, bonus = list(range(len(prompts))), [], [[] for _ in prompts], torch.zeros(0, dtype=torch.long)
+    outs, live, bonus, session = [[] for _ in prompts], [], torch.zeros(0, dtype=torch.long), None
+    waiting = Waiting(target, None, kv, prompts, samplers, slots or len(prompts), outs)
     while True:
-        live, bonus = _without_finished(outs, live, bonus, max_new_tokens, eos_token_id, session)
-        if queue and len(live) < slots:
-            live, bonus = _admit(queue, live, bonus, slots, prompts, samplers, outs, session)
-            continue  # a prompt may be done at its first token
+        live, bonus, session = _refill(waiting, live, bonus, session, None, max_new_tokens, eos_token_id)
         if not live:
             return _finish(outs, eos_token_id, max_new_tokens, stats, start)
         logits, _ = session.step(bonus[:, None].to(prompts[0].device))
-        session.keep(torch.ones(len(live), dtype=torch.long), 1)
+        session.keep(torch.ones(len(live), dtype=torch.long))
         bonus = _choose_rows([samplers[i] for i in live], logits[:, 0]).cpu()
         for i, t in zip(live, bonus.tolist()):
             outs[i].append(t)
@@ -537,16 +574,13 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
     samplers = samplers or [Sampler() for _ in prompts]
     greedy = samplers[0].greedy
     K = drafter.config.block_size
-    slots = slots or len(prompts)
     start, stats = time.perf_counter(), BatchStats()
-    session = BatchTarget(target, FeatureCapture(target, drafter.config.target_layer_ids), kv)
+    outs, live, bonus, session = [[] for _ in prompts], [], torch.zeros(0, dtype=torch.long), None
+    waiting = Waiting(target, FeatureCapture(target, drafter.config.target_layer_ids), kv, prompts, samplers,
+                      slots or len(prompts), outs)
     context = BatchContext(drafter)
-    queue, live, outs, bonus = list(range(len(prompts))), [], [[] for _ in prompts], torch.zeros(0, dtype=torch.long)
     while True:
-        live, bonus = _without_finished(outs, live, bonus, max_new_tokens, eos_token_id, session, context)
-        if queue and len(live) < slots:
-            live, bonus = _admit(queue, live, bonus, slots, prompts, samplers, outs, session, context)
-            continue  # a prompt may be done at its first token
+        live, bonus, session = _refill(waiting, live, bonus, session, context, max_new_tokens, eos_token_id)
         if not live:
             return _finish(outs, eos_token_id, max_new_tokens, stats, start)
         R = len(live)
@@ -582,7 +616,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
                 for r in range(R):
                     outcome = _next_outcome(row_samplers[r], drafts[r], q[r], logits[r], n - 1, int(kept[r]))
                     scheduler.budget.record_chain(top_q[r].tolist(), n - 1, int(kept[r]), outcome)
-        session.keep(kept + 1, n)
+        session.keep(kept + 1)
         context.defer(aux, kept + 1)
         for r, i in enumerate(live):
             outs[i].extend(ids[r, 1:1 + int(kept[r])].tolist() + [int(new_bonus[r])])
@@ -612,7 +646,7 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         # a calibration lent by a one-row run is trusted from the first drafted step on
         scheduler = None
         if budget is not None:  # the batched step's own cost at this size, over a cache about the mean's length
-            # the mean prompt, three quarters of the answer: the rows' mean length plus the holes compaction leaves
+            # the mean prompt and three quarters of the answer: attention reads up to the longest row
             context = sum(map(len, prompts)) // len(prompts) + dec.max_new_tokens * 3 // 4
             steps = measure_step_seconds(target, capture, B, K, context, kv)
             scheduler = BatchScheduler(budget, K, min_drafts=1 if calibration else 8, step_seconds=steps, rows=B)

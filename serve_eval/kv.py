@@ -12,6 +12,12 @@ Invariant: ``keys`` / ``values`` are always ``buffer[:, :, :length]``, so a cach
 cropped, row-selected and appended again holds exactly what a ``DynamicCache`` given the same calls
 holds (tested).
 
+**A batch's rows** (:mod:`serve_eval.batch`) drift apart in length. With ``write_at = (starts, end)``
+set, an update writes row ``r``'s entries at its own slots ``starts[r], starts[r] + 1, ...`` and
+attention sees the slots up to ``end``: every row keeps its entries contiguous from slot 0, and the
+batch's mask hides what lies past them (a rejected draft, a former row's entries, or zeros: buffers
+grow zero-filled, because a masked slot's weight is zero and ``0 * NaN`` would not be).
+
 **Quantized** (:class:`QuantizedLayer`, ``KVQuant``): every key and value vector ``x`` (one token, one
 head, ``D`` channels) is stored as codes plus one fp16 scale per group of ``G`` channels:
 
@@ -102,9 +108,16 @@ def dequantize(stored: list[torch.Tensor], spec: KVQuant) -> torch.Tensor:
     return (codes.float().unflatten(-1, (-1, spec.group)) * scale.float()[..., None]).flatten(-2)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``, fp8 viewed as bytes: indexed writes and reads have no fp8 CPU kernels, bytes do."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 class InPlaceLayer(DynamicLayer):
     """``DynamicLayer`` with preallocated, doubling buffers (see the module docstring). The buffers are
     whatever :meth:`_encode` makes of the keys and values (here: themselves), position on dim 2."""
+
+    write_at: tuple[torch.Tensor, int] | None = None  # a batch's rows writing at slots of their own (update)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -118,16 +131,22 @@ class InPlaceLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         entries = self._encode(key_states, value_states)
-        end = self.length + key_states.shape[-2]
+        n = key_states.shape[-2]
+        starts, end = self.write_at if self.write_at is not None else (None, self.length + n)
         if self._buffers is None or end > self._buffers[0].shape[2]:
             self._buffers = [self._grown(old, new, end) for old, new in zip(self._buffers or [None] * len(entries), entries)]
-        for buffer, new in zip(self._buffers, entries):
-            buffer[:, :, self.length:end] = new
+        if starts is None:
+            for buffer, new in zip(self._buffers, entries):
+                buffer[:, :, self.length:end] = new
+        else:  # row r's entries at its own slots starts[r], starts[r] + 1, ...
+            rows, slots = torch.arange(len(starts), device=starts.device)[:, None], starts[:, None] + torch.arange(n, device=starts.device)
+            for buffer, new in zip(self._buffers, entries):
+                _bytes(buffer)[rows, :, slots] = _bytes(new).transpose(1, 2)
         self._set_length(end)
         return self.read()
 
     def _grown(self, old: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.Tensor:
-        new = like.new_empty(*like.shape[:2], max(2 * needed, 64), *like.shape[3:])
+        new = like.new_zeros(*like.shape[:2], max(2 * needed, 64), *like.shape[3:])
         if old is not None:
             new[:, :, :self.length] = old[:, :, :self.length]
         return new
@@ -159,31 +178,17 @@ class InPlaceLayer(DynamicLayer):
         for buffer in self._buffers:
             buffer[:, :, start:start + len(source)] = buffer.index_select(2, source)
 
-    def gather(self, index: torch.Tensor) -> None:
-        """Row ``r`` keeps the entries ``index[r]`` [R, S'] (slot numbers), in that order, as its first
-        ``S'``; the rest are dropped (a batch's rows closing their holes, :mod:`serve_eval.batch`)."""
-        index = index.to(self.device)
-        rows, kept = index.shape
-        for buffer in self._buffers:
-            if buffer.element_size() == 1 and buffer.is_floating_point():  # fp8: gather has no CPU kernel, bytes do
-                buffer = buffer.view(torch.uint8)
-            expand = index.view(rows, 1, kept, *[1] * (buffer.dim() - 3)).expand(-1, buffer.shape[1], -1, *buffer.shape[3:])
-            buffer[:, :, :kept] = buffer.gather(2, expand)
-        self._set_length(kept)
-
-    def extend_rows(self, other: "InPlaceLayer") -> None:
-        """Append ``other``'s rows after this layer's (a batch's rows joining, :mod:`serve_eval.batch`):
-        both keep their entries at their own slots; the slots past a side's length are zeros, which the
-        batch's validity mask never lets attention read."""
-        length = max(self.length, other.length)
-        joined = []
+    def put_rows(self, rows: torch.Tensor, other: "InPlaceLayer", which: torch.Tensor) -> None:
+        """Rows ``rows`` of this layer start over with the entries of ``other``'s rows ``which`` (prompts
+        prefilled apart taking the places of a batch's finished rows, :mod:`serve_eval.batch`). What
+        the former occupants left past the new entries stays, and is never attended: a batch reads a
+        row's own slots only."""
+        if other.length > self._buffers[0].shape[2]:
+            self._buffers = [self._grown(mine, mine, other.length) for mine in self._buffers]
+        rows, which = rows.to(self.device), which.to(self.device)
         for mine, theirs in zip(self._buffers, other._buffers):
-            both = mine.new_zeros(mine.shape[0] + theirs.shape[0], mine.shape[1], max(2 * length, 64), *mine.shape[3:])
-            both[:mine.shape[0], :, :self.length] = mine[:, :, :self.length]
-            both[mine.shape[0]:, :, :other.length] = theirs[:, :, :other.length]
-            joined.append(both)
-        self._buffers = joined
-        self._set_length(length)
+            _bytes(mine)[rows, :, :other.length] = _bytes(theirs)[which, :, :other.length]
+        self._set_length(max(self.length, other.length))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized and self._buffers is not None:

@@ -366,9 +366,10 @@ def test_greedy_drafts_with_lookup_equal_greedy(target_and_prompts, trained_draf
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, trained_drafters, kind):
-    """Rows of different lengths, features appended at once and queued in two parts, and a third row
-    joining them (its prefill's features): each row's block logits equal the one-row decoding path's
-    (its own context, positions and mask)."""
+    """Rows of different lengths, features appended at once and queued in two parts, and a row that
+    starts over as another prompt (its prefill's features, padded) while features of its former
+    occupant are still queued: each row's block logits equal the one-row decoding path's (its own
+    context, positions and mask)."""
     from distill.base.features import FeatureCapture
     from serve_eval.batch import BatchContext
     from serve_eval.engine import BlockProposer
@@ -383,15 +384,16 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
     head, tail = torch.zeros(2, 15, feats[0].shape[-1]), torch.zeros(2, 5, feats[0].shape[-1])
     head[0], head[1, :8] = feats[0][0, :15], feats[1][0, :8]  # row 1 keeps 8 of its 15 slots
     tail[0], tail[1] = feats[0][0, 15:], feats[1][0, 8:]
-    context.append(head, torch.tensor([15, 8]))
+    context.start(head, torch.tensor([15, 8]))
     context.defer(tail, torch.tensor([5, 5]))  # queued, appended by view()
     lengths, kv = context.view()
     assert lengths.tolist() == [20, 13]
-    rows.append(prompts[2][:17])
-    feats.append(capture(rows[-1][None]).aux)
-    context.admit(torch.cat([feats[-1], torch.zeros(1, 3, feats[-1].shape[-1])], dim=1), torch.tensor([17]))  # padded
+    context.defer(torch.randn(2, 3, feats[0].shape[-1]), torch.tensor([0, 2]))  # row 1's, queued when it finishes
+    rows[1] = prompts[2][:17]
+    feats[1] = capture(rows[1][None]).aux
+    context.put(torch.tensor([1]), torch.cat([feats[1], torch.zeros(1, 3, feats[1].shape[-1])], dim=1), torch.tensor([17]))
     lengths, kv = context.view()
-    assert lengths.tolist() == [20, 13, 17]
+    assert lengths.tolist() == [20, 17]
     anchors = torch.stack([p[-1] for p in rows])[:, None]
     batched = drafter.propose(drafter.block_hidden(None, anchors, lengths[:, None], kv), anchors)[1]
     for i, (p, f) in enumerate(zip(rows, feats)):
@@ -401,56 +403,59 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
         assert torch.allclose(batched[i, 0], logits, atol=1e-4)
 
 
-def test_a_compacted_batch_cache_reads_what_the_holey_one_did(target_and_prompts):
-    """Rows that rejected drafts leave holes in the batch's KV cache; closing them (each row's valid
-    slots moved to its front) changes neither the next step's logits nor any later ones."""
+def test_batch_rows_read_what_they_read_alone(target_and_prompts):
+    """Ragged rows (the prefill pads), each keeping a different number of every step's tokens (the
+    rest written over by the next step): every row's logits equal those of its own session."""
     from serve_eval.batch import BatchTarget
 
     target, _, prompts = target_and_prompts
-    rows = [prompts[0][:20], prompts[1][:11], prompts[2][:15]]  # ragged: the prefill pads too
-    holey, compact = BatchTarget(target), BatchTarget(target)
-    for session in (holey, compact):
-        session.prefill(rows)
+    rows = [prompts[0][:20], prompts[1][:11], prompts[2][:15]]
+    batch, alone = BatchTarget(target), [BatchTarget(target) for _ in rows]
+    first = batch.prefill(rows)[0]
+    torch.testing.assert_close(first, torch.cat([a.prefill([p])[0] for a, p in zip(alone, rows)]), atol=1e-5, rtol=1e-5)
     torch.manual_seed(0)
     for _ in range(6):
-        ids = torch.randint(0, target.config.vocab_size, (3, 5))
-        (a, _), (b, _) = holey.step(ids), compact.step(ids)
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        counts = torch.randint(1, 6, (3,))
-        with torch.inference_mode():  # the session's state, made in inference mode, changed by hand
-            holey.valid[:, -5:] = torch.arange(5)[None] < counts[:, None]  # keep() without its compaction
-            holey.lengths += counts
-        compact.keep(counts, 5)
-        compact.compact()
-        assert compact.valid.shape[1] == int(compact.valid.sum(1).max()) < holey.valid.shape[1]
+        ids, counts = torch.randint(0, target.config.vocab_size, (3, 5)), torch.randint(1, 6, (3,))
+        together = batch.step(ids)[0]
+        torch.testing.assert_close(together, torch.cat([a.step(ids[i:i + 1])[0] for i, a in enumerate(alone)]), atol=1e-5, rtol=1e-5)
+        batch.keep(counts)
+        for a, c in zip(alone, counts):
+            a.keep(c[None])
+    assert batch.lengths.tolist() == [a.lengths.item() for a in alone]
 
 
-def test_a_row_joining_a_batch_reads_what_it_reads_alone(target_and_prompts):
-    """A prompt admitted into a batch whose rows are mid-answer (more slots than it has tokens, holes):
-    every row's logits from then on equal those of its own session."""
+def test_a_prompt_taking_a_finished_rows_place_reads_what_it_reads_alone(target_and_prompts):
+    """A prompt prefilled in a group apart takes the place of a row whose cache holds more slots than
+    the prompt has tokens (its entries written over, the rest left): from then on every row's logits
+    equal those of its own session."""
     from serve_eval.batch import BatchTarget
 
     target, _, prompts = target_and_prompts
     rows = [prompts[0][:20], prompts[1][:11]]
-    joined, apart, alone = BatchTarget(target), BatchTarget(target), BatchTarget(target)
-    for session in (joined, apart):
-        session.prefill(rows)
+    batch, alone = BatchTarget(target), [BatchTarget(target), BatchTarget(target)]
+    batch.prefill(rows)
+    for a, p in zip(alone, rows):
+        a.prefill([p])
     torch.manual_seed(0)
-    for _ in range(3):  # the first rows decode, keeping some of each step's slots
+    for _ in range(3):  # the first rows decode, keeping some of each step's tokens
         ids, counts = torch.randint(0, target.config.vocab_size, (2, 4)), torch.randint(1, 5, (2,))
-        for session in (joined, apart):
-            session.step(ids)
-            session.keep(counts, 4)
-    first, _ = joined.admit([prompts[2][:9]])
-    torch.testing.assert_close(first, alone.prefill([prompts[2][:9]])[0], atol=1e-5, rtol=1e-5)
-    assert joined.valid.shape[1] > 9 and joined.lengths.tolist()[-1] == 9
+        batch.step(ids)
+        batch.keep(counts)
+        alone[1].step(ids[1:])
+        alone[1].keep(counts[1:])
+    group = BatchTarget(target)
+    first = group.prefill([prompts[1][:5], prompts[2][:9]])[0]
+    batch.put(torch.tensor([0]), group, torch.tensor([1]))  # row 0 (20 + ~7 tokens) becomes the 9-token prompt
+    alone[0] = BatchTarget(target)
+    torch.testing.assert_close(first[1:], alone[0].prefill([prompts[2][:9]])[0], atol=1e-5, rtol=1e-5)
+    assert batch.lengths.tolist() == [9, alone[1].lengths.item()]
     for _ in range(3):
-        ids, counts = torch.randint(0, target.config.vocab_size, (3, 4)), torch.randint(1, 5, (3,))
-        (both, _), (a, _), (b, _) = joined.step(ids), apart.step(ids[:2]), alone.step(ids[2:])
-        torch.testing.assert_close(both, torch.cat([a, b]), atol=1e-5, rtol=1e-5)
-        joined.keep(counts, 4)
-        apart.keep(counts[:2], 4)
-        alone.keep(counts[2:], 4)
+        ids, counts = torch.randint(0, target.config.vocab_size, (2, 4)), torch.randint(1, 5, (2,))
+        together = batch.step(ids)[0]
+        torch.testing.assert_close(together, torch.cat([a.step(ids[i:i + 1])[0] for i, a in enumerate(alone)]), atol=1e-5, rtol=1e-5)
+        batch.keep(counts)
+        for a, c in zip(alone, counts):
+            a.keep(c[None])
 
 
 def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
@@ -780,7 +785,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
     assert compiled.compile_drafts(drafter, max(map(len, prompts)) + MAX_NEW, rows=(2, 3))["rows"] == [1, 2, 3]
-    graph_run, rows_seen = compiled.CompiledDraft.run, []
+    graph_run, rows_seen, close = compiled.CompiledDraft.run, [], []
 
     def checked(self, anchors, starts, arriving, counts, keys, values, propose):
         copies = [b.clone() for b in keys + values]
@@ -788,7 +793,10 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
         features[:, :arriving.shape[1]] = arriving
         reference = drafter.decode_static(anchors, torch.stack([starts, counts], 1), features, copies[:len(keys)], copies[len(keys):])
         hidden, proposal = graph_run(self, anchors, starts, arriving, counts, keys, values, propose)
-        torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
+        # equal up to rounding; where a rounding moves an activation across an int8 code boundary, that
+        # product moves by about one quantization step (~1e-3 here; wrong slots would move it by ~1)
+        torch.testing.assert_close(hidden, reference, rtol=0, atol=1e-2)
+        close.append(torch.allclose(hidden, reference, rtol=1e-4, atol=1e-4))
         rows_seen.append(len(anchors))
         return hidden, proposal
 
@@ -798,6 +806,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     for slots, scheduler in ((3, None), (2, None), (3, BatchScheduler(Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}), K))):
         assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler)[0] == reference
     assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
+    assert sum(close) >= 0.95 * len(close)  # code boundaries are crossed rarely
 
 
 def test_each_compiled_drafter_has_a_graph_of_its_own():

@@ -84,6 +84,30 @@ def test_crops_row_selection_and_moves_act_on_codes_as_on_floats(spec):
     assert torch.equal(k[:, :, 11:], expect[0]) and torch.equal(v[:, :, 11:], expect[1])
 
 
+@pytest.mark.parametrize("spec", [None, *FORMATS], ids=lambda s: "full" if s is None else f"{s.format}{'-rot' if s.rotate else ''}")
+def test_rows_written_at_slots_of_their_own_and_put_from_another_layer(spec):
+    """A batch's cache calls (:mod:`serve_eval.batch`): each row writing at slots of its own
+    (``write_at``) and a row starting over as another layer's row (``put_rows``, longer than the
+    buffers: they grow). Every row then holds its own tokens in order from slot 0, read as a fresh
+    layer given just those tokens reads them."""
+    make = InPlaceLayer if spec is None else (lambda: QuantizedLayer(spec))
+    keys, values = states(3, 2, 80, 64, seed=5), states(3, 2, 80, 64, seed=6)
+    layer = make()
+    layer.update(keys[:, :, :10], values[:, :, :10])
+    layer.write_at = (torch.tensor([10, 4, 7]), 13)
+    layer.update(keys[:, :, 10:13], values[:, :, 10:13])
+    layer.write_at = None
+    other = make()
+    other.update(keys[:, :, 10:], values[:, :, 10:])  # 70 tokens: more than the layer's 64 slots
+    layer.put_rows(torch.tensor([1]), other, torch.tensor([2]))
+    assert layer.get_seq_length() == 70
+    k, v = layer.read()
+    for row, (source, tokens) in enumerate([(0, [*range(13)]), (2, [*range(10, 80)]), (2, [*range(7), 10, 11, 12])]):
+        fresh = make()
+        expect = fresh.update(keys[source:source + 1, :, tokens], values[source:source + 1, :, tokens])
+        assert torch.equal(k[row:row + 1, :, :len(tokens)], expect[0]) and torch.equal(v[row:row + 1, :, :len(tokens)], expect[1])
+
+
 def test_cache_bytes_per_token_follow_the_format():
     keys = states(1, 4, 10, 64)
     full = InPlaceLayer()
