@@ -51,8 +51,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
-import random
 import time
 from dataclasses import dataclass
 
@@ -304,8 +302,7 @@ class BatchScheduler:
         self.chosen: list[int] = []  # n of every step (1: no drafts verified)
         self.drafted_steps = 0
         self.off = False  # the up-front prediction turned this batch size off
-        self.predicted: float | None = None  # the up-front prediction of a run (predicted_run_speedup), when one was made
-        self.predicted_step: float | None = None  # and of a step (predicted_speedup)
+        self.predicted: float | None = None  # the up-front prediction (predicted_speedup), when one was made
 
     def verify_seconds(self, rows: int, n: int) -> float:
         """A batched step over ``rows`` rows reading ``n`` tokens each: the budget's one-row cost of
@@ -334,40 +331,6 @@ class BatchScheduler:
             p *= self.budget.depth_acceptance(depth)
             reach.append(rows * p)
         return self._best(rows, reach)[1] / (rows / self.verify_seconds(rows, 1))
-
-    def predicted_run_speedup(self, rows: int, prompts: int, new_tokens: int, trials: int = 32) -> float:
-        """Before a batch of ``rows`` drafts at all: the predicted speedup of a whole run, ``prompts``
-        answers of ``new_tokens`` tokens at most ``rows`` at a time, against batched plain decoding of
-        them. Simulated over ``trials`` runs (a fixed seed): a step with ``R`` rows verifies the ``n``
-        that is best for a typical row at the acceptance measured at each depth, and costs that
-        batched step and the drafting at ``rows`` as measured; each row keeps each draft with its
-        depth's acceptance until one is rejected. Rows so finish apart, and the last of them step with
-        fewer rows, while plain decoding's rows all take ``new_tokens`` steps: the tail that the
-        one-step prediction (:meth:`predicted_speedup`) leaves out. Prefills are left out too: both
-        loops prefill the same groups."""
-        acceptance = [self.budget.depth_acceptance(depth) for depth in range(1, self.K)]
-        plan = {}  # rows -> (n, seconds of a step)
-        for R in range(1, rows + 1):
-            reach = [R * math.prod(acceptance[:depth]) for depth in range(1, self.K)]
-            n = self._best(R, reach)[0]
-            plan[R] = (n, self.verify_seconds(R, n) + self._draft_cost(R))
-        rng, drafted = random.Random(0), 0.0
-        for _ in range(trials):
-            waiting, left = prompts, []  # tokens each row still has to emit (its first came with the prefill)
-            while waiting or left:
-                joining = min(waiting, rows - len(left))
-                left, waiting = left + [new_tokens - 1] * joining, waiting - joining
-                n, seconds = plan[len(left)]
-                drafted += seconds
-                for i in range(len(left)):
-                    kept = 0
-                    while kept < n - 1 and rng.random() < acceptance[kept]:
-                        kept += 1
-                    left[i] -= kept + 1
-                left = [t for t in left if t > 0]
-        waves = [rows] * (prompts // rows) + ([prompts % rows] if prompts % rows else [])
-        plain = sum((new_tokens - 1) * self.verify_seconds(R, 1) for R in waves)
-        return plain * trials / drafted
 
     def _draft_cost(self, rows: int) -> float:
         return self.draft_seconds.get(rows, max(self.draft_seconds.values(), default=0.0))
@@ -432,8 +395,6 @@ class BatchScheduler:
         measured = {"step_ms": {n: round(t * 1e3, 2) for n, t in self.step_seconds.items()}} if self.step_seconds else {}  # 0: plain
         if self.predicted is not None:
             measured["predicted_speedup"] = round(self.predicted, 4)
-        if self.predicted_step is not None:
-            measured["predicted_step_speedup"] = round(self.predicted_step, 4)
         if not self.chosen and self.off:
             return {"off": True, "drafted_fraction": 0.0, **measured}
         return {**measured, "mean_verified": round(sum(self.chosen) / steps, 3),
@@ -690,8 +651,7 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             steps = measure_step_seconds(target, capture, B, K, context, kv)
             scheduler = BatchScheduler(budget, K, min_drafts=1 if calibration else 8, step_seconds=steps, rows=B)
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
-            scheduler.predicted_step = scheduler.predicted_speedup(B)
-            scheduler.predicted = scheduler.predicted_run_speedup(B, len(prompts), dec.max_new_tokens)
+            scheduler.predicted = scheduler.predicted_speedup(B)
             if calibration is not None and scheduler.predicted < UP_FRONT_MARGIN:  # a calibrated prediction: drafting
                 scheduler.off = True                                                 # would not pay here
         def plain(B=B):
