@@ -723,6 +723,19 @@ def test_int8_drafters_stay_lossless(target_and_prompts, trained_drafters, kind)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
 
 
+def close_to_rounding_or_an_int8_step(actual, expected, tight: list) -> None:
+    """A compiled draft against the eager one: equal to rounding, except where a rounding moved an
+    activation across an int8 code boundary, which moves that product by about one quantization step
+    (~1e-3 here; a wrong slot or position would move values by ~1). Every element within 1% of the
+    largest magnitude; ``tight`` records whether all were within 1e-4 (on this machine one draft in
+    ~150 was not, at 1.5e-3 to 6e-3)."""
+    if expected is None:
+        assert actual is None
+        return
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-2 * max(1.0, float(expected.abs().max())))
+    tight.append(torch.allclose(actual, expected, rtol=1e-4, atol=1e-4))
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
     """A block drafter's draft compiled as one graph (serve_eval.compiled, over the fused int8 drafter
@@ -739,19 +752,19 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     int8_drafter(drafter, "all")
     record = compiled.compile_drafts(drafter, max(len(p) for p in prompts) + MAX_NEW)
     assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
-    graph_call, counts = compiled.CompiledDraft.__call__, []
+    graph_call, counts, tight = compiled.CompiledDraft.__call__, [], []
 
     def checked(self, anchor, cache, arrived, propose):  # the eager block from a copy of the same cache, beside the graph's
         eager_cache = copy.deepcopy(cache)
         reference = drafter.decode_hidden(anchor, cache.length + arrived.shape[1], eager_cache, arrived)
         hidden, proposal = graph_call(self, anchor, cache, arrived, propose)
-        torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
+        close_to_rounding_or_an_int8_step(hidden, reference, tight)
         assert cache.length == eager_cache.length and propose
         tokens, logits, confidence = proposal  # greedy: each position's logits after the graph's own drafts
-        drafts = iter(tokens.unbind(-1))  # the eager proposal over the eager block, fed the graph's drafts
-        _, expected, expected_confidence = drafter.propose(reference, anchor.view(1, 1), lambda _: next(drafts))
-        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(confidence, expected_confidence, rtol=1e-4, atol=1e-4)  # DFlash: None, None
+        drafts = iter(tokens.unbind(-1))  # the eager proposal over the graph's block, fed the graph's drafts
+        _, expected, expected_confidence = drafter.propose(hidden, anchor.view(1, 1), lambda _: next(drafts))
+        close_to_rounding_or_an_int8_step(logits, expected, tight)
+        close_to_rounding_or_an_int8_step(confidence, expected_confidence, tight)  # DFlash: None, None
         assert torch.equal(tokens, logits.argmax(-1))
         counts.append(arrived.shape[1])
         return hidden, proposal
@@ -763,6 +776,7 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
         assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}))[0] == reference
         assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
     assert len(counts) > 20 and len(set(counts)) > 2  # the graph drafted, after steps that kept various counts
+    assert sum(tight) >= 0.95 * len(tight)
     longer, before = torch.cat([prompts[0]] * 3), len(counts)  # past the graph's caches: eager, still lossless
     assert speculative_generate(target, drafter, longer, MAX_NEW)[0] == plain_generate(target, longer, MAX_NEW)[0]
     assert len(counts) == before
@@ -785,7 +799,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
     assert compiled.compile_drafts(drafter, max(map(len, prompts)) + MAX_NEW, rows=(2, 3))["rows"] == [1, 2, 3]
-    graph_run, rows_seen, close = compiled.CompiledDraft.run, [], []
+    graph_run, rows_seen, tight = compiled.CompiledDraft.run, [], []
 
     def checked(self, anchors, starts, arriving, counts, keys, values, propose):
         copies = [b.clone() for b in keys + values]
@@ -793,10 +807,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
         features[:, :arriving.shape[1]] = arriving
         reference = drafter.decode_static(anchors, torch.stack([starts, counts], 1), features, copies[:len(keys)], copies[len(keys):])
         hidden, proposal = graph_run(self, anchors, starts, arriving, counts, keys, values, propose)
-        # equal up to rounding; where a rounding moves an activation across an int8 code boundary, that
-        # product moves by about one quantization step (~1e-3 here; wrong slots would move it by ~1)
-        torch.testing.assert_close(hidden, reference, rtol=0, atol=1e-2)
-        close.append(torch.allclose(hidden, reference, rtol=1e-4, atol=1e-4))
+        close_to_rounding_or_an_int8_step(hidden, reference, tight)
         rows_seen.append(len(anchors))
         return hidden, proposal
 
@@ -806,7 +817,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     for slots, scheduler in ((3, None), (2, None), (3, BatchScheduler(Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}), K))):
         assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler)[0] == reference
     assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
-    assert sum(close) >= 0.95 * len(close)  # code boundaries are crossed rarely
+    assert sum(tight) >= 0.95 * len(tight)
 
 
 def test_each_compiled_drafter_has_a_graph_of_its_own():
