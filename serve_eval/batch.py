@@ -476,8 +476,11 @@ class Waiting:
         self.target, self.capture, self.kv = target, capture, kv
         self.prompts, self.samplers, self.slots, self.outs = prompts, samplers, slots, outs
         self.queue = list(range(len(prompts)))
-        self.group: BatchTarget | None = None
-        self.ready: list[int] = []  # rows of the group not taken yet
+        self.group: BatchTarget | None = None  # the last group prefilled, and of its rows:
+        self.indices: list[int] = []  # their prompts
+        self.first = torch.zeros(0, dtype=torch.long)  # their first tokens
+        self.aux: torch.Tensor | None = None  # their features (None without a capture)
+        self.ready: list[int] = []  # those not taken yet
 
     def __bool__(self) -> bool:
         return bool(self.queue or self.ready)
@@ -507,7 +510,7 @@ def _refill(waiting: Waiting, live: list[int], bonus: torch.Tensor, session: Bat
     leave; an empty batch starts with a group. ``live``: the rows' prompt indices. Returns the rows,
     their bonus tokens and the target session."""
     outs = waiting.outs
-    while True:
+    while True:  # until no finished row can take a waiting prompt (a prompt may be done at its first token)
         done = [r for r, i in enumerate(live) if len(outs[i]) >= max_new or (eos is not None and eos in outs[i])]
         if waiting and not live:  # the batch starts with a group
             which = waiting.take(waiting.slots)
@@ -525,7 +528,7 @@ def _refill(waiting: Waiting, live: list[int], bonus: torch.Tensor, session: Bat
             for r, w in zip(rows.tolist(), which.tolist()):
                 live[r] = waiting.indices[w]
         else:
-            break  # (a prompt may be done at its first token: look again)
+            break
     if done:
         keep = torch.tensor([r for r in range(len(live)) if r not in done], dtype=torch.long)
         for state in (session, context):

@@ -403,6 +403,18 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
         assert torch.allclose(batched[i, 0], logits, atol=1e-4)
 
 
+def steps_match_alone(target, batch, alone, steps: int, n: int) -> None:
+    """``steps`` steps of ``n`` random tokens a row, each row keeping a random count of them: the
+    batch's logits equal those of each row's own session (``alone``) every step."""
+    for _ in range(steps):
+        ids, counts = torch.randint(0, target.config.vocab_size, (len(alone), n)), torch.randint(1, n + 1, (len(alone),))
+        together = batch.step(ids)[0]
+        torch.testing.assert_close(together, torch.cat([a.step(ids[i:i + 1])[0] for i, a in enumerate(alone)]), atol=1e-5, rtol=1e-5)
+        batch.keep(counts)
+        for a, c in zip(alone, counts):
+            a.keep(c[None])
+
+
 def test_batch_rows_read_what_they_read_alone(target_and_prompts):
     """Ragged rows (the prefill pads), each keeping a different number of every step's tokens (the
     rest written over by the next step): every row's logits equal those of its own session."""
@@ -414,13 +426,7 @@ def test_batch_rows_read_what_they_read_alone(target_and_prompts):
     first = batch.prefill(rows)[0]
     torch.testing.assert_close(first, torch.cat([a.prefill([p])[0] for a, p in zip(alone, rows)]), atol=1e-5, rtol=1e-5)
     torch.manual_seed(0)
-    for _ in range(6):
-        ids, counts = torch.randint(0, target.config.vocab_size, (3, 5)), torch.randint(1, 6, (3,))
-        together = batch.step(ids)[0]
-        torch.testing.assert_close(together, torch.cat([a.step(ids[i:i + 1])[0] for i, a in enumerate(alone)]), atol=1e-5, rtol=1e-5)
-        batch.keep(counts)
-        for a, c in zip(alone, counts):
-            a.keep(c[None])
+    steps_match_alone(target, batch, alone, steps=6, n=5)
     assert batch.lengths.tolist() == [a.lengths.item() for a in alone]
 
 
@@ -449,13 +455,7 @@ def test_a_prompt_taking_a_finished_rows_place_reads_what_it_reads_alone(target_
     alone[0] = BatchTarget(target)
     torch.testing.assert_close(first[1:], alone[0].prefill([prompts[2][:9]])[0], atol=1e-5, rtol=1e-5)
     assert batch.lengths.tolist() == [9, alone[1].lengths.item()]
-    for _ in range(3):
-        ids, counts = torch.randint(0, target.config.vocab_size, (2, 4)), torch.randint(1, 5, (2,))
-        together = batch.step(ids)[0]
-        torch.testing.assert_close(together, torch.cat([a.step(ids[i:i + 1])[0] for i, a in enumerate(alone)]), atol=1e-5, rtol=1e-5)
-        batch.keep(counts)
-        for a, c in zip(alone, counts):
-            a.keep(c[None])
+    steps_match_alone(target, batch, alone, steps=3, n=4)
 
 
 def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
