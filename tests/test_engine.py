@@ -617,7 +617,8 @@ def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target
 def test_quantized_kv_caches_stay_lossless(target_and_prompts, trained_drafters, kind):
     """With the target's KV cache quantized (serve_eval.kv), greedy chains and trees (with a budget)
     emit exactly what plain decoding with the same quantized cache emits, for every format, and so
-    do batches of rows of different lengths (block drafters); the quantized cache does change the
+    do batches of rows of different lengths (block drafters), with a prompt taking a finished row's
+    place too; the quantized cache does change the
     target's logits (it is in use)."""
     from serve_eval.batch import batched_speculative_generate
     from serve_eval.kv import KVQuant
@@ -634,8 +635,9 @@ def test_quantized_kv_caches_stay_lossless(target_and_prompts, trained_drafters,
                                         budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
         if kind != "eagle3":
             rows = [prompts[0], prompts[1][:17], prompts[2][:9]]
-            assert batched_speculative_generate(target, drafter, rows, MAX_NEW, kv=kv)[0] == \
-                [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]
+            expected = [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]
+            for slots in (None, 2):  # 2: the third prompt takes a finished row's place, codes copied in place
+                assert batched_speculative_generate(target, drafter, rows, MAX_NEW, kv=kv, slots=slots)[0] == expected
 
 
 def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_path, tiny_target_dir, trained_drafters):
