@@ -49,7 +49,6 @@ Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one 
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from dataclasses import dataclass
@@ -131,15 +130,6 @@ class BatchTarget:
         for layer, theirs in zip(self.cache.layers, other.cache.layers):
             layer.put_rows(rows, theirs, which)
         self.lengths = self.lengths.index_put((rows,), other.lengths[which])
-
-    def rows(self, which: torch.Tensor) -> "BatchTarget":
-        """A session of rows ``which`` of this one: this one when that is all of them, else a copy."""
-        if which.tolist() == list(range(len(self.lengths))):
-            return self
-        new = copy.copy(self)
-        new.cache = copy.deepcopy(self.cache)
-        new.select(which)
-        return new
 
     @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
@@ -512,9 +502,9 @@ def _refill(waiting: Waiting, live: list[int], bonus: torch.Tensor, session: Bat
     outs = waiting.outs
     while True:  # until no finished row can take a waiting prompt (a prompt may be done at its first token)
         done = [r for r, i in enumerate(live) if len(outs[i]) >= max_new or (eos is not None and eos in outs[i])]
-        if waiting and not live:  # the batch starts with a group
+        if waiting and not live:  # the batch starts (once: rows leave only when none wait) with a whole group
             which = waiting.take(waiting.slots)
-            session = waiting.group.rows(which)
+            session = waiting.group
             if context is not None:
                 context.start(waiting.aux[which], session.lengths.clone())
             live, bonus = [waiting.indices[w] for w in which.tolist()], waiting.first[which]
