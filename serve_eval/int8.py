@@ -54,10 +54,6 @@ the largest weights by far; ``all`` every Linear.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import sys
-import tempfile
 import warnings
 import weakref
 from pathlib import Path
@@ -66,6 +62,8 @@ import torch
 from torch import nn
 
 from drafters.vocab import VOCAB_HEADS, CandidateHead, RestrictedHead, over_vocab
+
+from . import native
 
 
 def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,25 +94,10 @@ _SOURCE = Path(__file__).with_name("int8_op.cpp")
 
 @functools.cache
 def native_op():
-    """``draftsmith_int8::linear`` (:file:`int8_op.cpp`), or None where it cannot be built here. Built once
-    per machine (source, torch and Python versions in the name) into torch's extensions folder
-    (``TORCH_EXTENSIONS_DIR`` where set): in a private folder, then renamed into place, so that a build
-    killed halfway leaves nothing a later run would load, and two processes building at once do not
-    wait on each other's lock (each builds, ~20 s; the second rename replaces the first's file)."""
+    """``draftsmith_int8::linear`` (:file:`int8_op.cpp`), or None where it cannot be built here
+    (built once per machine: :func:`serve_eval.native.load`)."""
     try:
-        from torch.utils import cpp_extension
-
-        tag = hashlib.sha256(_SOURCE.read_bytes() + f"{torch.__version__} {sys.version}".encode()).hexdigest()[:16]
-        name = f"draftsmith_int8_{tag}"
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-        built = root / f"{name}.so"
-        if built.exists():
-            torch.ops.load_library(str(built))
-        else:
-            root.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(prefix=f"{name}.", dir=root) as folder:  # builds and loads
-                cpp_extension.load(name, [str(_SOURCE)], build_directory=folder, is_python_module=False, extra_cflags=["-O2"])
-                os.replace(Path(folder) / f"{name}.so", built)
+        native.load(_SOURCE)
         torch.library.register_fake("draftsmith_int8::linear", _fake)
         return torch.ops.draftsmith_int8.linear.default
     except Exception as error:  # noqa: BLE001  (no compiler, a failed build: the Python operator serves)

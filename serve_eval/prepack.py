@@ -1,99 +1,144 @@
-"""The target's Linears served from weights prepacked once for oneDNN, on the CPU (``decoding.prepack``).
+"""The target's Linears served from weights prepacked once, on the CPU (``decoding.prepack``).
 
-A Linear ``y = x W^T + b`` computes the same fp32 products either way; what changes is the kernel.
-torch's default CPU path (``F.linear`` -> MKL ``sgemm``) reads ``W`` in its stored row-major layout
-and, for more than one row of ``x``, repacks it into the kernel's panel layout on every call: the
-weight crosses the memory bus about twice. A decode step of the testbed target reads its 45 MB of
-weights (more than the 32 MB L3) once per forward, so that repacking is most of what verifying 8
-tokens costs beyond verifying 1. oneDNN's weight reorder (``torch.ops.mkldnn._reorder_linear_weight``,
-done once here) stores ``W`` in the blocked layout its kernel reads directly
-(``torch.ops.mkldnn._linear_pointwise``): a forward over 8 rows then costs what a forward over 1
-row does, because both are the time to stream the weights once.
+A Linear ``y = x W^T + b`` computes the same fp32 products whichever kernel runs it; what changes is how
+fast. A decode step of the testbed target reads its 45 MB of weights (more than the 32 MB L3) once per
+forward for 1 to 8 rows of ``x``: the time to stream the weights is the floor, and a kernel that
+reaches it makes verifying 8 tokens cost little more than decoding 1. Two kernels, the first that
+this machine has:
 
-Measured on this CPU (1 thread, the target's 57 Linears in turn, the median of 9 passes):
-``F.linear`` 6.2-6.8 ms at 1 row, 10.6-10.7 ms at 8; prepacked 5.1-6.5 ms at 1 row, 6.1-6.7 ms at 8.
-Through the whole target (``measure_verify_costs``, three alternated rounds) a forward over 8 new
-tokens cost 1.18-1.49 forwards over 1 with ``F.linear`` and 0.93-1.03 prepacked.
+* ``panels`` (:file:`linear_op.cpp`, ``draftsmith_fp32::linear``): the weight repacked once into
+  panels of 16 output columns, each streamed once per forward while tiles of up to 6 rows accumulate
+  in registers (12 FMAs per two weight loads). Every output is the same FMA chain over the inputs in
+  order, so a row's result does not depend on how many rows share the call: a token verified among
+  eight gets the bits it gets decoded alone. For more than ``PANEL_ROWS`` rows (a long prompt's
+  prefill) ``F.linear``'s blocked GEMM, which reads each input row once per block, serves instead.
+  Built once per machine (:mod:`serve_eval.native`, ~20 s) where the CPU has AVX2 and FMA and a C++
+  compiler is at hand.
+* ``onednn``: oneDNN's weight reorder (``torch.ops.mkldnn._reorder_linear_weight``, once) and its
+  kernel (``torch.ops.mkldnn._linear_pointwise``), the private ops torch's own compiler (inductor's CPU
+  freezing pass) emits for a frozen fp32 Linear. ``F.linear`` (MKL ``sgemm``) repacks ``W`` into its
+  panel layout on every call for more than one row, so the weight crosses the memory bus about twice.
+
+Measured on this CPU (1 thread, the testbed target's 57 Linears in turn, medians of 11 passes, one
+run): at 1 row ``F.linear`` 8.7 ms, oneDNN 7.4-9.2, panels 4.1-4.4 (10-11 GB/s, what ``x.sum()`` over
+45 MB streams); at 8 rows 14.4 / 11.4-13.4 / 6.0-7.3; at 64 rows oneDNN 25.4, panels 20.1; at 256,
+73.5 against 65.7. Alone on a 4,096 x 320 weight held in cache, 8 rows: 85 GFLOP/s (torch's own
+2,048^3 fp32 matmul: ~67). Whole decoding loops: ``python -m recipes.cli run recipes/configs/eval_testbed.yaml``
+(docs/results.md).
 
 Invariants:
 
 * Both loops decode with the same target object, so plain decoding gets the faster kernel too and
-  the speedups stay honest; the report records the setting.
+  the speedups stay honest; the report records the kernel.
 * Losslessness does not depend on the kernel: the loop verifies with the target it is given and
   plain decoding is measured with that same target. The logits differ from ``F.linear``'s by the
   summation order only (|difference| <= 2e-5 on the testbed target's logits).
-* Only fp32 Linears on the CPU: oneDNN's fp32 CPU kernel is what was measured; a GPU keeps its own
-  kernels and ``on`` there is refused. The original weight Parameters stay referenced (``weight``,
-  ``bias``), so anything that reads them (a drafter sharing the target's head) reads the same bytes.
-
-These are the private ops torch's own compiler (inductor's CPU freezing pass) emits for a frozen
-fp32 Linear; there is no public eager API for them (``torch.utils.mkldnn.to_mkldnn`` converts every
-input and output to oneDNN's tensor type at each call). Where a torch build lacks them, ``auto``
-leaves the target as it is and the report says so.
+* Only fp32 Linears on the CPU; a GPU keeps its own kernels and ``on`` there is refused. The original
+  weight Parameters stay referenced (``weight``, ``bias``), so anything that reads them (a drafter
+  sharing the target's head) reads the same bytes; where gradients flow, ``F.linear`` computes.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 
-def available() -> bool:
+#: beyond this many rows F.linear's blocked GEMM beats streaming the input once per 16-column panel
+PANEL_ROWS = 256
+_SOURCE = Path(__file__).with_name("linear_op.cpp")
+
+
+@functools.cache
+def panels_available() -> bool:
+    """Whether ``draftsmith_fp32`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        native.load(_SOURCE, ("-O3", "-mavx2", "-mfma"))
+        return True
+    except Exception as error:  # noqa: BLE001  (no compiler, a failed build: oneDNN serves)
+        warnings.warn(f"serve_eval.prepack: the C++ fp32 operator could not be built ({type(error).__name__}: "
+                      f"{error}); oneDNN's kernel serves", stacklevel=2)
+        return False
+
+
+def onednn_available() -> bool:
     """Whether this torch has oneDNN's CPU Linear ops."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+def available() -> bool:
+    """Whether either kernel serves here."""
+    return panels_available() or onednn_available()
 
 
 class PrepackedLinear(nn.Module):
-    """``F.linear(x, weight, bias)`` by oneDNN's kernel from ``weight`` reordered once (see the module docstring)."""
+    """``F.linear(x, weight, bias)`` from ``weight`` repacked once for ``kernel`` (``panels`` or
+    ``onednn``; see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernel: str = "panels"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: nothing that reads them changes
-        self.packed = _pack(linear.weight)
+        self.kernel = kernel
+        self._pack()
 
-    def __getstate__(self):  # oneDNN's blocked tensor has no storage to pickle or copy: rebuilt from the weight
+    def _pack(self) -> None:
+        weight = self.weight.detach()
+        self.packed = torch.ops.draftsmith_fp32.pack(weight) if self.kernel == "panels" else \
+            torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def __getstate__(self):  # derived from the weight (oneDNN's blocked tensor has no storage to pickle): rebuilt
         return {k: v for k, v in self.__dict__.items() if k != "packed"}
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.packed = _pack(self.weight)
+        self._pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)  # the packed op has no backward
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if self.bias is None else self.bias.detach(),
-                                                  "none", [], "")
+            return F.linear(x, self.weight, self.bias)  # the packed ops have no backward
+        bias = None if self.bias is None else self.bias.detach()
+        if self.kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if x.numel() > PANEL_ROWS * self.in_features:
+            return F.linear(x, self.weight.detach(), bias)
+        return torch.ops.draftsmith_fp32.linear(x, self.packed, self.out_features, bias)
 
 
 def resolve(setting: str, device: str) -> str:
-    """What ``decoding.prepack`` means here: ``auto`` is ``on`` on the CPU where this torch has the ops,
-    else ``off``; ``on`` on a GPU or without the ops is a ValueError."""
+    """What ``decoding.prepack`` means here: ``auto`` is ``on`` on the CPU where a kernel serves, else
+    ``off``; ``on`` on a GPU or without either kernel is a ValueError."""
     if setting == "auto":
         return "on" if device == "cpu" and available() else "off"
     if setting == "on" and device != "cpu":
-        raise ValueError(f"decoding.prepack = 'on' serves the target's Linears from oneDNN's CPU kernel; on {device} "
+        raise ValueError(f"decoding.prepack = 'on' serves the target's Linears from CPU kernels; on {device} "
                          f"the target keeps its own kernels (auto or off)")
     if setting == "on" and not available():
-        raise ValueError("decoding.prepack = 'on': this torch build has no oneDNN Linear ops "
-                         "(torch.ops.mkldnn._linear_pointwise); use auto or off")
+        raise ValueError("decoding.prepack = 'on': neither the C++ fp32 operator (AVX2, a compiler) nor oneDNN's "
+                         "Linear ops (torch.ops.mkldnn._linear_pointwise) serve here; use auto or off")
     return setting
 
 
-def prepack_linears(model: nn.Module) -> dict:
-    """Replace every fp32 ``nn.Linear`` of ``model`` by a :class:`PrepackedLinear`, in place. Returns what
-    the report records: how many Linears and the bytes of their weights."""
+def prepack_linears(model: nn.Module, kernel: str = "auto") -> dict:
+    """Replace every fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PrepackedLinear`, in place, with
+    ``kernel`` (``auto``: ``panels`` where it serves, else ``onednn``). Returns what the report records:
+    the kernel, how many Linears and the bytes of their weights."""
+    if kernel == "auto":
+        kernel = "panels" if panels_available() else "onednn"
     converted, nbytes = 0, 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, PrepackedLinear(child))
+                setattr(parent, name, PrepackedLinear(child, kernel))
                 converted += 1
                 nbytes += child.weight.numel() * child.weight.element_size()
-    return {"kernel": "onednn", "linears": converted, "weight_bytes": nbytes}
+    return {"kernel": kernel, "linears": converted, "weight_bytes": nbytes}

@@ -9,6 +9,7 @@ import torch
 from distill.config import DataConfig, TargetConfig
 from distill.data import load_text_splits
 from distill.models import load_target
+from serve_eval import prepack
 from serve_eval.budget import Budget
 from serve_eval.engine import Proposer, TargetSession, make_proposer, plain_generate, speculative_generate
 
@@ -210,8 +211,9 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     split = report["time_split"]
     assert 0 < split["draft_fraction"] < 1 and 0 < split["verify_fraction"] < 1 and report["torch_threads"] == 1
     assert (tmp_path / "acceptance_by_position.png").stat().st_size > 1000
-    # auto on the CPU: the target's Linears prepacked for oneDNN, every Linear of the drafter in int8 on fbgemm's kernel
+    # auto on the CPU: the target's Linears prepacked (AVX2 panels where they build), every Linear of the drafter in int8 on fbgemm's kernel
     assert report["target_prepack"]["linears"] == 7 * 4 + 1  # the tiny target: 4 layers
+    assert report["target_prepack"]["kernel"] == ("panels" if prepack.panels_available() else "onednn")
     assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] == "fbgemm"
     graph = report["draft_compiled"]  # and the draft compiled as one graph, over caches for 16 + 24 positions and a block
     assert graph["graph"] == "decode_static" + ("" if "draft_vocab_candidates" in decoding else " + propose")
@@ -680,8 +682,8 @@ def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_p
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters, kind):
-    """A target served from oneDNN's prepacked weights (serve_eval.prepack) is the target both loops
-    decode with: its logits are the float Linears' up to summation order, and greedy chains, trees and
+    """A target served from weights prepacked once (serve_eval.prepack: the AVX2 panel kernel where it
+    builds, else oneDNN's) is the target both loops decode with: its logits are the float Linears' up to summation order, and greedy chains, trees and
     batches still equal its own plain decoding."""
     import copy
 

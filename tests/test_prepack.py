@@ -1,6 +1,7 @@
-"""serve_eval.prepack: a Linear served from oneDNN's prepacked weight computes the float Linear (up to
-summation order), keeps the original Parameters, falls back where gradients flow, and converts every
-fp32 Linear of a target; the setting resolves per device and reads bare YAML on / off."""
+"""serve_eval.prepack: a Linear served from a weight repacked once (our AVX2 panels, oneDNN's layout)
+computes the float Linear (up to summation order), the panel kernel gives a row the same bits whatever
+rows share the call, the original Parameters stay, gradients fall back to F.linear, every fp32 Linear
+of a target converts; the setting resolves per device and reads bare YAML on / off."""
 
 from __future__ import annotations
 
@@ -11,17 +12,20 @@ import pytest
 import torch
 from torch import nn
 
-from serve_eval.prepack import PrepackedLinear, available, prepack_linears, resolve
+from serve_eval import prepack
+from serve_eval.prepack import PANEL_ROWS, PrepackedLinear, available, prepack_linears, resolve
 
-pytestmark = pytest.mark.skipif(not available(), reason="this torch has no oneDNN Linear ops")
+KERNELS = [pytest.param("panels", marks=pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")),
+           pytest.param("onednn", marks=pytest.mark.skipif(not prepack.onednn_available(), reason="no oneDNN Linear ops"))]
 
 
-@pytest.mark.parametrize("shape", [(1, 37), (8, 64), (3, 5, 96), (0, 16)])
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", [(1, 37), (8, 64), (3, 5, 96), (0, 16), (PANEL_ROWS + 1, 24)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_prepacked_linear_computes_the_float_linear(shape, bias):
+def test_a_prepacked_linear_computes_the_float_linear(kernel, shape, bias):
     torch.manual_seed(0)
-    linear = nn.Linear(shape[-1], 50, bias=bias)
-    packed = PrepackedLinear(linear)
+    linear = nn.Linear(shape[-1], 50, bias=bias)  # 50 outputs: the last 16-column panel is partly padding
+    packed = PrepackedLinear(linear, kernel)
     assert packed.weight is linear.weight and packed.bias is linear.bias
     x = torch.randn(*shape)
     with torch.no_grad():
@@ -38,6 +42,18 @@ def test_a_prepacked_linear_computes_the_float_linear(shape, bias):
     assert x.grad is not None and linear.weight.grad is not None
 
 
+@pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_call():
+    torch.manual_seed(0)
+    packed = PrepackedLinear(nn.Linear(320, 100), "panels")
+    x = torch.randn(13, 320)
+    with torch.no_grad():
+        alone = torch.cat([packed(x[i:i + 1]) for i in range(13)])
+        for rows in range(1, 14):  # tiles of 6 rows: every split of a call into tiles
+            assert torch.equal(packed(x[:rows]), alone[:rows])
+
+
+@pytest.mark.skipif(not available(), reason="no kernel serves here")
 def test_prepack_converts_every_fp32_linear_of_a_model():
     class Toy(nn.Module):
         def __init__(self):
@@ -46,11 +62,24 @@ def test_prepack_converts_every_fp32_linear_of_a_model():
             self.lm_head = nn.Linear(8, 32, bias=False)
 
     toy = Toy()
-    assert prepack_linears(toy) == {"kernel": "onednn", "linears": 2, "weight_bytes": (8 * 8 + 32 * 8) * 4}
+    kernel = "panels" if prepack.panels_available() else "onednn"
+    assert prepack_linears(toy) == {"kernel": kernel, "linears": 2, "weight_bytes": (8 * 8 + 32 * 8) * 4}
     assert isinstance(toy.layer[0], PrepackedLinear) and isinstance(toy.lm_head, PrepackedLinear)
-    assert type(toy.layer[2]) is nn.Linear  # fp16: not what the kernel was measured for
+    assert toy.lm_head.kernel == kernel
+    assert type(toy.layer[2]) is nn.Linear  # fp16: not what the kernels were measured for
 
 
+def test_the_panel_kernel_needs_avx2(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    prepack.panels_available.cache_clear()
+    try:
+        assert not prepack.panels_available()
+    finally:
+        monkeypatch.undo()
+        prepack.panels_available.cache_clear()
+
+
+@pytest.mark.skipif(not available(), reason="no kernel serves here")
 def test_the_setting_resolves_per_device():
     assert resolve("auto", "cpu") == "on" and resolve("auto", "cuda") == "off" and resolve("off", "cpu") == "off"
     with pytest.raises(ValueError, match="decoding.prepack = 'on'.*cuda"):
