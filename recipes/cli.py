@@ -99,8 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--drafter-int8", default="auto", choices=["auto", "off", "head", "all"],
                     help="all the drafter's Linears (or its head only) in int8, a CPU kernel; auto (default): all on "
                          "the CPU, off on a GPU. The target stays as it is")
-    ev.add_argument("--prepack", default="auto", choices=["auto", "on", "off"],
-                    help="the target's Linears from weights prepacked once (serve_eval.prepack: AVX2 panels, else oneDNN), both loops; "
+    ev.add_argument("--prepack", default="auto", choices=["auto", "on", "panels", "onednn", "off"],
+                    help="the target's Linears from weights prepacked once (serve_eval.prepack: on = AVX2 panels, else oneDNN), both loops; "
                          "auto (default): on on the CPU, off on a GPU")
     ev.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="a block drafter's draft as one torch.compile graph (serve_eval.compiled); auto (default): on "

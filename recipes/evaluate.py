@@ -86,7 +86,7 @@ def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompt
     positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
     return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",  # before the compile: it traces them
             "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
-            "target_prepack": prepack_linears(target) if prepack == "on" else "off"}
+            "target_prepack": prepack_linears(target, prepack) if prepack != "off" else "off"}
 
 
 def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,

@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|off] [--compile auto|on|off]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off]
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
     parser.add_argument("--drafter-int8", choices=["auto", "off", "head", "all"],
                         help="the drafter's head / all its Linears in int8, or off (default: the recipe's, auto)")
-    parser.add_argument("--prepack", choices=["auto", "on", "off"],
+    parser.add_argument("--prepack", choices=["auto", "on", "panels", "onednn", "off"],
                         help="the target's Linears prepacked (AVX2 panels, else oneDNN), or off (default: the recipe's, auto)")
     parser.add_argument("--compile", choices=["auto", "on", "off"],
                         help="a block drafter's draft as one compiled graph, or eager (default: the recipe's, auto)")

@@ -115,24 +115,32 @@ class PrepackedLinear(nn.Module):
 
 
 def resolve(setting: str, device: str) -> str:
-    """What ``decoding.prepack`` means here: ``auto`` is ``on`` on the CPU where a kernel serves, else
-    ``off``; ``on`` on a GPU or without either kernel is a ValueError."""
+    """The kernel ``decoding.prepack`` names here (``panels``, ``onednn``) or ``off``: ``auto`` is ``on``
+    on the CPU and ``off`` elsewhere; ``on`` the first kernel that serves (``off`` under ``auto`` where
+    none does). A kernel on a GPU, or one that does not serve here, is a ValueError."""
     if setting == "auto":
-        return "on" if device == "cpu" and available() else "off"
-    if setting == "on" and device != "cpu":
-        raise ValueError(f"decoding.prepack = 'on' serves the target's Linears from CPU kernels; on {device} "
+        if device != "cpu":
+            return "off"
+        setting = "on" if available() else "off"
+    if setting == "off":
+        return "off"
+    if device != "cpu":
+        raise ValueError(f"decoding.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
                          f"the target keeps its own kernels (auto or off)")
-    if setting == "on" and not available():
-        raise ValueError("decoding.prepack = 'on': neither the C++ fp32 operator (AVX2, a compiler) nor oneDNN's "
-                         "Linear ops (torch.ops.mkldnn._linear_pointwise) serve here; use auto or off")
-    return setting
+    kernel = ("panels" if panels_available() else "onednn") if setting == "on" else setting
+    if not {"panels": panels_available, "onednn": onednn_available}[kernel]():
+        raise ValueError(f"decoding.prepack = '{setting}': " + (
+            "neither the C++ fp32 operator (AVX2, a compiler) nor oneDNN's Linear ops serve here" if setting == "on" else
+            "the C++ fp32 operator needs an x86 CPU with AVX2 and a C++ compiler" if kernel == "panels" else
+            "this torch build has no oneDNN Linear ops (torch.ops.mkldnn._linear_pointwise)") + "; use auto or off")
+    return kernel
 
 
-def prepack_linears(model: nn.Module, kernel: str = "auto") -> dict:
+def prepack_linears(model: nn.Module, kernel: str = "on") -> dict:
     """Replace every fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PrepackedLinear`, in place, with
-    ``kernel`` (``auto``: ``panels`` where it serves, else ``onednn``). Returns what the report records:
+    ``kernel`` (``on``: ``panels`` where it serves, else ``onednn``). Returns what the report records:
     the kernel, how many Linears and the bytes of their weights."""
-    if kernel == "auto":
+    if kernel == "on":
         kernel = "panels" if panels_available() else "onednn"
     converted, nbytes = 0, 0
     for parent in list(model.modules()):

@@ -80,10 +80,24 @@ def test_the_panel_kernel_needs_avx2(monkeypatch):
 
 
 @pytest.mark.skipif(not available(), reason="no kernel serves here")
-def test_the_setting_resolves_per_device():
-    assert resolve("auto", "cpu") == "on" and resolve("auto", "cuda") == "off" and resolve("off", "cpu") == "off"
+def test_the_setting_resolves_per_device_to_a_kernel():
+    best = "panels" if prepack.panels_available() else "onednn"
+    assert resolve("auto", "cpu") == resolve("on", "cpu") == best
+    assert resolve("auto", "cuda") == "off" and resolve("off", "cpu") == "off"
     with pytest.raises(ValueError, match="decoding.prepack = 'on'.*cuda"):
         resolve("on", "cuda")
+    with pytest.raises(ValueError, match="decoding.prepack = 'onednn'.*cuda"):
+        resolve("onednn", "cuda")
+
+
+def test_a_kernel_that_does_not_serve_here_is_refused(monkeypatch):
+    monkeypatch.setattr(prepack, "panels_available", lambda: False)
+    with pytest.raises(ValueError, match="decoding.prepack = 'panels'.*AVX2"):
+        resolve("panels", "cpu")
+    monkeypatch.setattr(prepack, "onednn_available", lambda: False)
+    assert resolve("auto", "cpu") == "off"
+    with pytest.raises(ValueError, match="decoding.prepack = 'on': neither"):
+        resolve("on", "cpu")
 
 
 def test_the_recipe_setting_reads_bare_yaml_on_and_off():
@@ -92,3 +106,4 @@ def test_the_recipe_setting_reads_bare_yaml_on_and_off():
     assert load_recipe("eval_testbed", []).decoding.prepack == "auto"
     assert load_recipe("eval_testbed", ["decoding.prepack=off"]).decoding.prepack == "off"
     assert load_recipe("eval_testbed", ["decoding.prepack=on"]).decoding.prepack == "on"
+    assert load_recipe("eval_testbed", ["decoding.prepack=onednn"]).decoding.prepack == "onednn"

@@ -48,10 +48,10 @@ class DecodingSection(Strict):
         "auto", description="serve the drafter's projections onto the vocabulary (head) or all its Linears (all) from "
                             "int8 weight codes and int8 activations (serve_eval.int8, a CPU kernel); auto: all on "
                             "the CPU, off on a GPU or when the drafter is the target itself. The target is untouched")
-    prepack: Literal["auto", "on", "off"] = Field(
-        "auto", description="serve the target's Linears from weights prepacked once for oneDNN's CPU kernel "
-                            "(serve_eval.prepack): verifying several tokens then costs about what one does; both loops "
-                            "use it; auto: on on the CPU where torch has the ops, off on a GPU")
+    prepack: Literal["auto", "on", "panels", "onednn", "off"] = Field(
+        "auto", description="serve the target's Linears from weights prepacked once for a CPU kernel (serve_eval.prepack): "
+                            "panels (our AVX2 kernel) or onednn; on: the first of them that serves here; both loops "
+                            "use it; auto: on on the CPU where a kernel serves, off on a GPU")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="a block drafter's draft as one torch.compile graph (serve_eval.compiled: inductor's "
                             "fused CPU kernels, compiled once in the warm-up); auto: on for block drafters on the "
