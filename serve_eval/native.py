@@ -10,6 +10,7 @@ builds, ~20 s; the second rename replaces the first's file with the same bytes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 
+@functools.cache  # once a process: a library's operators register once
 def load(source: Path, cflags: tuple[str, ...] = ("-O2",)) -> None:
     """Build ``source`` (once per machine) and load its operators; raises where it cannot be built."""
     from torch.utils import cpp_extension
@@ -27,11 +29,11 @@ def load(source: Path, cflags: tuple[str, ...] = ("-O2",)) -> None:
     name = f"draftsmith_{source.stem}_{hashlib.sha256(key).hexdigest()[:16]}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     built = root / f"{name}.so"
-    if not built.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f"{name}.", dir=root) as folder:
-            cpp_extension.load(name, [str(source)], build_directory=folder, is_python_module=False,
-                               extra_cflags=list(cflags))  # builds, and loads
-            os.replace(Path(folder) / f"{name}.so", built)
+    if built.exists():
+        torch.ops.load_library(str(built))
         return
-    torch.ops.load_library(str(built))
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{name}.", dir=root) as folder:
+        cpp_extension.load(name, [str(source)], build_directory=folder, is_python_module=False,
+                           extra_cflags=list(cflags))  # builds, and loads
+        os.replace(Path(folder) / f"{name}.so", built)

@@ -50,7 +50,9 @@ from torch import nn
 
 from . import native
 
-#: beyond this many rows F.linear's blocked GEMM beats streaming the input once per 16-column panel
+#: beyond this many rows (a long prompt's prefill) F.linear's blocked GEMM serves, which reads each input
+#: row once per block of columns where the panels read it once per 16 (measured up to here: 256 rows of the
+#: testbed target's Linears, panels 65.7 ms against oneDNN's 73.5)
 PANEL_ROWS = 256
 _SOURCE = Path(__file__).with_name("linear_op.cpp")
 
@@ -93,8 +95,12 @@ class PrepackedLinear(nn.Module):
 
     def _pack(self) -> None:
         weight = self.weight.detach()
-        self.packed = torch.ops.draftsmith_fp32.pack(weight) if self.kernel == "panels" else \
-            torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if self.kernel == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        elif panels_available():  # (loads the operator: a copy unpickled in another process needs it too)
+            self.packed = torch.ops.draftsmith_fp32.pack(weight)
+        else:
+            raise RuntimeError("serve_eval.prepack: the panel kernel does not serve here (it needs AVX2 and a C++ compiler)")
 
     def __getstate__(self):  # derived from the weight (oneDNN's blocked tensor has no storage to pickle): rebuilt
         return {k: v for k, v in self.__dict__.items() if k != "packed"}
