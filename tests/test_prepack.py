@@ -51,6 +51,15 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call():
         alone = torch.cat([packed(x[i:i + 1]) for i in range(13)])
         for rows in range(1, 14):  # tiles of 6 rows: every split of a call into tiles
             assert torch.equal(packed(x[:rows]), alone[:rows])
+        threads = torch.get_num_threads()
+        try:  # panels split over threads: each panel is one thread's, so the bits stay
+            torch.set_num_threads(2)
+            wide = PrepackedLinear(nn.Linear(320, 40 * 16), "panels")
+            many = wide(x)
+            torch.set_num_threads(1)
+            assert torch.equal(wide(x), many)
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not available(), reason="no kernel serves here")
