@@ -20,9 +20,9 @@ this machine has:
   panel layout on every call for more than one row, so the weight crosses the memory bus about twice.
 
 Measured on this CPU (1 thread, the testbed target's 57 Linears in turn, medians of 11 passes, one
-run): at 1 row ``F.linear`` 8.7 ms, oneDNN 7.4-9.2, panels 4.1-4.4 (10-11 GB/s, what ``x.sum()`` over
-45 MB streams); at 8 rows 14.4 / 11.4-13.4 / 6.0-7.3; at 64 rows oneDNN 25.4, panels 20.1; at 256,
-73.5 against 65.7. Alone on a 4,096 x 320 weight held in cache, 8 rows: 85 GFLOP/s (torch's own
+run): at 1 row ``F.linear`` 8.7 ms, oneDNN 7.4-9.2, panels 3.4-4.4 (10-13 GB/s, what ``x.sum()`` over
+45 MB streams); at 8 rows 14.4 / 11.4-13.4 / 4.6-4.7 (6.0-7.3 before the weight was prefetched); at 64
+rows oneDNN 25.4, panels 20.1; at 256, 73.5 against 65.7. Alone on a 4,096 x 320 weight held in cache, 8 rows: 85 GFLOP/s (torch's own
 2,048^3 fp32 matmul: ~67). Whole decoding loops: ``python -m recipes.cli run recipes/configs/eval_testbed.yaml``
 (docs/results.md).
 
