@@ -77,9 +77,18 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+#: the kernels in order of preference, with what each needs where it does not serve
+_NEEDS = {"panels": "an x86 CPU with AVX2 and a C++ compiler (the C++ fp32 operator)",
+          "onednn": "a torch build with oneDNN's Linear ops (torch.ops.mkldnn._linear_pointwise)"}
+
+
+def _serves(kernel: str) -> bool:
+    return panels_available() if kernel == "panels" else onednn_available()
+
+
 def available() -> bool:
     """Whether either kernel serves here."""
-    return panels_available() or onednn_available()
+    return any(map(_serves, _NEEDS))
 
 
 class PrepackedLinear(nn.Module):
@@ -100,7 +109,7 @@ class PrepackedLinear(nn.Module):
         elif panels_available():  # (loads the operator: a copy unpickled in another process needs it too)
             self.packed = torch.ops.draftsmith_fp32.pack(weight)
         else:
-            raise RuntimeError("serve_eval.prepack: the panel kernel does not serve here (it needs AVX2 and a C++ compiler)")
+            raise RuntimeError(f"serve_eval.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}")
 
     def __getstate__(self):  # derived from the weight (oneDNN's blocked tensor has no storage to pickle): rebuilt
         return {k: v for k, v in self.__dict__.items() if k != "packed"}
@@ -133,21 +142,19 @@ def resolve(setting: str, device: str) -> str:
     if device != "cpu":
         raise ValueError(f"decoding.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
                          f"the target keeps its own kernels (auto or off)")
-    kernel = ("panels" if panels_available() else "onednn") if setting == "on" else setting
-    if not {"panels": panels_available, "onednn": onednn_available}[kernel]():
-        raise ValueError(f"decoding.prepack = '{setting}': " + (
-            "neither the C++ fp32 operator (AVX2, a compiler) nor oneDNN's Linear ops serve here" if setting == "on" else
-            "the C++ fp32 operator needs an x86 CPU with AVX2 and a C++ compiler" if kernel == "panels" else
-            "this torch build has no oneDNN Linear ops (torch.ops.mkldnn._linear_pointwise)") + "; use auto or off")
-    return kernel
+    kernels = list(_NEEDS) if setting == "on" else [setting]
+    for kernel in kernels:
+        if _serves(kernel):
+            return kernel
+    raise ValueError(f"decoding.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
+                     + " / ".join(_NEEDS[k] for k in kernels) + "; use auto or off")
 
 
 def prepack_linears(model: nn.Module, kernel: str = "on") -> dict:
     """Replace every fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PrepackedLinear`, in place, with
-    ``kernel`` (``on``: ``panels`` where it serves, else ``onednn``). Returns what the report records:
-    the kernel, how many Linears and the bytes of their weights."""
-    if kernel == "on":
-        kernel = "panels" if panels_available() else "onednn"
+    ``kernel`` (``on``: the first that serves, as :func:`resolve` chooses). Returns what the report
+    records: the kernel, how many Linears and the bytes of their weights."""
+    kernel = resolve(kernel, "cpu")
     converted, nbytes = 0, 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
