@@ -7,7 +7,8 @@
 //   keeps its 6 x 16 partial sums in twelve 8-wide registers and, for k = 0 .. K-1, adds
 //   x[r, k] * W[c, k] by one fused multiply-add per register. A 6-row tile does 12 FMAs per two loads
 //   of the weight, enough to keep both FMA units busy, so a tile's products run near the core's
-//   peak while the panel streams in (prefetched 16 KB ahead, so that loads and FMAs overlap); further
+//   peak while the panel streams in (prefetched 16 KB ahead, so that loads and FMAs overlap, and
+//   non-temporally, so that the stream does not evict what the rest of the step reuses); further
 //   tiles of the same panel read it from L1/L2.
 //
 // Invariant: every output y[r, c] is the same FMA chain over k = 0, 1, .., K-1 (then + b[c]), whatever
@@ -45,8 +46,10 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
   for (int64_t k = 0; k < k_size; ++k) {
     // 16 KB ahead (on into the next panel, which follows in memory): without it the FMAs of a tile and
-    // the weight's stream take turns; a prefetch past the buffer's end is a hint, never a fault
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kPanel), _MM_HINT_T0);
+    // the weight's stream take turns; a prefetch past the buffer's end is a hint, never a fault.
+    // Non-temporal: the weights (45 MB on the testbed, more than the L3) stream through once a forward
+    // and would only evict what the step reuses (the KV cache, the drafter's weights and code)
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kPanel), _MM_HINT_NTA);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     __m256 b = _mm256_broadcast_ss(x0 + k);
     a00 = _mm256_fmadd_ps(b, w0, a00), a01 = _mm256_fmadd_ps(b, w1, a01);
