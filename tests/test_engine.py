@@ -349,6 +349,34 @@ def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_dra
         assert (scheduler.predicted_speedup(4) > 1) == pays
 
 
+def test_a_batch_stops_drafting_where_its_own_steps_measure_that_it_does_not_pay():
+    """The prediction is optimistic; the loop's measured steps overrule it: after 8 drafted steps whose
+    row tokens per second fall below a bare plain step's, 3 plain steps are run, and the faster rate
+    decides; a number of rows with nothing measured goes by the prediction."""
+    from serve_eval.batch import MEASURED_DRAFTS, MEASURED_PLAIN, BatchScheduler
+
+    K = 4
+
+    def scheduler():  # extra tokens cost nothing and drafting is free: the prediction says draft
+        made = BatchScheduler(Budget({1: 1.0, 4 * K: 1.0}), K, min_drafts=1)
+        made.draft_seconds[4] = 0.0
+        made.choose(torch.full((4, K - 1), 0.9))
+        return made
+
+    slow, fast = scheduler(), scheduler()
+    for made in (slow, fast):
+        for _ in range(MEASURED_DRAFTS):
+            assert made.should_draft(4)
+            made.record(4, True, 6, 2.0)  # 3 row tokens a second; a bare plain step (the table's): 4
+    for _ in range(MEASURED_PLAIN):  # below the bare step: plain steps, to measure them
+        assert not slow.should_draft(4)
+        slow.record(4, False, 4, 0.5)
+    assert not slow.should_draft(4)  # plain steps measured 8 row tokens a second
+    for _ in range(MEASURED_PLAIN):
+        fast.record(4, False, 4, 4.0)  # plain steps slower than the bare one: 1 a second
+    assert fast.should_draft(4) and slow.should_draft(3)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_drafts_with_lookup_equal_greedy(target_and_prompts, trained_drafters, kind):
     """Prompt-lookup continuations grafted onto the drafter's chain or tree, with and without a budget:
