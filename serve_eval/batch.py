@@ -283,6 +283,7 @@ class BatchContext:
 UP_FRONT_MARGIN = 1.1
 MEASURED_DRAFTS, MEASURED_PLAIN = 8, 3  # steps a batch size measures before its measured rates decide
 MEASURED_FORGET = 0.98  # the measured rates' running sums forget over ~50 steps (the machine drifts)
+MEASURED_MARGIN = 1.1  # drafted steps must measure this much faster than plain ones (the tail, see _measured_pays)
 
 
 class BatchScheduler:
@@ -365,12 +366,14 @@ class BatchScheduler:
         row tokens per second against plain steps'. Until ``MEASURED_DRAFTS`` drafted steps ran, yes;
         then against a bare plain step (the cost table's, an optimistic reference) until drafted steps
         fall below it, and from then on against ``MEASURED_PLAIN`` or more plain steps run for the
-        purpose (DraftSwitch's rule for one row, on a batch's rates)."""
+        purpose (DraftSwitch's rule for one row, on a batch's rates), in both cases by
+        ``MEASURED_MARGIN``: drafted rows drift apart, and the last to finish step with fewer rows
+        (a tail that plain decoding, whose rows all take the same steps, does not have)."""
         cells = self.measured.get(rows, {})
         drafted, plain = cells.get(True), cells.get(False)
         if drafted is None or drafted[2] < MEASURED_DRAFTS:
             return True
-        rate = drafted[0] / drafted[1]
+        rate = drafted[0] / drafted[1] / MEASURED_MARGIN
         if plain is None:
             return rate > rows / self.verify_seconds(rows, 1)  # below the bare step: plain steps follow
         return plain[2] >= MEASURED_PLAIN and rate > plain[0] / plain[1]

@@ -351,8 +351,9 @@ def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_dra
 
 def test_a_batch_stops_drafting_where_its_own_steps_measure_that_it_does_not_pay():
     """The prediction is optimistic; the loop's measured steps overrule it: after 8 drafted steps whose
-    row tokens per second fall below a bare plain step's, 3 plain steps are run, and the faster rate
-    decides; a number of rows with nothing measured goes by the prediction."""
+    row tokens per second fall below a bare plain step's, 3 plain steps are run, and drafting goes on
+    only where it measured faster by the margin; a number of rows with nothing measured goes by the
+    prediction."""
     from serve_eval.batch import MEASURED_DRAFTS, MEASURED_PLAIN, BatchScheduler
 
     K = 4
@@ -363,8 +364,8 @@ def test_a_batch_stops_drafting_where_its_own_steps_measure_that_it_does_not_pay
         made.choose(torch.full((4, K - 1), 0.9))
         return made
 
-    slow, fast = scheduler(), scheduler()
-    for made in (slow, fast):
+    slow, fast, close = scheduler(), scheduler(), scheduler()
+    for made in (slow, fast, close):
         for _ in range(MEASURED_DRAFTS):
             assert made.should_draft(4)
             made.record(4, True, 6, 2.0)  # 3 row tokens a second; a bare plain step (the table's): 4
@@ -374,7 +375,8 @@ def test_a_batch_stops_drafting_where_its_own_steps_measure_that_it_does_not_pay
     assert not slow.should_draft(4)  # plain steps measured 8 row tokens a second
     for _ in range(MEASURED_PLAIN):
         fast.record(4, False, 4, 4.0)  # plain steps slower than the bare one: 1 a second
-    assert fast.should_draft(4) and slow.should_draft(3)
+        close.record(4, False, 4, 1.4)  # 2.9 a second: drafted steps are faster, but not by the margin
+    assert fast.should_draft(4) and slow.should_draft(3) and not close.should_draft(4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
