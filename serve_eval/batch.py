@@ -42,9 +42,10 @@ plain steps) to notice when that changes (Nightjar's off switch; it acts only af
 once the calibration has seen some). With a calibration lent by a one-row run, a batch size is also
 judged before it starts: if a typical row at the acceptance measured at each depth, with the
 drafting cost measured at that many rows (:func:`measure_draft_seconds`), is not predicted at least
-``UP_FRONT_MARGIN`` (1.1) times as fast as plain decoding, that batch size runs plain decoding
-outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size, from measured
-costs). Every choice uses earlier steps and this step's drafter outputs only: lossless.
+``UP_FRONT_MARGIN`` (1.1) times as fast as plain decoding (``CLOSED_MARGIN``, 1.6, where every prompt
+has a slot from the start and the run ends in a long tail of rows finishing apart), that batch size
+runs plain decoding outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size,
+from measured costs). Every choice uses earlier steps and this step's drafter outputs only: lossless.
 
 Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one row at a time.
 """
@@ -275,12 +276,18 @@ class BatchContext:
 # rows, where plain decoding's rows all take the same steps; and it takes a typical row at the one-row
 # run's acceptance. Measured on the testbed with every batch size drafting (twelfth session, ten
 # runs of 4, 8 and 16 rows): the prediction read 1.12-1.58x the measured speedup; 16 rows predicted 1.40-1.54
-# and measured 0.94-1.16x, 8 rows 1.62-1.72 and 1.08-1.26x. Below the margin a batch size gains
-# nothing and saves its feature capture and probes by decoding plainly; above it the loop's own
-# measured rates decide (BatchScheduler._measured_pays). The prediction is noisy too: on the panel
-# kernel batch 4 read 1.22-1.67 in four runs of one day where drafting measured 1.30-1.49x, and a
-# margin of the largest ratio seen (1.6, until the fourteenth session) decoded it plainly in two of them.
-UP_FRONT_MARGIN = 1.1
+# and measured 0.94-1.16x, 8 rows 1.62-1.72 and 1.08-1.26x. How much of a run the tail is depends on
+# whether prompts wait for a slot:
+# - a closed batch (every prompt has a slot from the start) ends in a tail as long as its slowest row
+#   takes: drafting measured 1.18x plain per step at 16 rows (the loop's own steps) and lost the run,
+#   0.81-0.86x (fourteenth session). It keeps the largest ratio seen, CLOSED_MARGIN;
+# - with prompts waiting, finished rows are refilled and only the last wave tails off: below
+#   UP_FRONT_MARGIN a batch size gains nothing and saves its feature capture and probes by decoding
+#   plainly, above it the loop's own measured rates decide (BatchScheduler._measured_pays). The
+#   prediction is noisy too: on the panel kernel batch 4 (16 prompts, 4 slots) read 1.22-1.83 in ten
+#   runs of one day, where drafting measured 1.17-1.49x (seven runs), and a margin of 1.6 decoded it
+#   plainly in five of the ten.
+UP_FRONT_MARGIN, CLOSED_MARGIN = 1.1, 1.6
 MEASURED_DRAFTS, MEASURED_PLAIN = 8, 3  # steps a batch size measures before its measured rates decide
 MEASURED_FORGET = 0.98  # the measured rates' running sums forget over ~50 steps (the machine drifts)
 MEASURED_MARGIN = 1.1  # drafted steps must measure this much faster than plain ones (the tail, see _measured_pays)
@@ -685,7 +692,8 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             scheduler = BatchScheduler(budget, K, min_drafts=1 if calibration else 8, step_seconds=steps, rows=B)
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
             scheduler.predicted = scheduler.predicted_speedup(B)
-            if calibration is not None and scheduler.predicted < UP_FRONT_MARGIN:  # a calibrated prediction: drafting
+            margin = UP_FRONT_MARGIN if len(prompts) > B else CLOSED_MARGIN
+            if calibration is not None and scheduler.predicted < margin:  # a calibrated prediction: drafting
                 scheduler.off = True                                                 # would not pay here
         def plain(B=B):
             return batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
