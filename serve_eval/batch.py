@@ -284,9 +284,9 @@ class BatchContext:
 # - with prompts waiting, finished rows are refilled and only the last wave tails off: below
 #   UP_FRONT_MARGIN a batch size gains nothing and saves its feature capture and probes by decoding
 #   plainly, above it the loop's own measured rates decide (BatchScheduler._measured_pays). The
-#   prediction is noisy too: on the panel kernel batch 4 (16 prompts, 4 slots) read 1.22-1.83 in ten
-#   runs of one day, where drafting measured 1.17-1.49x (seven runs), and a margin of 1.6 decoded it
-#   plainly in five of the ten.
+#   prediction is noisy too: on the panel kernel batch 4 (16 prompts, 4 slots) read 1.22-1.83 in
+#   eleven runs of one day, where drafting measured 1.17-1.49x (eight runs), and a margin of 1.6
+#   would have decoded it plainly in six of the eleven.
 UP_FRONT_MARGIN, CLOSED_MARGIN = 1.1, 1.6
 MEASURED_DRAFTS, MEASURED_PLAIN = 8, 3  # steps a batch size measures before its measured rates decide
 MEASURED_FORGET = 0.98  # the measured rates' running sums forget over ~50 steps (the machine drifts)
