@@ -295,7 +295,9 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
               f"tokens/s batched plain, speedup {row['speedup']:.3f} (halves {' / '.join(map(str, row['speedup_halves']))}), "
               f"lossless {row['lossless']}"
-              + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else ""))
+              + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else "")
+              + (f" (predicted {scheduler['predicted_speedup']:.2f}, margin {scheduler['up_front_margin']})"
+                 if "up_front_margin" in scheduler else ""))
     for row in report.get("by_budget", []):
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
     print(f"wrote {out / 'report.json'}")

@@ -310,6 +310,7 @@ class BatchScheduler:
         self.drafted_steps = 0
         self.off = False  # the up-front prediction turned this batch size off
         self.predicted: float | None = None  # the up-front prediction (predicted_speedup), when one was made
+        self.margin: float | None = None  # the margin it was held to (UP_FRONT_MARGIN or CLOSED_MARGIN)
         # measured in the loop, per number of rows: drafted (True) and plain steps' row tokens, seconds
         # (running sums that forget slowly) and step count (record)
         self.measured: dict[int, dict[bool, list[float]]] = {}
@@ -430,6 +431,12 @@ class BatchScheduler:
         measured = {"step_ms": {n: round(t * 1e3, 2) for n, t in self.step_seconds.items()}} if self.step_seconds else {}  # 0: plain
         if self.predicted is not None:
             measured["predicted_speedup"] = round(self.predicted, 4)
+        if self.margin is not None:
+            measured["up_front_margin"] = self.margin
+        rates = {("drafted" if drafted else "plain"): round(cell[0] / cell[1], 2)  # row tokens a second, at the batch size
+                 for drafted, cell in self.measured.get(self.rows, {}).items() if cell[1] > 0}
+        if rates:
+            measured["measured_tokens_per_s"] = rates
         if not self.chosen and self.off:
             return {"off": True, "drafted_fraction": 0.0, **measured}
         return {**measured, "mean_verified": round(sum(self.chosen) / steps, 3),
@@ -692,9 +699,9 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             scheduler = BatchScheduler(budget, K, min_drafts=1 if calibration else 8, step_seconds=steps, rows=B)
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
             scheduler.predicted = scheduler.predicted_speedup(B)
-            margin = UP_FRONT_MARGIN if len(prompts) > B else CLOSED_MARGIN
-            if calibration is not None and scheduler.predicted < margin:  # a calibrated prediction: drafting
-                scheduler.off = True                                                 # would not pay here
+            if calibration is not None:  # a calibrated prediction: below the margin drafting would not pay here
+                scheduler.margin = UP_FRONT_MARGIN if len(prompts) > B else CLOSED_MARGIN
+                scheduler.off = scheduler.predicted < scheduler.margin
         def plain(B=B):
             return batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
 
