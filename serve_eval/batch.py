@@ -42,9 +42,9 @@ plain steps) to notice when that changes (Nightjar's off switch; it acts only af
 once the calibration has seen some). With a calibration lent by a one-row run, a batch size is also
 judged before it starts: if a typical row at the acceptance measured at each depth, with the
 drafting cost measured at that many rows (:func:`measure_draft_seconds`), is not predicted at least
-``UP_FRONT_MARGIN`` (1.1) times as fast as plain decoding (``CLOSED_MARGIN``, 1.6, where every prompt
-has a slot from the start and the run ends in a long tail of rows finishing apart), that batch size
-runs plain decoding outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size,
+``UP_FRONT_MARGIN`` (1.1) times as fast as plain decoding (``TAIL_MARGIN``, 1.6, where fewer than
+``TAIL_WAVES`` (4) waves of prompts pass through the slots, so that the last wave's tail of rows
+finishing apart is much of the run), that batch size runs plain decoding outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size,
 from measured costs). Every choice uses earlier steps and this step's drafter outputs only: lossless.
 
 Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one row at a time.
@@ -277,17 +277,17 @@ class BatchContext:
 # run's acceptance. Measured on the testbed with every batch size drafting (twelfth session, ten
 # runs of 4, 8 and 16 rows): the prediction read 1.12-1.58x the measured speedup; 16 rows predicted 1.40-1.54
 # and measured 0.94-1.16x, 8 rows 1.62-1.72 and 1.08-1.26x. How much of a run the tail is depends on
-# whether prompts wait for a slot:
-# - a closed batch (every prompt has a slot from the start) ends in a tail as long as its slowest row
-#   takes: drafting measured 1.18x plain per step at 16 rows (the loop's own steps) and lost the run,
-#   0.81-0.86x (fourteenth session). It keeps the largest ratio seen, CLOSED_MARGIN;
-# - with prompts waiting, finished rows are refilled and only the last wave tails off: below
-#   UP_FRONT_MARGIN a batch size gains nothing and saves its feature capture and probes by decoding
-#   plainly, above it the loop's own measured rates decide (BatchScheduler._measured_pays). The
-#   prediction is noisy too: on the panel kernel batch 4 (16 prompts, 4 slots) read 1.22-1.83 in
-#   eleven runs of one day, where drafting measured 1.17-1.49x (eight runs), and a margin of 1.6
-#   would have decoded it plainly in six of the eleven.
-UP_FRONT_MARGIN, CLOSED_MARGIN = 1.1, 1.6
+# how many waves of prompts pass through the slots (prompts / slots): the last wave tails off, its
+# rows finishing apart, and no per-step rate sees it coming.
+# - Fewer than TAIL_WAVES waves keep the largest ratio seen, TAIL_MARGIN: with every prompt in a slot
+#   from the start (16 rows, 16 prompts), drafting measured 1.18x plain per step and lost the run,
+#   0.81-0.86x; 8 rows (two waves) drafting under the measured rates lost it 0.88x (fourteenth session).
+# - With more waves only the last one tails off: below UP_FRONT_MARGIN a batch size gains nothing and
+#   saves its feature capture and probes by decoding plainly, above it the loop's own measured rates
+#   decide (BatchScheduler._measured_pays). The prediction is noisy: on the panel kernel batch 4 (16
+#   prompts, 4 slots) read 1.22-1.83 in eleven runs of one day, where drafting measured 1.17-1.49x
+#   (eight runs), and a margin of 1.6 would have decoded it plainly in six of the eleven.
+UP_FRONT_MARGIN, TAIL_MARGIN, TAIL_WAVES = 1.1, 1.6, 4
 MEASURED_DRAFTS, MEASURED_PLAIN = 8, 3  # steps a batch size measures before its measured rates decide
 MEASURED_FORGET = 0.98  # the measured rates' running sums forget over ~50 steps (the machine drifts)
 MEASURED_MARGIN = 1.1  # drafted steps must measure this much faster than plain ones (the tail, see _measured_pays)
@@ -310,7 +310,7 @@ class BatchScheduler:
         self.drafted_steps = 0
         self.off = False  # the up-front prediction turned this batch size off
         self.predicted: float | None = None  # the up-front prediction (predicted_speedup), when one was made
-        self.margin: float | None = None  # the margin it was held to (UP_FRONT_MARGIN or CLOSED_MARGIN)
+        self.margin: float | None = None  # the margin it was held to (UP_FRONT_MARGIN or TAIL_MARGIN)
         # measured in the loop, per number of rows: drafted (True) and plain steps' row tokens, seconds
         # (running sums that forget slowly) and step count (record)
         self.measured: dict[int, dict[bool, list[float]]] = {}
@@ -700,7 +700,7 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
             scheduler.predicted = scheduler.predicted_speedup(B)
             if calibration is not None:  # a calibrated prediction: below the margin drafting would not pay here
-                scheduler.margin = UP_FRONT_MARGIN if len(prompts) > B else CLOSED_MARGIN
+                scheduler.margin = UP_FRONT_MARGIN if len(prompts) >= TAIL_WAVES * B else TAIL_MARGIN
                 scheduler.off = scheduler.predicted < scheduler.margin
         def plain(B=B):
             return batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
