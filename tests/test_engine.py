@@ -3,6 +3,8 @@ for every drafter, when every draft is rejected and when every draft is accepted
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -377,6 +379,22 @@ def test_a_batch_stops_drafting_where_its_own_steps_measure_that_it_does_not_pay
         fast.record(4, False, 4, 4.0)  # plain steps slower than the bare one: 1 a second
         close.record(4, False, 4, 1.4)  # 2.9 a second: drafted steps are faster, but not by the margin
     assert fast.should_draft(4) and slow.should_draft(3) and not close.should_draft(4)
+
+
+def test_a_batch_whose_measured_rates_flip_stays_greedy(target_and_prompts, trained_drafters, monkeypatch):
+    """Whatever the measured rates say, step after step (here: drafting pays, then not, in turn), every
+    row emits exactly its own greedy tokens: the choice picks between two lossless steps."""
+    from serve_eval.batch import BatchScheduler, batched_speculative_generate
+
+    target, _, prompts = target_and_prompts
+    drafter = trained_drafters["dflash"]
+    K = drafter.config.block_size
+    turns = itertools.count()
+    monkeypatch.setattr(BatchScheduler, "_measured_pays", lambda self, rows: next(turns) % 2 == 0)
+    scheduler = BatchScheduler(Budget({1: 1.0, 4 * K: 1.2}), K, min_drafts=1)  # the prediction says draft
+    reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts[:3]]
+    assert batched_speculative_generate(target, drafter, prompts[:3], MAX_NEW, scheduler=scheduler, slots=2)[0] == reference
+    assert 0 < scheduler.summary()["drafted_fraction"] < 1 and scheduler.measured  # both kinds of step ran, recorded
 
 
 @pytest.mark.parametrize("kind", KINDS)
