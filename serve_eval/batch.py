@@ -359,12 +359,13 @@ class BatchScheduler:
         probe is due."""
         if self.drafts_seen < self.min_drafts or self.probes.due():
             return True
-        reach, p = [], 1.0
-        for depth, q in enumerate(self.top_q_mean, start=1):  # a typical row under the calibration as it stands now
-            p *= self.budget.acceptance(q, depth)
-            reach.append(rows * p)
-        if self._best(rows, reach)[1] > rows / self.verify_seconds(rows, 1) and self._measured_pays(rows):
-            return True
+        if self._measured_pays(rows):  # (the cheap test first: every plain step asks)
+            reach, p = [], 1.0
+            for depth, q in enumerate(self.top_q_mean, start=1):  # a typical row under the calibration as it stands now
+                p *= self.budget.acceptance(q, depth)
+                reach.append(rows * p)
+            if self._best(rows, reach)[1] > rows / self.verify_seconds(rows, 1):
+                return True
         self.probes.skipped()
         return False
 
