@@ -326,15 +326,50 @@ class Probes:
         self.run = 0
 
 
+class _Drafted:
+    """Drafted steps taken in one state: running sums (forgetting old steps) of tokens, seconds,
+    steps and of the steps that kept a draft, and how many steps were seen in all."""
+
+    FORGET = 0.995  # the sums cover the last few hundred steps
+
+    def __init__(self):
+        self.tokens = self.seconds = self.steps = self.hits = 0.0
+        self.seen = 0
+
+    def add(self, kept: int, seconds: float) -> None:
+        f = self.FORGET
+        self.tokens, self.seconds = f * self.tokens + kept + 1, f * self.seconds + seconds
+        self.steps, self.hits = f * self.steps + 1, f * self.hits + (kept > 0)
+        self.seen += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-12)
+
+
 class DraftSwitch:
-    """Whether a one-row step drafts at all, from the tokens per second that drafted steps measured,
-    apart after a step that kept a draft and after one that did not (acceptance runs in streaks),
-    against what plain steps measured in the same loop: in a state where drafted steps ran clearly
-    slower (below ``margin`` times the plain rate), the step reads the bonus alone and the drafter
-    only catches up, with :class:`Probes` now and then.
+    """Whether a one-row step drafts at all, from the tokens per second that drafted steps measured
+    against what plain steps measured in the same loop (Nightjar's off switch), with
+    :class:`Probes` now and then while it is off. It decides from earlier steps only: lossless at
+    every temperature.
+
+    Acceptance runs in streaks, so drafted steps are counted apart in two states: after a step that
+    kept a draft (``H``) and after one that did not, or did not draft (``M``). In ``H`` a step drafts
+    while ``H``'s own rate beats the plain rate. In ``M`` that comparison is short-sighted: a draft
+    that hits also takes the loop back to ``H``, and a plain step never does. The rate of drafting
+    from ``M`` on is that of the renewal cycle it starts -- one step in ``M``, then ``H`` steps until
+    the next miss, ``p_MH / p_HM`` of them on average (``p_MH``: the share of ``M``'s drafts that kept
+    one; ``p_HM``: of ``H``'s, that kept none):
+
+        r_M = (tok_M + (p_MH / p_HM) tok_H) / (sec_M + (p_MH / p_HM) sec_H)
+
+    with per-step means of tokens and seconds in each state (the stationary rate of always drafting).
+    A stretch of text the drafter cannot follow has ``p_MH`` near 0, so ``r_M`` falls to ``M``'s own
+    rate and the loop decodes plainly until a probe hits.
+
     Until the loop has run plain steps their cost is ``plain_seconds`` (a bare target forward, an
-    optimistic reference); the first time a state's drafted steps fall below it, ``measure`` plain
-    steps are run to measure them. It decides from earlier steps only: lossless at every temperature."""
+    optimistic reference); the first time drafting falls below it, ``measure`` plain steps are run
+    to measure them."""
 
     def __init__(self, plain_seconds: float, min_drafts: int = 16, measure: int = 3, margin: float = 1.0,
                  probes: Probes | None = None):
@@ -345,7 +380,7 @@ class DraftSwitch:
         self.margin = margin
         self.bare_seconds = plain_seconds
         self.plain = [0.0, 0]  # measured plain steps: running mean of seconds, count
-        self.stats = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # last step kept a draft -> tokens, seconds, steps
+        self.stats = {True: _Drafted(), False: _Drafted()}  # H (the last step kept a draft) and M
         self.hit = True
         self.probes = probes or Probes()
         self.skipped = 0
@@ -354,14 +389,19 @@ class DraftSwitch:
     def plain_rate(self) -> float:
         return 1 / (self.plain[0] if self.plain[1] else self.bare_seconds)
 
-    def _rate(self, hit: bool) -> float:
-        tokens, seconds, _ = self.stats[hit]
-        return tokens / max(seconds, 1e-12)
+    def drafting_rate(self, hit: bool) -> float:
+        """Tokens per second of drafting from state ``hit`` on (see the class doc)."""
+        h, m = self.stats[True], self.stats[False]
+        if hit or not h.steps or not m.steps:
+            return self.stats[hit].rate
+        p_mh, p_hm = m.hits / m.steps, 1 - h.hits / h.steps
+        w = p_mh / max(p_hm, 1e-3)  # H steps per M step of the cycle
+        return (m.tokens / m.steps + w * h.tokens / h.steps) / (m.seconds / m.steps + w * h.seconds / h.steps)
 
     def should_draft(self) -> bool:
         measuring = 0 < self.plain[1] < self.measure
-        if not measuring and (self.stats[self.hit][2] < self.min_drafts or self.probes.due()
-                              or self._rate(self.hit) > self.margin * self.plain_rate):
+        if not measuring and (self.stats[self.hit].seen < self.min_drafts or self.probes.due()
+                              or self.drafting_rate(self.hit) > self.margin * self.plain_rate):
             return True
         self.probes.skipped()
         self.skipped += 1
@@ -370,10 +410,10 @@ class DraftSwitch:
     def record(self, drafted: bool, kept: int, seconds: float) -> None:
         """A step that drafted (or not) kept ``kept`` drafts and took ``seconds`` (drafting included)."""
         if drafted:
-            cell, forget = self.stats[self.hit], 0.995  # running sums over the last few hundred steps
-            cell[0], cell[1], cell[2] = forget * cell[0] + kept + 1, forget * cell[1] + seconds, cell[2] + 1
-            if cell[2] >= self.min_drafts:
-                self.probes.drafted(self._rate(self.hit) > self.plain_rate)
+            cell = self.stats[self.hit]
+            cell.add(kept, seconds)
+            if cell.seen >= self.min_drafts:
+                self.probes.drafted(self.drafting_rate(self.hit) > self.plain_rate)
         else:
             mean, count = self.plain
             weight = 1 / (count + 1) if count < self.measure else 0.05  # a mean, then a slow running mean
@@ -382,6 +422,7 @@ class DraftSwitch:
 
     def summary(self) -> dict:
         return {"skipped_steps": self.skipped,
-                "drafted_tokens_per_s": {("after a kept draft" if h else "after a miss"): round(self._rate(h), 2)
-                                         for h in (True, False) if self.stats[h][2]},
+                "drafted_tokens_per_s": {("after a kept draft" if h else "after a miss"): round(self.stats[h].rate, 2)
+                                         for h in (True, False) if self.stats[h].seen},
+                "drafting_from_a_miss_tokens_per_s": round(self.drafting_rate(False), 2),
                 "plain_tokens_per_s": round(self.plain_rate, 2)}

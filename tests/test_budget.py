@@ -198,6 +198,41 @@ def test_the_draft_switch_stops_drafting_where_it_does_not_pay_and_probes():
     assert all(switch.should_draft() for _ in range(5))  # after a kept draft, drafting pays
 
 
+def _run_switch(miss_keeps_every: int | None, steps: int = 400) -> DraftSwitch:
+    """A switch over scripted steps: plain steps take 1 s, drafted ones 1.5 s. After a kept draft
+    (H) every third draft misses and the others keep 3; after a miss (M) a draft keeps 1 every
+    ``miss_keeps_every`` steps (never if None) and nothing otherwise."""
+    switch, count = DraftSwitch(plain_seconds=1.0, min_drafts=8), {True: 0, False: 0}
+    for _ in range(steps):
+        if not switch.should_draft():
+            switch.record(False, 0, 1.0)
+            continue
+        state = switch.hit
+        count[state] += 1
+        if state:
+            kept = 0 if count[state] % 3 == 0 else 3
+        else:
+            kept = 1 if miss_keeps_every and count[state] % miss_keeps_every == 0 else 0
+        switch.record(True, kept, 1.5)
+    return switch
+
+
+def test_the_draft_switch_drafts_after_a_miss_when_the_cycle_it_starts_pays():
+    """After a miss, drafted steps alone run below the plain rate, but one in three takes the loop
+    back to H, where drafting pays: the renewal cycle (one M step, then p_MH / p_HM H steps) beats
+    plain decoding and the switch keeps drafting. Where a draft after a miss never hits, the cycle
+    is M alone and the switch decodes plainly, probing now and then."""
+    switch = _run_switch(miss_keeps_every=3)
+    m, h = switch.stats[False], switch.stats[True]
+    assert m.rate < switch.plain_rate < h.rate  # M's own drafts do not pay ...
+    # ... the cycle does: (4/3 + (1/3)/(1/3) * 3) tokens in (1.5 + 1.5) s
+    assert switch.drafting_rate(False) == pytest.approx((4 / 3 + 3) / 3.0, rel=0.05)
+    assert switch.skipped == 0
+    never = _run_switch(miss_keeps_every=None)
+    assert never.drafting_rate(False) == pytest.approx(1 / 1.5, rel=0.01)
+    assert never.skipped > 300  # plain steps, probes between them
+
+
 def test_skipped_drafts_leave_the_output_alone(monkeypatch):
     """Greedy chain decoding whose switch skips every other step (plain steps in between drafted
     ones, the drafter catching up) emits the target's greedy tokens, for a block drafter and an
