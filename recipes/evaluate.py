@@ -20,8 +20,8 @@ served (online adaptation, ``recipes/configs/adapt_testbed.yaml``). With a quant
 cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
 token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s. How the
-models were served: ``drafter_int8``, ``target_prepack`` and ``draft_compiled`` (the graph, the cache
-length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off.
+models were served: ``drafter_int8``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
+(the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off.
 
     draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
     draftsmith run recipes/configs/eval_testbed.yaml drafter=runs/dflash_testbed/checkpoints/best
@@ -43,6 +43,7 @@ from distill.provenance import write_json_atomic, write_jsonl_atomic, write_run_
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from recipes.plots import saved_figure
+from serve_eval.attention import use_attention
 from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
 from serve_eval.compiled import compile_drafts, for_drafter
@@ -80,13 +81,15 @@ def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompt
     :func:`serve_eval.prepack.resolve` and :func:`serve_eval.compiled.resolve`: a block drafter's fused
     products, then int8 codes of the drafter's Linears, its draft compiled over them (for ``prompts``
     and ``max_new_tokens`` new tokens, greedy or ``sampled``, one row and batches of ``rows``), and the
-    target's Linears prepacked. Returns the report's records of the three (off where off)."""
+    target's Linears prepacked and, with them, its attention on our C++ kernel
+    (:mod:`serve_eval.attention`). Returns the report's records of the four (off where off)."""
     if drafters.is_block_drafter(drafter):
         drafter.fuse_projections()
     positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
     return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",  # before the compile: it traces them
             "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
-            "target_prepack": prepack_linears(target, prepack) if prepack != "off" else "off"}
+            "target_prepack": prepack_linears(target, prepack) if prepack != "off" else "off",
+            "target_attention": use_attention(target) if prepack != "off" else "off"}
 
 
 def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,

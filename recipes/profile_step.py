@@ -1,13 +1,16 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off] [--attention kernel|sdpa|both]
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
 speculative step for the drafter's parts (the proposer's ``propose`` and ``observe`` and, for block
 drafters, the layer forward ``decode_hidden``, which also reads the newly verified context, and the heads) and the
 budget's bookkeeping, beside the plain step and the step as a whole. The timers wrap the methods as
-they run, so what is printed is what the loop spends; the first prompt warms up and is not counted.
+they run, so what is printed is what the loop spends (the target's ``verify`` and ``rollback`` in
+speculative decoding only; its prefill spread over the steps); the first prompt warms up and is not
+counted. ``--attention both`` decodes each prompt under our attention kernel and under torch's sdpa
+in turn (:mod:`serve_eval.attention`), each with its own cost table: an A/B in one process.
 A benchmark: run it on an otherwise idle core (``taskset -c 1``).
 """
 
@@ -20,17 +23,40 @@ import time
 import torch
 
 
-def _timed(obj, name: str, label: str, totals: dict, calls: collections.Counter) -> None:
+def _timed(obj, name: str, label, totals: dict, calls: collections.Counter, active=lambda: True) -> None:
+    """Wrap ``obj.name`` so that its calls add to ``totals[label]`` while ``active()``; ``label`` may be
+    a function of the call's arguments."""
     inner = getattr(obj, name)
 
     def timed(*args, **kwargs):
+        if not active():
+            return inner(*args, **kwargs)
+        key = label(*args) if callable(label) else label
         start = time.perf_counter()
         out = inner(*args, **kwargs)
-        totals[label] += time.perf_counter() - start
-        calls[label] += 1
+        totals[key] += time.perf_counter() - start
+        calls[key] += 1
         return out
 
     setattr(obj, name, timed)
+
+
+def _report(run: dict, what: str) -> dict:
+    """Print and return one setting's times per speculative step."""
+    steps, totals, calls = run["steps"], run["totals"], run["calls"]
+    plain_ms = 1e3 * run["plain_s"] / run["plain_tokens"]
+    report = {"plain_step_ms": round(plain_ms, 3), "spec_step_ms": round(1e3 * run["spec_s"] / steps, 3),
+              "tokens_per_step": round(run["spec_tokens"] / steps, 3),
+              "speedup": round((run["spec_tokens"] / run["spec_s"]) / (run["plain_tokens"] / run["plain_s"]), 4),
+              "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in totals.items()}}
+    print(f"plain step {plain_ms:.3f} ms; speculative step {report['spec_step_ms']:.3f} ms for "
+          f"{report['tokens_per_step']:.2f} tokens ({report['spec_step_ms'] / plain_ms:.2f} plain steps); "
+          f"speedup {report['speedup']:.3f} ({what})")
+    rest = report["spec_step_ms"] - sum(report["ms_per_step"][k] for k in totals if not k.startswith(" "))
+    for label, ms in [*report["ms_per_step"].items(), ("the rest (the loop's own work)", rest)]:
+        print(f"  {label:30s} {ms:7.3f} ms a step = {ms / plain_ms:.3f} plain steps"
+              + (f"  ({calls[label]} calls)" if label in calls else ""))
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -46,6 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the target's Linears prepacked (AVX2 panels, else oneDNN), or off (default: the recipe's, auto)")
     parser.add_argument("--compile", choices=["auto", "on", "off"],
                         help="a block drafter's draft as one compiled graph, or eager (default: the recipe's, auto)")
+    parser.add_argument("--attention", choices=["kernel", "sdpa", "both"], default="kernel",
+                        help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
+                             "alternated prompt by prompt in this process (default: kernel)")
     args = parser.parse_args(argv)
 
     from distill.base.features import FeatureCapture
@@ -82,31 +111,48 @@ def main(argv: list[str] | None = None) -> dict:
             _timed(drafter, name, f"  drafter.{name}", totals, calls)
     for name in ("chain_length", "causal_length", "record_chain"):
         _timed(Budget, name, f"budget.{name}", totals, calls)
+    speculating = [False]  # the target's session is timed in speculative decoding only
+    _timed(engine.TargetSession, "forward", lambda session, *_: "target.prefill" if session.length == 0 else "target.verify",
+           totals, calls, lambda: speculating[0])
+    _timed(engine.TargetSession, "rollback", "target.rollback", totals, calls, lambda: speculating[0])
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer_class.needs_features else None
-    budget = Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture))
-    plain_s = spec_s = 0.0
-    plain_tokens = spec_tokens = steps = 0
+    served = target.config._attn_implementation  # the served attention (serve_eval.attention where it builds)
+    settings = list(dict.fromkeys({"kernel": [served], "sdpa": ["sdpa"], "both": [served, "sdpa"]}[args.attention]))
+    runs = {}
+    for attention in settings:  # each setting its own cost table
+        target.config._attn_implementation = attention
+        runs[attention] = {"budget": Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture)),
+                           "totals": collections.defaultdict(float), "calls": collections.Counter(),
+                           "plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "steps": 0}
     for i, prompt in enumerate(prompts):
-        sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
-        _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
-        _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(),  # the warm-up without
-                                              budget=budget if i else None)  # the budget: first calls are slow
-        if i == 0:  # warm-up
+        for attention in settings[::1 if i % 2 else -1]:  # alternated, so that a drifting machine moves both alike
+            run = runs[attention]
+            target.config._attn_implementation = attention
+            sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
+            _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
+            speculating[0] = True
+            _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(),  # the warm-up without
+                                                  budget=run["budget"] if i else None)  # the budget: first calls are slow
+            speculating[0] = False
+            if i:  # after the warm-up
+                for key, value in totals.items():
+                    run["totals"][key] += value
+                run["calls"].update(calls)
+                run["plain_s"] += plain.total_seconds
+                run["plain_tokens"] += plain.tokens
+                run["spec_s"] += spec.total_seconds
+                run["spec_tokens"] += spec.tokens
+                run["steps"] += spec.target_forwards - 1
             totals.clear()
             calls.clear()
-            continue
-        plain_s, plain_tokens = plain_s + plain.total_seconds, plain_tokens + plain.tokens
-        spec_s, spec_tokens, steps = spec_s + spec.total_seconds, spec_tokens + spec.tokens, steps + spec.target_forwards - 1
-    plain_ms = 1e3 * plain_s / plain_tokens
-    report = {"plain_step_ms": round(plain_ms, 3), "spec_step_ms": round(1e3 * spec_s / steps, 3),
-              "tokens_per_step": round(spec_tokens / steps, 3), "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 4),
-              "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in totals.items()}}
-    print(f"plain step {plain_ms:.3f} ms; speculative step {report['spec_step_ms']:.3f} ms for "
-          f"{report['tokens_per_step']:.2f} tokens ({report['spec_step_ms'] / plain_ms:.2f} plain steps); "
-          f"speedup {report['speedup']:.3f} ({args.prompts - 1} prompts after a warm-up, T = {args.temperature})")
-    for label, seconds in totals.items():
-        ms = 1e3 * seconds / steps
-        print(f"  {label:28s} {ms:7.3f} ms a step = {ms / plain_ms:.3f} plain steps  ({calls[label]} calls)")
+    target.config._attn_implementation = served
+    reports = {attention: _report(run, f"{args.prompts - 1} prompts after a warm-up, T = {args.temperature}, attention {attention}")
+               for attention, run in runs.items()}
+    if len(reports) > 1:
+        a, b = reports.values()
+        print(f"speedup {' / '.join(settings)}: {a['speedup']:.3f} / {b['speedup']:.3f}; plain step {' / '.join(settings)}: "
+              f"{a['plain_step_ms'] / b['plain_step_ms']:.3f}, speculative step {a['spec_step_ms'] / b['spec_step_ms']:.3f}")
+    report = reports[settings[0]]
     return report
 
 

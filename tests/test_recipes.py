@@ -97,14 +97,21 @@ def test_every_accelerate_config_is_named_in_the_readme():
 
 def test_the_step_profiler_times_the_loop_pieces(capsys):
     """``python -m recipes.profile_step`` on the shipped target and DFlash drafter, briefly: every piece
-    it wraps was timed, and the parts fit inside the step they belong to."""
+    it wraps was timed, and the parts fit inside the step they belong to; ``--attention both`` prints
+    both settings' profiles and their ratios."""
     from recipes.profile_step import main
+    from serve_eval import attention
 
-    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--compile", "off"])
+    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--compile", "off",
+                   "--attention", "both"])
     parts = report["ms_per_step"]  # (eager: a compiled draft is one graph, timed as proposer.propose)
-    assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length"} <= set(parts)
+    assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length", "target.verify",
+            "target.rollback", "target.prefill"} <= set(parts)
     assert 0 < parts["  drafter.decode_hidden"] < parts["proposer.propose"] < report["spec_step_ms"]
-    assert "plain steps" in capsys.readouterr().out
+    assert parts["proposer.propose"] + parts["target.verify"] < report["spec_step_ms"]
+    out, both = capsys.readouterr().out, attention.available()  # (sdpa alone where the kernel does not build)
+    assert out.count("plain steps)") == (2 if both else 1) and "attention sdpa" in out
+    assert ("speedup draftsmith_fp32 / sdpa" in out) == both
 
 
 def test_the_vocabulary_sweep_reports_tau_per_setting(capsys):

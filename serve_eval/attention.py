@@ -1,0 +1,97 @@
+"""The target's attention for the few queries of a decode or verify step, on the CPU (``decoding.prepack``).
+
+A step of ``n`` queries (1 decoding, a handful verifying) attends over the ``L`` cached positions:
+``softmax(q k^T / sqrt(D) + mask) v``, a few hundred thousand multiply-adds a layer, so its time is
+reading the keys and values (0.5 MB a layer on the testbed target at 205 positions, evicted from the
+cache by the weights' stream in between) and the kernel's own overhead. torch's flash kernel for the
+CPU is built for long query blocks: on the testbed target, with the cache read cold as in a forward,
+its 8 layers took 0.50 ms at 1 query and 0.95-1.1 ms at 5; :file:`attention_op.cpp`
+(``draftsmith_attn::attention``) reads each key and value row once per head (the values prefetched
+while the scores are computed) and took 0.30-0.36 and 0.57-0.63 ms (``/tmp`` benchmark in
+docs/results.md).
+
+Invariants:
+
+* Every number in a query's output is computed by the same operations in the same order whatever the
+  other queries of the call are: a token verified among eight gets the bits it gets decoded alone
+  (the prepacked Linears have the same property, :mod:`serve_eval.prepack`). A masked position adds
+  exactly zero.
+* Outputs differ from torch's kernel by rounding only (its exp is coarser; |difference| <= 1e-6 on
+  unit-scale inputs, tested).
+* Registered with transformers' ``AttentionInterface`` as ``draftsmith_fp32`` (masks built as for
+  ``sdpa``), so any model that follows transformers' attention interface takes it with
+  ``set_attn_implementation``; more than ``MAX_QUERIES`` queries (a long prompt's prefill), a head
+  size that is not a multiple of 8, anything but fp32 on the CPU, or a call that needs gradients goes
+  to transformers' ``sdpa`` function. Both loops decode with the same target, so plain decoding gets
+  the kernel too and speedups stay honest.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import native
+
+NAME = "draftsmith_fp32"
+#: more queries than this (a prefill) go to torch's flash kernel, which blocks long query runs
+MAX_QUERIES = 64
+_SOURCE = Path(__file__).with_name("attention_op.cpp")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``draftsmith_attn`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        native.load(_SOURCE, ("-O3", "-mavx2", "-mfma"))
+        return True
+    except Exception as error:  # noqa: BLE001  (no compiler, a failed build: sdpa serves)
+        warnings.warn(f"serve_eval.attention: the C++ attention operator could not be built ({type(error).__name__}: "
+                      f"{error}); sdpa serves", stacklevel=2)
+        return False
+
+
+def _serves(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+    return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32 and query.shape[2] <= MAX_QUERIES
+            and query.shape[-1] % 8 == 0 and dropout == 0.0
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)))
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              is_causal: bool | None = None, **kwargs):
+    """transformers' attention-function signature: ``query`` [B, H, n, D], ``key`` / ``value``
+    [B, Hk, L, D], the mask as ``sdpa_mask`` builds it (None where causal order alone applies);
+    returns [B, n, H, D] and no weights."""
+    if not _serves(query, key, dropout):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    n, L = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and n > 1 and causal:  # query i sits at position L - n + i
+        attention_mask = torch.ones(n, L, dtype=torch.bool, device=query.device).tril(L - n)[None, None]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.draftsmith_attn.attention(query, key, value, attention_mask, scale), None
+
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_attention(model) -> dict:
+    """Serve ``model``'s attention from :func:`attention` (in place; a model whose attention does not
+    follow transformers' interface keeps its own). Returns what the report records."""
+    if not available():
+        return {"kernel": "sdpa", "why": "the C++ attention operator does not serve here"}
+    before = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        return {"kernel": before, "why": f"{type(model).__name__} does not take an attention function"}
+    return {"kernel": NAME, "max_queries": MAX_QUERIES}

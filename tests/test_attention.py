@@ -1,0 +1,105 @@
+"""serve_eval.attention: the C++ attention for few queries computes torch's attention (bool, float and
+causal masks, grouped heads, batches, strided cache views), gives a query the same bits whatever
+queries share the call, zeros where a query may attend nowhere, falls back to sdpa where it does not
+serve; a model switched to it decodes what it decoded before, and the loop on it is lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from serve_eval import attention as attn
+
+pytestmark = pytest.mark.skipif(not attn.available(), reason="no AVX2 or no compiler")
+
+
+def _qkv(B, H, Hk, n, L, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, n, H, D, generator=g).transpose(1, 2)  # as the model hands them: strided views
+    k = torch.randn(B, Hk, L + 9, D, generator=g)[:, :, :L]  # a view of a longer cache buffer
+    v = torch.randn(B, Hk, L + 9, D, generator=g)[:, :, :L]
+    return q, k, v
+
+
+def _reference(q, k, v, mask):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+@pytest.mark.parametrize("B,H,Hk,n,L,D", [(1, 5, 5, 1, 205, 64), (1, 5, 5, 6, 37, 64), (2, 4, 2, 3, 19, 16),
+                                          (3, 2, 1, 33, 70, 40), (1, 2, 2, 64, 64, 8)])
+@pytest.mark.parametrize("kind", ["causal-bool", "causal-float", "random-bool", "none"])
+def test_the_kernel_computes_attention(B, H, Hk, n, L, D, kind):
+    q, k, v = _qkv(B, H, Hk, n, L, D)
+    causal = torch.ones(n, L, dtype=torch.bool).tril(L - n)
+    if kind == "random-bool":  # a row per batch row and head (a tree's ancestors; a batch's padding)
+        mask = (torch.rand(B, H, n, L, generator=torch.Generator().manual_seed(1)) < 0.6) | causal.triu(L - n)
+    elif kind == "causal-float":
+        mask = torch.zeros(n, L).masked_fill(~causal, float("-inf"))[None, None]
+    else:
+        mask = None if kind == "none" else causal[None, None]
+    out = torch.ops.draftsmith_attn.attention(q, k, v, mask, D ** -0.5)
+    assert out.shape == (B, n, H, D) and out.is_contiguous()
+    torch.testing.assert_close(out, _reference(q, k, v, mask), rtol=1e-5, atol=2e-6)
+
+
+def test_a_query_gets_the_same_bits_whatever_queries_share_the_call():
+    """Query i of a causal verify (positions L - n + i) against the same query decoded alone, its
+    cache ending at its own position: equal bits."""
+    n, L = 8, 120
+    q, k, v = _qkv(1, 4, 4, n, L, 64)
+    mask = torch.ones(n, L, dtype=torch.bool).tril(L - n)[None, None]
+    together = torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.125)
+    for i in range(n):
+        end = L - n + i + 1
+        alone = torch.ops.draftsmith_attn.attention(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], None, 0.125)
+        assert torch.equal(alone[:, 0], together[:, i])
+
+
+def test_a_query_that_may_attend_nowhere_gets_zeros():
+    q, k, v = _qkv(1, 2, 2, 3, 10, 16)
+    mask = torch.ones(1, 1, 3, 10, dtype=torch.bool)
+    mask[..., 1, :] = False
+    out = torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.25)
+    assert torch.equal(out[:, 1], torch.zeros_like(out[:, 1]))
+    torch.testing.assert_close(out[:, [0, 2]], _reference(q, k, v, None)[:, [0, 2]], rtol=1e-5, atol=2e-6)
+
+
+def test_calls_it_does_not_serve_go_to_sdpa(monkeypatch):
+    """A prefill longer than MAX_QUERIES, fp64, a head size that is not a multiple of 8, gradients:
+    transformers' sdpa function answers."""
+    called = []
+    monkeypatch.setattr(attn, "sdpa_attention_forward", lambda *a, **k: called.append(1) or ("sdpa", None))
+    module = torch.nn.Module()
+    for q, k in [(_qkv(1, 2, 2, attn.MAX_QUERIES + 1, 80, 16)[0], torch.zeros(1, 2, 80, 16)),
+                 (torch.zeros(1, 2, 1, 16, dtype=torch.float64), torch.zeros(1, 2, 5, 16, dtype=torch.float64)),
+                 (torch.zeros(1, 2, 1, 12), torch.zeros(1, 2, 5, 12)),
+                 (torch.zeros(1, 2, 1, 16, requires_grad=True), torch.zeros(1, 2, 5, 16))]:
+        assert attn.attention(module, q, k, k, None)[0] == "sdpa"
+    assert len(called) == 4
+    q, k, v = _qkv(1, 2, 2, 4, 9, 16)  # a short causal prefill (no mask: causal order) is served here
+    out, _ = attn.attention(module, q, k, v, None)
+    torch.testing.assert_close(out, _reference(q, k, v, torch.ones(4, 9, dtype=torch.bool).tril(5)), rtol=1e-5, atol=2e-6)
+
+
+def test_a_target_on_the_kernel_decodes_as_before_and_the_loop_stays_lossless(tiny_target_dir):
+    """The tiny target greedy-decodes the same tokens on sdpa and on the kernel (logits within 1e-5),
+    and speculative decoding on the kernel, with the target itself drafting, equals plain decoding."""
+    from distill.config import TargetConfig
+    from distill.models import load_target
+    from serve_eval.engine import LMProposer, plain_generate, speculative_generate
+
+    target, _ = load_target(TargetConfig(path=str(tiny_target_dir)))
+    prompt = torch.arange(3, 40)
+    reference, _ = plain_generate(target, prompt, 24)
+    with torch.inference_mode():
+        before = target(input_ids=prompt[None]).logits
+    assert attn.use_attention(target) == {"kernel": attn.NAME, "max_queries": attn.MAX_QUERIES}
+    with torch.inference_mode():
+        torch.testing.assert_close(target(input_ids=prompt[None]).logits, before, rtol=1e-5, atol=1e-5)
+    out, _ = plain_generate(target, prompt, 24)
+    assert out == reference
+    spec, stats = speculative_generate(target, target, prompt, 24, proposer=LMProposer(target, 4))
+    assert spec == out and stats.tokens / stats.target_forwards > 2  # the target drafting for itself
