@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     for attention in settings:  # each setting its own cost table
         target.config._attn_implementation = attention
-        runs[attention] = {"budget": Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture)),
+        runs[attention] = {"budget": Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture),
+                                         loop_offset=True),
                            "totals": collections.defaultdict(float), "calls": collections.Counter(),
                            "plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "steps": 0}
     for i, prompt in enumerate(prompts):

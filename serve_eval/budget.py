@@ -11,7 +11,8 @@ step verifies the one with the most tokens per second:
     B* = argmax_{B >= 0}  (1 + sum_{i <= B} P_i) / (c(B + 1) + d)
 
 The costs are measured at every size up to 33 tokens (and sparsely beyond, linear in between), and
-used as measured: they are not monotone (see :class:`Budget`).
+used as measured: they are not monotone (see :class:`Budget`). The loop's own verifies add one
+offset to them all (:meth:`Budget.observe_verify`: longer contexts, a drifting machine).
 
 ``P_i`` is the product, along the node's path, of the *calibrated* acceptance ``a(q)`` of each of its
 tokens, ``q`` the drafter's probability of that token given its parent: the rate at which tokens the
@@ -55,7 +56,8 @@ Q_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 
 class Budget:
     """Chooses how many drafts (chain) or tree nodes (tree) each step verifies; see the module doc."""
 
-    def __init__(self, verify_costs: dict[int, float], prior: float = 4.0, share: "Budget | None" = None):
+    def __init__(self, verify_costs: dict[int, float], prior: float = 4.0, share: "Budget | None" = None,
+                 loop_offset: bool = False):
         if 1 not in verify_costs:
             raise ValueError("verify_costs must include n = 1 (a plain decoding step)")
         self.sizes = sorted(verify_costs)
@@ -63,6 +65,9 @@ class Budget:
         # cheaper than the size below them (on this CPU 4 tokens cost less than 3, 8 less than 7), and
         # the argmax below then never verifies 3 tokens when it could verify 4
         self.seconds = [verify_costs[n] for n in self.sizes]
+        self.loop_offset = loop_offset  # whether the loop's verifies correct the table (observe_verify)
+        self.verify_offset = 0.0  # running mean of measured verify seconds minus the table's
+        self.verifies_seen = 0
         self.draft_seconds = 0.0  # running mean of a step's measured drafting cost
         self.token_seconds = 0.0  # running mean of one sequential drafter forward (0: a block drafter)
         self.draft_fixed = 0.0  # running mean of a step's drafting cost beyond its sequential forwards
@@ -84,7 +89,12 @@ class Budget:
 
     # -- costs -------------------------------------------------------------------------------------
     def verify_seconds(self, n: int) -> float:
-        """``c(n)``, linear between measured sizes (and beyond the largest, at its last slope)."""
+        """``c(n)``: the table's cost plus the offset the loop's own verifies measured."""
+        return self.table_seconds(n) + self.verify_offset
+
+    def table_seconds(self, n: int) -> float:
+        """The measured table's cost of ``n`` tokens, linear between measured sizes (and beyond the
+        largest, at its last slope)."""
         sizes, secs = self.sizes, self.seconds
         if len(sizes) == 1:
             return secs[0]
@@ -102,6 +112,21 @@ class Budget:
         self.draft_seconds += (seconds - self.draft_seconds) / self.drafts_seen
         fixed = seconds - self.token_seconds * len(forward_seconds)
         self.draft_fixed += (fixed - self.draft_fixed) / self.drafts_seen
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        """A step's verify of ``n`` tokens took ``seconds``. The table was measured once, before
+        decoding, at one context length; the loop's verifies read longer contexts (attention reads
+        every cached position) on a machine whose speed drifts (on the shared CPUs here, by 10-25%
+        within minutes). Both shift every size about alike, so the loop's verifies correct the table
+        by one offset: their mean excess over it (a running mean over the last ~64 steps), never
+        below minus half a plain step. Only with ``loop_offset`` (a table measured on this machine:
+        a made-up one stays as given)."""
+        if not self.loop_offset:
+            return
+        self.verifies_seen += 1
+        weight = 1 / min(self.verifies_seen, 64)
+        self.verify_offset += weight * (seconds - self.table_seconds(n) - self.verify_offset)
+        self.verify_offset = max(self.verify_offset, -0.5 * self.table_seconds(1))
 
     def draft_cost(self, drafts: int, horizon: int) -> float:
         """``d(m)`` of a step verifying ``drafts`` of at most ``horizon`` (see the module doc)."""
@@ -272,6 +297,7 @@ class Budget:
                               "step_ms": round(1e3 * self.predicted_seconds / steps, 3),
                               "tokens_per_s": round(self.predicted_tokens / max(self.predicted_seconds, 1e-12), 2)},
                 "verify_ms": {str(n): round(s * 1e3, 3) for n, s in zip(self.sizes, self.seconds)},  # JSON keys
+                "verify_offset_ms": round(self.verify_offset * 1e3, 3),
                 "draft_ms": round(self.draft_seconds * 1e3, 3),
                 **({"switch": self.switch.summary()} if self.switch.skipped else {}),
                 **({"draft_forward_ms": round(self.token_seconds * 1e3, 3)} if self.forwards_seen else {}),

@@ -546,7 +546,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             drafter_nodes = len(tree)
             tree, copied_nodes = _graft_lookup(tree, copied, budget)
             ids, logits, feats, path, new_bonus = _verify_tree(session, bonus, tree, sampler, q, walk)
-            accepted = ids[0, path[1:]]
+            accepted, read = ids[0, path[1:]], ids.shape[1]
             session.keep(anchor_pos, path)
             path_feats = None if feats is None else feats.aux[:, path]
             if budget is not None:
@@ -576,13 +576,13 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 draft_q = None if sampler.greedy else sampler.probs(draft_logits)
                 ids, logits, feats, path, new_bonus = _verify_tree(session, bonus, tree, sampler, draft_q, walk)
                 n = sum(node <= len(drafts) for node in path[1:])  # drafts kept: a copied node's children are copied
-                accepted = ids[0, path[1:]]
+                accepted, read = ids[0, path[1:]], ids.shape[1]
                 session.keep(anchor_pos, path)
                 path_feats = None if feats is None else feats.aux[:, path]
             else:
                 logits, feats = session.forward(torch.cat([bonus.view(1), drafts])[None])
                 n, new_bonus = verify(sampler, drafts, draft_logits, logits)
-                path, accepted = list(range(n + 1)), drafts[:n]
+                path, accepted, read = list(range(n + 1)), drafts[:n], len(drafts) + 1
                 session.rollback(anchor_pos + n + 1)
                 path_feats = None if feats is None else feats.aux[:, :n + 1]
             if budget is not None:
@@ -603,6 +603,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         draft_seconds = (t1 - t0) + (now() - t2)  # drafting, and reading the accepted features
         stats.draft_seconds += draft_seconds
         if budget is not None:
+            budget.observe_verify(read, t2 - t1)
             if drafting:
                 budget.observe_draft(draft_seconds, stopper.forward_seconds() if stopper is not None else ())
             if mode == "chain":
@@ -641,7 +642,8 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
         largest = ((budget_nodes or 1) + 1 if dec.mode == "tree" else K) + dec.lookup
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
-        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv), share=calibration)
+        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv), share=calibration,
+                        loop_offset=True)
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
               "sd_tokens": 0, "sd_forwards": 0, "sd_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)

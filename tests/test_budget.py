@@ -63,6 +63,24 @@ def test_causal_length_decides_each_draft_from_the_positions_up_to_it():
     assert budget.causal_length([0.99] * 7) == 7 and budget.causal_length([0.001] * 7) == 0
 
 
+def test_the_loops_verifies_correct_the_table_by_one_offset():
+    """Verifies measured 0.5 s over the table move every size's cost by 0.5 (a running mean), which
+    makes longer verifies relatively cheaper: the best prefix grows. A made-up table stays as given,
+    and the offset never takes a cost below half a plain step."""
+    table = {1: 1.0, 2: 1.2, 3: 1.6, 4: 2.4}
+    budget, fixed = Budget(table, loop_offset=True), Budget(table)
+    assert budget.best_prefix([0.6, 0.5, 0.5]) == 1
+    for n in (1, 2, 3, 4) * 20:
+        budget.observe_verify(n, table[n] + 0.5)
+        fixed.observe_verify(n, table[n] + 0.5)
+    assert budget.verify_offset == pytest.approx(0.5) and budget.verify_seconds(3) == pytest.approx(2.1)
+    assert budget.best_prefix([0.6, 0.5, 0.5]) == 2
+    assert fixed.verify_seconds(3) == 1.6 and fixed.summary()["verify_offset_ms"] == 0
+    for _ in range(200):
+        budget.observe_verify(1, 0.0)
+    assert budget.verify_seconds(1) == pytest.approx(0.5)
+
+
 def test_acceptance_calibrates_towards_what_was_measured():
     budget = Budget({1: 1.0}, prior=4.0)
     assert budget.acceptance(0.33) == pytest.approx(0.35)  # the prior: the bin's centre
