@@ -4,11 +4,10 @@ A step of ``n`` queries (1 decoding, a handful verifying) attends over the ``L``
 ``softmax(q k^T / sqrt(D) + mask) v``, a few hundred thousand multiply-adds a layer, so its time is
 reading the keys and values (0.5 MB a layer on the testbed target at 205 positions, evicted from the
 cache by the weights' stream in between) and the kernel's own overhead. torch's flash kernel for the
-CPU is built for long query blocks: on the testbed target, with the cache read cold as in a forward,
-its 8 layers took 0.50 ms at 1 query and 0.95-1.1 ms at 5; :file:`attention_op.cpp`
-(``draftsmith_attn::attention``) reads each key and value row once per head (the values prefetched
-while the scores are computed) and took 0.30-0.36 and 0.57-0.63 ms (``/tmp`` benchmark in
-docs/results.md).
+CPU is built for long query blocks; :file:`attention_op.cpp` (``draftsmith_attn::attention``) reads
+each key and value row once per head (the values prefetched while the scores are computed), eight
+keys' scores at a time. ``python -m recipes.bench_attention`` times both on the testbed target's
+shapes (docs/results.md has the numbers).
 
 Invariants:
 

@@ -114,6 +114,20 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     assert ("speedup draftsmith_fp32 / sdpa" in out) == both
 
 
+def test_the_attention_benchmark_times_both_kernels(capsys):
+    """``python -m recipes.bench_attention``, briefly: a row per query count and cache state, both
+    kernels timed and their ratio printed."""
+    from recipes.bench_attention import main
+    from serve_eval import attention
+
+    if not attention.available():
+        pytest.skip("no AVX2 or no compiler")
+    rows = main(["--queries", "1", "3", "--repeats", "3", "--context", "40", "--layers", "2"])
+    assert [(r["queries"], r["cache"]) for r in rows] == [(1, "warm"), (1, "cold"), (3, "warm"), (3, "cold")]
+    assert all(r["sdpa"] > 0 and r["ours"] > 0 and r["ours / sdpa"] == pytest.approx(r["ours"] / r["sdpa"], abs=2e-3) for r in rows)
+    assert capsys.readouterr().out.count("x) for 2 layers") == 4
+
+
 def test_the_vocabulary_sweep_reports_tau_per_setting(capsys):
     """``python -m recipes.vocab_tau``, briefly, on the shipped target and DFlash drafter at T = 1: one
     row per setting, its share of the first's tau, the per-step head's size; a malformed entry exits 2."""
