@@ -28,7 +28,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -47,15 +46,7 @@ _SOURCE = Path(__file__).with_name("attention_op.cpp")
 @functools.cache
 def available() -> bool:
     """Whether ``draftsmith_attn`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
-    try:
-        native.load(_SOURCE, ("-O3", "-mavx2", "-mfma"))
-        return True
-    except Exception as error:  # noqa: BLE001  (no compiler, a failed build: sdpa serves)
-        warnings.warn(f"serve_eval.attention: the C++ attention operator could not be built ({type(error).__name__}: "
-                      f"{error}); sdpa serves", stacklevel=2)
-        return False
+    return native.avx2_operator(_SOURCE, "serve_eval.attention: the C++ attention operator", "sdpa")
 
 
 def _serves(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:

@@ -15,6 +15,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,3 +38,17 @@ def load(source: Path, cflags: tuple[str, ...] = ("-O2",)) -> None:
         cpp_extension.load(name, [str(source)], build_directory=folder, is_python_module=False,
                            extra_cflags=list(cflags))  # builds, and loads
         os.replace(Path(folder) / f"{name}.so", built)
+
+
+def avx2_operator(source: Path, what: str, fallback: str) -> bool:
+    """Whether the AVX2 + FMA operator in ``source`` serves here: an x86 CPU with AVX2, and the operator
+    built (:func:`load`). Where the build fails (no compiler, say), a warning names ``what`` did not
+    build and that ``fallback`` serves instead."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        load(source, ("-O3", "-mavx2", "-mfma"))
+        return True
+    except Exception as error:  # noqa: BLE001  (no compiler, a failed build: the fallback serves)
+        warnings.warn(f"{what} could not be built ({type(error).__name__}: {error}); {fallback} serves", stacklevel=3)
+        return False

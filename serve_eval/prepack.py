@@ -42,7 +42,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -61,15 +60,7 @@ _SOURCE = Path(__file__).with_name("linear_op.cpp")
 @functools.cache
 def panels_available() -> bool:
     """Whether ``draftsmith_fp32`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
-    try:
-        native.load(_SOURCE, ("-O3", "-mavx2", "-mfma"))
-        return True
-    except Exception as error:  # noqa: BLE001  (no compiler, a failed build: oneDNN serves)
-        warnings.warn(f"serve_eval.prepack: the C++ fp32 operator could not be built ({type(error).__name__}: "
-                      f"{error}); oneDNN's kernel serves", stacklevel=2)
-        return False
+    return native.avx2_operator(_SOURCE, "serve_eval.prepack: the C++ fp32 operator", "oneDNN's kernel")
 
 
 def onednn_available() -> bool:
