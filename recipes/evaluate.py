@@ -20,7 +20,7 @@ served (online adaptation, ``recipes/configs/adapt_testbed.yaml``). With a quant
 cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
 token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s. How the
-models were served: ``drafter_int8``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
+models were served: ``drafter_int8``, ``draft_attention``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
 (the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off.
 
     draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
@@ -82,11 +82,14 @@ def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompt
     products, then int8 codes of the drafter's Linears, its draft compiled over them (for ``prompts``
     and ``max_new_tokens`` new tokens, greedy or ``sampled``, one row and batches of ``rows``), and the
     target's Linears prepacked and, with them, its attention on our C++ kernel
-    (:mod:`serve_eval.attention`). Returns the report's records of the four (off where off)."""
-    if drafters.is_block_drafter(drafter):
+    (:mod:`serve_eval.attention`; a block drafter's too, before its draft is compiled). Returns the
+    report's records of each (off where off)."""
+    block = drafters.is_block_drafter(drafter)
+    if block:
         drafter.fuse_projections()
     positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
     return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",  # before the compile: it traces them
+            "draft_attention": use_attention(drafter) if prepack != "off" and block else "off",  # so does the attention
             "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
             "target_prepack": prepack_linears(target, prepack) if prepack != "off" else "off",
             "target_attention": use_attention(target) if prepack != "off" else "off"}

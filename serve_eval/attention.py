@@ -45,8 +45,16 @@ _SOURCE = Path(__file__).with_name("attention_op.cpp")
 
 @functools.cache
 def available() -> bool:
-    """Whether ``draftsmith_attn`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
-    return native.avx2_operator(_SOURCE, "serve_eval.attention: the C++ attention operator", "sdpa")
+    """Whether ``draftsmith_attn`` runs here: an x86 CPU with AVX2 and FMA, and the operator built
+    (with its shape function, so that a compiled graph can hold it: a drafter's draft)."""
+    if not native.avx2_operator(_SOURCE, "serve_eval.attention: the C++ attention operator", "sdpa"):
+        return False
+    torch.library.register_fake("draftsmith_attn::attention", _fake)
+    return True
+
+
+def _fake(q, k, v, mask, scale):
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
 
 def _serves(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
@@ -67,6 +75,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and n > 1 and causal:  # query i sits at position L - n + i
         attention_mask = torch.ones(n, L, dtype=torch.bool, device=query.device).tril(L - n)[None, None]
+    elif attention_mask is not None and attention_mask.dim() < 4:  # [n, L] (or [H, n, L]): broadcast as sdpa does
+        attention_mask = attention_mask.view((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return torch.ops.draftsmith_attn.attention(query, key, value, attention_mask, scale), None
 
@@ -77,7 +87,9 @@ AttentionMaskInterface.register(NAME, sdpa_mask)
 
 def use_attention(model) -> dict:
     """Serve ``model``'s attention from :func:`attention` (in place; a model whose attention does not
-    follow transformers' interface keeps its own). Returns what the report records."""
+    follow transformers' interface keeps its own): the target, or a block drafter (whose layers
+    read ``config._attn_implementation``, :class:`drafters.core.DraftAttention`; before its draft is
+    compiled, which traces what it calls). Returns what the report records."""
     if not available():
         return {"kernel": "sdpa", "why": "the C++ attention operator does not serve here"}
     before = model.config._attn_implementation

@@ -103,3 +103,35 @@ def test_a_target_on_the_kernel_decodes_as_before_and_the_loop_stays_lossless(ti
     assert out == reference
     spec, stats = speculative_generate(target, target, prompt, 24, proposer=LMProposer(target, 4))
     assert spec == out and stats.tokens / stats.target_forwards > 2  # the target drafting for itself
+
+
+def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
+    """A DFlash drafter switched to the kernel (its layers read ``config._attn_implementation``): its
+    eager block and its compiled graph's (the operator's shape function lets Dynamo hold it) equal
+    the drafter's own on sdpa, for causal and bidirectional blocks."""
+    import copy
+
+    from drafters import DFlashConfig, DFlashDrafter
+    from drafters.core import ContextCache
+    from serve_eval import compiled
+
+    torch.manual_seed(0)
+    aux = torch.randn(1, 40, 32)
+    for blocks in ("causal", "bidirectional"):
+        cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                           target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4,
+                           block_attention=blocks, num_hidden_layers=1, qk_norm=True, max_position_embeddings=64)
+        reference = DFlashDrafter(cfg).eval().fuse_projections()
+        drafter = copy.deepcopy(reference)
+        assert attn.use_attention(drafter)["kernel"] == attn.NAME and reference.config._attn_implementation != attn.NAME
+        compiled.compile_drafts(drafter, 32)
+        graph = compiled.for_drafter(drafter)
+        cache = ContextCache(spare=4, capacity=graph.positions)
+        with torch.inference_mode():
+            drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
+            on_sdpa, eager = copy.deepcopy(cache), copy.deepcopy(cache)
+            hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
+            expected = reference.decode_hidden(torch.tensor(7), 13, on_sdpa, aux[:, 10:13])
+            torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), expected, rtol=1e-5, atol=1e-5)
+        assert graph.calls == 1
