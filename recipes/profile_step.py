@@ -9,8 +9,9 @@ drafters, the layer forward ``decode_hidden``, which also reads the newly verifi
 budget's bookkeeping, beside the plain step and the step as a whole. The timers wrap the methods as
 they run, so what is printed is what the loop spends (the target's ``verify`` and ``rollback`` in
 speculative decoding only; its prefill spread over the steps); the first prompt warms up and is not
-counted. ``--attention both`` decodes each prompt under our attention kernel and under torch's sdpa
-in turn (:mod:`serve_eval.attention`), each with its own cost table: an A/B in one process.
+counted. ``--attention both`` decodes each prompt with the target's and the drafter's attention on our
+kernel and on torch's sdpa in turn (:mod:`serve_eval.attention`; two copies of the drafter, each
+compiled over its own), each with its own cost table: an A/B in one process.
 A benchmark: run it on an otherwise idle core (``taskset -c 1``).
 """
 
@@ -99,8 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = load_drafter(recipe.drafter, target, "cpu")
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
     compiled = resolve_compile(recipe.decoding.compile, "cpu", drafter)
-    serve(target, drafter, resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False),
-          resolve_prepack(recipe.decoding.prepack, "cpu"), compiled, prompts, max_new, sampled=args.temperature > 0)
+    int8 = resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False)
+    serve(target, drafter, int8, resolve_prepack(recipe.decoding.prepack, "cpu"), compiled, prompts, max_new,
+          sampled=args.temperature > 0)
+    served = target.config._attn_implementation  # the served attention (serve_eval.attention where it builds)
+    drafters = {served: drafter}
+    if args.attention != "kernel" and served != "sdpa":  # the same drafter on sdpa (its graph traces what it calls)
+        drafters["sdpa"] = load_drafter(recipe.drafter, target, "cpu")
+        serve(target, drafters["sdpa"], int8, "off", compiled, prompts, max_new, sampled=args.temperature > 0)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     proposer_class = type(engine.make_proposer(drafter))
@@ -108,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
         _timed(proposer_class, name, f"proposer.{name}", totals, calls)
     if proposer_class is engine.BlockProposer and compiled == "off":  # compiled, the draft is one graph: timed as a whole
         for name in ("decode_hidden", "propose"):
-            _timed(drafter, name, f"  drafter.{name}", totals, calls)
+            for each in drafters.values():
+                _timed(each, name, f"  drafter.{name}", totals, calls)
     for name in ("chain_length", "causal_length", "record_chain"):
         _timed(Budget, name, f"budget.{name}", totals, calls)
     speculating = [False]  # the target's session is timed in speculative decoding only
@@ -116,7 +124,6 @@ def main(argv: list[str] | None = None) -> dict:
            totals, calls, lambda: speculating[0])
     _timed(engine.TargetSession, "rollback", "target.rollback", totals, calls, lambda: speculating[0])
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer_class.needs_features else None
-    served = target.config._attn_implementation  # the served attention (serve_eval.attention where it builds)
     settings = list(dict.fromkeys({"kernel": [served], "sdpa": ["sdpa"], "both": [served, "sdpa"]}[args.attention]))
     runs = {}
     for attention in settings:  # each setting its own cost table
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
             sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
             _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
             speculating[0] = True
-            _, spec = engine.speculative_generate(target, drafter, prompt, max_new, None, sampler(),  # the warm-up without
+            _, spec = engine.speculative_generate(target, drafters[attention], prompt, max_new, None, sampler(),  # the warm-up without
                                                   budget=run["budget"] if i else None)  # the budget: first calls are slow
             speculating[0] = False
             if i:  # after the warm-up
