@@ -52,6 +52,16 @@ def tiny_lm_recipe(output_dir: Path, **sections) -> dict:
     return recipe
 
 
+def tiny_dflash(block_attention: str = "causal", num_key_value_heads: int = 4):
+    """A one-layer DFlash drafter of 32 channels over a 32-channel target, random, fused for decoding."""
+    from drafters import DFlashConfig, DFlashDrafter
+
+    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=num_key_value_heads,
+                       intermediate_size=64, target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4,
+                       block_attention=block_attention, num_hidden_layers=1, qk_norm=True, max_position_embeddings=64)
+    return DFlashDrafter(cfg).eval().fuse_projections()
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe))
     return path

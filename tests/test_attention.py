@@ -111,17 +111,15 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
     the drafter's own on sdpa, for causal and bidirectional blocks."""
     import copy
 
-    from drafters import DFlashConfig, DFlashDrafter
     from drafters.core import ContextCache
     from serve_eval import compiled
+
+    from .conftest import tiny_dflash
 
     torch.manual_seed(0)
     aux = torch.randn(1, 40, 32)
     for blocks in ("causal", "bidirectional"):
-        cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                           target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4,
-                           block_attention=blocks, num_hidden_layers=1, qk_norm=True, max_position_embeddings=64)
-        reference = DFlashDrafter(cfg).eval().fuse_projections()
+        reference = tiny_dflash(blocks, num_key_value_heads=2)  # grouped heads
         drafter = copy.deepcopy(reference)
         assert attn.use_attention(drafter)["kernel"] == attn.NAME and reference.config._attn_implementation != attn.NAME
         compiled.compile_drafts(drafter, 32)

@@ -882,17 +882,15 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
     them would give one the other's mask): each draft equals its own drafter's eager one."""
     import copy
 
-    from drafters import DFlashConfig, DFlashDrafter
     from drafters.core import ContextCache
     from serve_eval import compiled
+
+    from .conftest import tiny_dflash
 
     torch.manual_seed(0)
     aux = torch.randn(1, 40, 32)
     for attention in ("causal", "bidirectional"):
-        cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
-                           target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4,
-                           block_attention=attention, num_hidden_layers=1, qk_norm=True, max_position_embeddings=64)
-        drafter = DFlashDrafter(cfg).eval().fuse_projections()
+        drafter = tiny_dflash(attention)
         compiled.compile_drafts(drafter, 32)
         graph = compiled.for_drafter(drafter)
         cache = ContextCache(spare=4, capacity=graph.positions)
