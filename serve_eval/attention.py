@@ -93,7 +93,10 @@ def use_attention(model) -> dict:
     if not available():
         return {"kernel": "sdpa", "why": "the C++ attention operator does not serve here"}
     before = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
+    try:
+        model.set_attn_implementation(NAME)
+    except (AttributeError, ValueError) as error:  # not a transformers model, or one that refuses the name
+        return {"kernel": before, "why": f"{type(model).__name__}: {error}"}
     if model.config._attn_implementation != NAME:
         return {"kernel": before, "why": f"{type(model).__name__} does not take an attention function"}
     return {"kernel": NAME, "max_queries": MAX_QUERIES}

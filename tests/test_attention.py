@@ -133,3 +133,10 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
             torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), expected, rtol=1e-5, atol=1e-5)
         assert graph.calls == 1
+
+
+def test_a_model_that_takes_no_attention_function_keeps_its_own():
+    module = torch.nn.Linear(2, 2)
+    module.config = type("Config", (), {"_attn_implementation": "eager"})()
+    record = attn.use_attention(module)
+    assert record["kernel"] == "eager" and "Linear" in record["why"]
