@@ -6,17 +6,17 @@ For the testbed target's shapes (5 heads of 64, 8 layers) and a cache of ``--con
 in buffers of a longer capacity (as the loop's KV cache holds them): the median time of one forward's
 ``--layers`` attention calls, each layer its own cache, causal mask for more than one query, torch's
 ``scaled_dot_product_attention`` (its flash kernel for the CPU) against ``draftsmith_attn::attention``
-(:mod:`serve_eval.attention`), alternated call by call. ``cold``: a 64 MB buffer is streamed before
-each timed forward, so the caches are read from memory as after the target's weights streamed
-through (the loop's case); ``warm``: back to back. 1 thread; a benchmark: run it on an otherwise idle
+(:mod:`serve_eval.attention`), alternated call by call (medians: :func:`serve_eval.engine.
+interleaved_seconds`). ``cold``: a 64 MB buffer is streamed before each timed forward, so the caches
+are read from memory as after the target's weights streamed through (the loop's case); ``warm``:
+back to back. 1 thread; a benchmark: run it on an otherwise idle
 core (``taskset -c 1``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
 
     from serve_eval import attention
+    from serve_eval.engine import interleaved_seconds
 
     if not attention.available():
         parser.exit(2, "bench_attention: the C++ attention operator does not build here (it needs AVX2 and a compiler)\n")
@@ -48,18 +49,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             mask = torch.ones(n, L, dtype=torch.bool).tril(L - n)[None, None] if n > 1 else None
             kernels = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),  # noqa: B023
                        "ours": lambda q, k, v: torch.ops.draftsmith_attn.attention(q, k, v, mask, D ** -0.5)}  # noqa: B023
-            for cold in (False, True):
-                times = {name: [] for name in kernels}
-                for r in range(args.repeats + 10):
-                    for name, kernel in kernels.items():
-                        if cold:
-                            stream.add_(1.0)
-                        start = time.perf_counter()
-                        for q, (k, v) in zip(queries, caches):
-                            kernel(q, k[:, :, :L], v[:, :, :L])
-                        if r >= 10:
-                            times[name].append(time.perf_counter() - start)
-                ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            forward = lambda kernel: [kernel(q, k[:, :, :L], v[:, :, :L]) for q, (k, v) in zip(queries, caches)]  # noqa: E731, B023
+            for cold in (False, True):  # cold: the stream runs (untimed) after each forward, so before the next
+                after = (lambda: stream.add_(1.0)) if cold else None
+                seconds = interleaved_seconds({name: (functools.partial(forward, kernel), after)
+                                               for name, kernel in kernels.items()}, args.repeats, "cpu")
+                ms = {name: 1e3 * t for name, t in seconds.items()}
                 rows.append({"queries": n, "cache": "cold" if cold else "warm", **{k: round(v, 3) for k, v in ms.items()},
                              "ours / sdpa": round(ms["ours"] / ms["sdpa"], 3)})
                 print(f"{n:2d} queries, {rows[-1]['cache']}: sdpa {ms['sdpa']:.3f} ms, ours {ms['ours']:.3f} ms "

@@ -24,10 +24,12 @@ import time
 import torch
 
 
-def _timed(obj, name: str, label, totals: dict, calls: collections.Counter, active=lambda: True) -> None:
+def _timed(obj, name: str, label, totals: dict, calls: collections.Counter, undo: list, active=lambda: True) -> None:
     """Wrap ``obj.name`` so that its calls add to ``totals[label]`` while ``active()``; ``label`` may be
-    a function of the call's arguments."""
+    a function of the call's arguments. ``undo`` gets the call that puts ``obj.name`` back."""
     inner = getattr(obj, name)
+    own = vars(obj).get(name)  # a class's own function, or None: an instance's method, from its class
+    undo.append(lambda: setattr(obj, name, own) if own is not None else delattr(obj, name))
 
     def timed(*args, **kwargs):
         if not active():
@@ -77,7 +79,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
                              "alternated prompt by prompt in this process (default: kernel)")
     args = parser.parse_args(argv)
+    undo: list = []  # the timers come off when the profile ends (a caller's process keeps running)
+    try:
+        return _profile(args, undo)
+    finally:
+        for put_back in reversed(undo):
+            put_back()
 
+
+def _profile(args, undo: list) -> dict:
     from distill.base.features import FeatureCapture
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
@@ -112,17 +122,17 @@ def main(argv: list[str] | None = None) -> dict:
     calls: collections.Counter = collections.Counter()
     proposer_class = type(engine.make_proposer(drafter))
     for name in ("propose", "observe"):
-        _timed(proposer_class, name, f"proposer.{name}", totals, calls)
+        _timed(proposer_class, name, f"proposer.{name}", totals, calls, undo)
     if proposer_class is engine.BlockProposer and compiled == "off":  # compiled, the draft is one graph: timed as a whole
         for name in ("decode_hidden", "propose"):
             for each in drafters.values():
-                _timed(each, name, f"  drafter.{name}", totals, calls)
+                _timed(each, name, f"  drafter.{name}", totals, calls, undo)
     for name in ("chain_length", "causal_length", "record_chain"):
-        _timed(Budget, name, f"budget.{name}", totals, calls)
+        _timed(Budget, name, f"budget.{name}", totals, calls, undo)
     speculating = [False]  # the target's session is timed in speculative decoding only
     _timed(engine.TargetSession, "forward", lambda session, *_: "target.prefill" if session.length == 0 else "target.verify",
-           totals, calls, lambda: speculating[0])
-    _timed(engine.TargetSession, "rollback", "target.rollback", totals, calls, lambda: speculating[0])
+           totals, calls, undo, lambda: speculating[0])
+    _timed(engine.TargetSession, "rollback", "target.rollback", totals, calls, undo, lambda: speculating[0])
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer_class.needs_features else None
     settings = list(dict.fromkeys({"kernel": [served], "sdpa": ["sdpa"], "both": [served, "sdpa"]}[args.attention]))
     runs = {}

@@ -109,7 +109,7 @@ inline __m256 scores8(const float* __restrict q, const float* __restrict k, int6
 
 // One (row, head): queries q (row stride sq), keys / values k, v (row stride sk, sv), L positions;
 // mask row i at mask_b / mask_f + i * smi (element stride 1 along L) or none; out rows at stride so.
-// s: scratch of n * Lp floats, Lp = L rounded up to 8.
+// s: scratch of n * (Lp + 1) floats, Lp = L rounded up to 8 (the scores, then each query's 1 / sum).
 void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v, int64_t sv, int64_t n, int64_t L,
           int64_t D, float scale, const bool* mask_b, const float* mask_f, int64_t smi, float* out, int64_t so,
           float* s, int64_t Lp) {
@@ -139,7 +139,7 @@ void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v
     }
     for (int64_t j = L; j < Lp; ++j) si[j] = ninf;
   }
-  std::vector<float> inv(n);
+  float* inv = s + n * Lp;
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators and their sums
     float* si = s + i * Lp;
     __m256 m = _mm256_set1_ps(ninf);
@@ -198,7 +198,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t smi = m.defined() ? m.stride(2) : 0, Lp = (L + 7) / 8 * 8, group = H / Hk;
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scratch(n * Lp);
+    std::vector<float> scratch(n * (Lp + 1));
     for (int64_t bh = first; bh < last; ++bh) {
       const int64_t b = bh / H, h = bh % H, hk = h / group;
       const int64_t mo = b * smb + h * smh;

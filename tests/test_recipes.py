@@ -98,10 +98,12 @@ def test_every_accelerate_config_is_named_in_the_readme():
 def test_the_step_profiler_times_the_loop_pieces(capsys):
     """``python -m recipes.profile_step`` on the shipped target and DFlash drafter, briefly: every piece
     it wraps was timed, and the parts fit inside the step they belong to; ``--attention both`` prints
-    both settings' profiles and their ratios."""
+    both settings' profiles and their ratios; the timers come off afterwards."""
     from recipes.profile_step import main
-    from serve_eval import attention
+    from serve_eval import attention, engine
+    from serve_eval.budget import Budget
 
+    originals = (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length)
     report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--compile", "off",
                    "--attention", "both"])
     parts = report["ms_per_step"]  # (eager: a compiled draft is one graph, timed as proposer.propose)
@@ -112,6 +114,7 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     out, both = capsys.readouterr().out, attention.available()  # (sdpa alone where the kernel does not build)
     assert out.count("plain steps)") == (2 if both else 1) and "attention sdpa" in out
     assert ("speedup draftsmith_fp32 / sdpa" in out) == both
+    assert (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length) == originals  # timers off
 
 
 def test_the_attention_benchmark_times_both_kernels(capsys):
