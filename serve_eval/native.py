@@ -40,14 +40,14 @@ def load(source: Path, cflags: tuple[str, ...] = ("-O2",)) -> None:
         os.replace(Path(folder) / f"{name}.so", built)
 
 
-def avx2_operator(source: Path, what: str, fallback: str) -> bool:
+def avx2_operator(source: Path, what: str, fallback: str, flags: tuple[str, ...] = ()) -> bool:
     """Whether the AVX2 + FMA operator in ``source`` serves here: an x86 CPU with AVX2, and the operator
-    built (:func:`load`). Where the build fails (no compiler, say), a warning names ``what`` did not
-    build and that ``fallback`` serves instead."""
+    built (:func:`load`, with ``flags`` besides). Where the build fails (no compiler, say), a warning
+    names ``what`` did not build and that ``fallback`` serves instead."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
     try:
-        load(source, ("-O3", "-mavx2", "-mfma"))
+        load(source, ("-O3", "-mavx2", "-mfma", *flags))
         return True
     except Exception as error:  # noqa: BLE001  (no compiler, a failed build: the fallback serves)
         warnings.warn(f"{what} could not be built ({type(error).__name__}: {error}); {fallback} serves", stacklevel=3)
