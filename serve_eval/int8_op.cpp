@@ -37,7 +37,7 @@ namespace {
 
 constexpr int64_t kOut = 16;      // outputs per panel
 constexpr int64_t kGroup = 4;     // inputs per 32-bit lane
-constexpr int64_t kAhead = 4096;  // bytes of the panel prefetched ahead of the ones read
+constexpr int64_t kAhead = 8192;  // bytes of the panel prefetched ahead of the ones read
 
 bool cpu_has_vnni() {
   static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
@@ -69,23 +69,34 @@ inline int32_t word(const int8_t* p) {
   return w;
 }
 
-// ---- AVX-512 VNNI: tiles of up to 8 rows, one 16-lane accumulator each ----
-template <int R>
+// ---- AVX-512 VNNI: tiles of up to 8 rows by one or two panels, one 16-lane accumulator each ----
+// x holds X + 128 as unsigned bytes (quantize's `flip`), so each group is one vpdpbusd per row and panel.
+template <int R, int P>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void tile_vnni(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, int32_t* out) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // X + 128 as an unsigned byte: X ^ 0x80
+  __m512i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+  const int8_t* second = panel + groups * 64;  // the next panel follows in memory
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(panel) + g * 64 + kAhead, _MM_HINT_T0);
+    if constexpr (P > 1) _mm_prefetch(reinterpret_cast<const char*>(second) + g * 64 + kAhead, _MM_HINT_T0);
     const __m512i w = _mm512_loadu_si512(panel + g * 64);
+    __m512i v = w;
+    if constexpr (P > 1) v = _mm512_loadu_si512(second + g * 64);
     const int8_t* xg = x + g * kGroup;
-#define DS_ROW(i, acc) \
-    if constexpr (R > i) acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_set1_epi32(word(xg + i * ldx)), flip), w);
-    DS_ROW(0, a0) DS_ROW(1, a1) DS_ROW(2, a2) DS_ROW(3, a3) DS_ROW(4, a4) DS_ROW(5, a5) DS_ROW(6, a6) DS_ROW(7, a7)
+#define DS_ROW(i, acc, bcc)                                          \
+    if constexpr (R > i) {                                           \
+      const __m512i u = _mm512_set1_epi32(word(xg + i * ldx));       \
+      acc = _mm512_dpbusd_epi32(acc, u, w);                          \
+      if constexpr (P > 1) bcc = _mm512_dpbusd_epi32(bcc, u, v);     \
+    }
+    DS_ROW(0, a0, b0) DS_ROW(1, a1, b1) DS_ROW(2, a2, b2) DS_ROW(3, a3, b3)
+    DS_ROW(4, a4, b4) DS_ROW(5, a5, b5) DS_ROW(6, a6, b6) DS_ROW(7, a7, b7)
 #undef DS_ROW
   }
-  const __m512i sums[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-  for (int r = 0; r < R; ++r) _mm512_storeu_si512(out + r * kOut, sums[r]);
+  const __m512i sums[2][8] = {{a0, a1, a2, a3, a4, a5, a6, a7}, {b0, b1, b2, b3, b4, b5, b6, b7}};
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) _mm512_storeu_si512(out + (p * 8 + r) * kOut, sums[p][r]);
 }
 
 // ---- AVX2: tiles of up to 4 rows, two 8-lane accumulators each ----
@@ -116,12 +127,16 @@ void tile_avx2(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups
 }
 
 using Tile = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*);
-constexpr Tile kVnni[9] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>,
-                           tile_vnni<5>, tile_vnni<6>, tile_vnni<7>, tile_vnni<8>};
+constexpr Tile kVnni[2][9] = {
+    {nullptr, tile_vnni<1, 1>, tile_vnni<2, 1>, tile_vnni<3, 1>, tile_vnni<4, 1>, tile_vnni<5, 1>, tile_vnni<6, 1>,
+     tile_vnni<7, 1>, tile_vnni<8, 1>},
+    {nullptr, tile_vnni<1, 2>, tile_vnni<2, 2>, tile_vnni<3, 2>, tile_vnni<4, 2>, tile_vnni<5, 2>, tile_vnni<6, 2>,
+     tile_vnni<7, 2>, tile_vnni<8, 2>}};
 constexpr Tile kAvx2[5] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
 
-// Row r's step and codes (k_size inputs, then zeros up to the padded width); false for a row of zeros.
-bool quantize(const float* x, int64_t k_size, int8_t* q, int64_t width, float* step) {
+// Row r's step and codes (k_size inputs, then zeros up to the padded width), each code X stored as
+// X ^ 0x80 (= X + 128 read as an unsigned byte) where `flip`; false for a row of zeros.
+bool quantize(const float* x, int64_t k_size, int8_t* q, int64_t width, float* step, bool flip) {
   __m256 peak = _mm256_setzero_ps();
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   int64_t k = 0;
@@ -142,10 +157,31 @@ bool quantize(const float* x, int64_t k_size, int8_t* q, int64_t width, float* s
   };
   for (k = 0; k + 32 <= k_size; k += 32) {  // 32 codes: packed 32 -> 16 -> 8 bits, then the lanes put in order
     const __m256i lo = _mm256_packs_epi32(codes(k), codes(k + 8)), hi = _mm256_packs_epi32(codes(k + 16), codes(k + 24));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), flip ? _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80))) : bytes);
   }
-  for (; k < k_size; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] / a));
+  for (; k < k_size; ++k) q[k] = static_cast<int8_t>(static_cast<int>(std::nearbyint(x[k] / a)) ^ (flip ? 0x80 : 0));
   return true;
+}
+
+// out[c] = ((float(sums[c] - offset colsum[c]) a) s[c]) + b[c] for c < cols, each operation rounded on its own.
+inline void rescale(const int32_t* sums, const int32_t* colsum, int32_t offset, float a, const float* s, const float* b,
+                    float* out, int64_t cols) {
+  int64_t c = 0;
+  const __m256i off = _mm256_set1_epi32(offset);
+  const __m256 av = _mm256_set1_ps(a);
+  for (; c + 8 <= cols; c += 8) {
+    const __m256i exact = _mm256_sub_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums + c)),
+                                           _mm256_mullo_epi32(off, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(colsum + c))));
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(exact), av), _mm256_loadu_ps(s + c));
+    if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + c));
+    _mm256_storeu_ps(out + c, v);
+  }
+  for (; c < cols; ++c) {
+    float v = static_cast<float>(sums[c] - offset * colsum[c]) * a;
+    v = v * s[c];
+    out[c] = b ? v + b[c] : v;
+  }
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& colsum, const at::Tensor& scale,
@@ -172,32 +208,31 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::T
   std::vector<float> steps(rows);
   std::vector<int64_t> live;
   live.reserve(rows);
+  const bool vnni = has_vnni();
   for (int64_t r = 0; r < rows; ++r) {
-    if (quantize(xp + r * k_size, k_size, q.data() + live.size() * width, width, &steps[live.size()])) {
+    if (quantize(xp + r * k_size, k_size, q.data() + live.size() * width, width, &steps[live.size()], vnni)) {
       live.push_back(r);
     } else {
       for (int64_t o = 0; o < out_features; ++o) yp[r * out_features + o] = bp ? 0.0f + bp[o] : 0.0f;
     }
   }
   const int64_t count = static_cast<int64_t>(live.size());
-  const bool vnni = has_vnni();
-  const int tile = vnni ? 8 : 4;
+  const int tile = vnni ? 8 : 4, pair = vnni ? 2 : 1;  // rows a tile, panels a tile
   const int32_t offset = vnni ? 128 : 0;
-  at::parallel_for(0, panels, 16, [&](int64_t first, int64_t last) {
-    alignas(64) int32_t sums[8 * kOut];
-    for (int64_t p = first; p < last; ++p) {
-      const int64_t o0 = p * kOut, cols = std::min(kOut, out_features - o0);
+  at::parallel_for(0, (panels + pair - 1) / pair, 8, [&](int64_t first, int64_t last) {
+    alignas(64) int32_t sums[2 * 8 * kOut];
+    for (int64_t p = first * pair; p < std::min(last * pair, panels); p += pair) {
+      const int width_p = static_cast<int>(std::min<int64_t>(pair, panels - p));
       const int8_t* panel = wp + p * groups * kOut * kGroup;
       for (int64_t t = 0; t < count; t += tile) {
         const int height = static_cast<int>(std::min<int64_t>(tile, count - t));
-        (vnni ? kVnni : kAvx2)[height](q.data() + t * width, width, panel, groups, sums);
-        for (int r = 0; r < height; ++r) {
-          float* out = yp + live[t + r] * out_features + o0;
-          const float a = steps[t + r];
-          for (int64_t c = 0; c < cols; ++c) {
-            float v = static_cast<float>(sums[r * kOut + c] - offset * cp[o0 + c]) * a;
-            v = v * sp[o0 + c];
-            out[c] = bp ? v + bp[o0 + c] : v;
+        (vnni ? kVnni[width_p - 1] : kAvx2)[height](q.data() + t * width, width, panel, groups, sums);
+        for (int j = 0; j < width_p; ++j) {
+          const int64_t o0 = (p + j) * kOut, cols = std::min(kOut, out_features - o0);
+          for (int r = 0; r < height; ++r) {
+            float* out = yp + live[t + r] * out_features + o0;
+            const int32_t* s = sums + (j * 8 + r) * kOut;
+            rescale(s, cp + o0, offset, steps[t + r], sp + o0, bp ? bp + o0 : nullptr, out, cols);
           }
         }
       }
