@@ -201,7 +201,7 @@ class BatchContext:
                 self.keys, int((self.lengths + queued[1]).max()), 0 if queued[0] is None else queued[0].shape[1]):
             aux = queued[0] if queued[0] is not None else self.keys[0].new_zeros(len(self.lengths), 0, self.drafter.fc.in_features)
             device = aux.device
-            hidden, proposal = graph.run(anchors[:, 0], self.lengths.to(device), aux, queued[1].to(device),
+            hidden, proposal = graph.run(anchors[:, 0], torch.stack([self.lengths, queued[1]], dim=1).to(device), aux,
                                          self.keys, self.values, graph.proposes_for(greedy))
             self.lengths, self.pending = self.lengths + queued[1], []
         else:

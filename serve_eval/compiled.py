@@ -126,8 +126,8 @@ class CompiledDraft:
         buffers = [like.new_zeros(rows, cfg.num_key_value_heads, self.positions, cfg.head_dim) for _ in range(2 * len(drafter.layers))]
         zeros = torch.zeros(rows, dtype=torch.long, device=drafter.device)
         with torch.inference_mode():  # as the loops draft: Dynamo's guards include the grad mode
-            self.run(zeros, zeros, like.new_zeros(rows, 1, drafter.fc.in_features),
-                     zeros + 1, buffers[::2], buffers[1::2], self.proposes_for(greedy=not sampled))
+            self.run(zeros, torch.stack([zeros, zeros + 1], dim=1), like.new_zeros(rows, 1, drafter.fc.in_features),
+                     buffers[::2], buffers[1::2], self.proposes_for(greedy=not sampled))
         self.rows.add(rows)
         self.calls = 0
 
@@ -144,16 +144,14 @@ class CompiledDraft:
         return (bool(keys) and keys[0].shape[0] in self.rows and keys[0].shape[2] == self.positions
                 and arriving <= self.block_size and end + self.block_size < self.positions)
 
-    def run(self, anchors: torch.Tensor, starts: torch.Tensor, arriving: torch.Tensor, counts: torch.Tensor,
+    def run(self, anchors: torch.Tensor, counts: torch.Tensor, arriving: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], propose: bool):
-        """The graph's draft for ``R`` rows: anchors [R], each row's cached length ``starts`` [R] and
-        ``counts`` [R] of the ``arriving`` features [R, m, F] (``m <= K``) that are its own; returns the
+        """The graph's draft for ``R`` rows: anchors [R], ``counts`` [R, 2] = each row's cached length and
+        the number of the ``arriving`` features [R, m, F] (``m <= K``) that are its own; returns the
         hidden states [R, 1, K, H] and, with ``propose``, the greedy proposal over them, as
         :meth:`~drafters.core.BlockDrafter.propose` gives it. The buffers then hold the arrived positions."""
-        R, m, F = arriving.shape
-        features = arriving.new_zeros(R, self.block_size, F)
-        features[:, :m] = arriving
-        out = self.graph(self._drafter(), anchors, torch.stack([starts, counts], dim=1), features, keys, values, propose)
+        features = torch.nn.functional.pad(arriving, (0, 0, 0, self.block_size - arriving.shape[1]))  # zero rows: not multiplied
+        out = self.graph(self._drafter(), anchors, counts, features, keys, values, propose)
         self.calls += 1
         return out
 
@@ -163,9 +161,7 @@ class CompiledDraft:
         logits and confidence, as :meth:`~drafters.core.BlockDrafter.propose` gives them); the cache
         then holds the arrived positions, as after :meth:`~drafters.core.BlockDrafter.decode_hidden`."""
         start, n = cache.length, arrived.shape[1]
-        device = arrived.device
-        out = self.run(anchor.view(1), torch.tensor([start], device=device), arrived, torch.tensor([n], device=device),
-                       cache.keys, cache.values, propose)
+        out = self.run(anchor.view(1), torch.tensor([[start, n]], device=arrived.device), arrived, cache.keys, cache.values, propose)
         cache.length = start + n
         return out
 

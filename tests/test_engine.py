@@ -857,12 +857,12 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     assert compiled.compile_drafts(drafter, max(map(len, prompts)) + MAX_NEW, rows=(2, 3))["rows"] == [1, 2, 3]
     graph_run, rows_seen, tight = compiled.CompiledDraft.run, [], []
 
-    def checked(self, anchors, starts, arriving, counts, keys, values, propose):
+    def checked(self, anchors, counts, arriving, keys, values, propose):
         copies = [b.clone() for b in keys + values]
         features = arriving.new_zeros(len(anchors), self.block_size, arriving.shape[2])
         features[:, :arriving.shape[1]] = arriving
-        reference = drafter.decode_static(anchors, torch.stack([starts, counts], 1), features, copies[:len(keys)], copies[len(keys):])
-        hidden, proposal = graph_run(self, anchors, starts, arriving, counts, keys, values, propose)
+        reference = drafter.decode_static(anchors, counts, features, copies[:len(keys)], copies[len(keys):])
+        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)
         close_to_rounding_or_an_int8_step(hidden, reference, tight)
         rows_seen.append(len(anchors))
         return hidden, proposal
