@@ -13,7 +13,8 @@
 //   2. p[i, j] = exp(s[i, j] - max_j s[i, j]) (masked: exactly 0), out_i = sum_j p[i, j] v_j / sum_j p[i, j].
 // Invariant: every number in query i's output is computed by the same operations in the same order
 // whatever the other queries are, so a token verified among eight gets the bits it gets decoded
-// alone (as the Linears of linear_op.cpp do). A query that may attend nowhere gets zeros.
+// alone (as the Linears of linear_op.cpp do). A query that may attend nowhere gets zeros. Positions
+// after the last one a bool mask shows any query are skipped: in the sums they would add exactly +0.
 // exp is Cephes' single-precision polynomial (range reduction by ln 2, degree-6 minimax on
 // [-ln2/2, ln2/2]): ~1 ulp, where torch's own flash kernel uses a coarser one.
 #include <ATen/ATen.h>
@@ -202,9 +203,21 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     for (int64_t bh = first; bh < last; ++bh) {
       const int64_t b = bh / H, h = bh % H, hk = h / group;
       const int64_t mo = b * smb + h * smh;
+      // Positions after the last one a bool mask lets any query see are not read: each would add exactly
+      // +0 to its query's sums (a compiled draft's cache buffers are longer than its context)
+      int64_t seen = L;
+      if (mb) {
+        seen = 1;
+        for (int64_t i = 0; i < n; ++i) {
+          const bool* row = mb + mo + i * smi;
+          int64_t j = L;
+          while (j > seen && !row[j - 1]) --j;
+          seen = std::max(seen, j);
+        }
+      }
       head(qp + b * q.stride(0) + h * q.stride(1), q.stride(2), kp + b * k.stride(0) + hk * k.stride(1), k.stride(2),
-           vp + b * v.stride(0) + hk * v.stride(1), v.stride(2), n, L, D, sc, mb ? mb + mo : nullptr, mf ? mf + mo : nullptr,
-           smi, op + (b * n * H + h) * D, H * D, scratch.data(), Lp);
+           vp + b * v.stride(0) + hk * v.stride(1), v.stride(2), n, seen, D, sc, mb ? mb + mo : nullptr, mf ? mf + mo : nullptr,
+           smi, op + (b * n * H + h) * D, H * D, scratch.data(), (seen + 7) / 8 * 8);
     }
   });
   return out;

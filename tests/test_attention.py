@@ -58,6 +58,24 @@ def test_a_query_gets_the_same_bits_whatever_queries_share_the_call():
         assert torch.equal(alone[:, 0], together[:, i])
 
 
+def test_positions_after_the_last_one_the_mask_shows_are_not_read():
+    """A compiled draft's cache buffer is longer than its context: with a bool mask hiding the buffer's
+    tail (per batch row), the kernel gives the bits it gives on the buffer cut after the last position
+    any query may see, and never reads the tail (NaN there changes nothing)."""
+    B, n, L = 2, 8, 90
+    q, k, v = _qkv(B, 5, 5, n, L, 64)
+    ends = [40, 67]  # row b's queries see the positions below ends[b] + i (a causal block)
+    mask = torch.zeros(B, 1, n, L, dtype=torch.bool)
+    for b, end in enumerate(ends):
+        mask[b, 0] = torch.ones(n, L, dtype=torch.bool).tril(end - 1)
+        k[b, :, end + n:], v[b, :, end + n:] = float("nan"), float("nan")
+    out = torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.125)
+    for b, end in enumerate(ends):
+        cut = slice(0, end + n - 1)
+        alone = torch.ops.draftsmith_attn.attention(q[b:b + 1], k[b:b + 1, :, cut], v[b:b + 1, :, cut], mask[b:b + 1, ..., cut], 0.125)
+        assert torch.equal(out[b:b + 1], alone), b
+
+
 def test_a_query_that_may_attend_nowhere_gets_zeros():
     q, k, v = _qkv(1, 2, 2, 3, 10, 16)
     mask = torch.ones(1, 1, 3, 10, dtype=torch.bool)
