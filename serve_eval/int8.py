@@ -4,19 +4,23 @@ A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 
 * weights, once, per output channel ``o``: ``s_o = max_i |W_oi| / 127``, codes ``C_oi = round(W_oi / s_o)``
   in [-127, 127];
-* activations, every call, per row ``r`` (a token): ``a_r = max_i |x_ri| / 127``, ``X_ri = round(x_ri / a_r)``;
+* activations, every call, per row ``r`` (a token): ``a_r = max_i |x_ri| / 127``, ``X_ri = round(x_ri / a_r)``
+  (``/ 63`` on the AVX2 kernel, see below);
 * ``y_ro = ((S_ro a_r) s_o) + b_o`` with ``S_ro = sum_i X_ri C_oi`` exact in int32 (``|S| <= in * 127^2 < 2^31``
   for ``in`` below 133,000), so the only errors are the two roundings, at most half a step of each factor,
   and a row's outputs do not depend on the rows beside it.
 
-Two kernels compute exactly these numbers, the same bits:
+Kernels, the first that serves here:
 
 * ``draftsmith_int8::linear`` (:file:`int8_op.cpp`, built once per machine by :mod:`serve_eval.native`,
-  ~20 s): the codes in panels of 16 outputs x 4 inputs, prefetched as they stream, rows in tiles
-  whose sums stay in registers; AVX-512 VNNI where the CPU has it (``vpdpbusd``, 64 products an
-  instruction), else AVX2 (``vpmaddubsw``, sign trick: no 16-bit saturation). A row of zeros (the
-  padding rows of a compiled draft's arriving features) is not multiplied. The report's
-  ``drafter_int8.kernel`` names the instruction set;
+  ~20 s): the codes in panels of 16 outputs x 4 inputs, prefetched as they stream, rows in tiles whose
+  sums stay in registers; a row of zeros (the padding rows of a compiled draft's arriving features) is
+  not multiplied. On AVX-512 VNNI (``vpdpbusd``, 64 products an instruction) it computes exactly the
+  bits ``torch._int_mm`` computes from the same codes. On AVX2 alone the activations are 7-bit
+  (``/ 63``, as fbgemm's AVX2 kernels take them): ``vpmaddubsw``'s 16-bit pair sums then cannot
+  saturate, where 8 bits would need the sign moved onto the weights row by row (measured 1.5x the
+  time: the six products of a draft 449 against 296 µs); the rounding error doubles (0.8% -> 1.5% of
+  the output's norm on random rows). The report's ``drafter_int8.kernel`` names the instruction set;
 * ``torch._int_mm`` (codes stored transposed, in x out) where it cannot be built (no compiler, not x86).
 
 Losslessness does not depend on any of it: the loop verifies with the full-precision target, and the
@@ -28,10 +32,10 @@ Why here: a drafter's cost on a CPU is reading its weights (the 4,096 x 320 LM h
 is 5.2 MB in fp32, most of the drafter) and int8 codes are a quarter of that. The weights come from
 memory at every draft (the target's forward, 45 MB on the testbed, has streamed through the caches
 in between), so the kernel prefetches them ahead of the products. Measured on a Zen 4 core (1 thread,
-the shipped DFlash drafter's six products of one draft, after a target forward; ``/tmp`` script, see
-docs/results.md): fbgemm's dynamic int8 GEMM (``quantized::linear_dynamic``, served here before; 7-bit
-activations, reached through a C++ operator that named its packed weight by a key) 439-493 us, of
-which 162 warm. Before that: torchao's ``Int8DynamicActivationIntxWeightConfig`` took 5.6 ms for the
+the shipped DFlash drafter's six products of one draft; ``/tmp`` scripts, see docs/results.md): ours
+175-180 µs warm, 349-401 after a target forward; fbgemm's dynamic int8 GEMM (``quantized::linear_dynamic``,
+served here before; 7-bit activations, reached through a C++ operator that named its packed weight by
+a key) 281-409 warm with its row scaling, 439-493 after a target forward; ``torch._int_mm`` 380 warm. Before that: torchao's ``Int8DynamicActivationIntxWeightConfig`` took 5.6 ms for the
 head alone and ``Int8DynamicActivationInt8WeightConfig`` 0.79 ms (a tensor subclass dispatched from
 Python at every call, with no fused CPU kernel for these shapes); oneDNN's ``qlinear_pointwise`` was
 slower than fbgemm's.

@@ -5,17 +5,18 @@
 //   panel's k-groups of 4 contiguous (zero-padded), so a panel streams in one run and one 64-byte load
 //   holds 4 inputs of 16 outputs: what one AVX-512 VNNI instruction (or two AVX2 ones) multiplies.
 // linear(x [.., K] float, packed, colsum [N] int32, scale [N], bias?, N) -> [.., N] float:
-//   1. per row r: step a_r = max_k |x_rk| / 127, codes X_rk = round(x_rk / a_r) (half to even) in [-127, 127];
-//      a row of zeros (a padding row) is not multiplied: its outputs are the bias;
+//   1. per row r: step a_r = max_k |x_rk| / L, codes X_rk = round(x_rk / a_r) (half to even) in [-L, L], stored
+//      as the unsigned bytes X + L + 1; a row of zeros (a padding row) is not multiplied: its outputs are the bias;
 //   2. S_ro = sum_k X_rk C_ok, exact in int32 (|S| <= K 127^2), by one of two kernels chosen at run time:
-//      - AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so it reads X + 128 and subtracts
-//        128 sum_k C_ok (colsum) afterwards;
-//      - AVX2: vpmaddubsw multiplies unsigned by signed bytes into 16-bit pair sums, which |X| * sign(X) C
-//        keeps below 2 * 127^2 < 2^15 (no saturation), and vpmaddwd adds the pairs into 32 bits;
-//      both give the same integers, so the same bits;
+//      - AVX-512 VNNI, L = 127: vpdpbusd multiplies the unsigned bytes X + 128 by the signed codes into
+//        32 bits, 128 sum_k C_ok (colsum) subtracted afterwards;
+//      - AVX2, L = 63 (7-bit activations, as fbgemm's AVX2 kernels take them): vpmaddubsw multiplies X + 64
+//        (at most 127) by the codes into 16-bit pair sums, at most 2 * 127^2 < 2^15 (no saturation), and
+//        vpmaddwd adds the pairs into 32 bits; 64 colsum subtracted afterwards. Eight bits would need the
+//        sign moved onto the codes per row (vpsignb), 1.5x the time;
 //   3. y_ro = ((float(S_ro) * a_r) * s_o) + b_o, each operation rounded on its own (built without
 //      contraction into fused multiply-adds): exactly what torch computes from the same codes with
-//      torch._int_mm (serve_eval/int8.py's fallback).
+//      torch._int_mm (serve_eval/int8.py's fallback, L = 127, the VNNI kernel's bits; tests check both).
 // Invariant: a row's outputs depend on that row alone (its own step, exact integer sums), not on the
 // rows beside it in the call.
 //
@@ -70,7 +71,7 @@ inline int32_t word(const int8_t* p) {
 }
 
 // ---- AVX-512 VNNI: tiles of up to 8 rows by one or two panels, one 16-lane accumulator each ----
-// x holds X + 128 as unsigned bytes (quantize's `flip`), so each group is one vpdpbusd per row and panel.
+// x holds X + 128 as unsigned bytes, so each group is one vpdpbusd per row and panel.
 template <int R, int P>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void tile_vnni(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, int32_t* out) {
@@ -99,7 +100,7 @@ void tile_vnni(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups
     for (int r = 0; r < R; ++r) _mm512_storeu_si512(out + (p * 8 + r) * kOut, sums[p][r]);
 }
 
-// ---- AVX2: tiles of up to 4 rows, two 8-lane accumulators each ----
+// ---- AVX2: tiles of up to 4 rows, two 8-lane accumulators each; x holds X + 64 (at most 127) ----
 template <int R>
 void tile_avx2(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, int32_t* out) {
   __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
@@ -109,11 +110,11 @@ void tile_avx2(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + g * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + g * 64 + 32));
     const int8_t* xg = x + g * kGroup;
-#define DS_ROW(i, acc0, acc1)                                                                            \
-    if constexpr (R > i) {                                                                               \
-      const __m256i b = _mm256_set1_epi32(word(xg + i * ldx)), m = _mm256_abs_epi8(b);                   \
-      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(m, _mm256_sign_epi8(w0, b)), ones)); \
-      acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(m, _mm256_sign_epi8(w1, b)), ones)); \
+#define DS_ROW(i, acc0, acc1)                                                                     \
+    if constexpr (R > i) {                                                                        \
+      const __m256i u = _mm256_set1_epi32(word(xg + i * ldx));                                    \
+      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(u, w0), ones));        \
+      acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(u, w1), ones));        \
     }
     DS_ROW(0, a00, a01) DS_ROW(1, a10, a11) DS_ROW(2, a20, a21) DS_ROW(3, a30, a31)
 #undef DS_ROW
@@ -134,9 +135,9 @@ constexpr Tile kVnni[2][9] = {
      tile_vnni<7, 2>, tile_vnni<8, 2>}};
 constexpr Tile kAvx2[5] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
 
-// Row r's step and codes (k_size inputs, then zeros up to the padded width), each code X stored as
-// X ^ 0x80 (= X + 128 read as an unsigned byte) where `flip`; false for a row of zeros.
-bool quantize(const float* x, int64_t k_size, int8_t* q, int64_t width, float* step, bool flip) {
+// Row r's step (its largest magnitude / levels) and codes X + levels + 1 as unsigned bytes (k_size inputs,
+// then zeros up to the padded width: zero codes meet zero-padded weights); false for a row of zeros.
+bool quantize(const float* x, int64_t k_size, uint8_t* q, int64_t width, float* step, int levels) {
   __m256 peak = _mm256_setzero_ps();
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   int64_t k = 0;
@@ -148,19 +149,20 @@ bool quantize(const float* x, int64_t k_size, int8_t* q, int64_t width, float* s
   for (; k < k_size; ++k) m = std::max(m, std::fabs(x[k]));
   std::memset(q, 0, width);
   if (m == 0.0f) return false;
-  const float a = m / 127.0f;
+  const float a = m / static_cast<float>(levels);
   *step = a;
   const __m256 av = _mm256_set1_ps(a);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(levels + 1));
   auto codes = [&](int64_t at) {
     return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + at), av), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   };
   for (k = 0; k + 32 <= k_size; k += 32) {  // 32 codes: packed 32 -> 16 -> 8 bits, then the lanes put in order
     const __m256i lo = _mm256_packs_epi32(codes(k), codes(k + 8)), hi = _mm256_packs_epi32(codes(k + 16), codes(k + 24));
-    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), flip ? _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80))) : bytes);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);  // X, signed
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_add_epi8(bytes, offset));  // wraps to X + levels + 1
   }
-  for (; k < k_size; ++k) q[k] = static_cast<int8_t>(static_cast<int>(std::nearbyint(x[k] / a)) ^ (flip ? 0x80 : 0));
+  for (; k < k_size; ++k) q[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(x[k] / a)) + levels + 1);
   return true;
 }
 
@@ -204,13 +206,14 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::T
   float* yp = y.data_ptr<float>();
 
   // the rows' codes, the zero rows left out (their outputs: the bias)
-  std::vector<int8_t> q(rows * width);
+  std::vector<uint8_t> q(rows * width);
   std::vector<float> steps(rows);
   std::vector<int64_t> live;
   live.reserve(rows);
   const bool vnni = has_vnni();
+  const int levels = vnni ? 127 : 63;  // codes in [-levels, levels], stored offset by levels + 1
   for (int64_t r = 0; r < rows; ++r) {
-    if (quantize(xp + r * k_size, k_size, q.data() + live.size() * width, width, &steps[live.size()], vnni)) {
+    if (quantize(xp + r * k_size, k_size, q.data() + live.size() * width, width, &steps[live.size()], levels)) {
       live.push_back(r);
     } else {
       for (int64_t o = 0; o < out_features; ++o) yp[r * out_features + o] = bp ? 0.0f + bp[o] : 0.0f;
@@ -218,7 +221,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::T
   }
   const int64_t count = static_cast<int64_t>(live.size());
   const int tile = vnni ? 8 : 4, pair = vnni ? 2 : 1;  // rows a tile, panels a tile
-  const int32_t offset = vnni ? 128 : 0;
+  const int32_t offset = levels + 1;
   at::parallel_for(0, (panels + pair - 1) / pair, 8, [&](int64_t first, int64_t last) {
     alignas(64) int32_t sums[2 * 8 * kOut];
     for (int64_t p = first * pair; p < std::min(last * pair, panels); p += pair) {
@@ -226,7 +229,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::T
       const int8_t* panel = wp + p * groups * kOut * kGroup;
       for (int64_t t = 0; t < count; t += tile) {
         const int height = static_cast<int>(std::min<int64_t>(tile, count - t));
-        (vnni ? kVnni[width_p - 1] : kAvx2)[height](q.data() + t * width, width, panel, groups, sums);
+        (vnni ? kVnni[width_p - 1] : kAvx2)[height](reinterpret_cast<const int8_t*>(q.data()) + t * width, width, panel,
+                                                    groups, sums);
         for (int j = 0; j < width_p; ++j) {
           const int64_t o0 = (p + j) * kOut, cols = std::min(kOut, out_features - o0);
           for (int r = 0; r < height; ++r) {
