@@ -81,9 +81,11 @@ def test_a_compiled_graph_holds_the_operator_and_bad_shapes_are_refused():
 
     torch.manual_seed(0)
     int8 = Int8Linear.from_linear(nn.Linear(48, 40))
+    fallback = Int8Linear.from_linear(nn.Linear(48, 40), kernel="int_mm")  # where the operator cannot be built
     x = torch.randn(5, 48)
     if available():
-        assert torch.equal(torch.compile(int8, fullgraph=True)(x), int8(x))
+        for module in (int8, fallback):
+            assert torch.equal(torch.compile(module, fullgraph=True)(x), module(x)), module.kernel
     with pytest.raises(RuntimeError, match="does not fit panels"):
         torch.ops.draftsmith_int8.linear(torch.randn(5, 40), int8.panels, int8.colsum, int8.scale, None, 40)
 
