@@ -855,14 +855,17 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
     assert compiled.compile_drafts(drafter, max(map(len, prompts)) + MAX_NEW, rows=(2, 3))["rows"] == [1, 2, 3]
+    assert set(compiled.for_drafter(drafter).unguarded) == {(1, True), (2, True), (3, True)}  # each graph's code, unguarded
     graph_run, rows_seen, tight = compiled.CompiledDraft.run, [], []
 
     def checked(self, anchors, counts, arriving, keys, values, propose):
-        copies = [b.clone() for b in keys + values]
+        copies, guarded_copies = [b.clone() for b in keys + values], [b.clone() for b in keys + values]
         features = arriving.new_zeros(len(anchors), self.block_size, arriving.shape[2])
         features[:, :arriving.shape[1]] = arriving
         reference = drafter.decode_static(anchors, counts, features, copies[:len(keys)], copies[len(keys):])
-        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)
+        guarded = self.graph(drafter, anchors, counts, features, guarded_copies[:len(keys)], guarded_copies[len(keys):], propose)
+        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)  # unguarded: the same bits
+        assert torch.equal(hidden, guarded[0]) and all(torch.equal(a, b) for a, b in zip(keys + values, guarded_copies))
         close_to_rounding_or_an_int8_step(hidden, reference, tight)
         rows_seen.append(len(anchors))
         return hidden, proposal
