@@ -94,26 +94,24 @@ def _without_module_guards(entries) -> list[bool]:
     return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
 
 
-def _unguarded(graph, entries_before: int):
-    """The code Dynamo compiled for ``graph``'s newest graph (the one just compiled, when exactly one
-    was), as a function that runs it without Dynamo's per-call work: its guards and frame evaluation,
-    ~70-100 µs of a ~350 µs draft (measured alternated, warm). None where this torch's Dynamo does
-    not expose it (a private interface: the guarded call serves then)."""
+def _entries(graph) -> list | None:
+    """Dynamo's cache entries for ``graph``'s code, newest first, or None where this torch does not expose
+    them (a private interface)."""
     try:
-        original = graph._torchdynamo_orig_callable
-        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(original.__code__)
-        if len(entries) != entries_before + 1:
-            return None
-        return types.FunctionType(entries[0].code, original.__globals__)  # (the newest entry comes first)
+        return torch._dynamo.eval_frame._debug_get_cache_entry_list(graph._torchdynamo_orig_callable.__code__)
     except Exception:  # noqa: BLE001  (another torch: the guarded call serves)
         return None
 
 
-def _cache_entries(graph) -> int:
-    try:
-        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(graph._torchdynamo_orig_callable.__code__))
-    except Exception:  # noqa: BLE001
-        return -1
+def _unguarded(graph, entries_before: int):
+    """The code Dynamo compiled for ``graph``'s newest graph (the one just compiled, when exactly one
+    was), as a function that runs it without Dynamo's per-call work: its guards and frame evaluation,
+    ~70-100 µs of a ~350 µs draft (measured alternated, warm). None where this torch's Dynamo does
+    not expose it (the guarded call serves then)."""
+    entries = _entries(graph)
+    if entries is None or len(entries) != entries_before + 1:
+        return None
+    return types.FunctionType(entries[0].code, graph._torchdynamo_orig_callable.__globals__)
 
 
 def _own_graph():
@@ -158,12 +156,12 @@ class CompiledDraft:
         buffers = [like.new_zeros(rows, cfg.num_key_value_heads, self.positions, cfg.head_dim) for _ in range(2 * len(drafter.layers))]
         zeros = torch.zeros(rows, dtype=torch.long, device=drafter.device)
         propose = self.proposes_for(greedy=not sampled)
-        before = _cache_entries(self.graph)
+        before = _entries(self.graph)
         with torch.inference_mode():  # as the loops draft: Dynamo's guards include the grad mode
             self.run(zeros, torch.stack([zeros, zeros + 1], dim=1), like.new_zeros(rows, 1, drafter.fc.in_features),
                      buffers[::2], buffers[1::2], propose)
         self.rows.add(rows)
-        direct = _unguarded(self.graph, before) if before >= 0 else None
+        direct = _unguarded(self.graph, len(before)) if before is not None else None
         if direct is not None:
             self.unguarded[(rows, propose)] = direct
         self.calls = 0
