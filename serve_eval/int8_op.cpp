@@ -147,8 +147,8 @@ bool quantize(const float* x, int64_t k_size, uint8_t* q, int64_t width, float* 
   float m = 0.0f;
   for (float lane : lanes) m = std::max(m, lane);
   for (; k < k_size; ++k) m = std::max(m, std::fabs(x[k]));
-  std::memset(q, 0, width);
-  if (m == 0.0f) return false;
+  if (m == 0.0f) return false;  // (its slot goes to the next live row, which writes all of it)
+  std::memset(q + k_size, 0, width - k_size);
   const float a = m / static_cast<float>(levels);
   *step = a;
   const __m256 av = _mm256_set1_ps(a);
