@@ -7,9 +7,13 @@ reaches it makes verifying 8 tokens cost little more than decoding 1. Two kernel
 this machine has:
 
 * ``panels`` (:file:`linear_op.cpp`, ``draftsmith_fp32::linear``): the weight repacked once into
-  panels of 16 output columns, each streamed once per forward (prefetched ahead, non-temporally: the
-  stream would otherwise evict the KV cache and the drafter, ~7% of a step) while tiles of up to 6
-  rows accumulate in registers (12 FMAs per two weight loads). Every output is the same FMA chain over the inputs in
+  panels of 16 output columns, each streamed once per forward while tiles of up to 6 rows accumulate
+  in registers (12 FMAs per two weight loads); the last one or two rows of a taller call run across
+  two or four panels at once (eight FMA chains, not two or four waiting on their latency). The
+  stream's software prefetch follows the tile's height: none for one or two rows (the hardware
+  prefetcher keeps up), 16 KB ahead into L2 for four to six, so that a tile's FMAs overlap the stream
+  instead of taking turns with it: verifying five or six tokens costs what decoding one does.
+  Every output is the same FMA chain over the inputs in
   order, so a row's result does not depend on how many rows share the call: a token verified among
   eight gets the bits it gets decoded alone. For more than ``PANEL_ROWS`` rows (a long prompt's
   prefill) ``F.linear``'s blocked GEMM, which reads each input row once per block, serves instead.
@@ -23,7 +27,10 @@ this machine has:
 Measured on this CPU (1 thread, the testbed target's 57 Linears in turn, medians of 11 passes, one
 run): at 1 row ``F.linear`` 8.7 ms, oneDNN 7.4-9.2, panels 3.4-4.4 (10-13 GB/s, what ``x.sum()`` over
 45 MB streams); at 8 rows 14.4 / 11.4-13.4 / 4.6-4.7 (6.0-7.3 before the weight was prefetched); at 64
-rows oneDNN 25.4, panels 20.1; at 256, 73.5 against 65.7. Alone on a 4,096 x 320 weight held in cache, 8 rows: 85 GFLOP/s (torch's own
+rows oneDNN 25.4, panels 20.1; at 256, 73.5 against 65.7. On the Zen 4 core of the seventeenth session
+(the same 57 Linears streamed from memory, the variants alternated in one process, medians of 15):
+every tile prefetching non-temporally, 1 / 5 / 6 / 8 rows took 2.13-2.30 / 2.39-2.53 / 2.58-2.88 /
+3.28-3.47 ms; as now, 1.69-2.07 / 1.82-2.19 / 1.82-1.96 / 2.32 (docs/results.md). Alone on a 4,096 x 320 weight held in cache, 8 rows: 85 GFLOP/s (torch's own
 2,048^3 fp32 matmul: ~67). Whole decoding loops: ``python -m recipes.cli run recipes/configs/eval_testbed.yaml``
 (docs/results.md).
 
