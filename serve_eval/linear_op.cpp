@@ -12,9 +12,11 @@
 //   rows, whose loop runs ahead of memory and keeps the hardware prefetcher busy on its own; 16 KB
 //   ahead for taller tiles, whose FMAs would otherwise take turns with the stream, into L2 from
 //   four rows on, non-temporally (L1) for three. Measured on Zen 4 (the testbed target's 57 Linears
-//   streamed from memory, 1 thread, variants alternated in one process): 4-6 rows with the L2 hint
-//   cost what one row costs (6 rows 1.91-2.06 ms against 2.58-2.88 with every tile non-temporal),
-//   one row without a prefetch 1.82-2.07 against 2.13-2.30.
+//   streamed from memory, 1 thread, variants alternated in one process): 5-6 rows with the L2 hint
+//   cost what one row costs (1.82-2.19 ms against 2.39-2.88 with every tile non-temporal), one row
+//   without a prefetch 1.69-2.07 against 2.13-2.30 (docs/results.md, seventeenth session).
+//   Past the full tiles, the last one or two rows of a taller call (7, 8, 13 rows ...) run across four
+//   or two panels at once (`tile_across`), so that they too keep eight FMA chains busy.
 //
 // Invariant: every output y[r, c] is the same FMA chain over k = 0, 1, .., K-1 (then + b[c]), whatever
 // the number of rows or the tile row r fell in, so a row's result does not depend on the rows beside it:
