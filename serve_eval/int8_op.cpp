@@ -21,10 +21,9 @@
 // rows beside it in the call.
 //
 // The panel is prefetched 8 KB ahead of the loads into L2 (a drafter's weights come from memory after the
-// target's forward has streamed through the caches; on Zen 4 the products of a draft right after a
-// target forward, four of a draft's six (fc, o, down, head) took 188-189 µs against 247-251 with the
-// prefetch into L1, at 8 or 16 KB ahead alike), and rows
-// are taken in tiles whose sums stay in registers.
+// target's forward has streamed through the caches; on Zen 4, right after a target forward, four of a
+// draft's six products (fc, o, down, head) took 188-189 µs so against 247-251 prefetched into L1, 8 or
+// 16 KB ahead alike), and rows are taken in tiles whose sums stay in registers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
