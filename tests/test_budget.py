@@ -216,6 +216,19 @@ def test_the_draft_switch_stops_drafting_where_it_does_not_pay_and_probes():
     assert all(switch.should_draft() for _ in range(5))  # after a kept draft, drafting pays
 
 
+def test_one_stalled_plain_step_does_not_hold_up_the_plain_reference():
+    """The switch's plain reference is the median of the last plain steps: one that stalls (a first
+    call, a collection) does not make plain decoding look slow, and drafted steps that run below the
+    plain steps stop drafting (a running mean read the plain rate as a twentieth of what it was)."""
+    switch = DraftSwitch(plain_seconds=1.0, min_drafts=4)
+    for seconds in (1.0, 60.0, 1.0, 1.0):
+        switch.record(False, 0, seconds)
+    assert switch.plain_rate == 1.0
+    for _ in range(8):
+        switch.record(True, 0, 1.2)  # drafts that keep nothing: 1 token in 1.2 plain steps' time
+    assert not switch.should_draft()
+
+
 def _run_switch(miss_keeps_every: int | None, steps: int = 400) -> DraftSwitch:
     """A switch over scripted steps: plain steps take 1 s, drafted ones 1.5 s. After a kept draft
     (H) every third draft misses and the others keep 3; after a miss (M) a draft keeps 1 every
