@@ -413,8 +413,8 @@ class DraftSwitch:
         # once a prepacked target made verifying two tokens cost about one (serve_eval.prepack)
         self.margin = margin
         self.bare_seconds = plain_seconds
-        self.plain: collections.deque[float] = collections.deque(maxlen=self.PLAIN_WINDOW)  # the last plain steps' seconds
-        self.plain_steps = 0
+        # the last plain steps' seconds (at least `measure` of them, which should_draft counts)
+        self.plain: collections.deque[float] = collections.deque(maxlen=max(self.PLAIN_WINDOW, measure))
         self.stats = {True: _Drafted(), False: _Drafted()}  # H (the last step kept a draft) and M
         self.hit = True
         self.probes = probes or Probes()
@@ -434,7 +434,7 @@ class DraftSwitch:
         return (m.tokens / m.steps + w * h.tokens / h.steps) / (m.seconds / m.steps + w * h.seconds / h.steps)
 
     def should_draft(self) -> bool:
-        measuring = 0 < self.plain_steps < self.measure
+        measuring = 0 < len(self.plain) < self.measure
         if not measuring and (self.stats[self.hit].seen < self.min_drafts or self.probes.due()
                               or self.drafting_rate(self.hit) > self.margin * self.plain_rate):
             return True
@@ -451,7 +451,6 @@ class DraftSwitch:
                 self.probes.drafted(self.drafting_rate(self.hit) > self.plain_rate)
         else:
             self.plain.append(seconds)
-            self.plain_steps += 1
         self.hit = kept > 0
 
     def summary(self) -> dict:

@@ -13,7 +13,7 @@ A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 Kernels, the first that serves here:
 
 * ``draftsmith_int8::linear`` (:file:`int8_op.cpp`, built once per machine by :mod:`serve_eval.native`,
-  ~20 s): the codes in panels of 16 outputs x 4 inputs, prefetched as they stream, rows in tiles whose
+  ~20 s): the codes in panels of 16 outputs x 4 inputs, prefetched into L2 as they stream, rows in tiles whose
   sums stay in registers; a row of zeros (the padding rows of a compiled draft's arriving features) is
   not multiplied. On AVX-512 VNNI (``vpdpbusd``, 64 products an instruction) it computes exactly the
   bits ``torch._int_mm`` computes from the same codes. On AVX2 alone the activations are 7-bit

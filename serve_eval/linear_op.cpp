@@ -139,31 +139,32 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
   const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // rows past the full tiles: one or two of them go through tile_across, a group of panels at a time
+  // rows [0, upto) of panel p in tiles of up to kTile (the last panel may hold fewer than 16 columns)
+  auto tiles = [&](int64_t p, int64_t upto) {
+    const int64_t c0 = p * kPanel, cols = std::min(kPanel, out_features - c0);
+    for (int64_t r = 0; r < upto; r += kTile) {
+      const int height = static_cast<int>(std::min<int64_t>(kTile, upto - r));
+      kTiles[height](xp + r * k_size, k_size, wp + p * k_size * kPanel, k_size, yp + r * out_features + c0,
+                     out_features, cols, bp ? bp + c0 : nullptr);
+    }
+  };
+  // the rows past the full tiles, when one or two: over a group of whole panels at once (tile_across)
   const int64_t tall = rows / kTile * kTile, rest = rows - tall, whole = out_features / kPanel;
   const int64_t group = tall && rest && rest <= 2 ? 4 / rest : 1;
   at::parallel_for(0, panels, 16, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last;) {
-      const int64_t c0 = p * kPanel, cols = std::min(kPanel, out_features - c0);
-      if (group > 1 && p + group <= std::min(last, whole)) {
-        for (int64_t q = p; q < p + group; ++q)
-          for (int64_t r = 0; r < tall; r += kTile)
-            tile<kTile>(xp + r * k_size, k_size, wp + q * k_size * kPanel, k_size, yp + r * out_features + q * kPanel,
-                        out_features, kPanel, bp ? bp + q * kPanel : nullptr);
-        const float* xr = xp + tall * k_size;
-        float* yr = yp + tall * out_features + c0;
-        const float* br = bp ? bp + c0 : nullptr;
-        if (rest == 1) tile_across<1>(xr, k_size, wp + p * k_size * kPanel, k_size, yr, out_features, br);
-        else tile_across<2>(xr, k_size, wp + p * k_size * kPanel, k_size, yr, out_features, br);
-        p += group;
+      if (group == 1 || p + group > std::min(last, whole)) {
+        tiles(p++, rows);
         continue;
       }
-      for (int64_t r = 0; r < rows; r += kTile) {
-        const int height = static_cast<int>(std::min<int64_t>(kTile, rows - r));
-        kTiles[height](xp + r * k_size, k_size, wp + p * k_size * kPanel, k_size, yp + r * out_features + c0,
-                       out_features, cols, bp ? bp + c0 : nullptr);
-      }
-      ++p;
+      for (int64_t q = p; q < p + group; ++q) tiles(q, tall);
+      const float* xr = xp + tall * k_size;
+      const float* wr = wp + p * k_size * kPanel;
+      float* yr = yp + tall * out_features + p * kPanel;
+      const float* br = bp ? bp + p * kPanel : nullptr;
+      if (rest == 1) tile_across<1>(xr, k_size, wr, k_size, yr, out_features, br);
+      else tile_across<2>(xr, k_size, wr, k_size, yr, out_features, br);
+      p += group;
     }
   });
   return y;
