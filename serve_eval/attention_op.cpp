@@ -14,7 +14,8 @@
 // Invariant: every number in query i's output is computed by the same operations in the same order
 // whatever the other queries are, so a token verified among eight gets the bits it gets decoded
 // alone (as the Linears of linear_op.cpp do). A query that may attend nowhere gets zeros. Positions
-// after the last one a bool mask shows any query are skipped: in the sums they would add exactly +0.
+// after the last one a bool mask shows a query are skipped for that query: in its sums they would add
+// exactly +0 (so a batch's padding queries, which attend nowhere, cost next to nothing).
 // exp is Cephes' single-precision polynomial (range reduction by ln 2, degree-6 minimax on
 // [-ln2/2, ln2/2]): ~1 ulp, where torch's own flash kernel uses a coarser one.
 #include <ATen/ATen.h>
@@ -109,11 +110,12 @@ inline __m256 scores8(const float* __restrict q, const float* __restrict k, int6
 }
 
 // One (row, head): queries q (row stride sq), keys / values k, v (row stride sk, sv), L positions;
-// mask row i at mask_b / mask_f + i * smi (element stride 1 along L) or none; out rows at stride so.
+// mask row i at mask_b / mask_f + i * smi (element stride 1 along L) or none; out rows at stride so;
+// query i reads the first seen[i] <= L positions only (the rest masked for it).
 // s: scratch of n * (Lp + 1) floats, Lp = L rounded up to 8 (the scores, then each query's 1 / sum).
 void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v, int64_t sv, int64_t n, int64_t L,
           int64_t D, float scale, const bool* mask_b, const float* mask_f, int64_t smi, float* out, int64_t so,
-          float* s, int64_t Lp) {
+          float* s, int64_t Lp, const int64_t* seen) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const __m256 vscale = _mm256_set1_ps(scale), vninf = _mm256_set1_ps(ninf);
   float tail[8 * 256];  // the last group's keys, zero-padded to 8 (D <= 256)
@@ -122,11 +124,15 @@ void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v
     std::fill(tail, tail + 8 * D, 0.0f);
     for (int64_t j = full; j < L; ++j) std::copy(k + j * sk, k + j * sk + D, tail + (j - full) * D);
   }
+  bool prefetched = false;
   for (int64_t i = 0; i < n; ++i) {  // pass 1: scores, 8 keys at a time
     const float* qi = q + i * sq;
     float* si = s + i * Lp;
-    for (int64_t j = 0; j < Lp; j += 8) {
-      if (i == 0)  // the values' rows, for pass 2
+    const int64_t Li = (seen[i] + 7) / 8 * 8;
+    const bool first = !prefetched && seen[i] == L;  // the first query that reads every position
+    prefetched = prefetched || first;
+    for (int64_t j = 0; j < Li; j += 8) {
+      if (first)  // the values' rows, for pass 2
         for (int64_t t = j; t < std::min(j + 8, L); ++t)
           for (int64_t c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(v + t * sv + c), _MM_HINT_T0);
       __m256 x = _mm256_mul_ps(j < full ? scores8(qi, k + j * sk, sk, D) : scores8(qi, tail, D, D), vscale);
@@ -138,22 +144,23 @@ void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v
       }
       _mm256_storeu_ps(si + j, x);
     }
-    for (int64_t j = L; j < Lp; ++j) si[j] = ninf;
+    for (int64_t j = std::min(L, Li); j < Li; ++j) si[j] = ninf;
   }
   float* inv = s + n * Lp;
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators and their sums
     float* si = s + i * Lp;
+    const int64_t Li = (seen[i] + 7) / 8 * 8;
     __m256 m = _mm256_set1_ps(ninf);
-    for (int64_t j = 0; j < Lp; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(si + j));
+    for (int64_t j = 0; j < Li; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(si + j));
     const float top = hmax(m);
     if (top == ninf) {  // attends nowhere
-      for (int64_t j = 0; j < Lp; ++j) si[j] = 0.0f;
+      for (int64_t j = 0; j < Li; ++j) si[j] = 0.0f;
       inv[i] = 0.0f;
       continue;
     }
     const __m256 t = _mm256_set1_ps(top);
     __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < Lp; j += 8) {
+    for (int64_t j = 0; j < Li; j += 8) {
       const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(si + j), t));
       _mm256_storeu_ps(si + j, e);
       sum = _mm256_add_ps(sum, e);
@@ -164,9 +171,9 @@ void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v
     const float *pi = s + i * Lp, r = inv[i];
     float* oi = out + i * so;
     int64_t c = 0;
-    for (; c + 64 <= D; c += 64) weigh<8>(pi, v + c, sv, L, r, oi + c);
-    for (; c + 32 <= D; c += 32) weigh<4>(pi, v + c, sv, L, r, oi + c);
-    for (; c < D; c += 8) weigh<1>(pi, v + c, sv, L, r, oi + c);
+    for (; c + 64 <= D; c += 64) weigh<8>(pi, v + c, sv, seen[i], r, oi + c);
+    for (; c + 32 <= D; c += 32) weigh<4>(pi, v + c, sv, seen[i], r, oi + c);
+    for (; c < D; c += 8) weigh<1>(pi, v + c, sv, seen[i], r, oi + c);
   }
 }
 
@@ -200,24 +207,27 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scratch(n * (Lp + 1));
+    std::vector<int64_t> seen(n, L);
     for (int64_t bh = first; bh < last; ++bh) {
       const int64_t b = bh / H, h = bh % H, hk = h / group;
       const int64_t mo = b * smb + h * smh;
-      // Positions after the last one a bool mask lets any query see are not read: each would add exactly
-      // +0 to its query's sums (a compiled draft's cache buffers are longer than its context)
-      int64_t seen = L;
+      // Positions after the last one a bool mask lets a query see are not read for it: each would add
+      // exactly +0 to its sums (a compiled draft's cache buffers are longer than its context; a batch's
+      // padding queries see nothing)
+      int64_t all = L;
       if (mb) {
-        seen = 1;
+        all = 0;
         for (int64_t i = 0; i < n; ++i) {
           const bool* row = mb + mo + i * smi;
           int64_t j = L;
-          while (j > seen && !row[j - 1]) --j;
-          seen = std::max(seen, j);
+          while (j > 0 && !row[j - 1]) --j;
+          seen[i] = j;
+          all = std::max(all, j);
         }
       }
       head(qp + b * q.stride(0) + h * q.stride(1), q.stride(2), kp + b * k.stride(0) + hk * k.stride(1), k.stride(2),
-           vp + b * v.stride(0) + hk * v.stride(1), v.stride(2), n, seen, D, sc, mb ? mb + mo : nullptr, mf ? mf + mo : nullptr,
-           smi, op + (b * n * H + h) * D, H * D, scratch.data(), (seen + 7) / 8 * 8);
+           vp + b * v.stride(0) + hk * v.stride(1), v.stride(2), n, all, D, sc, mb ? mb + mo : nullptr, mf ? mf + mo : nullptr,
+           smi, op + (b * n * H + h) * D, H * D, scratch.data(), (all + 7) / 8 * 8, seen.data());
     }
   });
   return out;

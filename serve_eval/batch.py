@@ -66,6 +66,7 @@ from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
 from .kv import InPlaceLayer, KVQuant, inplace_cache, kv_quant
+from .prepack import only_rows
 from .sampling import Sampler, verify_chain
 
 
@@ -113,13 +114,23 @@ class BatchTarget:
         return logits[torch.arange(len(prompts)), lengths - 1], aux
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor):
+    def step(self, ids: torch.Tensor, counts: torch.Tensor | None = None):
         """Read ``ids`` [R, n] after each row's tokens: logits [R, n, V] and features. Nothing is kept
-        until :meth:`keep`: the next step writes over what this one wrote past the kept tokens."""
+        until :meth:`keep`: the next step writes over what this one wrote past the kept tokens. With
+        ``counts`` [R], row ``i`` reads its first ``counts[i]`` tokens only: the rest is padding, which
+        the target's Linears skip (:func:`~serve_eval.prepack.only_rows`; 0 there, so every number the
+        padding leaves in the caches is finite) and whose logits and features mean nothing. A row's
+        tokens attend to none after them, padding included: they get the bits they get alone."""
         R, n = ids.shape
         positions = self.lengths[:, None] + torch.arange(n)
         mask = torch.arange(int(self.lengths.max()) + n)[None, None] <= positions[:, :, None]  # its own tokens, causal
-        return self._run(ids, positions.to(ids.device), mask.to(ids.device))
+        if counts is None or bool((counts >= n).all()):
+            return self._run(ids, positions.to(ids.device), mask.to(ids.device))
+        real = torch.arange(n)[None] < counts[:, None]  # [R, n]
+        mask &= real[:, :, None]  # padding attends to its row's first slot only: finite, and next to free
+        mask[:, :, 0] |= ~real
+        with only_rows(real.flatten().nonzero().flatten().to(ids.device), R * n):
+            return self._run(ids, positions.to(ids.device), mask.to(ids.device))
 
     def keep(self, counts: torch.Tensor) -> None:
         """After a step: row ``i`` keeps the first ``counts[i]`` tokens it read."""
@@ -291,6 +302,11 @@ UP_FRONT_MARGIN, TAIL_MARGIN, TAIL_WAVES = 1.1, 1.6, 4
 MEASURED_DRAFTS, MEASURED_PLAIN = 8, 3  # steps a batch size measures before its measured rates decide
 MEASURED_FORGET = 0.98  # the measured rates' running sums forget over ~50 steps (the machine drifts)
 MEASURED_MARGIN = 1.1  # drafted steps must measure this much faster than plain ones (the tail, see _measured_pays)
+# A row padded to the batch's longest costs this share of what reading those tokens would: the Linears
+# skip padding and the attention kernel reads one slot for it, but the norms, RoPE and activations run
+# over the padded batch (4 rows, 150 cached tokens, on the eighteenth session's CPU: rows reading
+# 1, 1, 1, 8 tokens 8.57 ms, 3 each 7.99, 8 each 13.5; 3, 3, 3, 8: 10.3, 4 each 9.17)
+PADDING_COST = 0.2
 
 
 class BatchScheduler:
@@ -306,7 +322,7 @@ class BatchScheduler:
         self.top_q_mean = [0.0] * (block_size - 1)  # per position, running mean over drafted rows of the top q
         self.drafts_seen = 0
         self.probes = Probes(probe_first, probe_limit)
-        self.chosen: list[int] = []  # n of every step (1: no drafts verified)
+        self.chosen: list[list[int]] = []  # every step's n of each row (1: no drafts verified)
         self.drafted_steps = 0
         self.off = False  # the up-front prediction turned this batch size off
         self.predicted: float | None = None  # the up-front prediction (predicted_speedup), when one was made
@@ -324,14 +340,20 @@ class BatchScheduler:
         plain step) the ratio of the plain step timed in the same rounds. Both ratios come from one
         interleaved measurement, so that a machine running faster or slower than when the one-row table
         was timed moves drafted and plain steps alike, and their ratio, which every choice reads, stays."""
-        proxy = self.budget.verify_seconds(rows * n)
+        return self.tokens_seconds(rows, rows * n)
+
+    def tokens_seconds(self, rows: int, tokens: int) -> float:
+        """A batched step over ``rows`` rows reading ``tokens`` tokens in all, however they are spread
+        over the rows (a row's padding is skipped by the Linears, whose arithmetic is most of what more
+        tokens cost): :meth:`verify_seconds`'s cost of ``tokens / rows`` tokens a row."""
+        proxy = self.budget.verify_seconds(tokens)
         if self.step_seconds is None:
             return proxy
         if self.scale is None:  # drafted: one ratio, the median over n (single timings of a busy machine are noisy)
             ratios = sorted(t / self.budget.verify_seconds(self.rows * m) for m, t in self.step_seconds.items() if m > 1)
             plain = self.step_seconds.get(0)  # (a table without it: the one-row table's cost as it is)
             self.scale = {True: ratios[len(ratios) // 2], False: 1.0 if plain is None else plain / self.budget.verify_seconds(self.rows)}
-        return proxy * self.scale[n > 1]
+        return proxy * self.scale[tokens > rows]
 
     def predicted_speedup(self, rows: int) -> float:
         """Before a batch of ``rows`` drafts at all: the best predicted rate of drafted steps against
@@ -403,9 +425,31 @@ class BatchScheduler:
                 break
         return chain.kept + 1, chain.gain / cost(chain.kept)
 
-    def choose(self, top_q: torch.Tensor, causal: bool = False) -> int:
-        """``n`` for a drafted step from the drafter's top probabilities [R, K-1]; ``causal`` when
-        drafts are sampled one after another (DSpark at temperature > 0, see :mod:`serve_eval.budget`)."""
+    def _per_row(self, rows: int, reach: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Each row's ``n`` and the step's rate, from each row's chance [R, K-1] of keeping its drafts up
+        to each depth: the tokens past each row's bonus, most likely kept first (a row's chances fall
+        with depth, so every row takes a prefix of its drafts), as many as raise the expected tokens
+        per second (DSpark's verification length per row, from the measured cost of the step's tokens)."""
+        values, order = reach.flatten().sort(descending=True, stable=True)
+        which = (order // reach.shape[1]).tolist()
+        counts, longest, gain, draft = [1] * rows, 1, 0.0, self._draft_cost(rows)
+        best, best_rate = 0, 0.0
+        for k, (value, r) in enumerate(zip(values.tolist(), which), start=1):
+            counts[r] += 1
+            longest, gain = max(longest, counts[r]), gain + value
+            tokens = rows + k
+            seconds = self.tokens_seconds(rows, tokens)
+            seconds += PADDING_COST * (self.tokens_seconds(rows, rows * longest) - seconds)  # the rows padded to the longest
+            rate = (rows + gain) / (seconds + draft)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        chosen = torch.ones(rows, dtype=torch.long).index_add_(0, order[:best] // reach.shape[1], torch.ones(best, dtype=torch.long))
+        return chosen, best_rate
+
+    def choose(self, top_q: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """Each row's ``n`` [R] for a drafted step from the drafter's top probabilities [R, K-1]: the
+        same ``n`` for every row when drafts are sampled one after another (DSpark at temperature > 0,
+        see :mod:`serve_eval.budget`), each row its own otherwise (:meth:`_per_row`)."""
         rows = top_q.shape[0]
         self.drafts_seen += 1
         weight = max(1 / self.drafts_seen, 0.05)  # a running mean that forgets slowly
@@ -413,15 +457,16 @@ class BatchScheduler:
         plain = self.verify_seconds(rows, 1)
         if causal:
             n, rate = self._causal(rows, top_q)
+            counts = torch.full((rows,), n, dtype=torch.long)
         else:
             acceptance = torch.tensor([[self.budget.acceptance(q, d) for d, q in enumerate(row, start=1)] for row in top_q.tolist()])
-            n, rate = self._best(rows, acceptance.cumprod(1).sum(0).tolist())  # gains: P_row,j summed over rows
+            counts, rate = self._per_row(rows, acceptance.cumprod(1))
             if rate <= rows / (plain + self._draft_cost(rows)):  # the drafts, already paid for, would not pay
-                n = 1
+                counts = torch.ones(rows, dtype=torch.long)
         # drafting pays against plain decoding: keep drafting; else wait longer before the next probe
         self.probes.drafted(rate > rows / plain)
         self.drafted_steps += 1
-        return n
+        return counts
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         old = self.draft_seconds.get(rows)
@@ -440,8 +485,9 @@ class BatchScheduler:
             measured["measured_tokens_per_s"] = rates
         if not self.chosen and self.off:
             return {"off": True, "drafted_fraction": 0.0, **measured}
-        return {**measured, "mean_verified": round(sum(self.chosen) / steps, 3),
-                "verified_histogram": {str(n): self.chosen.count(n) for n in sorted(set(self.chosen))},
+        per_row = [n for step in self.chosen for n in step]  # a row's tokens verified in a step
+        return {**measured, "mean_verified": round(sum(per_row) / max(1, len(per_row)), 3),
+                "verified_histogram": {str(n): per_row.count(n) for n in sorted(set(per_row))},
                 "drafted_fraction": round(self.drafted_steps / steps, 4)}
 
 
@@ -632,7 +678,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
         R = len(live)
         row_samplers = [samplers[i] for i in live]
         t0 = time.perf_counter()
-        n, drafts = 1, None
+        counts, drafts = torch.ones(R, dtype=torch.long), None  # tokens each row reads: its bonus and its first drafts
         if scheduler is None or scheduler.should_draft(R):
             anchors = bonus.to(next(drafter.parameters()).device)[:, None]
             choose = (lambda x: x.argmax(-1)) if greedy else (lambda x: _choose_rows(row_samplers, x))  # noqa: B023  (called within the iteration)
@@ -640,28 +686,29 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             q = draft_logits.float().softmax(-1) if greedy else torch.stack(
                 [s.probs(row) for s, row in zip(row_samplers, draft_logits)])
             top_q = q.amax(-1)
-            n = K if scheduler is None else scheduler.choose(top_q, causal=drafter.conditional_drafts and not greedy)
+            counts = torch.full((R,), K) if scheduler is None else scheduler.choose(top_q, causal=drafter.conditional_drafts and not greedy)
             if scheduler is not None:
                 scheduler.observe_draft(R, time.perf_counter() - t0)
+        n = int(counts.max())  # rows that read fewer tokens are padded with their next drafts
         ids = bonus[:, None] if n == 1 else torch.cat([bonus[:, None], drafts[:, :n - 1].cpu()], dim=1)
-        logits, aux = session.step(ids.to(prompts[0].device))
+        logits, aux = session.step(ids.to(prompts[0].device), counts)
         if greedy:
             choice = logits.argmax(-1).cpu()  # [R, n]
-            kept = (ids[:, 1:] == choice[:, :-1]).int().cumprod(1).sum(1) if n > 1 else torch.zeros(R, dtype=torch.long)
+            kept = (ids[:, 1:] == choice[:, :-1]).int().cumprod(1).sum(1).minimum(counts - 1) if n > 1 else torch.zeros(R, dtype=torch.long)
             new_bonus = choice[torch.arange(R), kept]
         else:
             kept_list, bonus_list = [], []
-            for r in range(R):
-                k, b = verify_chain(row_samplers[r], ids[r, 1:], (draft_logits[r] if n > 1 else logits[r])[:n - 1], logits[r])
+            for r, m in enumerate(counts.tolist()):
+                k, b = verify_chain(row_samplers[r], ids[r, 1:m], (draft_logits[r] if m > 1 else logits[r])[:m - 1], logits[r, :m])
                 kept_list.append(k)
                 bonus_list.append(int(b))
             kept, new_bonus = torch.tensor(kept_list), torch.tensor(bonus_list)
         if scheduler is not None:
-            scheduler.chosen.append(n)
+            scheduler.chosen.append(counts.tolist())
             if drafts is not None:
-                for r in range(R):
-                    outcome = _next_outcome(row_samplers[r], drafts[r], q[r], logits[r], n - 1, int(kept[r]))
-                    scheduler.budget.record_chain(top_q[r].tolist(), n - 1, int(kept[r]), outcome)
+                for r, m in enumerate(counts.tolist()):
+                    outcome = _next_outcome(row_samplers[r], drafts[r], q[r], logits[r], m - 1, int(kept[r]))
+                    scheduler.budget.record_chain(top_q[r].tolist(), m - 1, int(kept[r]), outcome)
         session.keep(kept + 1)
         context.defer(aux, kept + 1)
         for r, i in enumerate(live):

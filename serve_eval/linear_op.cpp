@@ -3,7 +3,7 @@
 //
 // pack(W [N, K]) -> [ceil(N / 16), K, 16]: the weight in panels of 16 output columns, each panel's
 //   K x 16 block contiguous (the last panel zero-padded), so a panel streams from memory in one run.
-// linear(x [.., K], packed, N, bias?) -> [.., N]: for each panel, rows of x in tiles of up to 6; a tile
+// linear(x [.., K], packed, N, bias?, rows?) -> [.., N]: for each panel, rows of x in tiles of up to 6; a tile
 //   keeps its 6 x 16 partial sums in twelve 8-wide registers and, for k = 0 .. K-1, adds
 //   x[r, k] * W[c, k] by one fused multiply-add per register. A 6-row tile does 12 FMAs per two loads
 //   of the weight, enough to keep both FMA units busy, so a tile's products run near the core's
@@ -18,6 +18,11 @@
 //   Past the full tiles, the last one or two rows of a taller call (7, 8, 13 rows ...) run across four
 //   or two panels at once (`tile_across`), so that they too keep eight FMA chains busy.
 //
+// rows (int64 indices into x's rows, flattened): only those rows are computed (gathered, then written
+//   back to their places); every other row of y is 0. A batch whose rows verify different numbers of
+//   tokens pads them to one length (serve_eval/batch.py): the padding costs no multiply-adds, and its
+//   outputs are finite.
+//
 // Invariant: every output y[r, c] is the same FMA chain over k = 0, 1, .., K-1 (then + b[c]), whatever
 // the number of rows or the tile row r fell in, so a row's result does not depend on the rows beside it:
 // a token verified among eight gets the same bits as the token decoded alone.
@@ -28,6 +33,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -123,22 +129,9 @@ inline void tile_across(const float* __restrict x, int64_t ldx, const float* __r
 using Tile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
 constexpr Tile kTiles[kTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
-                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "draftsmith_fp32::linear: float32 input and weight");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && input.size(-1) == packed.size(1)
-              && (out_features + kPanel - 1) / kPanel == packed.size(0),
-              "draftsmith_fp32::linear: input ", input.sizes(), " does not fit a packed weight ", packed.sizes(),
-              " of ", out_features, " outputs");
-  const auto x = input.contiguous();
-  const int64_t k_size = x.size(-1), rows = k_size ? x.numel() / k_size : 0, panels = packed.size(0);
-  auto shape = x.sizes().vec();
-  shape.back() = out_features;
-  auto y = at::empty(shape, x.options());
-  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-  const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+// y [rows, out_features] = x [rows, k_size] W^T (+ b), both contiguous
+void compute(const float* xp, int64_t rows, int64_t k_size, const float* wp, int64_t panels, int64_t out_features,
+             const float* bp, float* yp) {
   // rows [0, upto) of panel p in tiles of up to kTile (the last panel may hold fewer than 16 columns)
   auto tiles = [&](int64_t p, int64_t upto) {
     const int64_t c0 = p * kPanel, cols = std::min(kPanel, out_features - c0);
@@ -167,6 +160,46 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
       p += group;
     }
   });
+}
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
+                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& rows) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "draftsmith_fp32::linear: float32 input and weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && input.size(-1) == packed.size(1)
+              && (out_features + kPanel - 1) / kPanel == packed.size(0),
+              "draftsmith_fp32::linear: input ", input.sizes(), " does not fit a packed weight ", packed.sizes(),
+              " of ", out_features, " outputs");
+  const auto x = input.contiguous();
+  const int64_t k_size = x.size(-1), all = k_size ? x.numel() / k_size : 0, panels = packed.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = out_features;
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (!rows.has_value() || !rows->defined()) {
+    auto y = at::empty(shape, x.options());
+    compute(xp, all, k_size, wp, panels, out_features, bp, y.data_ptr<float>());
+    return y;
+  }
+  TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == at::kLong, "draftsmith_fp32::linear: rows, a 1-d int64 tensor");
+  const auto index = rows->contiguous();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const int64_t m = index.numel();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < all, "draftsmith_fp32::linear: row ", ip[i], " of ", all);
+  auto gathered = at::empty({m, k_size}, x.options()), out = at::empty({m, out_features}, x.options());
+  float *gp = gathered.data_ptr<float>(), *op = out.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) std::copy(xp + ip[i] * k_size, xp + (ip[i] + 1) * k_size, gp + i * k_size);
+  compute(gp, m, k_size, wp, panels, out_features, bp, op);
+  auto y = at::empty(shape, x.options());
+  float* yp = y.data_ptr<float>();
+  std::vector<bool> listed(all, false);
+  for (int64_t i = 0; i < m; ++i) {
+    std::copy(op + i * out_features, op + (i + 1) * out_features, yp + ip[i] * out_features);
+    listed[ip[i]] = true;
+  }
+  for (int64_t r = 0; r < all; ++r)
+    if (!listed[r]) std::fill(yp + r * out_features, yp + (r + 1) * out_features, 0.0f);
   return y;
 }
 
@@ -174,7 +207,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
 
 TORCH_LIBRARY(draftsmith_fp32, m) {
   m.def("pack(Tensor weight) -> Tensor");
-  m.def("linear(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor input, Tensor packed, int out_features, Tensor? bias, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_fp32, CPU, m) {

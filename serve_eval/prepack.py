@@ -48,6 +48,8 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from pathlib import Path
 
@@ -62,6 +64,21 @@ from . import native
 #: testbed target's Linears, panels 65.7 ms against oneDNN's 73.5)
 PANEL_ROWS = 256
 _SOURCE = Path(__file__).with_name("linear_op.cpp")
+#: (row indices, rows in all) while :func:`only_rows` is in force
+_ONLY: contextvars.ContextVar[tuple[torch.Tensor, int] | None] = contextvars.ContextVar("only_rows", default=None)
+
+
+@contextlib.contextmanager
+def only_rows(rows: torch.Tensor, total: int):
+    """Within: the panel kernel computes only rows ``rows`` (int64 indices into the flattened leading
+    dimensions) of any input with ``total`` rows, and returns 0 in the others (a batch's padding, whose
+    outputs nothing reads: :mod:`serve_eval.batch`). Other kernels, and inputs of another size,
+    compute every row; either way the listed rows get the same bits."""
+    token = _ONLY.set((rows, total))
+    try:
+        yield
+    finally:
+        _ONLY.reset(token)
 
 
 @functools.cache
@@ -125,7 +142,9 @@ class PrepackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         if x.numel() > PANEL_ROWS * self.in_features:
             return F.linear(x, self.weight.detach(), bias)
-        return torch.ops.draftsmith_fp32.linear(x, self.packed, self.out_features, bias)
+        only = _ONLY.get()
+        rows = only[0] if only is not None and x.numel() == only[1] * self.in_features else None
+        return torch.ops.draftsmith_fp32.linear(x, self.packed, self.out_features, bias, rows)
 
 
 def resolve(setting: str, device: str) -> str:

@@ -62,6 +62,26 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call():
             torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")
+def test_only_rows_computes_the_listed_rows_alone_and_zeros_elsewhere():
+    torch.manual_seed(0)
+    packed = PrepackedLinear(nn.Linear(320, 100), "panels")
+    x = torch.randn(3, 5, 320)  # a batch of 3 rows verifying 5 tokens each, padded
+    rows = torch.tensor([0, 1, 5, 10, 11, 12, 13])  # row 0 reads 2 tokens, row 1 one, row 2 four
+    with torch.no_grad():
+        full = packed(x)
+        with prepack.only_rows(rows, 15):
+            y = packed(x)
+            other = packed(x[:2])  # another size: every row computed
+    flat = y.reshape(15, 100)
+    assert torch.equal(flat[rows], full.reshape(15, 100)[rows])  # the same bits as computed among all 15
+    padding = torch.ones(15, dtype=torch.bool).index_fill(0, rows, False)
+    assert torch.equal(flat[padding], torch.zeros(15 - len(rows), 100))
+    assert torch.equal(other, full[:2])
+    with pytest.raises(RuntimeError, match="row 15 of 15"):
+        torch.ops.draftsmith_fp32.linear(x, packed.packed, 100, None, torch.tensor([15]))
+
+
 @pytest.mark.skipif(not available(), reason="no kernel serves here")
 def test_prepack_converts_every_fp32_linear_of_a_model():
     class Toy(nn.Module):
