@@ -14,7 +14,8 @@ Invariants:
 * Every number in a query's output is computed by the same operations in the same order whatever the
   other queries of the call are: a token verified among eight gets the bits it gets decoded alone
   (the prepacked Linears have the same property, :mod:`serve_eval.prepack`). A masked position adds
-  exactly zero.
+  exactly zero, and positions past the last one a query's mask shows are not read for that query (a
+  batch's padding, which sees one slot, costs next to nothing).
 * Outputs differ from torch's kernel by rounding only (its exp is coarser; within 1e-5 relative and
   2e-6 absolute on unit-scale inputs, tested; the testbed target's logits within 2e-5).
 * Registered with transformers' ``AttentionInterface`` as ``draftsmith_fp32`` (masks built as for

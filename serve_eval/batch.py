@@ -20,15 +20,19 @@ block anchored at row ``i``'s length sees exactly row ``i``'s context
 A step. The drafter drafts ``K - 1`` tokens for every row in one batched block forward (one compiled
 graph that also reads the last step's features, where the draft is compiled for this many rows:
 :mod:`serve_eval.compiled`; eager otherwise, the features appended to the context first); the scheduler
-picks one ``n`` for the batch (each row reads its bonus and ``n - 1`` drafts); each row verifies its
-own drafts, greedily or by speculative sampling with its own generator (:mod:`serve_eval.sampling`):
-lossless per row, as in :mod:`serve_eval.engine`. With ``R`` rows the choice maximises expected
-tokens per second,
+picks each row's ``n_i`` (row ``i`` reads its bonus and its first ``n_i - 1`` drafts; rows that read
+fewer are padded to the longest with their next drafts, which the target's Linears skip and whose
+queries attend to one slot: :meth:`BatchTarget.step`); each row verifies its own drafts, greedily or
+by speculative sampling with its own generator (:mod:`serve_eval.sampling`): lossless per row, as in
+:mod:`serve_eval.engine`. With ``R`` rows the choice maximises expected tokens per second,
 
-    n* = argmax_n  (R + sum_rows sum_{j < n} P_row,j) / (c(R n) + d_R),
+    n* = argmax_{n_1..n_R}  (R + sum_i sum_{j < n_i} P_i,j) / (c(sum_i n_i) + pad + d_R),
 
 ``P`` from the calibrated acceptance of :class:`~serve_eval.budget.Budget` (the drafter's top
-probability per position, never a drawn token's), ``c(R n)`` the measured cost of a batched step
+probability per position, never a drawn token's; a row's ``P_i,j`` falls with ``j``, so taking the
+row-depths in order of ``P`` and keeping the best prefix of that order finds the best), ``pad`` ``PADDING_COST``
+of what the padding would cost as tokens (DSpark's verification length per row; sampled drafts drawn
+one after another take one ``n`` for every row), ``c`` the measured cost of a batched step
 (before a batch size runs, :func:`measure_step_seconds` times its steps over ``n = 1..K`` tokens a
 row and a plain step, in interleaved rounds, so that drafted and plain steps are compared on one
 measurement; for fewer rows, as rows finish, the one-row cost of ``R n`` tokens scaled by the same ratios) and

@@ -76,6 +76,23 @@ def test_positions_after_the_last_one_the_mask_shows_are_not_read():
         assert torch.equal(out[b:b + 1], alone), b
 
 
+def test_each_query_reads_only_the_positions_its_own_mask_shows():
+    """A batch's padding: queries that may see the first position only, next to a query that sees them
+    all. Positions past what a query may see are not read for it (NaN there changes nothing for it),
+    and each query gets the bits it gets alone."""
+    n, L = 6, 70
+    q, k, v = _qkv(1, 5, 5, n, L, 64)
+    mask = torch.zeros(1, 1, n, L, dtype=torch.bool)
+    mask[0, 0, 0], mask[0, 0, 1:, 0] = True, True  # query 0 sees all; the padding, position 0
+    together = torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.125)
+    assert torch.equal(together[:, :1], torch.ops.draftsmith_attn.attention(q[:, :, :1], k, v, None, 0.125))
+    for i in range(1, n):
+        alone = torch.ops.draftsmith_attn.attention(q[:, :, i:i + 1], k[:, :, :1], v[:, :, :1], None, 0.125)
+        assert torch.equal(together[:, i:i + 1], alone)
+    k[:, :, 9:], v[:, :, 9:] = float("nan"), float("nan")  # past the first group of eight, and a bit
+    assert torch.equal(torch.ops.draftsmith_attn.attention(q[:, :, 1:], k, v, mask[:, :, 1:], 0.125), together[:, 1:])
+
+
 def test_a_query_that_may_attend_nowhere_gets_zeros():
     q, k, v = _qkv(1, 2, 2, 3, 10, 16)
     mask = torch.ones(1, 1, 3, 10, dtype=torch.bool)
