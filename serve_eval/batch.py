@@ -431,9 +431,10 @@ class BatchScheduler:
 
     def _per_row(self, rows: int, reach: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Each row's ``n`` and the step's rate, from each row's chance [R, K-1] of keeping its drafts up
-        to each depth: the tokens past each row's bonus, most likely kept first (a row's chances fall
-        with depth, so every row takes a prefix of its drafts), as many as raise the expected tokens
-        per second (DSpark's verification length per row, from the measured cost of the step's tokens)."""
+        to each depth: the tokens past each row's bonus ranked most likely kept first (a row's chances
+        fall with depth, so every row takes a prefix of its drafts), and the prefix of that ranking with
+        the most expected tokens per second (DSpark's verification length per row, from the measured
+        cost of the step's tokens and its padding)."""
         values, order = reach.flatten().sort(descending=True, stable=True)
         which = (order // reach.shape[1]).tolist()
         counts, longest, gain, draft = [1] * rows, 1, 0.0, self._draft_cost(rows)
