@@ -112,6 +112,14 @@ def init_tracking(acc, wandb: WandbConfig, output_dir: str | Path, config: dict,
 RUN_RECORD = "wandb_run.json"  # written into a run folder: how downstream runs find and cite it
 
 
+def end_run(acc) -> None:
+    """The end of a run on every rank: the ranks wait for each other, then the trackers finish and the
+    process group goes (``end_training``). A rank that tore its group down while another still wrote
+    its files could take the run down with it (two CPU ranks on gloo: one aborted, SIGABRT, at exit)."""
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
 def model_artifact_name(run_name: str) -> str:
     import re
 

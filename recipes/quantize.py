@@ -52,7 +52,7 @@ from distill.quantize import (
     save_quantized,
     set_fake_quant,
 )
-from distill.runtime import init_tracking, make_accelerator, set_threads
+from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from recipes.quant_report import quant_report, recovered
 
@@ -265,7 +265,7 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:
         for key, table in (("quant/rows", rows), ("quant/summary", result["summary"])):
             columns = list(dict.fromkeys(k for r in table for k in r))
             acc.log({key: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in table])})
-    acc.end_training()
+    end_run(acc)
     return result
 
 

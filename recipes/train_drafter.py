@@ -27,7 +27,7 @@ from distill.feature_cache import CachedFeatureWindows, batch_features, target_f
 from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import training_splits
-from distill.runtime import init_tracking, make_accelerator, set_threads
+from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters.core import sample_anchors
 from drafters.vocab import coverage, frequent_tokens, restrict_vocab
@@ -200,5 +200,5 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
         write_json_atomic(out / "summary.json", summary)
-    acc.end_training()
+    end_run(acc)
     return summary

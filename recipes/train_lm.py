@@ -26,7 +26,7 @@ from distill.data import build_tokenizer, load_text_splits, make_windows, tokeni
 from distill.lm import lm_loss
 from distill.models import build_causal_lm, model_summary, special_token_ids
 from distill.provenance import write_json_atomic, write_run_header
-from distill.runtime import init_tracking, make_accelerator, set_threads
+from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import curve_rows, parcae_lm_loss, recurrence_curve
 from recipes.plots import plot_recurrence_curve
@@ -127,5 +127,5 @@ def finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, record: 
             plot_recurrence_curve(summary["recurrence_curve"], out / "recurrence_curve.png", parcae_cfg.mean_recurrence,
                                   f"{out.name}: held-out perplexity vs recurrences")
         write_json_atomic(out / "summary.json", summary)
-    acc.end_training()
+    end_run(acc)
     return summary
