@@ -366,18 +366,16 @@ class BatchScheduler:
         reach, p = [], 1.0
         for depth in range(1, self.K):
             p *= self.budget.depth_acceptance(depth)
-            reach.append(rows * p)
-        return self._best(rows, reach)[1] / (rows / self.verify_seconds(rows, 1))
+            reach.append(p)
+        return self._typical_rate(rows, reach) / (rows / self.verify_seconds(rows, 1))
 
     def _draft_cost(self, rows: int) -> float:
         return self.draft_seconds.get(rows, max(self.draft_seconds.values(), default=0.0))
 
-    def _best(self, rows: int, gains: list[float]) -> tuple[int, float]:
-        """The best ``n >= 2`` of a drafted step and its rate, drafting included."""
-        rates = {n: (rows + sum(gains[:n - 1])) / (self.verify_seconds(rows, n) + self._draft_cost(rows))
-                 for n in range(2, self.K + 1)}
-        n = max(rates, key=rates.__getitem__)
-        return n, rates[n]
+    def _typical_rate(self, rows: int, reach: list[float]) -> float:
+        """The best rate of a drafted step whose ``rows`` rows each keep their drafts up to depth ``j``
+        with chance ``reach[j - 1]``, drafting included (:meth:`_per_row`, as a step chooses)."""
+        return self._per_row(rows, torch.tensor(reach).expand(rows, -1))[1]
 
     def should_draft(self, rows: int) -> bool:
         """Whether this step drafts: while the acceptance seen so far predicts that drafting beats plain
@@ -389,8 +387,8 @@ class BatchScheduler:
             reach, p = [], 1.0
             for depth, q in enumerate(self.top_q_mean, start=1):  # a typical row under the calibration as it stands now
                 p *= self.budget.acceptance(q, depth)
-                reach.append(rows * p)
-            if self._best(rows, reach)[1] > rows / self.verify_seconds(rows, 1):
+                reach.append(p)
+            if self._typical_rate(rows, reach) > rows / self.verify_seconds(rows, 1):
                 return True
         self.probes.skipped()
         return False
@@ -436,20 +434,29 @@ class BatchScheduler:
         the most expected tokens per second (DSpark's verification length per row, from the measured
         cost of the step's tokens and its padding)."""
         values, order = reach.flatten().sort(descending=True, stable=True)
-        which = (order // reach.shape[1]).tolist()
-        counts, longest, gain, draft = [1] * rows, 1, 0.0, self._draft_cost(rows)
-        best, best_rate = 0, 0.0
-        for k, (value, r) in enumerate(zip(values.tolist(), which), start=1):
+        counts, rate = self._best_prefix(rows, zip(values.tolist(), (order // reach.shape[1]).tolist()))
+        return torch.tensor(counts), rate
+
+    def _typical_rate(self, rows: int, reach: list[float]) -> float:
+        """The best rate of a drafted step whose ``rows`` rows each keep their drafts up to depth ``j``
+        with chance ``reach[j - 1]``, drafting included: :meth:`_per_row` over identical rows, whose
+        ranking takes every row's depth 1, then every row's depth 2, and so on."""
+        return self._best_prefix(rows, ((p, r) for p in reach for r in range(rows)))[1]
+
+    def _best_prefix(self, rows: int, ranked) -> tuple[list[int], float]:
+        """Over the prefixes of ``ranked`` (a row-depth's chance of being kept, its row), best first: the
+        rows' ``n`` and the rate of the prefix with the most expected tokens per second (at least one draft)."""
+        cost = {t: self.tokens_seconds(rows, t) for t in range(rows + 1, rows * self.K + 1)}  # a drafted step of t tokens in all
+        counts, tokens, longest, gain, draft = [1] * rows, rows, 1, 0.0, self._draft_cost(rows)
+        best, best_rate = [1] * rows, 0.0
+        for value, r in ranked:
             counts[r] += 1
-            longest, gain = max(longest, counts[r]), gain + value
-            tokens = rows + k
-            seconds = self.tokens_seconds(rows, tokens)
-            seconds += PADDING_COST * (self.tokens_seconds(rows, rows * longest) - seconds)  # the rows padded to the longest
+            tokens, longest, gain = tokens + 1, max(longest, counts[r]), gain + value
+            seconds = cost[tokens] + PADDING_COST * (cost[rows * longest] - cost[tokens])  # the rows padded to the longest
             rate = (rows + gain) / (seconds + draft)
             if rate > best_rate:
-                best, best_rate = k, rate
-        chosen = torch.ones(rows, dtype=torch.long).index_add_(0, order[:best] // reach.shape[1], torch.ones(best, dtype=torch.long))
-        return chosen, best_rate
+                best, best_rate = list(counts), rate
+        return best, best_rate
 
     def choose(self, top_q: torch.Tensor, causal: bool = False) -> torch.Tensor:
         """Each row's ``n`` [R] for a drafted step from the drafter's top probabilities [R, K-1]: the
@@ -694,7 +701,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             counts = torch.full((R,), K) if scheduler is None else scheduler.choose(top_q, causal=drafter.conditional_drafts and not greedy)
             if scheduler is not None:
                 scheduler.observe_draft(R, time.perf_counter() - t0)
-        n = int(counts.max())  # rows that read fewer tokens are padded with their next drafts
+        lengths = counts.tolist()
+        n = max(lengths)  # rows that read fewer tokens are padded with their next drafts
         ids = bonus[:, None] if n == 1 else torch.cat([bonus[:, None], drafts[:, :n - 1].cpu()], dim=1)
         logits, aux = session.step(ids.to(prompts[0].device), counts)
         if greedy:
@@ -703,15 +711,15 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             new_bonus = choice[torch.arange(R), kept]
         else:
             kept_list, bonus_list = [], []
-            for r, m in enumerate(counts.tolist()):
+            for r, m in enumerate(lengths):
                 k, b = verify_chain(row_samplers[r], ids[r, 1:m], (draft_logits[r] if m > 1 else logits[r])[:m - 1], logits[r, :m])
                 kept_list.append(k)
                 bonus_list.append(int(b))
             kept, new_bonus = torch.tensor(kept_list), torch.tensor(bonus_list)
         if scheduler is not None:
-            scheduler.chosen.append(counts.tolist())
+            scheduler.chosen.append(lengths)
             if drafts is not None:
-                for r, m in enumerate(counts.tolist()):
+                for r, m in enumerate(lengths):
                     outcome = _next_outcome(row_samplers[r], drafts[r], q[r], logits[r], m - 1, int(kept[r]))
                     scheduler.budget.record_chain(top_q[r].tolist(), m - 1, int(kept[r]), outcome)
         session.keep(kept + 1)
