@@ -177,30 +177,27 @@ bool has_wide() {
 // y [rows, out_features] = x [rows, k_size] W^T (+ b), both contiguous
 void compute(const float* xp, int64_t rows, int64_t k_size, const float* wp, int64_t panels, int64_t out_features,
              const float* bp, float* yp) {
-  // rows [0, upto) of panel p in tiles of up to kTile (the last panel may hold fewer than 16 columns)
-  auto tiles = [&](int64_t p, int64_t upto) {
-    const int64_t c0 = p * kPanel, cols = std::min(kPanel, out_features - c0);
-    for (int64_t r = 0; r < upto; r += kTile) {
-      const int height = static_cast<int>(std::min<int64_t>(kTile, upto - r));
-      kTiles[height](xp + r * k_size, k_size, wp + p * k_size * kPanel, k_size, yp + r * out_features + c0,
-                     out_features, cols, bp ? bp + c0 : nullptr);
-    }
+  // rows [r, r + height) of panel p on `tile` (the last panel may hold fewer than 16 columns)
+  auto run = [&](Tile tile, int64_t p, int64_t r) {
+    const int64_t c0 = p * kPanel;
+    tile(xp + r * k_size, k_size, wp + p * k_size * kPanel, k_size, yp + r * out_features + c0, out_features,
+         std::min(kPanel, out_features - c0), bp ? bp + c0 : nullptr);
   };
   if (rows >= kWideFrom && has_wide()) {  // tiles of up to kWide rows, as even as they split
     const int64_t count = (rows + kWide - 1) / kWide;
     at::parallel_for(0, panels, 16, [&](int64_t first, int64_t last) {
-      for (int64_t p = first; p < last; ++p) {
-        const int64_t c0 = p * kPanel, cols = std::min(kPanel, out_features - c0);
-        for (int64_t t = 0, r = 0; t < count; ++t) {
-          const int64_t height = (rows - r) / (count - t);
-          kWideTiles[height](xp + r * k_size, k_size, wp + p * k_size * kPanel, k_size, yp + r * out_features + c0,
-                             out_features, cols, bp ? bp + c0 : nullptr);
-          r += height;
+      for (int64_t p = first; p < last; ++p)
+        for (int64_t t = 0, r = 0, height; t < count; ++t, r += height) {
+          height = (rows - r) / (count - t);
+          run(kWideTiles[height], p, r);
         }
-      }
     });
     return;
   }
+  // rows [0, upto) of panel p in tiles of up to kTile
+  auto tiles = [&](int64_t p, int64_t upto) {
+    for (int64_t r = 0; r < upto; r += kTile) run(kTiles[std::min<int64_t>(kTile, upto - r)], p, r);
+  };
   // the rows past the full tiles, when one or two: over a group of whole panels at once (tile_across)
   const int64_t tall = rows / kTile * kTile, rest = rows - tall, whole = out_features / kPanel;
   const int64_t group = tall && rest && rest <= 2 ? 4 / rest : 1;
