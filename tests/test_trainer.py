@@ -113,6 +113,7 @@ def wandb_records(path, timeout: float = 60.0):
 
 
 def _read_wandb_records(path):
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     data, pos, block, buf, records = path.read_bytes(), 7, 32768, b"", []
@@ -122,11 +123,16 @@ def _read_wandb_records(path):
             pos += block - pos % block
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # the service is still writing this fragment
+            break
         buf += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST fragment
             record = pb.Record()
-            record.ParseFromString(buf)
+            try:
+                record.ParseFromString(buf)
+            except DecodeError:  # a fragment caught mid-write: read again later
+                break
             records.append(record)
             buf = b""
     return records
