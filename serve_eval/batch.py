@@ -69,7 +69,7 @@ from .budget import Budget, CausalChain, Probes
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
-from .kv import InPlaceLayer, KVQuant, inplace_cache, kv_quant
+from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, kv_quant
 from .prepack import only_rows
 from .sampling import Sampler, verify_chain
 
@@ -91,7 +91,7 @@ class BatchTarget:
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         """The forward over ``ids`` [R, n] at ``positions``, each row writing its entries after its own
         ``lengths`` slots, attending to the slots ``mask`` [R, n, slots] allows."""
-        write_at = (self.lengths.to(ids.device), mask.shape[-1])
+        write_at = RowWrites(self.lengths.to(ids.device), mask.shape[-1])
         for layer in self.cache.layers:
             layer.write_at = write_at
         kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], cache=self.cache, use_cache=True)
@@ -334,6 +334,7 @@ class BatchScheduler:
         # measured in the loop, per number of rows: drafted (True) and plain steps' row tokens, seconds
         # (running sums that forget slowly) and step count (record)
         self.measured: dict[int, dict[bool, list[float]]] = {}
+        self._costs: dict[tuple[int, float], dict[int, float]] = {}  # _step_costs
 
     def verify_seconds(self, rows: int, n: int) -> float:
         """A batched step over ``rows`` rows reading ``n`` tokens each: the budget's one-row cost of
@@ -371,11 +372,6 @@ class BatchScheduler:
 
     def _draft_cost(self, rows: int) -> float:
         return self.draft_seconds.get(rows, max(self.draft_seconds.values(), default=0.0))
-
-    def _typical_rate(self, rows: int, reach: list[float]) -> float:
-        """The best rate of a drafted step whose ``rows`` rows each keep their drafts up to depth ``j``
-        with chance ``reach[j - 1]``, drafting included (:meth:`_per_row`, as a step chooses)."""
-        return self._per_row(rows, torch.tensor(reach).expand(rows, -1))[1]
 
     def should_draft(self, rows: int) -> bool:
         """Whether this step drafts: while the acceptance seen so far predicts that drafting beats plain
@@ -427,14 +423,21 @@ class BatchScheduler:
                 break
         return chain.kept + 1, chain.gain / cost(chain.kept)
 
-    def _per_row(self, rows: int, reach: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Each row's ``n`` and the step's rate, from each row's chance [R, K-1] of keeping its drafts up
-        to each depth: the tokens past each row's bonus ranked most likely kept first (a row's chances
+    def _per_row(self, top_q: list[list[float]]) -> tuple[torch.Tensor, float]:
+        """Each row's ``n`` and the step's rate, from each row's top drafter probability at each depth
+        [R][K-1]: the chance that a row keeps its drafts up to depth ``j`` (the product of the calibrated
+        acceptances at depths ``1..j``), the row-depths ranked most likely kept first (a row's chances
         fall with depth, so every row takes a prefix of its drafts), and the prefix of that ranking with
         the most expected tokens per second (DSpark's verification length per row, from the measured
-        cost of the step's tokens and its padding)."""
-        values, order = reach.flatten().sort(descending=True, stable=True)
-        counts, rate = self._best_prefix(rows, zip(values.tolist(), (order // reach.shape[1]).tolist()))
+        cost of the step's tokens and its padding). Python floats: a handful of rows and depths."""
+        ranked = []
+        for r, row in enumerate(top_q):
+            reach = 1.0
+            for depth, q in enumerate(row, start=1):
+                reach *= self.budget.acceptance(q, depth)
+                ranked.append((reach, r))
+        ranked.sort(key=lambda item: item[0], reverse=True)  # stable: ties keep row-major order
+        counts, rate = self._best_prefix(len(top_q), ranked)
         return torch.tensor(counts), rate
 
     def _typical_rate(self, rows: int, reach: list[float]) -> float:
@@ -443,10 +446,18 @@ class BatchScheduler:
         ranking takes every row's depth 1, then every row's depth 2, and so on."""
         return self._best_prefix(rows, ((p, r) for p in reach for r in range(rows)))[1]
 
+    def _step_costs(self, rows: int) -> dict[int, float]:
+        """A drafted step's cost by its tokens in all (``rows + 1`` to ``rows * K``), computed once per
+        number of rows (and verify offset: the table is otherwise fixed)."""
+        key = (rows, self.budget.verify_offset)
+        if key not in self._costs:
+            self._costs[key] = {t: self.tokens_seconds(rows, t) for t in range(rows + 1, rows * self.K + 1)}
+        return self._costs[key]
+
     def _best_prefix(self, rows: int, ranked) -> tuple[list[int], float]:
         """Over the prefixes of ``ranked`` (a row-depth's chance of being kept, its row), best first: the
         rows' ``n`` and the rate of the prefix with the most expected tokens per second (at least one draft)."""
-        cost = {t: self.tokens_seconds(rows, t) for t in range(rows + 1, rows * self.K + 1)}  # a drafted step of t tokens in all
+        cost = self._step_costs(rows)
         counts, tokens, longest, gain, draft = [1] * rows, rows, 1, 0.0, self._draft_cost(rows)
         best, best_rate = [1] * rows, 0.0
         for value, r in ranked:
@@ -471,8 +482,7 @@ class BatchScheduler:
             n, rate = self._causal(rows, top_q)
             counts = torch.full((rows,), n, dtype=torch.long)
         else:
-            acceptance = torch.tensor([[self.budget.acceptance(q, d) for d, q in enumerate(row, start=1)] for row in top_q.tolist()])
-            counts, rate = self._per_row(rows, acceptance.cumprod(1))
+            counts, rate = self._per_row(top_q.tolist())
             if rate <= rows / (plain + self._draft_cost(rows)):  # the drafts, already paid for, would not pay
                 counts = torch.ones(rows, dtype=torch.long)
         # drafting pays against plain decoding: keep drafting; else wait longer before the next probe
@@ -716,18 +726,20 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
                 kept_list.append(k)
                 bonus_list.append(int(b))
             kept, new_bonus = torch.tensor(kept_list), torch.tensor(bonus_list)
+        kept_rows, bonus_rows = kept.tolist(), new_bonus.tolist()  # one host read each for the step's bookkeeping
         if scheduler is not None:
             scheduler.chosen.append(lengths)
             if drafts is not None:
+                draft_rows, top_rows = drafts.tolist(), top_q.tolist()
                 for r, m in enumerate(lengths):
-                    outcome = _next_outcome(row_samplers[r], drafts[r], q[r], logits[r], m - 1, int(kept[r]))
-                    scheduler.budget.record_chain(top_q[r].tolist(), m - 1, int(kept[r]), outcome)
+                    outcome = _next_outcome(row_samplers[r], draft_rows[r], q[r], logits[r], m - 1, kept_rows[r], bonus_rows[r])
+                    scheduler.budget.record_chain(top_rows[r], m - 1, kept_rows[r], outcome)
         session.keep(kept + 1)
         context.defer(aux, kept + 1)
         for r, i in enumerate(live):
-            outs[i].extend(ids[r, 1:1 + int(kept[r])].tolist() + [int(new_bonus[r])])
+            outs[i].extend(ids[r, 1:1 + kept_rows[r]].tolist() + [bonus_rows[r]])
         if scheduler is not None:
-            scheduler.record(R, drafts is not None, int(kept.sum()) + R, time.perf_counter() - t0)
+            scheduler.record(R, drafts is not None, sum(kept_rows) + R, time.perf_counter() - t0)
         bonus = new_bonus
         stats.steps += 1
         stats.row_steps += R

@@ -362,15 +362,17 @@ class _Stopper:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
-def _next_outcome(sampler: Sampler, drafts, draft_probs, target_logits, verified: int, accepted: int) -> float | None:
+def _next_outcome(sampler: Sampler, drafts, draft_probs, target_logits, verified: int, accepted: int,
+                  bonus: int) -> float | None:
     """Whether (T = 0), or with what probability (T > 0), the first draft left unverified would have
     been kept, from the target's logits after the kept ones (``draft_probs``: the distributions the
-    drafts were drawn from); None when it does not apply."""
+    drafts were drawn from; ``bonus``: the token the target chose there, at T = 0 their argmax); None
+    when it does not apply."""
     if accepted < verified or verified >= len(drafts):
         return None
     draft = int(drafts[verified])
     if sampler.greedy:
-        return float(int(target_logits[accepted].argmax()) == draft)
+        return float(bonus == draft)
     p, q = float(sampler.probs(target_logits[accepted])[draft]), float(draft_probs[verified, draft])
     return min(1.0, p / q) if q > 0 else 1.0
 
@@ -586,7 +588,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 session.rollback(anchor_pos + n + 1)
                 path_feats = None if feats is None else feats.aux[:, :n + 1]
             if budget is not None:
-                budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n))
+                budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n, int(new_bonus)))
                 if tree is not None:
                     _record_lookup(budget.lookup, copied, copied_nodes, path, accepted.tolist() + [int(new_bonus)])
         stats.target_forwards += 1

@@ -12,8 +12,8 @@ Invariant: ``keys`` / ``values`` are always ``buffer[:, :, :length]``, so a cach
 cropped, row-selected and appended again holds exactly what a ``DynamicCache`` given the same calls
 holds (tested).
 
-**A batch's rows** (:mod:`serve_eval.batch`) drift apart in length. With ``write_at = (starts, end)``
-set, an update writes row ``r``'s entries at its own slots ``starts[r], starts[r] + 1, ...`` and
+**A batch's rows** (:mod:`serve_eval.batch`) drift apart in length. With ``write_at`` set
+(:class:`RowWrites`: ``starts``, ``end``), an update writes row ``r``'s entries at its own slots ``starts[r], starts[r] + 1, ...`` and
 attention sees the slots up to ``end``: every row keeps its entries contiguous from slot 0, and the
 batch's mask hides what lies past them (a rejected draft, a former row's entries, or zeros: buffers
 grow zero-filled, because a masked slot's weight is zero and ``0 * NaN`` would not be).
@@ -113,11 +113,34 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
+class RowWrites:
+    """Where a batch's rows write a step's ``n`` entries: row ``r`` at slots ``starts[r] + j`` of a
+    contiguous [R, H, S, ...] buffer, attention reading the slots up to ``end``. The writes are one
+    ``index_copy_`` into the buffer seen as [R * H * S, ...] rows, at flat indices
+    ``(r * H + h) * S + starts[r] + j``, computed once per buffer shape and shared by every layer of
+    the step (an advanced-index write per layer costs three times as much)."""
+
+    def __init__(self, starts: torch.Tensor, end: int):
+        self.starts, self.end = starts, end
+        self._flat: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        """Rows of ``new`` [R, H, n, ...] into ``buffer`` [R, H, S, ...] at the rows' own slots."""
+        R, H, S = buffer.shape[:3]
+        n = new.shape[2]
+        index = self._flat.get((H, S, n))
+        if index is None:
+            device = self.starts.device
+            base = (torch.arange(R, device=device)[:, None] * H + torch.arange(H, device=device)) * S + self.starts[:, None]
+            index = self._flat[(H, S, n)] = (base[:, :, None] + torch.arange(n, device=device)).flatten()
+        buffer.view(R * H * S, *buffer.shape[3:]).index_copy_(0, index, new.reshape(R * H * n, *new.shape[3:]))
+
+
 class InPlaceLayer(DynamicLayer):
     """``DynamicLayer`` with preallocated, doubling buffers (see the module docstring). The buffers are
     whatever :meth:`_encode` makes of the keys and values (here: themselves), position on dim 2."""
 
-    write_at: tuple[torch.Tensor, int] | None = None  # a batch's rows writing at slots of their own (update)
+    write_at: RowWrites | None = None  # a batch's rows writing at slots of their own (update)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -132,16 +155,14 @@ class InPlaceLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         entries = self._encode(key_states, value_states)
         n = key_states.shape[-2]
-        starts, end = self.write_at if self.write_at is not None else (None, self.length + n)
+        end = self.length + n if self.write_at is None else self.write_at.end
         if self._buffers is None or end > self._buffers[0].shape[2]:
             self._buffers = [self._grown(old, new, end) for old, new in zip(self._buffers or [None] * len(entries), entries)]
-        if starts is None:
-            for buffer, new in zip(self._buffers, entries):
+        for buffer, new in zip(self._buffers, entries):
+            if self.write_at is None:
                 buffer[:, :, self.length:end] = new
-        else:  # row r's entries at its own slots starts[r], starts[r] + 1, ...
-            rows, slots = torch.arange(len(starts), device=starts.device)[:, None], starts[:, None] + torch.arange(n, device=starts.device)
-            for buffer, new in zip(self._buffers, entries):
-                _bytes(buffer)[rows, :, slots] = _bytes(new).transpose(1, 2)
+            else:  # row r's entries at its own slots starts[r], starts[r] + 1, ...
+                self.write_at.write(_bytes(buffer), _bytes(new))
         self._set_length(end)
         return self.read()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_eval.kv import InPlaceLayer, KVQuant, QuantizedLayer, dequantize, quantize, rotation
+from serve_eval.kv import InPlaceLayer, KVQuant, QuantizedLayer, RowWrites, dequantize, quantize, rotation
 
 FORMATS = [KVQuant("int8"), KVQuant("fp8"), KVQuant("int4"), KVQuant("int4", rotate=True)]
 
@@ -94,7 +94,7 @@ def test_rows_written_at_slots_of_their_own_and_put_from_another_layer(spec):
     keys, values = states(3, 2, 80, 64, seed=5), states(3, 2, 80, 64, seed=6)
     layer = make()
     layer.update(keys[:, :, :10], values[:, :, :10])
-    layer.write_at = (torch.tensor([10, 4, 7]), 13)
+    layer.write_at = RowWrites(torch.tensor([10, 4, 7]), 13)
     layer.update(keys[:, :, 10:13], values[:, :, 10:13])
     layer.write_at = None
     other = make()
