@@ -71,7 +71,7 @@ from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, kv_quant
 from .prepack import only_rows
-from .sampling import Sampler, verify_chain
+from .sampling import Sampler, top_tokens, verify_chain
 
 
 class BatchTarget:
@@ -651,7 +651,7 @@ def _refill(waiting: Waiting, live: list[int], bonus: torch.Tensor, session: Bat
 def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [R, ..., V], each with its row's sampler."""
     if samplers[0].greedy:
-        return logits.argmax(-1)
+        return top_tokens(logits)[0]
     return torch.stack([s.choose(row) for s, row in zip(samplers, logits)])
 
 
@@ -705,9 +705,11 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             anchors = bonus.to(next(drafter.parameters()).device)[:, None]
             choose = (lambda x: x.argmax(-1)) if greedy else (lambda x: _choose_rows(row_samplers, x))  # noqa: B023  (called within the iteration)
             drafts, draft_logits = context.draft(anchors, choose, greedy)  # [R, K-1], [R, K-1, V]
-            q = draft_logits.float().softmax(-1) if greedy else torch.stack(
-                [s.probs(row) for s, row in zip(row_samplers, draft_logits)])
-            top_q = q.amax(-1)
+            if greedy:  # the top probabilities alone: a greedy verify needs no distribution
+                q, top_q = None, top_tokens(draft_logits.float(), with_prob=True)[1]
+            else:
+                q = torch.stack([s.probs(row) for s, row in zip(row_samplers, draft_logits)])
+                top_q = q.amax(-1)
             counts = torch.full((R,), K) if scheduler is None else scheduler.choose(top_q, causal=drafter.conditional_drafts and not greedy)
             if scheduler is not None:
                 scheduler.observe_draft(R, time.perf_counter() - t0)
@@ -716,7 +718,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
         ids = bonus[:, None] if n == 1 else torch.cat([bonus[:, None], drafts[:, :n - 1].cpu()], dim=1)
         logits, aux = session.step(ids.to(prompts[0].device), counts)
         if greedy:
-            choice = logits.argmax(-1).cpu()  # [R, n]
+            choice = top_tokens(logits)[0].cpu()  # [R, n]
             kept = (ids[:, 1:] == choice[:, :-1]).int().cumprod(1).sum(1).minimum(counts - 1) if n > 1 else torch.zeros(R, dtype=torch.long)
             new_bonus = choice[torch.arange(R), kept]
         else:
@@ -732,7 +734,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             if drafts is not None:
                 draft_rows, top_rows = drafts.tolist(), top_q.tolist()
                 for r, m in enumerate(lengths):
-                    outcome = _next_outcome(row_samplers[r], draft_rows[r], q[r], logits[r], m - 1, kept_rows[r], bonus_rows[r])
+                    outcome = _next_outcome(row_samplers[r], draft_rows[r], None if q is None else q[r], logits[r], m - 1,
+                                            kept_rows[r], bonus_rows[r])
                     scheduler.budget.record_chain(top_rows[r], m - 1, kept_rows[r], outcome)
         session.keep(kept + 1)
         context.defer(aux, kept + 1)

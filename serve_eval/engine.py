@@ -48,7 +48,7 @@ from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
 from .lookup import graft, lookup_continuation
-from .sampling import Sampler, verify_chain
+from .sampling import Sampler, top_tokens, verify_chain
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
 
 
@@ -354,8 +354,8 @@ class _Stopper:
 
     def __call__(self, logits: torch.Tensor) -> bool:
         self.times.append(self.now())
-        q = logits.float().softmax(-1) if self.sampler.greedy else self.sampler.probs(logits)
-        self.top_q.append(float(q.max()))
+        top = top_tokens(logits.float(), with_prob=True)[1] if self.sampler.greedy else self.sampler.probs(logits).amax(-1)
+        self.top_q.append(float(top.max()))
         return not self.chain.offer(self.top_q[-1])
 
     def forward_seconds(self) -> list[float]:
@@ -562,11 +562,11 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 keep, top_q, q, all_drafts = 0, [], None, drafts
                 budget.record_plain()
             elif budget is not None:  # ranked by the top probability at each position, never the drawn token's
-                q = draft_logits.float().softmax(-1) if sampler.greedy else sampler.probs(draft_logits)
+                q = None if sampler.greedy else sampler.probs(draft_logits)  # a greedy verify needs no distribution
                 if stopper is not None:  # the drafter stopped where its chain said: that choice is the step's
                     top_q, keep = stopper.top_q, budget.record_causal(stopper.chain)
                 else:
-                    top_q = q.amax(-1).tolist()
+                    top_q = (top_tokens(draft_logits.float(), with_prob=True)[1] if q is None else q.amax(-1)).tolist()
                     keep = budget.causal_length(top_q, K - 1) if causal else budget.chain_length(top_q)
                 all_drafts = drafts
                 drafts, draft_logits = drafts[:keep], draft_logits[:keep]

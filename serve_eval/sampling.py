@@ -18,6 +18,21 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention
+
+
+def top_tokens(logits: torch.Tensor, with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's greedy token over ``logits`` [..., V] (``torch.argmax``'s choice: the first maximum)
+    and, ``with_prob``, its softmax probability (the drafter's top probability, which calibrates the
+    acceptance: :mod:`serve_eval.budget`). float32 on the CPU takes the C++ kernel where it serves
+    (``draftsmith_attn::top``: the same tokens, the probability within ~1e-6 of torch's softmax;
+    torch's argmax over the last dimension costs ~110 us for a batch's 32 rows of 4,096, the kernel
+    ~15); anything else, torch. Plain and speculative decoding choose greedy tokens here alike."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel() and attention.available():
+        tokens, probs = torch.ops.draftsmith_attn.top(logits, with_prob)
+        return tokens, probs if with_prob else None
+    return logits.argmax(-1), logits.float().softmax(-1).amax(-1) if with_prob else None
+
 
 @dataclass
 class Sampler:
@@ -58,7 +73,7 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """A token per row of ``logits``: the argmax, or a sample of :meth:`probs`."""
-        return logits.argmax(-1) if self.greedy else self.sample(self.probs(logits))
+        return top_tokens(logits)[0] if self.greedy else self.sample(self.probs(logits))
 
     def uniform(self) -> float:
         device = self.generator.device if self.generator is not None else None
@@ -69,7 +84,7 @@ def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Ten
     """Accept a prefix of ``drafts`` [K-1] against the target's logits [K, V] (after the anchor and each
     draft). Returns ``(n, next_token)``: the number of drafts kept and the token that follows them."""
     if sampler.greedy:
-        choice = target_logits.argmax(-1)
+        choice = top_tokens(target_logits)[0]
         n = int((drafts == choice[:-1]).int().cumprod(0).sum())
         return n, choice[n]
     p = sampler.probs(target_logits)
