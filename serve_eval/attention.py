@@ -54,7 +54,7 @@ def available() -> bool:
     return True
 
 
-def _fake(q, k, v, mask, scale):
+def _fake(q, k, v, mask, scale, causal=False):
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
 
@@ -72,14 +72,14 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if not _serves(query, key, dropout):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    n, L = query.shape[2], key.shape[2]
+    n = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is None and n > 1 and causal:  # query i sits at position L - n + i
-        attention_mask = torch.ones(n, L, dtype=torch.bool, device=query.device).tril(L - n)[None, None]
-    elif attention_mask is not None and attention_mask.dim() < 4:  # [n, L] (or [H, n, L]): broadcast as sdpa does
+    if attention_mask is not None and attention_mask.dim() < 4:  # [n, L] (or [H, n, L]): broadcast as sdpa does
         attention_mask = attention_mask.view((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return torch.ops.draftsmith_attn.attention(query, key, value, attention_mask, scale), None
+    # no mask and causal order (a verify's chain): query i sits at position L - n + i, no mask built
+    return torch.ops.draftsmith_attn.attention(query, key, value, attention_mask, scale,
+                                               attention_mask is None and n > 1 and causal), None
 
 
 AttentionInterface.register(NAME, attention)

@@ -147,7 +147,7 @@ void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v
       }
       _mm256_storeu_ps(si + j, x);
     }
-    for (int64_t j = std::min(L, Li); j < Li; ++j) si[j] = ninf;
+    for (int64_t j = seen[i]; j < Li; ++j) si[j] = ninf;  // past what the query sees (masked there already)
   }
   float* inv = s + n * Lp;
   for (int64_t i = 0; i < n; ++i) {  // softmax numerators and their sums
@@ -181,7 +181,7 @@ void head(const float* q, int64_t sq, const float* k, int64_t sk, const float* v
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                     double scale) {
+                     double scale, bool causal) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "draftsmith_attn::attention: q, k, v of 4 dimensions");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "draftsmith_attn::attention: float32 q, k, v");
@@ -199,6 +199,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat, "draftsmith_attn::attention: a bool or float32 mask");
     m = mask->stride(3) == 1 ? *mask : mask->contiguous();
   }
+  TORCH_CHECK(!(causal && m.defined()), "draftsmith_attn::attention: a mask or causal, not both");
+  TORCH_CHECK(!causal || n <= L, "draftsmith_attn::attention: causal with more queries than positions");
   auto out = at::empty({B, n, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -211,6 +213,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scratch(n * (Lp + 1));
     std::vector<int64_t> seen(n, L);
+    if (causal)  // query i sits at position L - n + i and sees the positions up to it
+      for (int64_t i = 0; i < n; ++i) seen[i] = L - n + i + 1;
     for (int64_t bh = first; bh < last; ++bh) {
       const int64_t b = bh / H, h = bh % H, hk = h / group;
       const int64_t mo = b * smb + h * smh;
@@ -305,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor> top(const at::Tensor& logits, bool with_prob)
 }  // namespace
 
 TORCH_LIBRARY(draftsmith_attn, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal=False) -> Tensor");
   m.def("top(Tensor logits, bool with_prob) -> (Tensor, Tensor)");
 }
 

@@ -56,6 +56,10 @@ def test_a_query_gets_the_same_bits_whatever_queries_share_the_call():
         end = L - n + i + 1
         alone = torch.ops.draftsmith_attn.attention(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], None, 0.125)
         assert torch.equal(alone[:, 0], together[:, i])
+    # causal order without a mask (a verify's chain: no mask built per layer) reads the same positions
+    assert torch.equal(torch.ops.draftsmith_attn.attention(q, k, v, None, 0.125, True), together)
+    with pytest.raises(RuntimeError, match="a mask or causal"):
+        torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.125, True)
 
 
 def test_positions_after_the_last_one_the_mask_shows_are_not_read():
