@@ -588,7 +588,8 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                 session.rollback(anchor_pos + n + 1)
                 path_feats = None if feats is None else feats.aux[:, :n + 1]
             if budget is not None:
-                budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n, int(new_bonus)))
+                following = int(new_bonus) if len(accepted) == n else int(accepted[n])  # past the drafts: a copied token
+                budget.record_chain(top_q, keep, n, _next_outcome(sampler, all_drafts, q, logits, keep, n, following))
                 if tree is not None:
                     _record_lookup(budget.lookup, copied, copied_nodes, path, accepted.tolist() + [int(new_bonus)])
         stats.target_forwards += 1
