@@ -2,11 +2,12 @@
 // AVX2 + FMA (serve_eval/attention.py builds this file once per machine and loads it; see its docstring);
 // and `top`, a row of logits' greedy token and its softmax probability (serve_eval/sampling.py, at the end).
 //
-// attention(q [B, H, n, D], k [B, Hk, L, D], v [B, Hk, L, D], mask?, scale) -> [B, n, H, D]
+// attention(q [B, H, n, D], k [B, Hk, L, D], v [B, Hk, L, D], mask?, scale, causal) -> [B, n, H, D]
 //   (the layout attention hands back to the model's output projection). Head h reads key/value head
 //   h / (H / Hk). Each tensor may be any strided view whose last dimension is contiguous (the KV cache
 //   hands a view of a larger buffer); D a multiple of 8. mask: [1 or B, 1 or H, n, L], bool (true:
-//   attend) or float (added to the scores).
+//   attend) or float (added to the scores); or, with causal and no mask, query i sits at position
+//   L - n + i and sees the positions up to it (a verify's chain: no mask built).
 //
 // Per (row b, head h), two passes over the cached positions, each reading them once from memory:
 //   1. s[i, j] = dot(q_i, k_j) * scale (+ mask), eight keys at a time (eight independent FMA chains);
