@@ -703,7 +703,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
         counts, drafts = torch.ones(R, dtype=torch.long), None  # tokens each row reads: its bonus and its first drafts
         if scheduler is None or scheduler.should_draft(R):
             anchors = bonus.to(next(drafter.parameters()).device)[:, None]
-            choose = (lambda x: top_tokens(x)[0]) if greedy else (lambda x: _choose_rows(row_samplers, x))  # noqa: B023  (called within the iteration)
+            choose = lambda x: _choose_rows(row_samplers, x)  # noqa: B023, E731  (called within the iteration)
             drafts, draft_logits = context.draft(anchors, choose, greedy)  # [R, K-1], [R, K-1, V]
             if greedy:  # the top probabilities alone: a greedy verify needs no distribution
                 q, top_q = None, top_tokens(draft_logits.float(), with_prob=True)[1]

@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <array>
 #include <utility>
-#include <vector>
 
 namespace {
 
@@ -248,15 +247,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   float *gp = gathered.data_ptr<float>(), *op = out.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) std::copy(xp + ip[i] * k_size, xp + (ip[i] + 1) * k_size, gp + i * k_size);
   compute(gp, m, k_size, wp, panels, out_features, bp, op);
-  auto y = at::empty(shape, x.options());
+  auto y = at::zeros(shape, x.options());
   float* yp = y.data_ptr<float>();
-  std::vector<bool> listed(all, false);
-  for (int64_t i = 0; i < m; ++i) {
-    std::copy(op + i * out_features, op + (i + 1) * out_features, yp + ip[i] * out_features);
-    listed[ip[i]] = true;
-  }
-  for (int64_t r = 0; r < all; ++r)
-    if (!listed[r]) std::fill(yp + r * out_features, yp + (r + 1) * out_features, 0.0f);
+  for (int64_t i = 0; i < m; ++i) std::copy(op + i * out_features, op + (i + 1) * out_features, yp + ip[i] * out_features);
   return y;
 }
 
