@@ -57,6 +57,8 @@ Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one 
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import time
 from dataclasses import dataclass
 
@@ -68,8 +70,9 @@ from distill.base.features import FeatureCapture
 from .budget import Budget, CausalChain, Probes
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
-from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
+from .engine import _next_outcome, _record_lookup, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, kv_quant
+from .lookup import NgramIndex
 from .prepack import only_rows
 from .sampling import Sampler, top_tokens, verify_chain
 
@@ -313,6 +316,11 @@ MEASURED_MARGIN = 1.1  # drafted steps must measure this much faster than plain 
 PADDING_COST = 0.2
 
 
+def _kept_to(acceptances) -> list[float]:
+    """The chance of keeping every token up to each depth, from the acceptance at each depth."""
+    return list(itertools.accumulate(acceptances, operator.mul))
+
+
 class BatchScheduler:
     """Chooses ``n`` for each batched step and when to stop drafting (see the module doc)."""
 
@@ -335,6 +343,7 @@ class BatchScheduler:
         # (running sums that forget slowly) and step count (record)
         self.measured: dict[int, dict[bool, list[float]]] = {}
         self._costs: dict[tuple[int, float], dict[int, float]] = {}  # _step_costs
+        self.copied_rows = 0  # row-steps that verified a prompt-lookup copy instead of drafts
 
     def verify_seconds(self, rows: int, n: int) -> float:
         """A batched step over ``rows`` rows reading ``n`` tokens each: the budget's one-row cost of
@@ -364,10 +373,7 @@ class BatchScheduler:
         """Before a batch of ``rows`` drafts at all: the best predicted rate of drafted steps against
         plain steps, for a typical row kept at the acceptance measured at each depth (the calibration,
         when lent by a one-row run) and the drafting cost measured at ``rows`` (:func:`measure_draft_seconds`)."""
-        reach, p = [], 1.0
-        for depth in range(1, self.K):
-            p *= self.budget.depth_acceptance(depth)
-            reach.append(p)
+        reach = _kept_to(self.budget.depth_acceptance(depth) for depth in range(1, self.K))
         return self._typical_rate(rows, reach) / (rows / self.verify_seconds(rows, 1))
 
     def _draft_cost(self, rows: int) -> float:
@@ -380,10 +386,7 @@ class BatchScheduler:
         if self.drafts_seen < self.min_drafts or self.probes.due():
             return True
         if self._measured_pays(rows):  # (the cheap test first: every plain step asks)
-            reach, p = [], 1.0
-            for depth, q in enumerate(self.top_q_mean, start=1):  # a typical row under the calibration as it stands now
-                p *= self.budget.acceptance(q, depth)
-                reach.append(p)
+            reach = self._draft_reach(self.top_q_mean)  # a typical row under the calibration as it stands now
             if self._typical_rate(rows, reach) > rows / self.verify_seconds(rows, 1):
                 return True
         self.probes.skipped()
@@ -423,22 +426,28 @@ class BatchScheduler:
                 break
         return chain.kept + 1, chain.gain / cost(chain.kept)
 
-    def _per_row(self, top_q: list[list[float]]) -> tuple[torch.Tensor, float]:
-        """Each row's ``n`` and the step's rate, from each row's top drafter probability at each depth
-        [R][K-1]: the chance that a row keeps its drafts up to depth ``j`` (the product of the calibrated
-        acceptances at depths ``1..j``), the row-depths ranked most likely kept first (a row's chances
+    def _per_row(self, reaches: list[list[float]]) -> tuple[torch.Tensor, float]:
+        """Each row's ``n`` and the step's rate, from the chance that row ``r`` keeps its drafts up to
+        depth ``j``, ``reaches[r][j - 1]``: the row-depths ranked most likely kept first (a row's chances
         fall with depth, so every row takes a prefix of its drafts), and the prefix of that ranking with
         the most expected tokens per second (DSpark's verification length per row, from the measured
         cost of the step's tokens and its padding). Python floats: a handful of rows and depths."""
-        ranked = []
-        for r, row in enumerate(top_q):
-            reach = 1.0
-            for depth, q in enumerate(row, start=1):
-                reach *= self.budget.acceptance(q, depth)
-                ranked.append((reach, r))
+        ranked = [(reach, r) for r, row in enumerate(reaches) for reach in row]
         ranked.sort(key=lambda item: item[0], reverse=True)  # stable: ties keep row-major order
-        counts, rate = self._best_prefix(len(top_q), ranked)
+        counts, rate = self._best_prefix(len(reaches), ranked)
         return torch.tensor(counts), rate
+
+    def _draft_reach(self, top_q: list[float]) -> list[float]:
+        """A row's chance of keeping its drafts up to each depth: the product of the calibrated
+        acceptances of its top probabilities at depths ``1..j``."""
+        return _kept_to(self.budget.acceptance(q, depth) for depth, q in enumerate(top_q, start=1))
+
+    def _copy_reach(self, length: int) -> list[float]:
+        """The same for a prompt-lookup copy of ``length`` tokens, from copies' own calibration by depth
+        (``budget.lookup``, shared with the one-row loop's grafts: :mod:`serve_eval.engine`)."""
+        if self.budget.lookup is None:
+            self.budget.lookup = Budget({1: 1.0})
+        return _kept_to(self.budget.lookup.acceptance(0.5, depth) for depth in range(1, length + 1))
 
     def _typical_rate(self, rows: int, reach: list[float]) -> float:
         """The best rate of a drafted step whose ``rows`` rows each keep their drafts up to depth ``j``
@@ -469,26 +478,40 @@ class BatchScheduler:
                 best, best_rate = list(counts), rate
         return best, best_rate
 
-    def choose(self, top_q: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    def choose(self, top_q: torch.Tensor, causal: bool = False,
+               copies: list[int] | None = None) -> tuple[torch.Tensor, list[bool]]:
         """Each row's ``n`` [R] for a drafted step from the drafter's top probabilities [R, K-1]: the
         same ``n`` for every row when drafts are sampled one after another (DSpark at temperature > 0,
-        see :mod:`serve_eval.budget`), each row its own otherwise (:meth:`_per_row`)."""
+        see :mod:`serve_eval.budget`), each row its own otherwise (:meth:`_per_row`). ``copies``: the
+        length of each row's prompt-lookup copy (0: none); a row verifies its copy instead of its drafts
+        where the copy's calibrated chances sum higher (more tokens expected; the choice reads
+        probabilities and calibrations only, never a drawn token, so sampled rows stay exact), and the
+        second list says which rows do (none when drafts are sampled one after another)."""
         rows = top_q.shape[0]
         self.drafts_seen += 1
         weight = max(1 / self.drafts_seen, 0.05)  # a running mean that forgets slowly
+        top_rows = top_q.tolist()
         self.top_q_mean = [m + (q - m) * weight for m, q in zip(self.top_q_mean, top_q.mean(0).tolist())]
         plain = self.verify_seconds(rows, 1)
+        copied = [False] * rows
         if causal:
             n, rate = self._causal(rows, top_q)
             counts = torch.full((rows,), n, dtype=torch.long)
         else:
-            counts, rate = self._per_row(top_q.tolist())
+            reaches = [self._draft_reach(row) for row in top_rows]
+            for r, length in enumerate(copies or []):
+                if length:
+                    copy = self._copy_reach(length)
+                    if sum(copy) > sum(reaches[r]):
+                        reaches[r], copied[r] = copy, True
+            counts, rate = self._per_row(reaches)
             if rate <= rows / (plain + self._draft_cost(rows)):  # the drafts, already paid for, would not pay
-                counts = torch.ones(rows, dtype=torch.long)
+                counts, copied = torch.ones(rows, dtype=torch.long), [False] * rows
         # drafting pays against plain decoding: keep drafting; else wait longer before the next probe
         self.probes.drafted(rate > rows / plain)
         self.drafted_steps += 1
-        return counts
+        self.copied_rows += sum(copied)
+        return counts, copied
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         old = self.draft_seconds.get(rows)
@@ -510,7 +533,8 @@ class BatchScheduler:
         per_row = [n for step in self.chosen for n in step]  # a row's tokens verified in a step
         return {**measured, "mean_verified": round(sum(per_row) / max(1, len(per_row)), 3),
                 "verified_histogram": {str(n): per_row.count(n) for n in sorted(set(per_row))},
-                "drafted_fraction": round(self.drafted_steps / steps, 4)}
+                "drafted_fraction": round(self.drafted_steps / steps, 4),
+                **({"copied_fraction": round(self.copied_rows / len(per_row), 4)} if self.copied_rows else {})}
 
 
 @torch.inference_mode()
@@ -648,6 +672,15 @@ def _refill(waiting: Waiting, live: list[int], bonus: torch.Tensor, session: Bat
     return live, bonus, session
 
 
+def _copy(indexes: dict[int, NgramIndex], i: int, prompt: torch.Tensor, out: list[int], length: int) -> list[int]:
+    """Prompt ``i``'s lookup copy of up to ``length`` tokens, its n-gram index grown with its new tokens."""
+    index = indexes.get(i)
+    if index is None:
+        index = indexes[i] = NgramIndex(prompt.tolist())
+    index.extend(out[len(index.tokens) - len(prompt):])
+    return index.continuation(length)
+
+
 def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [R, ..., V], each with its row's sampler."""
     if samplers[0].greedy:
@@ -681,10 +714,12 @@ def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: 
 def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
                                  eos_token_id: int | None = None, samplers: list[Sampler] | None = None,
                                  scheduler: BatchScheduler | None = None, kv: KVQuant | None = None,
-                                 slots: int | None = None):
+                                 slots: int | None = None, lookup: int = 0):
     """Speculative decoding of several prompts at once with a block drafter (see the module doc): at
     most ``slots`` rows (default: all) at a time, waiting prompts taking the places of rows that finish.
-    Without a scheduler every step verifies all ``K - 1`` drafts of every row."""
+    Without a scheduler every step verifies all ``K - 1`` drafts of every row. ``lookup``: a row may
+    verify a prompt-lookup copy of up to ``min(lookup, K - 1)`` tokens instead of its drafts (where the
+    scheduler expects more of it; without a scheduler, where the copy is ``K - 1`` tokens long)."""
     samplers = samplers or [Sampler() for _ in prompts]
     greedy = samplers[0].greedy
     K = drafter.config.block_size
@@ -693,6 +728,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
     waiting = Waiting(target, FeatureCapture(target, drafter.config.target_layer_ids), kv, prompts, samplers,
                       slots or len(prompts), outs)
     context = BatchContext(drafter)
+    indexes: dict[int, NgramIndex] = {}  # prompt -> its text's n-grams (lookup)
     while True:
         live, bonus, session = _refill(waiting, live, bonus, session, context, max_new_tokens, eos_token_id)
         if not live:
@@ -701,6 +737,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
         row_samplers = [samplers[i] for i in live]
         t0 = time.perf_counter()
         counts, drafts = torch.ones(R, dtype=torch.long), None  # tokens each row reads: its bonus and its first drafts
+        copied = [False] * R  # rows that read a prompt-lookup copy instead
         if scheduler is None or scheduler.should_draft(R):
             anchors = bonus.to(next(drafter.parameters()).device)[:, None]
             choose = lambda x: _choose_rows(row_samplers, x)  # noqa: B023, E731  (called within the iteration)
@@ -710,9 +747,16 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             else:
                 q = torch.stack([s.probs(row) for s, row in zip(row_samplers, draft_logits)])
                 top_q = q.amax(-1)
-            counts = torch.full((R,), K) if scheduler is None else scheduler.choose(top_q, causal=drafter.conditional_drafts and not greedy)
-            if scheduler is not None:
+            copies = [_copy(indexes, i, prompts[i], outs[i], min(lookup, K - 1)) for i in live] if lookup else []
+            if scheduler is None:
+                counts, copied = torch.full((R,), K), [len(c) == K - 1 for c in copies] or copied
+            else:
+                counts, copied = scheduler.choose(top_q, drafter.conditional_drafts and not greedy, [len(c) for c in copies])
                 scheduler.observe_draft(R, time.perf_counter() - t0)
+            if any(copied):
+                drafts = drafts.cpu().clone()
+                for r in (r for r, c in enumerate(copied) if c):
+                    drafts[r, :len(copies[r])] = torch.tensor(copies[r])  # (the scheduler reads no further)
         lengths = counts.tolist()
         n = max(lengths)  # rows that read fewer tokens are padded with their next drafts
         ids = bonus[:, None] if n == 1 else torch.cat([bonus[:, None], drafts[:, :n - 1].cpu()], dim=1)
@@ -723,8 +767,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             new_bonus = choice[torch.arange(R), kept]
         else:
             kept_list, bonus_list = [], []
-            for r, m in enumerate(lengths):
-                k, b = verify_chain(row_samplers[r], ids[r, 1:m], (draft_logits[r] if m > 1 else logits[r])[:m - 1], logits[r, :m])
+            for r, m in enumerate(lengths):  # a copy is a point mass: no drafter distribution
+                k, b = verify_chain(row_samplers[r], ids[r, 1:m], None if copied[r] or m == 1 else draft_logits[r, :m - 1], logits[r, :m])
                 kept_list.append(k)
                 bonus_list.append(int(b))
             kept, new_bonus = torch.tensor(kept_list), torch.tensor(bonus_list)
@@ -734,6 +778,11 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             if drafts is not None:
                 draft_rows, top_rows = drafts.tolist(), top_q.tolist()
                 for r, m in enumerate(lengths):
+                    if copied[r]:
+                        kept_ids = ids[r, 1:1 + kept_rows[r]].tolist()
+                        _record_lookup(scheduler.budget.lookup, copies[r], list(range(m - 1)), list(range(kept_rows[r] + 1)),
+                                       kept_ids + [bonus_rows[r]])
+                        continue
                     outcome = _next_outcome(row_samplers[r], draft_rows[r], None if q is None else q[r], logits[r], m - 1,
                                             kept_rows[r], bonus_rows[r])
                     scheduler.budget.record_chain(top_rows[r], m - 1, kept_rows[r], outcome)
@@ -784,7 +833,8 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         def speculative(B=B, scheduler=scheduler):
             if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
                 return plain()
-            return batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(), scheduler, kv, slots=B)
+            return batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(), scheduler, kv,
+                                                slots=B, lookup=dec.lookup)
 
         # plain, speculative, speculative, plain: a machine that drifts (these do) shifts both sides alike
         graph = for_drafter(drafter)

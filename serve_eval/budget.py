@@ -86,7 +86,8 @@ class Budget:
         self.predicted_tokens = 0.0  # sums over steps of the expected tokens and seconds of each choice
         self.predicted_seconds = 0.0
         self._last = (1.0, 1)  # expected tokens and verify size of the last choice
-        self.lookup = None  # a Budget calibrating grafted prompt-lookup tokens per depth (serve_eval.lookup)
+        # a Budget calibrating prompt-lookup copies per depth (serve_eval.lookup), shared like the rest
+        self.lookup = None if share is None else share.lookup
         self.switch = DraftSwitch(self.verify_seconds(1))  # whether a chain step drafts at all
 
     # -- costs -------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from .budget import Budget, CausalChain
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
-from .lookup import graft, lookup_continuation
+from .lookup import NgramIndex, graft
 from .sampling import Sampler, top_tokens, verify_chain
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
 
@@ -519,7 +519,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     bonus = sampler.choose(logits[-1])
     proposer.observe(None if feats is None else feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))
     out = [int(bonus)]
-    prompt_list = prompt[0].tolist() if lookup else []
+    index = NgramIndex(prompt[0].tolist()) if lookup else None  # prompt lookup's n-grams, grown with out
     done = out[0] == eos_token_id
     anchor_pos = prompt.shape[1]
     causal = proposer.incremental or (proposer.conditional and not sampler.greedy)  # see serve_eval.budget
@@ -532,7 +532,9 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
             drafts, draft_logits = proposer.propose(bonus, anchor_pos, sampler, **({"stop": stopper} if stopper else {}))
         else:  # a plain step: the bonus alone (the drafter catches up in observe / its next draft)
             drafts, draft_logits = bonus.new_empty(0), logits.new_empty(0, logits.shape[-1])
-        copied = lookup_continuation(prompt_list + out, lookup) if lookup else []  # drafting too
+        if index is not None:
+            index.extend(out[len(index.tokens) - prompt.shape[1]:])
+        copied = index.continuation(lookup) if index is not None else []  # drafting too
         t1 = now()
         if mode == "tree":
             q = None if sampler.greedy else sampler.probs(draft_logits)

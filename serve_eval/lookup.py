@@ -26,16 +26,40 @@ import torch
 from .tree import DraftTree
 
 
+class NgramIndex:
+    """A growing sequence and, for each n-gram (``n <= max_ngram``) followed by a token, its latest
+    start, so that :meth:`continuation` costs ``max_ngram`` dictionary reads however long the text,
+    where a scan back over it costs a slice compare per position (~100 us at 200 tokens, a row a step).
+    An n-gram starting at ``s`` is indexed once the token after it is known (``s + n < len``): the
+    sequence's final n-gram is never its own match."""
+
+    def __init__(self, tokens: list[int] = (), max_ngram: int = 3):
+        self.tokens: list[int] = []
+        self.max_ngram = max_ngram
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        seq, old = self.tokens, len(self.tokens)
+        seq.extend(tokens)
+        for follower in range(max(old, 1), len(seq)):  # n-grams that end just before a new token
+            for n in range(1, min(self.max_ngram, follower) + 1):
+                self.latest[tuple(seq[follower - n:follower])] = follower - n  # later starts overwrite
+
+    def continuation(self, length: int) -> list[int]:
+        """Up to ``length`` tokens that followed the last earlier occurrence of the sequence's final
+        ``n``-gram, for the longest ``n <= max_ngram`` that occurs earlier; [] when none does."""
+        seq = self.tokens
+        for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
+            start = self.latest.get(tuple(seq[len(seq) - n:]))
+            if start is not None:
+                return seq[start + n:start + n + length]
+        return []
+
+
 def lookup_continuation(sequence: list[int], length: int, max_ngram: int = 3) -> list[int]:
-    """Up to ``length`` tokens that followed the last earlier occurrence of ``sequence``'s final
-    ``n``-gram, for the longest ``n <= max_ngram`` that occurs earlier; [] when none does."""
-    end = len(sequence)
-    for n in range(min(max_ngram, end - 1), 0, -1):
-        pattern = sequence[end - n:]
-        for start in range(end - n - 1, -1, -1):  # latest match first
-            if sequence[start:start + n] == pattern:
-                return sequence[start + n:start + n + length]
-    return []
+    """:meth:`NgramIndex.continuation` of ``sequence`` read once."""
+    return NgramIndex(sequence, max_ngram).continuation(length)
 
 
 def graft(tree: DraftTree, tokens: list[int]) -> tuple[DraftTree, list[int]]:

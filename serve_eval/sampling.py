@@ -80,18 +80,21 @@ class Sampler:
         return float(torch.rand((), generator=self.generator, device=device))
 
 
-def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor):
+def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor | None, target_logits: torch.Tensor):
     """Accept a prefix of ``drafts`` [K-1] against the target's logits [K, V] (after the anchor and each
-    draft). Returns ``(n, next_token)``: the number of drafts kept and the token that follows them."""
+    draft). Returns ``(n, next_token)``: the number of drafts kept and the token that follows them.
+    ``draft_logits`` None: the drafts are copies (prompt lookup, :mod:`serve_eval.lookup`), each a
+    point mass, so ``q_k(d_k) = 1``: kept with probability ``p_k(d_k)``, else the residual is ``p_k``
+    without ``d_k``."""
     if sampler.greedy:
         choice = top_tokens(target_logits)[0]
         n = int((drafts == choice[:-1]).int().cumprod(0).sum())
         return n, choice[n]
     p = sampler.probs(target_logits)
-    q = sampler.probs(draft_logits)
+    q = None if draft_logits is None else sampler.probs(draft_logits)
     for k, d in enumerate(drafts.tolist()):
-        if sampler.uniform() * q[k, d] < p[k, d]:  # u < p/q without dividing by a tiny q
+        if sampler.uniform() * (1.0 if q is None else q[k, d]) < p[k, d]:  # u < p/q without dividing by a tiny q
             continue
-        residual = (p[k] - q[k]).clamp_min(0)
+        residual = p[k].index_fill(0, torch.tensor([d], device=p.device), 0.0) if q is None else (p[k] - q[k]).clamp_min(0)
         return k, sampler.sample(residual / residual.sum())
     return len(drafts), sampler.sample(p[-1])

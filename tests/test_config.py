@@ -88,17 +88,15 @@ def test_load_recipe_applies_overrides(tmp_path):
     assert load_recipe(path, ["train.max_steps=3"]).train.max_steps == 3
 
 
-def test_lookup_drafts_graft_onto_chains_and_trees_not_onto_ssd_or_batches():
+def test_lookup_drafts_serve_chains_trees_and_batches_not_ssd():
     from pydantic import ValidationError
 
     from distill.base.decoding import DecodingSection
 
-    for ok in ({"mode": "tree", "lookup": 8}, {"lookup": 8}, {"lookup": 8, "temperature": 1.0}):
+    for ok in ({"mode": "tree", "lookup": 8}, {"lookup": 8}, {"lookup": 8, "temperature": 1.0}, {"lookup": 8, "batch_sizes": [4]}):
         assert DecodingSection(**ok).lookup == 8
     with pytest.raises(ValidationError, match="lookup: 0"):
         DecodingSection(lookup=8, ssd=True, adaptive=False)
-    with pytest.raises(ValidationError, match="does not graft"):
-        DecodingSection(lookup=8, batch_sizes=[4])
 
 
 def test_kv_cache_formats_are_checked(tmp_path):

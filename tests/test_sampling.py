@@ -213,6 +213,43 @@ def test_lookup_copies_sample_the_target_distribution(toy_target, mode):
     assert chi_square_pvalue(broken, exact) < 1e-6
 
 
+def accept_every_copy_chain(sampler, drafts, draft_logits, target_logits):
+    """A broken chain verifier: keeps every copied (prompt-lookup) token whatever the target chooses."""
+    if draft_logits is None:
+        return len(drafts), sampler.choose(target_logits[len(drafts)])
+    return verify_chain(sampler, drafts, draft_logits, target_logits)
+
+
+def test_batched_lookup_copies_sample_the_target_distribution(toy_target, monkeypatch):
+    """Rows of a batch that verify their prompt-lookup copy instead of their drafts (point masses: kept
+    with probability p(x), else p without x) follow the target: without a scheduler (full-length copies)
+    and with one (where the copy's calibration beats the drafts'); a verifier that keeps every copy does not."""
+    from serve_eval import batch
+
+    torch.manual_seed(5)
+    section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
+    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
+    args = {"temperature": 1.0}
+    exact = exact_joint(toy_target, Sampler(**args))
+
+    def joint(scheduler=None) -> torch.Tensor:
+        counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
+        for _ in range(SAMPLES // 2):
+            outs, _ = batch.batched_speculative_generate(toy_target, drafter, [PROMPT, PROMPT], 3, lookup=2,
+                                                         samplers=[Sampler(**args, generator=g) for g in gens],
+                                                         scheduler=scheduler)
+            for out in outs:
+                counts[out[1], out[2]] += 1
+        return counts
+
+    assert chi_square_pvalue(joint(), exact) > ALPHA
+    scheduler = batch.BatchScheduler(Budget({1: 1.0, 3: 1.3, 6: 2.0}), 3, min_drafts=1)
+    assert chi_square_pvalue(joint(scheduler), exact) > ALPHA
+    assert scheduler.copied_rows and sum(scheduler.budget.lookup.trials) > scheduler.budget.lookup.prior * len(scheduler.budget.lookup.trials)
+    monkeypatch.setattr(batch, "verify_chain", accept_every_copy_chain)
+    assert chi_square_pvalue(joint(), exact) < 1e-6, "the test cannot tell a broken verifier apart"
+
+
 @pytest.mark.parametrize("drafter_kind", ["student", "parcae_self"])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_causal_lm_drafters_sample_the_target_distribution(toy_target, drafter_kind, mode):

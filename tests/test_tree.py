@@ -55,6 +55,32 @@ def test_lookup_continuation_copies_what_followed_the_last_match():
     assert lookup_continuation([5, 1, 5], 2, max_ngram=3) == [1, 5]
 
 
+def test_ngram_index_grown_piecewise_answers_as_a_scan_back():
+    """The index, extended a few tokens at a time as a decoding loop grows it, against the definition
+    read off the text directly: the latest earlier occurrence of the longest recurring final n-gram."""
+    import random
+
+    from serve_eval.lookup import NgramIndex
+
+    def scan(seq, length, max_ngram):
+        for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == seq[len(seq) - n:]:
+                    return seq[start + n:start + n + length]
+        return []
+
+    rng = random.Random(0)
+    for max_ngram in (1, 2, 3):
+        seq = [rng.randrange(4) for _ in range(5)]
+        index = NgramIndex(seq, max_ngram)
+        for _ in range(60):
+            assert index.continuation(4) == scan(seq, 4, max_ngram)
+            new = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+            seq += new
+            index.extend(new)
+    assert NgramIndex().continuation(3) == [] and NgramIndex([7]).continuation(3) == []
+
+
 def test_graft_shares_the_agreeing_prefix_and_appends_the_rest():
     from serve_eval.lookup import graft
     from serve_eval.tree import DraftTree

@@ -34,7 +34,8 @@ class DecodingSection(Strict):
         None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: drafter = target folder)")
     torch_threads: int = Field(1, gt=0, description="benchmark threads; 1 avoids spin contention on small CPUs")
     lookup: int = Field(0, ge=0, description="graft a prompt-lookup continuation of up to this many tokens onto every "
-                                             "draft, chain or tree, greedy or sampled (serve_eval.lookup); 0 = off")
+                                             "draft, chain or tree, greedy or sampled (serve_eval.lookup); in batches a row "
+                                             "verifies its copy instead of its drafts where that pays; 0 = off")
     draft_vocab: int = Field(0, ge=0, description="a drafter with its own output head (DFlash, DSpark, EAGLE-3, a "
                                                   "PARD or student LM; not the target itself): draft from the N tokens "
                                                   "the target emits most only (drafters.vocab); 0 = the whole vocabulary")
@@ -91,13 +92,6 @@ class DecodingSection(Strict):
     def _rotate_quantized_only(self):
         if self.kv_rotate and self.kv_cache == "full":
             raise ValueError("kv_rotate rotates keys and values before quantizing them: it needs kv_cache int8, fp8 or int4")
-        return self
-
-    @model_validator(mode="after")
-    def _batches_without_lookup(self):
-        if self.lookup and self.batch_sizes:
-            raise ValueError(f"batch_sizes {self.batch_sizes}: batched decoding does not graft prompt-lookup copies; "
-                             f"set lookup: 0 (got {self.lookup}) or measure batches in a run of their own")
         return self
 
     @model_validator(mode="after")
