@@ -321,7 +321,8 @@ def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_draf
 def test_batched_lookup_copies_equal_greedy(target_and_prompts, trained_drafters):
     """Rows that verify their prompt-lookup copy instead of their drafts (repetitive prompts: copies
     are frequent) emit exactly their own greedy tokens, without a scheduler and with one, over fewer
-    slots than prompts; the copies' outcomes calibrate the copies' acceptance."""
+    slots than prompts; copies longer than the drafts are cut to them (a row reads a block at most);
+    the copies' outcomes calibrate the copies' acceptance."""
     from serve_eval.batch import BatchScheduler, batched_speculative_generate
 
     target, _, prompts = target_and_prompts
@@ -329,11 +330,13 @@ def test_batched_lookup_copies_equal_greedy(target_and_prompts, trained_drafters
     K = drafter.config.block_size
     prompts = [torch.cat([p[:12], p[:12], p[:5]]) for p in prompts[:3]]
     reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
-    assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, lookup=K - 1)[0] == reference
-    scheduler = BatchScheduler(Budget({1: 1.0, 4 * K: 1.2}), K, min_drafts=1)
-    assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, scheduler=scheduler, slots=2, lookup=K - 1)[0] == reference
-    assert scheduler.copied_rows and scheduler.summary()["copied_fraction"] > 0
-    assert sum(scheduler.budget.lookup.trials) > scheduler.budget.lookup.prior * len(scheduler.budget.lookup.trials)
+    for lookup in (K - 1, 2 * K):
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, lookup=lookup)[0] == reference
+        scheduler = BatchScheduler(Budget({1: 1.0, 4 * K: 1.2}), K, min_drafts=1)
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, scheduler=scheduler, slots=2, lookup=lookup)[0] == reference
+        assert scheduler.copied_rows and scheduler.summary()["copied_fraction"] > 0
+        assert sum(scheduler.budget.lookup.trials) > scheduler.budget.lookup.prior * len(scheduler.budget.lookup.trials)
+        assert max(n for step in scheduler.chosen for n in step) <= K
 
 
 def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_drafters):

@@ -222,8 +222,9 @@ def accept_every_copy_chain(sampler, drafts, draft_logits, target_logits):
 
 def test_batched_lookup_copies_sample_the_target_distribution(toy_target, monkeypatch):
     """Rows of a batch that verify their prompt-lookup copy instead of their drafts (point masses: kept
-    with probability p(x), else p without x) follow the target: without a scheduler (full-length copies)
-    and with one (where the copy's calibration beats the drafts'); a verifier that keeps every copy does not."""
+    with probability p(x), else p without x) follow the target: without a scheduler (copies as long as
+    the drafts) and with one (where the copy's calibration beats the drafts'); a verifier that keeps
+    every copy does not."""
     from serve_eval import batch
 
     torch.manual_seed(5)
@@ -235,7 +236,7 @@ def test_batched_lookup_copies_sample_the_target_distribution(toy_target, monkey
     def joint(scheduler=None) -> torch.Tensor:
         counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
         for _ in range(SAMPLES // 2):
-            outs, _ = batch.batched_speculative_generate(toy_target, drafter, [PROMPT, PROMPT], 3, lookup=2,
+            outs, _ = batch.batched_speculative_generate(toy_target, drafter, [PROMPT, PROMPT], 3, lookup=4,
                                                          samplers=[Sampler(**args, generator=g) for g in gens],
                                                          scheduler=scheduler)
             for out in outs:
