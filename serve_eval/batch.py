@@ -445,9 +445,8 @@ class BatchScheduler:
     def _copy_reach(self, length: int) -> list[float]:
         """The same for a prompt-lookup copy of ``length`` tokens, from copies' own calibration by depth
         (``budget.lookup``, shared with the one-row loop's grafts: :mod:`serve_eval.engine`)."""
-        if self.budget.lookup is None:
-            self.budget.lookup = Budget({1: 1.0})
-        return _kept_to(self.budget.lookup.acceptance(0.5, depth) for depth in range(1, length + 1))
+        calibration = self.budget.copy_calibration()
+        return _kept_to(calibration.acceptance(0.5, depth) for depth in range(1, length + 1))
 
     def _typical_rate(self, rows: int, reach: list[float]) -> float:
         """The best rate of a drafted step whose ``rows`` rows each keep their drafts up to depth ``j``
@@ -490,7 +489,6 @@ class BatchScheduler:
         rows = top_q.shape[0]
         self.drafts_seen += 1
         weight = max(1 / self.drafts_seen, 0.05)  # a running mean that forgets slowly
-        top_rows = top_q.tolist()
         self.top_q_mean = [m + (q - m) * weight for m, q in zip(self.top_q_mean, top_q.mean(0).tolist())]
         plain = self.verify_seconds(rows, 1)
         copied = [False] * rows
@@ -498,7 +496,7 @@ class BatchScheduler:
             n, rate = self._causal(rows, top_q)
             counts = torch.full((rows,), n, dtype=torch.long)
         else:
-            reaches = [self._draft_reach(row) for row in top_rows]
+            reaches = [self._draft_reach(row) for row in top_q.tolist()]
             for r, length in enumerate(copies or []):
                 if length:
                     copy = self._copy_reach(length)
@@ -749,7 +747,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
                 top_q = q.amax(-1)
             copies = [_copy(indexes, i, prompts[i], outs[i], min(lookup, K - 1)) for i in live] if lookup else []
             if scheduler is None:
-                counts, copied = torch.full((R,), K), [len(c) == K - 1 for c in copies] or copied
+                copied = [len(c) == K - 1 for c in copies] or copied  # (copies as long as the drafts)
+                counts = torch.full((R,), K)
             else:
                 counts, copied = scheduler.choose(top_q, drafter.conditional_drafts and not greedy, [len(c) for c in copies])
                 scheduler.observe_draft(R, time.perf_counter() - t0)

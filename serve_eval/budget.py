@@ -90,6 +90,13 @@ class Budget:
         self.lookup = None if share is None else share.lookup
         self.switch = DraftSwitch(self.verify_seconds(1))  # whether a chain step drafts at all
 
+    def copy_calibration(self) -> "Budget":
+        """Prompt-lookup copies' acceptance by depth (:mod:`serve_eval.lookup`), calibrated apart from
+        the drafts' in a budget of its own (made on first use; its costs are never read)."""
+        if self.lookup is None:
+            self.lookup = Budget({1: 1.0})
+        return self.lookup
+
     # -- costs -------------------------------------------------------------------------------------
     def verify_seconds(self, n: int) -> float:
         """``c(n)``: the table's cost plus the offset the loop's own verifies measured."""

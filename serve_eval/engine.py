@@ -416,11 +416,9 @@ def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None):
     grafted, nodes = graft(tree, copied)
     if budget is None:
         return grafted, nodes
-    if budget.lookup is None:
-        budget.lookup = Budget({1: 1.0})
-    extra, p = [], 1.0
+    extra, p, calibration = [], 1.0, budget.copy_calibration()
     for depth, node in enumerate(nodes, start=1):
-        p *= budget.lookup.acceptance(0.5, depth)
+        p *= calibration.acceptance(0.5, depth)
         new = node >= len(tree)  # a node the drafter's tree already holds is already counted
         extra.append((p if new else 0.0, int(new)))
     keep = budget.extend_last(extra)
