@@ -48,7 +48,7 @@ judged before it starts: if a typical row at the acceptance measured at each dep
 drafting cost measured at that many rows (:func:`measure_draft_seconds`), is not predicted at least
 ``UP_FRONT_MARGIN`` (1.1) times as fast as plain decoding (``TAIL_MARGIN``, 1.6, where fewer than
 ``TAIL_WAVES`` (4) waves of prompts pass through the slots, so that the last wave's tail of rows
-finishing apart is much of the run), that batch size runs plain decoding outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size,
+finishing apart is much of the run, or where rows are sampled), that batch size runs plain decoding outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size,
 from measured costs). Every choice uses earlier steps and this step's drafter outputs only: lossless.
 
 Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one row at a time.
@@ -305,7 +305,19 @@ class BatchContext:
 #   decide (BatchScheduler._measured_pays). The prediction is noisy: on the panel kernel batch 4 (16
 #   prompts, 4 slots) read 1.22-1.83 in eleven runs of one day, where drafting measured 1.17-1.49x
 #   (eight runs), and a margin of 1.6 would have decoded it plainly in six of the eleven.
+# - Sampled rows keep TAIL_MARGIN too: verifying them runs a softmax per row and position in Python,
+#   and a sampled draft is kept less often. At T = 1, batch 4 was predicted 1.27-1.32 (twentieth
+#   session) and measured 0.87-1.03x in four runs of three sessions (0.87 and 0.93 with the measured
+#   rates turning drafting off after its first steps: the probes and the feature capture cost more
+#   than the drafted steps gave).
 UP_FRONT_MARGIN, TAIL_MARGIN, TAIL_WAVES = 1.1, 1.6, 4
+
+
+def up_front_margin(prompts: int, rows: int, sampled: bool) -> float:
+    """How much faster than plain decoding a batch size must be predicted before it drafts at all."""
+    return UP_FRONT_MARGIN if prompts >= TAIL_WAVES * rows and not sampled else TAIL_MARGIN
+
+
 MEASURED_DRAFTS, MEASURED_PLAIN = 8, 3  # steps a batch size measures before its measured rates decide
 MEASURED_FORGET = 0.98  # the measured rates' running sums forget over ~50 steps (the machine drifts)
 MEASURED_MARGIN = 1.1  # drafted steps must measure this much faster than plain ones (the tail, see _measured_pays)
@@ -824,7 +836,7 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
             scheduler.predicted = scheduler.predicted_speedup(B)
             if calibration is not None:  # a calibrated prediction: below the margin drafting would not pay here
-                scheduler.margin = UP_FRONT_MARGIN if len(prompts) >= TAIL_WAVES * B else TAIL_MARGIN
+                scheduler.margin = up_front_margin(len(prompts), B, sampled=dec.temperature > 0)
                 scheduler.off = scheduler.predicted < scheduler.margin
         def plain(B=B):
             return batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)

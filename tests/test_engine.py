@@ -554,6 +554,14 @@ def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, t
     assert evaluate.main(recipe("eagle3", compile=False))["draft_compiled"] == "off"  # a bare YAML off
 
 
+def test_the_up_front_margin_is_strict_for_short_runs_and_sampled_rows():
+    from serve_eval.batch import TAIL_MARGIN, UP_FRONT_MARGIN, up_front_margin
+
+    assert up_front_margin(16, 4, sampled=False) == UP_FRONT_MARGIN < TAIL_MARGIN  # four waves through the slots
+    assert up_front_margin(16, 8, sampled=False) == TAIL_MARGIN  # two: the tail is much of the run
+    assert up_front_margin(16, 4, sampled=True) == TAIL_MARGIN
+
+
 def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tmp_path, tiny_target_dir, trained_drafters):
     """``decoding.batch_sizes``: each size decodes every prompt plainly, speculatively, speculatively
     again and plainly again (drift cancels); the row's speedup is over both pairs, each half is
