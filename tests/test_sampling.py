@@ -191,16 +191,20 @@ def accept_every_copy(tree, logits, sampler, probs):
     return (path, sampler.choose(logits[path[-1]])) if len(path) > 1 else walk_tree(tree, logits, sampler, probs)
 
 
+def seeded_dflash(target):
+    """A DFlash drafter of 3-token blocks on the toy target, the same weights each time."""
+    torch.manual_seed(5)
+    section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
+    return build_drafter(section, target, "toy", mask_token_id=VOCAB - 1).eval()
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lookup_copies_sample_the_target_distribution(toy_target, mode):
     """Prompt-lookup copies grafted onto sampled chains and trees are point-mass proposals in the
     recursive rejection sampling (kept with probability p(x), else p without x): trees with every copy
     and chains with a budget follow the target; a walk that keeps every copy does not. A 6-token
     vocabulary makes copies frequent."""
-    torch.manual_seed(5)
-    section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
-    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
-    args = {"temperature": 1.0}
+    drafter, args = seeded_dflash(toy_target), {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
     kwargs = {"mode": mode, "tree_budget": 4, "lookup": 3}
     if mode == "tree":  # every copy grafted, no budget
@@ -227,10 +231,7 @@ def test_batched_lookup_copies_sample_the_target_distribution(toy_target, monkey
     every copy does not."""
     from serve_eval import batch
 
-    torch.manual_seed(5)
-    section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
-    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
-    args = {"temperature": 1.0}
+    drafter, args = seeded_dflash(toy_target), {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
 
     def joint(scheduler=None) -> torch.Tensor:
