@@ -51,6 +51,11 @@ drafting cost measured at that many rows (:func:`measure_draft_seconds`), is not
 finishing apart is much of the run, or where rows are sampled), that batch size runs plain decoding outright (no drafts, no feature capture, no probes: vLLM's disable-by-batch-size,
 from measured costs). Every choice uses earlier steps and this step's drafter outputs only: lossless.
 
+With ``lookup``, a row may verify its prompt-lookup copy (:mod:`serve_eval.lookup`) instead of its
+drafts, where copies' own calibration expects more of it than the drafts' does (a chain either way:
+a copy grafted on as a second branch, as one row does, would make each row a tree whose accepted path
+moves in the caches); at T > 0 the copy is a point mass, kept with probability ``p(c)``.
+
 Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one row at a time.
 """
 
