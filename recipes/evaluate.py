@@ -302,6 +302,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
               f"tokens/s batched plain, speedup {row['speedup']:.3f} (halves {' / '.join(map(str, row['speedup_halves']))}), "
               f"lossless {row['lossless']}"
               + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else "")
+              + (f", a copy read in {scheduler['copied_fraction']:.0%} of row-steps" if "copied_fraction" in scheduler else "")
               + (f" (predicted {scheduler['predicted_speedup']:.2f}, margin {scheduler['up_front_margin']})"
                  if "up_front_margin" in scheduler else ""))
     for row in report.get("by_budget", []):
