@@ -37,6 +37,7 @@ EXAMPLES = {
   draftsmith eval --drafter distill/assets/testbed_dflash --mode tree --tree-budgets 8 16 32
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
   draftsmith eval --drafter distill/assets/testbed_dflash --lookup 10        # prompt-lookup copies grafted onto each draft
+  draftsmith eval --drafter distill/assets/testbed_dflash --lookup 7 --batch-sizes 4   # and batches of 4 rows
   draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
   draftsmith eval --drafter distill/assets/testbed_dflash --draft-vocab 768 --draft-candidates 64 --temperature 1
                                                                                   # ... chosen per step
@@ -89,7 +90,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="a PARD-trained LM drafts one token a forward (--draft-length tokens) instead of its block in one")
     ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
     ev.add_argument("--lookup", type=int, default=0, metavar="N",
-                    help="graft a prompt-lookup continuation of up to N tokens onto every draft (serve_eval.lookup); 0 = off")
+                    help="graft a prompt-lookup continuation of up to N tokens onto every draft (serve_eval.lookup; in "
+                         "batches a row verifies its copy or its drafts); 0 = off")
+    ev.add_argument("--batch-sizes", type=int, nargs="+", default=[], metavar="B",
+                    help="also decode all prompts B rows at a time, speculatively and plainly (block drafters, chain; "
+                         "serve_eval.batch)")
     ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
     ev.add_argument("--draft-candidates", type=int, default=0, metavar="K",
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
                                                 "adaptive": not (args.fixed_budget or args.ssd), "draft_vocab": args.draft_vocab,
                                                 "draft_vocab_candidates": args.draft_candidates, "draft_vocab_rank": args.draft_rank,
-                                                "lookup": args.lookup, "drafter_int8": args.drafter_int8,
+                                                "lookup": args.lookup, "batch_sizes": args.batch_sizes, "drafter_int8": args.drafter_int8,
                                                 "prepack": args.prepack, "compile": args.compile, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
                                                 "ssd_backup": args.ssd_backup, "ssd_concurrent": not args.ssd_inline,
                                                 "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,

@@ -88,6 +88,7 @@ CASES = [
                                                  "decodng: {{}}\n"), "decodng"),
     ("override without a value", lambda t: ["run", str(REPO / "recipes/configs/eval_testbed.yaml"), "decoding.mode"],
      "decoding.mode"),
+    ("a batch of no rows", lambda t: ["--batch-sizes", "4", "0"], "batch sizes must be >= 1, got [4, 0]"),
     ("a fixed draft length under a budget",
      lambda t: ["run", str(REPO / "recipes/configs/eval_testbed.yaml"), "decoding.verify_drafts=3"],
      "verify_drafts 3: a fixed draft length is a chain's without a budget: it needs mode: chain, adaptive: false"),
