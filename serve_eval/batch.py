@@ -72,7 +72,7 @@ import torch.nn.functional as F
 
 from distill.base.features import FeatureCapture
 
-from .budget import Budget, CausalChain, Probes
+from .budget import COPY_Q, Budget, CausalChain, Probes
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _record_lookup, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
@@ -463,7 +463,7 @@ class BatchScheduler:
         """The same for a prompt-lookup copy of ``length`` tokens, from copies' own calibration by depth
         (``budget.lookup``, shared with the one-row loop's grafts: :mod:`serve_eval.engine`)."""
         calibration = self.budget.copy_calibration()
-        return _kept_to(calibration.acceptance(0.5, depth) for depth in range(1, length + 1))
+        return _kept_to(calibration.acceptance(COPY_Q, depth) for depth in range(1, length + 1))
 
     def _typical_rate(self, rows: int, reach: list[float]) -> float:
         """The best rate of a drafted step whose ``rows`` rows each keep their drafts up to depth ``j``

@@ -52,6 +52,7 @@ import statistics
 import torch
 
 #: bin edges over the drafter's probability q; fine near 0, where most tree nodes sit
+COPY_Q = 0.5  # the calibration bin of a prompt-lookup copy's tokens (Budget.copy_calibration): a copy has no q
 Q_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
 
 
@@ -92,7 +93,8 @@ class Budget:
 
     def copy_calibration(self) -> "Budget":
         """Prompt-lookup copies' acceptance by depth (:mod:`serve_eval.lookup`), calibrated apart from
-        the drafts' in a budget of its own (made on first use; its costs are never read)."""
+        the drafts' in a budget of its own (made on first use; its costs are never read), every copied
+        token counted in the bin of ``COPY_Q``."""
         if self.lookup is None:
             self.lookup = Budget({1: 1.0})
         return self.lookup

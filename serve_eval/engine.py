@@ -43,7 +43,7 @@ from distill.base.features import FeatureCapture, TargetFeatures
 from drafters import Eagle3Drafter, is_block_drafter
 from drafters.core import ContextCache
 
-from .budget import Budget, CausalChain
+from .budget import COPY_Q, Budget, CausalChain
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
@@ -418,7 +418,7 @@ def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None):
         return grafted, nodes
     extra, p, calibration = [], 1.0, budget.copy_calibration()
     for depth, node in enumerate(nodes, start=1):
-        p *= calibration.acceptance(0.5, depth)
+        p *= calibration.acceptance(COPY_Q, depth)
         new = node >= len(tree)  # a node the drafter's tree already holds is already counted
         extra.append((p if new else 0.0, int(new)))
     keep = budget.extend_last(extra)
@@ -433,11 +433,11 @@ def _record_lookup(calibration: Budget, copied: list[int], nodes: list[int], pat
     on_path = set(path)
     for depth, node in enumerate(nodes, start=1):
         kept = node + 1 in on_path
-        calibration.count(0.5, float(kept), depth)
+        calibration.count(COPY_Q, float(kept), depth)
         if not kept:
             return
     if len(nodes) < len(copied):
-        calibration.count(0.5, float(copied[len(nodes)] == emitted[len(nodes)]), len(nodes) + 1)
+        calibration.count(COPY_Q, float(copied[len(nodes)] == emitted[len(nodes)]), len(nodes) + 1)
 
 
 @dataclass

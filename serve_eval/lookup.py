@@ -60,11 +60,6 @@ class NgramIndex:
         return []
 
 
-def lookup_continuation(sequence: list[int], length: int, max_ngram: int = 3) -> list[int]:
-    """:meth:`NgramIndex.continuation` of ``sequence`` read once."""
-    return NgramIndex(sequence, max_ngram).continuation(length)
-
-
 def graft(tree: DraftTree, tokens: list[int]) -> tuple[DraftTree, list[int]]:
     """``tree`` with the path ``tokens`` from the root merged in: returns the new tree (new nodes
     appended, so parents still come first and every copied node follows the drawn ones: its

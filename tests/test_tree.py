@@ -46,13 +46,13 @@ def test_ancestor_mask_and_walk():
 
 
 def test_lookup_continuation_copies_what_followed_the_last_match():
-    from serve_eval.lookup import lookup_continuation
+    from serve_eval.lookup import NgramIndex
 
     seq = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert lookup_continuation(seq, 3) == [7, 8, 5]  # "2 3" last occurred before 7 (the longest n-gram that recurs)
-    assert lookup_continuation(seq, 10) == [7, 8, 5, 2, 3]
-    assert lookup_continuation([4, 5, 6], 3) == []  # nothing recurs
-    assert lookup_continuation([5, 1, 5], 2, max_ngram=3) == [1, 5]
+    assert NgramIndex(seq).continuation(3) == [7, 8, 5]  # "2 3" last occurred before 7 (the longest n-gram that recurs)
+    assert NgramIndex(seq).continuation(10) == [7, 8, 5, 2, 3]
+    assert NgramIndex([4, 5, 6]).continuation(3) == []  # nothing recurs
+    assert NgramIndex([5, 1, 5], max_ngram=3).continuation(2) == [1, 5]
 
 
 def test_ngram_index_grown_piecewise_answers_as_a_scan_back():
