@@ -2,7 +2,7 @@
 
 1. **lossless**: the shipped testbed target with each shipped drafter (DFlash, DSpark, EAGLE-3) on
    the GPU in fp32 (TF32 off), greedy: chains, trees, trees with lookup, and batches of 4 rows (block
-   drafters); every output must equal plain greedy decoding on the same device token for token. A run
+   drafters; with prompt-lookup copies, which the chain of that run grafts too); every output must equal plain greedy decoding on the same device token for token. A run
    at temperature 1 per drafter must finish (its exactness is the sampling tests' job, on any device).
 2. **train**: a DFlash drafter for the testbed target under bf16 autocast, the target beside it on the
    GPU (online features), a few hundred steps: tokens/s and MFU against the GPU's measured bf16 peak.
@@ -58,7 +58,8 @@ def lossless(out: Path, quick: bool) -> dict:
     prompts, tokens = (2, 12) if quick else (8, 64)
     modes = {"chain": [], "tree": ["decoding.mode=tree", "decoding.tree_budgets=[8]"],
              "tree_lookup": ["decoding.mode=tree", "decoding.tree_budgets=[8]", "decoding.lookup=10"],
-             "batch4": [f"decoding.batch_sizes=[{min(4, prompts)}]"], "chain_t1": ["decoding.temperature=1.0"]}
+             "batch4": [f"decoding.batch_sizes=[{min(4, prompts)}]", "decoding.lookup=7"],  # copies: chain and batch
+             "chain_t1": ["decoding.temperature=1.0"]}
     rows = {}
     for kind, folder in SHIPPED_DRAFTERS.items():
         for mode, extra in modes.items():
