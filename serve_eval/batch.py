@@ -75,7 +75,7 @@ from distill.base.features import FeatureCapture
 from .budget import COPY_Q, Budget, CausalChain, Probes
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
-from .engine import _next_outcome, _record_lookup, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
+from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, kv_quant
 from .lookup import NgramIndex
 from .prepack import only_rows
@@ -794,10 +794,9 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             if drafts is not None:
                 draft_rows, top_rows = drafts.tolist(), top_q.tolist()
                 for r, m in enumerate(lengths):
-                    if copied[r]:
-                        kept_ids = ids[r, 1:1 + kept_rows[r]].tolist()
-                        _record_lookup(scheduler.budget.lookup, copies[r], list(range(m - 1)), list(range(kept_rows[r] + 1)),
-                                       kept_ids + [bonus_rows[r]])
+                    if copied[r]:  # the copies' calibration; all kept: whether the next copied token is the target's
+                        following = float(copies[r][m - 1] == bonus_rows[r]) if m - 1 < len(copies[r]) else None
+                        scheduler.budget.lookup.record_chain([COPY_Q] * len(copies[r]), m - 1, kept_rows[r], following)
                         continue
                     outcome = _next_outcome(row_samplers[r], draft_rows[r], None if q is None else q[r], logits[r], m - 1,
                                             kept_rows[r], bonus_rows[r])
