@@ -763,6 +763,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
                 q = torch.stack([s.probs(row) for s, row in zip(row_samplers, draft_logits)])
                 top_q = q.amax(-1)
             copies = [_copy(indexes, i, prompts[i], outs[i], min(lookup, K - 1)) for i in live] if lookup else []
+            if copies and greedy:  # a copy the greedy drafts begin with adds nothing: they go as far or further
+                copies = [[] if c == row[:len(c)] else c for c, row in zip(copies, drafts.tolist())]
             if scheduler is None:
                 copied = [len(c) == K - 1 for c in copies] or copied  # (copies as long as the drafts)
                 counts = torch.full((R,), K)
