@@ -62,8 +62,6 @@ Block drafters (DFlash, DSpark) only; EAGLE-3 and causal-LM drafters decode one 
 from __future__ import annotations
 
 import functools
-import itertools
-import operator
 import time
 from dataclasses import dataclass
 
@@ -72,7 +70,7 @@ import torch.nn.functional as F
 
 from distill.base.features import FeatureCapture
 
-from .budget import COPY_Q, Budget, CausalChain, Probes
+from .budget import COPY_Q, Budget, CausalChain, Probes, kept_to
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
@@ -333,11 +331,6 @@ MEASURED_MARGIN = 1.1  # drafted steps must measure this much faster than plain 
 PADDING_COST = 0.2
 
 
-def _kept_to(acceptances) -> list[float]:
-    """The chance of keeping every token up to each depth, from the acceptance at each depth."""
-    return list(itertools.accumulate(acceptances, operator.mul))
-
-
 class BatchScheduler:
     """Chooses ``n`` for each batched step and when to stop drafting (see the module doc)."""
 
@@ -390,7 +383,7 @@ class BatchScheduler:
         """Before a batch of ``rows`` drafts at all: the best predicted rate of drafted steps against
         plain steps, for a typical row kept at the acceptance measured at each depth (the calibration,
         when lent by a one-row run) and the drafting cost measured at ``rows`` (:func:`measure_draft_seconds`)."""
-        reach = _kept_to(self.budget.depth_acceptance(depth) for depth in range(1, self.K))
+        reach = kept_to(self.budget.depth_acceptance(depth) for depth in range(1, self.K))
         return self._typical_rate(rows, reach) / (rows / self.verify_seconds(rows, 1))
 
     def _draft_cost(self, rows: int) -> float:
@@ -403,7 +396,7 @@ class BatchScheduler:
         if self.drafts_seen < self.min_drafts or self.probes.due():
             return True
         if self._measured_pays(rows):  # (the cheap test first: every plain step asks)
-            reach = self._draft_reach(self.top_q_mean)  # a typical row under the calibration as it stands now
+            reach = self.budget.chain_reach(self.top_q_mean)  # a typical row under the calibration as it stands now
             if self._typical_rate(rows, reach) > rows / self.verify_seconds(rows, 1):
                 return True
         self.probes.skipped()
@@ -454,17 +447,6 @@ class BatchScheduler:
         counts, rate = self._best_prefix(len(reaches), ranked)
         return torch.tensor(counts), rate
 
-    def _draft_reach(self, top_q: list[float]) -> list[float]:
-        """A row's chance of keeping its drafts up to each depth: the product of the calibrated
-        acceptances of its top probabilities at depths ``1..j``."""
-        return _kept_to(self.budget.acceptance(q, depth) for depth, q in enumerate(top_q, start=1))
-
-    def _copy_reach(self, length: int) -> list[float]:
-        """The same for a prompt-lookup copy of ``length`` tokens, from copies' own calibration by depth
-        (``budget.lookup``, shared with the one-row loop's grafts: :mod:`serve_eval.engine`)."""
-        calibration = self.budget.copy_calibration()
-        return _kept_to(calibration.acceptance(COPY_Q, depth) for depth in range(1, length + 1))
-
     def _typical_rate(self, rows: int, reach: list[float]) -> float:
         """The best rate of a drafted step whose ``rows`` rows each keep their drafts up to depth ``j``
         with chance ``reach[j - 1]``, drafting included: :meth:`_per_row` over identical rows, whose
@@ -513,10 +495,10 @@ class BatchScheduler:
             n, rate = self._causal(rows, top_q)
             counts = torch.full((rows,), n, dtype=torch.long)
         else:
-            reaches = [self._draft_reach(row) for row in top_q.tolist()]
+            reaches = [self.budget.chain_reach(row) for row in top_q.tolist()]
             for r, length in enumerate(copies or []):
-                if length:
-                    copy = self._copy_reach(length)
+                if length:  # copies' own calibration (shared with the one-row loop's grafts)
+                    copy = self.budget.copy_calibration().chain_reach([COPY_Q] * length)
                     if sum(copy) > sum(reaches[r]):
                         reaches[r], copied[r] = copy, True
             counts, rate = self._per_row(reaches)
@@ -762,9 +744,10 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
             else:
                 q = torch.stack([s.probs(row) for s, row in zip(row_samplers, draft_logits)])
                 top_q = q.amax(-1)
+            draft_rows = drafts.tolist()  # one host read, for the copies and the records
             copies = [_copy(indexes, i, prompts[i], outs[i], min(lookup, K - 1)) for i in live] if lookup else []
             if copies and greedy:  # a copy the greedy drafts begin with adds nothing: they go as far or further
-                copies = [[] if c == row[:len(c)] else c for c, row in zip(copies, drafts.tolist())]
+                copies = [[] if c == row[:len(c)] else c for c, row in zip(copies, draft_rows)]
             if scheduler is None:
                 copied = [len(c) == K - 1 for c in copies] or copied  # (copies as long as the drafts)
                 counts = torch.full((R,), K)
@@ -794,7 +777,7 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
         if scheduler is not None:
             scheduler.chosen.append(lengths)
             if drafts is not None:
-                draft_rows, top_rows = drafts.tolist(), top_q.tolist()
+                top_rows = top_q.tolist()  # (draft_rows: the drafts as drawn, copies not in; copied rows skip them)
                 for r, m in enumerate(lengths):
                     if copied[r]:  # the copies' calibration; all kept: whether the next copied token is the target's
                         following = float(copies[r][m - 1] == bonus_rows[r]) if m - 1 < len(copies[r]) else None

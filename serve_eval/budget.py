@@ -47,13 +47,20 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
+import operator
 import statistics
 
 import torch
 
 #: bin edges over the drafter's probability q; fine near 0, where most tree nodes sit
-COPY_Q = 0.5  # the calibration bin of a prompt-lookup copy's tokens (Budget.copy_calibration): a copy has no q
 Q_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
+COPY_Q = 0.5  # the calibration bin of a prompt-lookup copy's tokens (Budget.copy_calibration): a copy has no q
+
+
+def kept_to(acceptances) -> list[float]:
+    """The chance of keeping every token up to each depth, from the acceptance at each depth."""
+    return list(itertools.accumulate(acceptances, operator.mul))
 
 
 class Budget:
@@ -261,13 +268,14 @@ class Budget:
             self._depth_rates[depth] = (sum(accepted) + self.prior * pooled) / (sum(trials) + self.prior)
         return self._depth_rates[depth]
 
+    def chain_reach(self, top_q: list[float]) -> list[float]:
+        """The chance that a chain is kept up to each depth ``j``: the product of the calibrated
+        acceptances of its top probabilities at depths ``1..j``."""
+        return kept_to(self.acceptance(q, depth) for depth, q in enumerate(top_q, start=1))
+
     def chain_length(self, top_q: list[float]) -> int:
         """How many drafts of a chain to verify, from the drafter's top probability at each position."""
-        reach, p = [], 1.0
-        for depth, q in enumerate(top_q, start=1):
-            p *= self.acceptance(q, depth)
-            reach.append(p)
-        return self.best_prefix(reach)
+        return self.best_prefix(self.chain_reach(top_q))
 
     def tree_size(self, node_q: list[float], parents: list[int], depths: list[int]) -> int:
         """How many of a best-first tree's nodes (pop order) to verify; ``parents[i] < i`` (-1: root)."""

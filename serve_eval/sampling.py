@@ -80,6 +80,14 @@ class Sampler:
         return float(torch.rand((), generator=self.generator, device=device))
 
 
+def without(p: torch.Tensor, x: int) -> torch.Tensor:
+    """``norm(max(0, p - delta_x))``: ``p`` with ``x`` removed, renormalised; what a rejected copy (a
+    point mass on ``x``, :mod:`serve_eval.lookup`) leaves to sample from."""
+    residual = p.clone()
+    residual[x] = 0.0
+    return residual / residual.sum()
+
+
 def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor | None, target_logits: torch.Tensor):
     """Accept a prefix of ``drafts`` [K-1] against the target's logits [K, V] (after the anchor and each
     draft). Returns ``(n, next_token)``: the number of drafts kept and the token that follows them.
@@ -95,6 +103,8 @@ def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Ten
     for k, d in enumerate(drafts.tolist()):
         if sampler.uniform() * (1.0 if q is None else q[k, d]) < p[k, d]:  # u < p/q without dividing by a tiny q
             continue
-        residual = p[k].index_fill(0, torch.tensor([d], device=p.device), 0.0) if q is None else (p[k] - q[k]).clamp_min(0)
+        if q is None:
+            return k, sampler.sample(without(p[k], d))
+        residual = (p[k] - q[k]).clamp_min(0)
         return k, sampler.sample(residual / residual.sum())
     return len(drafts), sampler.sample(p[-1])

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import without
+
 
 @dataclass
 class DraftTree:
@@ -166,9 +168,7 @@ def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tenso
                 if sampler.uniform() < float(p[x]):
                     accepted = child
                     break
-                p = p.clone()
-                p[x] = 0.0
-                p = p / p.sum()
+                p = without(p, x)
                 continue
             q_i = q / q.sum()
             if sampler.uniform() * float(q_i[x]) < float(p[x]):
