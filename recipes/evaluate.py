@@ -21,7 +21,8 @@ cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless``
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
 token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s. How the
 models were served: ``drafter_int8``, ``draft_attention``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
-(the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off.
+(the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off,
+and ``target_forward`` (``lean``: :mod:`serve_eval.lean`'s walk, else the model's own).
 
     draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
     draftsmith run recipes/configs/eval_testbed.yaml drafter=runs/dflash_testbed/checkpoints/best
@@ -52,6 +53,7 @@ from serve_eval.engine import make_proposer, measure, plain_generate, speculativ
 from serve_eval.int8 import int8_drafter
 from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
+from serve_eval.lean import lean_forward
 from serve_eval.prepack import prepack_linears
 from serve_eval.prepack import resolve as resolve_prepack
 from serve_eval.sampling import Sampler
@@ -83,7 +85,8 @@ def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompt
     and ``max_new_tokens`` new tokens, greedy or ``sampled``, one row and batches of ``rows``), and the
     target's Linears prepacked and, with them, its attention on our C++ kernel
     (:mod:`serve_eval.attention`; a block drafter's too, before its draft is compiled). Returns the
-    report's records of each (off where off)."""
+    report's records of each (off where off), and which forward the target steps with
+    (:mod:`serve_eval.lean`'s walk where it applies)."""
     block = drafters.is_block_drafter(drafter)
     if block:
         drafter.fuse_projections()
@@ -92,7 +95,8 @@ def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompt
             "draft_attention": use_attention(drafter) if prepack != "off" and block else "off",  # so does the attention
             "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
             "target_prepack": prepack_linears(target, prepack) if prepack != "off" else "off",
-            "target_attention": use_attention(target) if prepack != "off" else "off"}
+            "target_attention": use_attention(target) if prepack != "off" else "off",
+            "target_forward": "lean" if lean_forward(target) is not None else "the model's own"}
 
 
 def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,

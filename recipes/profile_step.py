@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off] [--attention kernel|sdpa|both]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off] [--attention kernel|sdpa|both] [--forward lean|module|both]
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
@@ -11,7 +11,8 @@ they run, so what is printed is what the loop spends (the target's ``verify`` an
 speculative decoding only; its prefill spread over the steps); the first prompt warms up and is not
 counted. ``--attention both`` decodes each prompt with the target's and the drafter's attention on our
 kernel and on torch's sdpa in turn (:mod:`serve_eval.attention`; two copies of the drafter, each
-compiled over its own), each with its own cost table: an A/B in one process.
+compiled over its own), each with its own cost table: an A/B in one process. ``--forward both`` does
+the same for the target's forward: :mod:`serve_eval.lean`'s walk and the model's own forward.
 A benchmark: run it on an otherwise idle core (``taskset -c 1``).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import time
 
 import torch
@@ -78,7 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention", choices=["kernel", "sdpa", "both"], default="kernel",
                         help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
                              "alternated prompt by prompt in this process (default: kernel)")
+    parser.add_argument("--forward", choices=["lean", "module", "both"], default="lean",
+                        help="the target's forward: as served (serve_eval.lean's walk where it applies), the model's own, "
+                             "or both, alternated prompt by prompt in this process (default: lean)")
     args = parser.parse_args(argv)
+    if args.attention == "both" and args.forward == "both":
+        parser.error("--attention both and --forward both: one A/B at a time")
     undo: list = []  # the timers come off when the profile ends (a caller's process keeps running)
     try:
         return _profile(args, undo)
@@ -94,7 +101,7 @@ def _profile(args, undo: list) -> dict:
     from distill.runtime import set_threads
     from recipes.evaluate import load_drafter, serve
     from recipes.registry import load_recipe
-    from serve_eval import engine
+    from serve_eval import engine, lean
     from serve_eval.budget import Budget
     from serve_eval.compiled import resolve as resolve_compile
     from serve_eval.int8 import resolve as resolve_int8
@@ -134,24 +141,35 @@ def _profile(args, undo: list) -> dict:
            totals, calls, undo, lambda: speculating[0])
     _timed(engine.TargetSession, "rollback", "target.rollback", totals, calls, undo, lambda: speculating[0])
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer_class.needs_features else None
-    settings = list(dict.fromkeys({"kernel": [served], "sdpa": ["sdpa"], "both": [served, "sdpa"]}[args.attention]))
+    # each setting: a label -> (the target's attention, its forward: lean or the model's own)
+    forwards = {"lean": ["lean"], "module": ["module"], "both": ["lean", "module"]}[args.forward]
+    if len(forwards) > 1:
+        variants = {forward: (served, forward) for forward in forwards}
+    else:
+        attentions = dict.fromkeys({"kernel": [served], "sdpa": ["sdpa"], "both": [served, "sdpa"]}[args.attention])
+        variants = {attention: (attention, forwards[0]) for attention in attentions}
+    settings = list(variants)
+
+    def setting(label):  # the target as this setting serves it: its attention, and its forward for sessions made within
+        target.config._attn_implementation = variants[label][0]
+        return lean.off() if variants[label][1] == "module" else contextlib.nullcontext()
+
     runs = {}
-    for attention in settings:  # each setting its own cost table
-        target.config._attn_implementation = attention
-        runs[attention] = {"budget": Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture),
-                                         loop_offset=True),
-                           "totals": collections.defaultdict(float), "calls": collections.Counter(),
-                           "plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "steps": 0}
+    for label in settings:  # each setting its own cost table
+        with setting(label):
+            budget = Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture), loop_offset=True)
+        runs[label] = {"budget": budget, "totals": collections.defaultdict(float), "calls": collections.Counter(),
+                       "plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "steps": 0}
     for i, prompt in enumerate(prompts):
-        for attention in settings[::1 if i % 2 else -1]:  # alternated, so that a drifting machine moves both alike
-            run = runs[attention]
-            target.config._attn_implementation = attention
+        for label in settings[::1 if i % 2 else -1]:  # alternated, so that a drifting machine moves both alike
+            run = runs[label]
             sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
-            _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
-            speculating[0] = True
-            _, spec = engine.speculative_generate(target, drafters[attention], prompt, max_new, None, sampler(),  # the warm-up without
-                                                  budget=run["budget"] if i else None)  # the budget: first calls are slow
-            speculating[0] = False
+            with setting(label):
+                _, plain = engine.plain_generate(target, prompt, max_new, None, sampler())
+                speculating[0] = True
+                _, spec = engine.speculative_generate(target, drafters[variants[label][0]], prompt, max_new, None, sampler(),  # the warm-up
+                                                      budget=run["budget"] if i else None)  # without the budget: first calls are slow
+                speculating[0] = False
             if i:  # after the warm-up
                 for key, value in totals.items():
                     run["totals"][key] += value
@@ -164,8 +182,9 @@ def _profile(args, undo: list) -> dict:
             totals.clear()
             calls.clear()
     target.config._attn_implementation = served
-    reports = {attention: _report(run, f"{args.prompts - 1} prompts after a warm-up, T = {args.temperature}, attention {attention}")
-               for attention, run in runs.items()}
+    reports = {label: _report(run, f"{args.prompts - 1} prompts after a warm-up, T = {args.temperature}, "
+                                   f"attention {variants[label][0]}, forward {variants[label][1]}")
+               for label, run in runs.items()}
     if len(reports) > 1:
         a, b = reports.values()
         print(f"speedup {' / '.join(settings)}: {a['speedup']:.3f} / {b['speedup']:.3f}; plain step {' / '.join(settings)}: "

@@ -75,6 +75,7 @@ from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, kv_quant
+from .lean import TargetForward
 from .lookup import NgramIndex
 from .prepack import only_rows
 from .sampling import Sampler, top_tokens, verify_chain
@@ -87,6 +88,7 @@ class BatchTarget:
 
     def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
         self.target, self.capture, self.kv = target, capture, kv
+        self.run = TargetForward(target, capture)
         self.cache = inplace_cache(target.config, kv)
         if not all(isinstance(layer, InPlaceLayer) for layer in self.cache.layers):
             raise ValueError("batched decoding needs a target whose every layer attends to the whole cache "
@@ -100,12 +102,8 @@ class BatchTarget:
         write_at = RowWrites(self.lengths.to(ids.device), mask.shape[-1])
         for layer in self.cache.layers:
             layer.write_at = write_at
-        kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], cache=self.cache, use_cache=True)
-        if self.capture is None:
-            return self.target(**kwargs).logits, None
-        with self.capture.hooks() as captured:
-            out = self.target(**kwargs)
-        return out.logits, self.capture.features(captured).aux
+        logits, features = self.run(ids, positions, mask[:, None], self.cache)
+        return logits, None if features is None else features.aux
 
     @torch.inference_mode()
     def prefill(self, prompts: list[torch.Tensor]):

@@ -47,6 +47,7 @@ from .budget import COPY_Q, Budget, CausalChain
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
 from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
+from .lean import TargetForward
 from .lookup import NgramIndex, graft
 from .sampling import Sampler, top_tokens, verify_chain
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
@@ -59,23 +60,20 @@ class TargetSession:
     def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
         self.target = target
         self.capture = capture
+        self.run = TargetForward(target, capture)
         self.cache = inplace_cache(target.config, kv)
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, TargetFeatures | None]:
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
         """Read ``ids`` [1, n] at the next positions: logits [n, V] and the features of those positions."""
         n = ids.shape[1]
-        kwargs.setdefault("position_ids", torch.arange(self.length, self.length + n, device=ids.device)[None])
-        if self.capture is None:
-            out = self.target(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
-            feats = None
-        else:
-            with self.capture.hooks() as captured:
-                out = self.target(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
-            feats = self.capture.features(captured)
+        if position_ids is None:
+            position_ids = torch.arange(self.length, self.length + n, device=ids.device)[None]
+        logits, feats = self.run(ids, position_ids, attention_mask, self.cache)
         self.length += n
-        return out.logits[0], feats
+        return logits[0], feats
 
     @torch.inference_mode()
     def rollback(self, length: int) -> None:

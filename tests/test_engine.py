@@ -219,6 +219,7 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     assert report["target_prepack"]["kernel"] == ("panels" if prepack.panels_available() else "onednn")
     assert report["target_attention"]["kernel"] == ("draftsmith_fp32" if attention_builds() else "sdpa")  # and its attention,
     assert report["draft_attention"] == report["target_attention"]  # and the block drafter's
+    assert report["target_forward"] == "lean"  # a Llama target: serve_eval.lean's walk
     assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] in ("avx512-vnni", "avx2")
     graph = report["draft_compiled"]  # and the draft compiled as one graph, over caches for 16 + 24 positions and a block
     assert graph["graph"] == "decode_static" + ("" if "draft_vocab_candidates" in decoding else " + propose")
@@ -788,7 +789,13 @@ def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters,
         assert batched_speculative_generate(packed, drafter, prompts, MAX_NEW)[0] == references
         # rows that verify different numbers of tokens: the panel kernel skips the padding (prepack.only_rows)
         K = drafter.config.block_size
-        scheduler = BatchScheduler(Budget({1: 1.0, 2: 1.05, 4 * K: 2.5}), K, min_drafts=10**6)
+
+        class Ragged(BatchScheduler):  # every step's rows read 1..K tokens, whatever the drafts' confidences
+            def choose(self, top_q, causal=False, copies=None):
+                _, copied = super().choose(top_q, causal, copies)
+                return torch.tensor([1 + (self.drafted_steps + r) % K for r in range(len(top_q))]), copied
+
+        scheduler = Ragged(Budget({1: 1.0, 2: 1.05, 4 * K: 2.5}), K, min_drafts=10**6)
         assert batched_speculative_generate(packed, drafter, prompts, MAX_NEW, scheduler=scheduler)[0] == references
         assert any(len(set(step)) > 1 for step in scheduler.chosen)
 

@@ -117,6 +117,23 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     assert (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length) == originals  # timers off
 
 
+def test_the_step_profiler_compares_the_lean_forward_with_the_models(capsys):
+    """``--forward both``: both forwards' profiles and their ratios; sessions made afterwards walk lean
+    again; two A/Bs at once are refused."""
+    from distill.models import build_causal_lm, tiny_target
+    from recipes.profile_step import main
+    from serve_eval.lean import lean_forward
+
+    main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--compile", "off",
+          "--forward", "both"])
+    out = capsys.readouterr().out
+    assert out.count("plain steps)") == 2 and "forward lean" in out and "forward module" in out
+    assert "speedup lean / module" in out
+    assert lean_forward(build_causal_lm(tiny_target(), 100).eval()) is not None
+    with pytest.raises(SystemExit):
+        main(["--drafter", "distill/assets/testbed_dflash", "--attention", "both", "--forward", "both"])
+
+
 def test_the_attention_benchmark_times_both_kernels(capsys):
     """``python -m recipes.bench_attention``, briefly: a row per query count and cache state, both
     kernels timed and their ratio printed."""

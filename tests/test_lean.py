@@ -1,0 +1,96 @@
+"""The lean target forward (serve_eval.lean) computes bitwise what the model's own forward computes:
+logits and features, one row and batches, chains and tree masks, full and quantized caches, on
+Llama and Qwen3 targets; it steps aside wherever it would not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distill.base.features import FeatureCapture
+from distill.config import ModelConfig
+from distill.models import build_causal_lm
+from serve_eval import attention, prepack
+from serve_eval.batch import BatchTarget
+from serve_eval.engine import TargetSession
+from serve_eval.kv import kv_quant
+from serve_eval.lean import LeanForward, lean_forward
+
+
+def _target(arch: str, **changes):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{"arch": arch, "hidden_size": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
+                         "intermediate_size": 96, **changes})
+    return build_causal_lm(cfg, 300).eval()
+
+
+def _pair(make):
+    """The same session twice: the lean forward, and the model's forward (its lean walk switched off)."""
+    lean, module = make(), make()
+    assert isinstance(lean.run.lean, LeanForward)
+    module.run.lean = None
+    return lean, module
+
+
+def _same(a, b) -> None:
+    assert torch.equal(a[0], b[0])  # logits, bit for bit
+    if a[1] is not None or b[1] is not None:
+        fa, fb = (f if isinstance(f, torch.Tensor) else f.aux for f in (a[1], b[1]))
+        assert torch.equal(fa, fb)
+        if not isinstance(a[1], torch.Tensor):
+            assert torch.equal(a[1].last, b[1].last)
+
+
+@pytest.mark.parametrize("arch, kv, served", [("llama", "full", False), ("qwen3", "full", False), ("llama", "int8", False),
+                                               ("qwen3", "full", True), ("llama", "full", True)])
+def test_one_row_steps_equal_the_models_forward(arch, kv, served):
+    """A prefill, decode steps, a verified chain rolled back, and a tree: the same bits either way,
+    with transformers' kernels and (``served``) with the prepacked Linears and our attention kernel."""
+    target = _target(arch)
+    if served:
+        if not (prepack.available() and attention.available()):
+            pytest.skip("the C++ kernels do not build here")
+        prepack.prepack_linears(target, "on")
+        attention.use_attention(target)
+    capture = FeatureCapture(target, [0, 2])
+    lean, module = _pair(lambda: TargetSession(target, capture, kv_quant(kv)))
+    gen = torch.Generator().manual_seed(1)
+    for n in (13, 1, 1, 6, 3):  # a prefill, then steps
+        ids = torch.randint(0, 300, (1, n), generator=gen)
+        _same(lean.forward(ids), module.forward(ids))
+        if n > 1:  # a rejected tail
+            lean.rollback(lean.length - 2)
+            module.rollback(module.length - 2)
+    ids, depths = torch.randint(0, 300, (1, 4), generator=gen), torch.tensor([0, 1, 1, 2])
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    _same(lean.forward_tree(ids, depths, ancestors), module.forward_tree(ids, depths, ancestors))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batch_steps_equal_the_models_forward(arch):
+    """Ragged rows, padded steps where rows read different counts, rows keeping different counts."""
+    target = _target(arch)
+    capture = FeatureCapture(target, [1])
+    lean, module = _pair(lambda: BatchTarget(target, capture))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (length,), generator=gen) for length in (9, 4, 12)]
+    _same(lean.prefill(prompts), module.prefill(prompts))
+    for _ in range(4):
+        ids, counts = torch.randint(0, 300, (3, 5), generator=gen), torch.randint(1, 6, (3,), generator=gen)
+        _same(lean.step(ids, counts), module.step(ids, counts))
+        kept = torch.minimum(counts, torch.randint(1, 6, (3,), generator=gen))
+        lean.keep(kept)
+        module.keep(kept)
+
+
+def test_the_lean_forward_steps_aside_where_it_would_not_reproduce_the_model():
+    target = _target("llama")
+    assert lean_forward(target) is not None
+    assert lean_forward(_target("llama").train()) is None  # training: dropout and the rest
+    handle = target.model.layers[1].mlp.register_forward_hook(lambda *_: None)
+    assert lean_forward(target) is None  # a hook it would not run
+    handle.remove()
+    assert lean_forward(_target("parcae", num_layers=4)) is None  # a model it does not walk
+    sliding = _target("qwen3")
+    sliding.config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    assert lean_forward(sliding) is None
