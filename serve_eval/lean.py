@@ -51,59 +51,77 @@ def off():
         _OFF.reset(token)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class _Layer:
+    """One decoder layer's modules, read once (``nn.Module`` attribute reads cost ~1 us each, ~120 a step)."""
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return (x * cos) + (_rotate_half(x) * sin)
+    def __init__(self, layer):
+        a, mlp = layer.self_attn, layer.mlp
+        self.attention, self.scaling = a, a.scaling
+        self.norm, self.post_norm = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.q, self.k, self.v, self.o = a.q_proj.forward, a.k_proj.forward, a.v_proj.forward, a.o_proj.forward
+        self.qk_norms = (a.q_norm.forward, a.k_norm.forward) if hasattr(a, "q_norm") else None
+        self.gate, self.up, self.down, self.act = mlp.gate_proj.forward, mlp.up_proj.forward, mlp.down_proj.forward, mlp.act_fn.forward
 
 
 class LeanForward:
     """``target``'s forward over ``input_ids`` at ``position_ids`` with a cache, walked module by module
     (see the module docstring). Returns the logits and, for ``features`` (layer ids), a dict of those
     layers' outputs and the final norm's under ``"last"`` (what
-    :meth:`~distill.base.features.FeatureCapture.features` reads)."""
+    :meth:`~distill.base.features.FeatureCapture.features` reads). It reads the modules when made (a
+    session makes one): modules swapped in afterwards are not seen.
+
+    RoPE: transformers rotates with ``cat(-x2, x1) * sin``; here ``x[..., perm] * sin'`` with the halves
+    swapped by one gather and the sign moved onto ``sin`` (``sin' = cat(-sin1, sin2)``, once a step):
+    ``(-a) b`` and ``a (-b)`` round alike, so the products are the same bits, in four operations a
+    tensor instead of seven."""
 
     def __init__(self, target):
         self.target, self.model = target, target.model
-        self.layers = list(self.model.layers[: target.config.num_hidden_layers])
-        attention = self.layers[0].self_attn
-        self.head_dim, self.qk_norm = attention.head_dim, hasattr(attention, "q_norm")
+        self.layers = [_Layer(layer) for layer in self.model.layers[: target.config.num_hidden_layers]]
+        self.head_dim = self.layers[0].attention.head_dim
+        half = self.head_dim // 2
+        device = target.lm_head.weight.device
+        self.half, self.swap = half, torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(device)
+        self.embed, self.rotary, self.final_norm = self.model.embed_tokens.forward, self.model.rotary_emb, self.model.norm.forward
+        self.head = target.lm_head.forward
         self.eager = sys.modules[type(target).__module__].eager_attention_forward  # transformers' fallback
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  cache, features: list[int] | None = None) -> tuple[torch.Tensor, dict | None]:
-        model, config = self.model, self.target.config
-        x = model.embed_tokens.forward(input_ids)
+        config = self.target.config
+        x = self.embed(input_ids)
         mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
-        cos, sin = model.rotary_emb(x, position_ids=position_ids)
+        cos, sin = self.rotary(x, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        sin = torch.cat((-sin[..., :self.half], sin[..., self.half:]), dim=-1)
+        swap = self.swap
+
+        def rope(t):
+            return (t * cos) + (t.index_select(-1, swap) * sin)
+
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, self.eager)
         leading = x.shape[:-1]
         heads = (*leading, -1, self.head_dim)
         captured = None if features is None else {}
         for i, layer in enumerate(self.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm.forward(x)
-            q, k = a.q_proj.forward(h).view(heads), a.k_proj.forward(h).view(heads)
-            if self.qk_norm:
-                q, k = a.q_norm.forward(q), a.k_norm.forward(k)
-            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-            v = a.v_proj.forward(h).view(heads).transpose(1, 2)
+            h = layer.norm(x)
+            q, k = layer.q(h).view(heads), layer.k(h).view(heads)
+            if layer.qk_norms is not None:
+                q, k = layer.qk_norms[0](q), layer.qk_norms[1](k)
+            q, k = rope(q.transpose(1, 2)), rope(k.transpose(1, 2))
+            v = layer.v(h).view(heads).transpose(1, 2)
             k, v = cache.update(k, v, i)
-            out, _ = attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
-            x = x + a.o_proj.forward(out.reshape(*leading, -1).contiguous())
-            h = layer.post_attention_layernorm.forward(x)
-            x = x + mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+            out, _ = attend(layer.attention, q, k, v, mask, dropout=0.0, scaling=layer.scaling)
+            x = x + layer.o(out.reshape(*leading, -1).contiguous())
+            h = layer.post_norm(x)
+            x = x + layer.down(layer.act(layer.gate(h)) * layer.up(h))
             if captured is not None and i in features:
                 captured[i] = x
-        x = model.norm.forward(x)
+        x = self.final_norm(x)
         if captured is not None:
             captured["last"] = x
-        return self.target.lm_head.forward(x), captured
+        return self.head(x), captured
 
 
 def _hooked(module: torch.nn.Module) -> bool:
