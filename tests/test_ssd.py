@@ -4,6 +4,9 @@ kinds, both backups, inline and in a worker process), and samples from the targe
 
 from __future__ import annotations
 
+import copy
+import time
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -74,12 +77,21 @@ def test_greedy_ssd_is_plain_greedy_decoding_on_hits_and_misses(kind, backup):
         assert summary["modeled_separate_device_ms_per_step"] > 0 and 0 <= summary["hit_rate"] <= 1
 
 
+def _slow_verify(*_) -> None:
+    time.sleep(0.01)
+
+
 def test_a_worker_process_builds_while_the_target_verifies():
+    """The worker's cache hits: it builds while the loop verifies. Whether a branch is ready in time is
+    a race between the two processes, so the target here verifies slowly (10 ms a forward) and drafts
+    from a copy of itself without the delay (the same weights: its drafts are the target's tokens)."""
     target = lm(0, layers=4)
+    twin = copy.deepcopy(target)
+    target.register_forward_pre_hook(_slow_verify)
     drafter = lm(2, layers=1)
     prompt = torch.randint(4, 64, (8,), generator=torch.Generator().manual_seed(0))
     reference, _ = plain_generate(target, prompt, 48)
-    with open_speculation(LMProposer(target, 3), branches=4, concurrent=True) as speculation:
+    with open_speculation(LMProposer(twin, 3), branches=4, concurrent=True) as speculation:
         for _ in range(2):  # a second prompt on the same worker
             out, stats, _ = ssd_generate(target, speculation, prompt, 48)
             assert out == reference
