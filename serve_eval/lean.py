@@ -8,14 +8,16 @@ CPU that was ~0.7 ms of a 4.9 ms one-row step (the Linears, at the memory bus's 
 :class:`LeanForward` walks the same modules itself: for each layer the norm, the projections, RoPE,
 the cache update, the attention function transformers would pick, the output projection and the
 MLP, calling each module's own ``forward`` (so the prepacked Linears and our attention kernel serve
-as before) and building the mask and the rotary tables with the model's own functions, once a step.
+as before; the modules read once, when a session makes its walk) and building the mask and the rotary
+tables with the model's own functions, once a step.
 
 Invariants:
 
-* The same tensor operations in the same order as the model's forward: logits and hidden states are
-  bitwise the same (tested against the model's forward for Llama and Qwen3 targets, one row and
-  batches, chains and tree masks, quantized caches). So plain and speculative decoding, which both
-  run it, stay lossless and the speedup between them honest.
+* The model's arithmetic in the model's order (RoPE's sign carried on the sine instead of the rotated
+  half, which rounds alike): logits and hidden states are bitwise the same (tested against the
+  model's forward for Llama and Qwen3 targets, one row and batches, chains and tree masks, quantized
+  caches). So plain and speculative decoding, which both run it, stay lossless and the speedup
+  between them honest.
 * The features a drafter reads (the hidden states after the layers it names, and the final norm's
   output) come back from the walk itself, where :class:`~distill.base.features.FeatureCapture`
   hooks them off the module forward: no hooks.
