@@ -87,8 +87,8 @@ class BatchTarget:
     length (its next position). ``kv``: the cache's quantization (:mod:`serve_eval.kv`)."""
 
     def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
-        self.target, self.capture, self.kv = target, capture, kv
-        self.run = TargetForward(target, capture)
+        self.target, self.kv = target, kv
+        self.run = TargetForward(target, capture)  # its capture: the features the drafter reads
         self.cache = inplace_cache(target.config, kv)
         if not all(isinstance(layer, InPlaceLayer) for layer in self.cache.layers):
             raise ValueError("batched decoding needs a target whose every layer attends to the whole cache "

@@ -59,8 +59,7 @@ class TargetSession:
 
     def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
         self.target = target
-        self.capture = capture
-        self.run = TargetForward(target, capture)
+        self.run = TargetForward(target, capture)  # its capture: the features a drafter reads
         self.cache = inplace_cache(target.config, kv)
         self.length = 0
 
@@ -414,9 +413,9 @@ def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None):
     grafted, nodes = graft(tree, copied)
     if budget is None:
         return grafted, nodes
-    extra, p, calibration = [], 1.0, budget.copy_calibration()
-    for depth, node in enumerate(nodes, start=1):
-        p *= calibration.acceptance(COPY_Q, depth)
+    reach = budget.copy_calibration().chain_reach([COPY_Q] * len(nodes))
+    extra = []
+    for p, node in zip(reach, nodes):
         new = node >= len(tree)  # a node the drafter's tree already holds is already counted
         extra.append((p if new else 0.0, int(new)))
     keep = budget.extend_last(extra)

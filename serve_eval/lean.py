@@ -78,13 +78,13 @@ class LeanForward:
     tensor instead of seven."""
 
     def __init__(self, target):
-        self.target, self.model = target, target.model
-        self.layers = [_Layer(layer) for layer in self.model.layers[: target.config.num_hidden_layers]]
+        model = target.model
+        self.target, self.layers = target, [_Layer(layer) for layer in model.layers[: target.config.num_hidden_layers]]
         self.head_dim = self.layers[0].attention.head_dim
         half = self.head_dim // 2
         device = target.lm_head.weight.device
         self.half, self.swap = half, torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(device)
-        self.embed, self.rotary, self.final_norm = self.model.embed_tokens.forward, self.model.rotary_emb, self.model.norm.forward
+        self.embed, self.rotary, self.final_norm = model.embed_tokens.forward, model.rotary_emb, model.norm.forward
         self.head = target.lm_head.forward
         self.eager = sys.modules[type(target).__module__].eager_attention_forward  # transformers' fallback
 
