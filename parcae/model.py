@@ -46,6 +46,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -262,7 +263,7 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         num_steps: int | None = None,
         depths: tuple[torch.Tensor, torch.Tensor] | None = None,
         return_diagnostics: bool | None = None,
@@ -330,8 +331,7 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         for j, block in enumerate(self.coda):
             x = self._run(block, cfg.cache_slots(total) - cfg.n_coda + j, x, **kw)
         x = self.norm(x)
-        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        logits = self.lm_head(x[:, keep])
+        logits = self.lm_head(slice_logits_to_keep(x, logits_to_keep))
 
         loss = None
         if labels is not None:

@@ -96,13 +96,14 @@ class BatchTarget:
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R]
 
     @torch.inference_mode()
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, logits_at: torch.Tensor | None = None):
         """The forward over ``ids`` [R, n] at ``positions``, each row writing its entries after its own
-        ``lengths`` slots, attending to the slots ``mask`` [R, n, slots] allows."""
+        ``lengths`` slots, attending to the slots ``mask`` [R, n, slots] allows (``logits_at``: the
+        logits at that position of each row only)."""
         write_at = RowWrites(self.lengths.to(ids.device), mask.shape[-1])
         for layer in self.cache.layers:
             layer.write_at = write_at
-        logits, features = self.run(ids, positions, mask[:, None], self.cache)
+        logits, features = self.run(ids, positions, mask[:, None], self.cache, logits_at)
         return logits, None if features is None else features.aux
 
     @torch.inference_mode()
@@ -117,9 +118,9 @@ class BatchTarget:
             ids[i, :len(p)] = p
         mask = torch.ones(L, L, dtype=torch.bool).tril()[None] & (torch.arange(L) < lengths[:, None])[:, None, :]  # causal, real tokens only
         self.lengths = torch.zeros(len(prompts), dtype=torch.long)
-        logits, aux = self._run(ids, torch.arange(L, device=device)[None].expand(len(prompts), L), mask.to(device))
+        logits, aux = self._run(ids, torch.arange(L, device=device)[None].expand(len(prompts), L), mask.to(device), lengths - 1)
         self.lengths = lengths
-        return logits[torch.arange(len(prompts)), lengths - 1], aux
+        return logits[:, 0], aux
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, counts: torch.Tensor | None = None):

@@ -65,12 +65,13 @@ class TargetSession:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
-        """Read ``ids`` [1, n] at the next positions: logits [n, V] and the features of those positions."""
+                attention_mask: torch.Tensor | None = None, last: bool = False) -> tuple[torch.Tensor, TargetFeatures | None]:
+        """Read ``ids`` [1, n] at the next positions: logits [n, V] (``last``: the last position's only,
+        [1, V], as a prompt's prefill reads them) and the features of those positions."""
         n = ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(self.length, self.length + n, device=ids.device)[None]
-        logits, feats = self.run(ids, position_ids, attention_mask, self.cache)
+        logits, feats = self.run(ids, position_ids, attention_mask, self.cache, torch.tensor([n - 1]) if last else None)
         self.length += n
         return logits[0], feats
 
@@ -475,7 +476,7 @@ def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_
     stats = GenerationStats()
     start = time.perf_counter()
     session = TargetSession(target, kv=kv)
-    logits, _ = session.forward(prompt.view(1, -1))
+    logits, _ = session.forward(prompt.view(1, -1), last=True)
     out = [int(sampler.choose(logits[-1]))]
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
         logits, _ = session.forward(torch.tensor([[out[-1]]], device=prompt.device))
@@ -509,7 +510,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     session = TargetSession(target, capture, kv)
     prompt = prompt.view(1, -1)
     proposer.begin(prompt)
-    logits, feats = session.forward(prompt)
+    logits, feats = session.forward(prompt, last=True)
     stats.target_forwards += 1
     bonus = sampler.choose(logits[-1])
     proposer.observe(None if feats is None else feats.aux, 0, torch.cat([prompt[0, 1:], bonus.view(1)]))

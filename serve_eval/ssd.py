@@ -412,7 +412,7 @@ def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, m
     start = time.perf_counter()
     session = TargetSession(target, kv=kv)
     prompt = prompt.view(1, -1)
-    logits, _ = session.forward(prompt)
+    logits, _ = session.forward(prompt, last=True)
     stats.target_forwards += 1
     bonus = sampler.choose(logits[-1])
     out = [int(bonus)]

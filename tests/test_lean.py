@@ -64,6 +64,13 @@ def test_one_row_steps_equal_the_models_forward(arch, kv, served):
     ids, depths = torch.randint(0, 300, (1, 4), generator=gen), torch.tensor([0, 1, 1, 2])
     ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     _same(lean.forward_tree(ids, depths, ancestors), module.forward_tree(ids, depths, ancestors))
+    prompt = torch.randint(0, 300, (1, 11), generator=gen)  # a prefill that reads the last position's logits only
+    lean, module = _pair(lambda: TargetSession(target, capture, kv_quant(kv)))
+    last = lean.forward(prompt, last=True)
+    _same(last, module.forward(prompt, last=True))
+    assert last[0].shape == (1, 300)
+    if served:  # the panel kernel computes each row apart: the same bits as the whole prefill's last row
+        assert torch.equal(last[0], TargetSession(target).forward(prompt)[0][-1:])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
