@@ -3,7 +3,7 @@
 //
 // pack(W [N, K]) -> [ceil(N / 16), K, 16]: the weight in panels of 16 output columns, each panel's
 //   K x 16 block contiguous (the last panel zero-padded), so a panel streams from memory in one run.
-// linear(x [.., K], packed, N, bias?, rows?) -> [.., N]: for each panel, rows of x in tiles of up to 6; a tile
+// linear(x [.., K], packed, N, bias?, rows?, stream) -> [.., N]: for each panel, rows of x in tiles of up to 6; a tile
 //   keeps its 6 x 16 partial sums in twelve 8-wide registers and, for k = 0 .. K-1, adds
 //   x[r, k] * W[c, k] by one fused multiply-add per register. A 6-row tile does 12 FMAs per two loads
 //   of the weight, enough to keep both FMA units busy, so a tile's products run near the core's
@@ -15,6 +15,14 @@
 //   streamed from memory, 1 thread, variants alternated in one process): 5-6 rows with the L2 hint
 //   cost what one row costs (1.82-2.19 ms against 2.39-2.88 with every tile non-temporal), one row
 //   without a prefetch 1.69-2.07 against 2.13-2.30 (docs/results.md, seventeenth session).
+//   `stream` (a model whose Linears' weights together exceed the last-level cache, which every
+//   forward then streams through it for nothing): one- and two-row tiles prefetch 4 k steps (256 B)
+//   ahead non-temporally, so that the weights pass through L1 without being installed in L2 / L3 and
+//   the step's other data (the KV cache, activations, small weights) stays cached from one forward
+//   to the next. Zen 4, the testbed target (45 MB against a 32 MB L3), plain and speculative decoding
+//   alternated prompt by prompt: plain decoding 3-17% faster (median of five A/Bs 8.6%) though the 57
+//   Linears alone stream 3% slower; taller tiles stay as they are (non-temporal at 256 B to 16 KB
+//   ahead, a speculative loop's verify ran 5-13% slower; docs/results.md, twenty-second session).
 //   Past the full tiles, the last one or two rows of a taller call (7, 8, 13 rows ...) run across four
 //   or two panels at once (`tile_across`), so that they too keep eight FMA chains busy.
 //   Where the CPU has AVX-512, calls of 7 rows or more run taller tiles of 16-wide registers instead
@@ -52,16 +60,19 @@ at::Tensor pack(const at::Tensor& weight) {
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
-// The weight `kAhead` k steps ahead of the one a tile of R rows reads (on into the next panel, which
-// follows in memory; past the buffer's end a prefetch is a hint, never a fault); see the header.
-template <int R>
-inline void prefetch(const float* ahead) {
-  if constexpr (R >= 4) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
-  else if constexpr (R == 3) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
+constexpr int64_t kNear = 4;    // k steps ahead of the one read, for a streamed one- or two-row tile
+
+// The weight ahead of step k of a tile of R rows over `panel` (on into the next panel, which follows
+// in memory; past the buffer's end a prefetch is a hint, never a fault); see the header.
+template <int R, bool Stream>
+inline void prefetch(const float* panel, int64_t k) {
+  if constexpr (R >= 4) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kPanel), _MM_HINT_T1);
+  else if constexpr (R == 3) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kPanel), _MM_HINT_NTA);
+  else if constexpr (Stream) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kNear) * kPanel), _MM_HINT_NTA);
 }
 
 // Rows x[0..R) (row stride ldx) times one panel, into y[0..R) (row stride ldy), `cols` of the 16 columns.
-template <int R>
+template <int R, bool Stream = false>
 inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k_size,
                  float* __restrict y, int64_t ldy, int64_t cols, const float* __restrict bias) {
   // named registers, not an array: GCC keeps an array of __m256 in memory across the loop
@@ -69,7 +80,7 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
   __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
   for (int64_t k = 0; k < k_size; ++k) {
-    prefetch<R>(panel + (k + kAhead) * kPanel);
+    prefetch<R, Stream>(panel, k);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     __m256 b = _mm256_broadcast_ss(x0 + k);
     a00 = _mm256_fmadd_ps(b, w0, a00), a01 = _mm256_fmadd_ps(b, w1, a01);
@@ -130,7 +141,8 @@ inline void tile_across(const float* __restrict x, int64_t ldx, const float* __r
 }
 
 using Tile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
-constexpr Tile kTiles[kTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr std::array<Tile, kTile + 1> kTiles = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr std::array<Tile, kTile + 1> kStreamTiles = {nullptr, tile<1, true>, tile<2, true>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 // Where the CPU has AVX-512 (chosen at run time, the rest of the file needing AVX2 only): calls of
 // kWideFrom rows or more run tiles of up to kWide rows over a panel, one 16-wide register per row
@@ -175,7 +187,7 @@ bool has_wide() {
 
 // y [rows, out_features] = x [rows, k_size] W^T (+ b), both contiguous
 void compute(const float* xp, int64_t rows, int64_t k_size, const float* wp, int64_t panels, int64_t out_features,
-             const float* bp, float* yp) {
+             const float* bp, float* yp, bool stream) {
   // rows [r, r + height) of panel p on `tile` (the last panel may hold fewer than 16 columns)
   auto run = [&](Tile tile, int64_t p, int64_t r) {
     const int64_t c0 = p * kPanel;
@@ -194,8 +206,9 @@ void compute(const float* xp, int64_t rows, int64_t k_size, const float* wp, int
     return;
   }
   // rows [0, upto) of panel p in tiles of up to kTile
+  const Tile* table = stream ? kStreamTiles.data() : kTiles.data();
   auto tiles = [&](int64_t p, int64_t upto) {
-    for (int64_t r = 0; r < upto; r += kTile) run(kTiles[std::min<int64_t>(kTile, upto - r)], p, r);
+    for (int64_t r = 0; r < upto; r += kTile) run(table[std::min<int64_t>(kTile, upto - r)], p, r);
   };
   // the rows past the full tiles, when one or two: over a group of whole panels at once (tile_across)
   const int64_t tall = rows / kTile * kTile, rest = rows - tall, whole = out_features / kPanel;
@@ -219,7 +232,7 @@ void compute(const float* xp, int64_t rows, int64_t k_size, const float* wp, int
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
-                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& rows) {
+                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& rows, bool stream) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "draftsmith_fp32::linear: float32 input and weight");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && input.size(-1) == packed.size(1)
@@ -234,7 +247,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (!rows.has_value() || !rows->defined()) {
     auto y = at::empty(shape, x.options());
-    compute(xp, all, k_size, wp, panels, out_features, bp, y.data_ptr<float>());
+    compute(xp, all, k_size, wp, panels, out_features, bp, y.data_ptr<float>(), stream);
     return y;
   }
   TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == at::kLong, "draftsmith_fp32::linear: rows, a 1-d int64 tensor");
@@ -246,7 +259,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   auto gathered = at::empty({m, k_size}, x.options()), out = at::empty({m, out_features}, x.options());
   float *gp = gathered.data_ptr<float>(), *op = out.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) std::copy(xp + ip[i] * k_size, xp + (ip[i] + 1) * k_size, gp + i * k_size);
-  compute(gp, m, k_size, wp, panels, out_features, bp, op);
+  compute(gp, m, k_size, wp, panels, out_features, bp, op, stream);
   auto y = at::zeros(shape, x.options());
   float* yp = y.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) std::copy(op + i * out_features, op + (i + 1) * out_features, yp + ip[i] * out_features);
@@ -257,7 +270,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
 
 TORCH_LIBRARY(draftsmith_fp32, m) {
   m.def("pack(Tensor weight) -> Tensor");
-  m.def("linear(Tensor input, Tensor packed, int out_features, Tensor? bias, Tensor? rows=None) -> Tensor");
+  m.def("linear(Tensor input, Tensor packed, int out_features, Tensor? bias, Tensor? rows=None, bool stream=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_fp32, CPU, m) {

@@ -82,6 +82,27 @@ def test_only_rows_computes_the_listed_rows_alone_and_zeros_elsewhere():
         torch.ops.draftsmith_fp32.linear(x, packed.packed, 100, None, torch.tensor([15]))
 
 
+@pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")
+def test_streamed_weights_give_the_same_bits(monkeypatch):
+    """One- and two-row products that stream the weight past the caches (a target larger than the
+    last-level cache) compute exactly what the cached ones do: only the prefetch hint differs."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 100)
+    cached, streamed = PrepackedLinear(linear, "panels"), PrepackedLinear(linear, "panels", stream=True)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 8, 13):
+            x = torch.randn(rows, 320)
+            assert torch.equal(streamed(x), cached(x))
+    monkeypatch.setattr(prepack, "last_level_cache_bytes", lambda: 1024)  # a cache smaller than the weights
+    model = nn.Sequential(nn.Linear(320, 100))
+    assert prepack_linears(model, "panels")["streamed"] and model[0].stream
+
+
+def test_the_last_level_cache_is_read_from_sysfs_or_unknown():
+    size = prepack.last_level_cache_bytes()
+    assert size is None or size >= 2**16
+
+
 @pytest.mark.skipif(not available(), reason="no kernel serves here")
 def test_prepack_converts_every_fp32_linear_of_a_model():
     class Toy(nn.Module):
@@ -92,9 +113,9 @@ def test_prepack_converts_every_fp32_linear_of_a_model():
 
     toy = Toy()
     kernel = "panels" if prepack.panels_available() else "onednn"
-    assert prepack_linears(toy) == {"kernel": kernel, "linears": 2, "weight_bytes": (8 * 8 + 32 * 8) * 4}
+    assert prepack_linears(toy) == {"kernel": kernel, "linears": 2, "weight_bytes": (8 * 8 + 32 * 8) * 4, "streamed": False}
     assert isinstance(toy.layer[0], PrepackedLinear) and isinstance(toy.lm_head, PrepackedLinear)
-    assert toy.lm_head.kernel == kernel
+    assert toy.lm_head.kernel == kernel and not toy.lm_head.stream  # 1.3 KB: they stay cached
     assert type(toy.layer[2]) is nn.Linear  # fp16: not what the kernels were measured for
 
 
