@@ -20,9 +20,9 @@
 //   ahead non-temporally, so that the weights pass through L1 without being installed in L2 / L3 and
 //   the step's other data (the KV cache, activations, small weights) stays cached from one forward
 //   to the next. Zen 4, the testbed target (45 MB against a 32 MB L3), plain and speculative decoding
-//   alternated prompt by prompt: plain decoding 3-17% faster (median of five A/Bs 8.6%) though the 57
-//   Linears alone stream 3% slower; taller tiles stay as they are (non-temporal at 256 B to 16 KB
-//   ahead, a speculative loop's verify ran 5-13% slower; docs/results.md, twenty-second session).
+//   alternated prompt by prompt: plain decoding 3-18% faster (six A/Bs, median 7%; whole evals 11%)
+//   though the 57 Linears alone stream 3% slower; taller tiles stay as they are (non-temporal at 256 B
+//   to 16 KB ahead, speculative decoding ran 5-14% slower; docs/results.md, twenty-second session).
 //   Past the full tiles, the last one or two rows of a taller call (7, 8, 13 rows ...) run across four
 //   or two panels at once (`tile_across`), so that they too keep eight FMA chains busy.
 //   Where the CPU has AVX-512, calls of 7 rows or more run taller tiles of 16-wide registers instead

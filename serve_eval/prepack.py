@@ -16,7 +16,7 @@ this machine has:
   Where the target's weights exceed the last-level cache (the testbed's 45 MB against a 32 MB L3),
   one- and two-row products (plain decoding's) prefetch them non-temporally, a few lines ahead, so
   that streaming them evicts nothing: the KV cache and the step's small tensors stay cached from one
-  forward to the next (plain decoding 3-17% faster on a Zen 4 core, though the products alone stream
+  forward to the next (plain decoding 3-18% faster on a Zen 4 core, though the products alone stream
   3% slower; taller tiles lost more than they kept that way and keep their L2 prefetch).
   Every output is the same FMA chain over the inputs in
   order, so a row's result does not depend on how many rows share the call: a token verified among
