@@ -46,8 +46,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 INJECTIONS = ("diagonal", "linear", "add")
