@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from distill.base.features import FeatureCapture
 from distill.config import ModelConfig
@@ -14,7 +15,7 @@ from serve_eval import attention, prepack
 from serve_eval.batch import BatchTarget
 from serve_eval.engine import TargetSession
 from serve_eval.kv import kv_quant
-from serve_eval.lean import LeanForward, lean_forward
+from serve_eval.lean import LeanForward, TargetForward, lean_forward
 
 
 def _target(arch: str, **changes):
@@ -88,6 +89,31 @@ def test_batch_steps_equal_the_models_forward(arch):
         kept = torch.minimum(counts, torch.randint(1, 6, (3,), generator=gen))
         lean.keep(kept)
         module.keep(kept)
+
+
+def test_a_model_without_logits_to_keep_gives_each_rows_own_logits():
+    """A prefill's ``logits_at`` on a target whose forward computes every position's logits (no
+    ``logits_to_keep``): each row's logits at its own position, as the whole forward has them."""
+    target = _target("llama")
+
+    class Plain(torch.nn.Module):  # a causal LM that knows nothing of logits_to_keep
+        def __init__(self):
+            super().__init__()
+            self.inner = target
+
+        def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, use_cache=True):
+            return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                              cache=cache, use_cache=use_cache)
+
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(7)[None].expand(2, 7)
+    run = TargetForward(Plain())
+    assert run.lean is None and not run.keeps
+    with torch.inference_mode():
+        full, _ = run(ids, positions, None, DynamicCache(config=target.config))
+        last, _ = run(ids, positions, None, DynamicCache(config=target.config), torch.tensor([6, 3]))
+    assert last.shape == (2, 1, 300)
+    assert torch.equal(last[:, 0], torch.stack([full[0, 6], full[1, 3]]))
 
 
 def test_the_lean_forward_steps_aside_where_it_would_not_reproduce_the_model():
