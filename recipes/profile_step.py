@@ -1,6 +1,7 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
     python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off] [--attention kernel|sdpa|both] [--forward lean|module|both]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash --batch 4
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
@@ -13,7 +14,9 @@ counted. ``--attention both`` decodes each prompt with the target's and the draf
 kernel and on torch's sdpa in turn (:mod:`serve_eval.attention`; two copies of the drafter, each
 compiled over its own), each with its own cost table: an A/B in one process. ``--forward both`` does
 the same for the target's forward: :mod:`serve_eval.lean`'s walk and the model's own forward.
-A benchmark: run it on an otherwise idle core (``taskset -c 1``).
+``--batch B`` profiles batched decoding instead (all the recipe's prompts through ``B`` slots, as the eval
+runs them): each loop's prefills and target steps, the draft and the scheduler per speculative step,
+and the speculative steps by the rows they ran with. A benchmark: run it on an otherwise idle core (``taskset -c 1``).
 """
 
 from __future__ import annotations
@@ -80,12 +83,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention", choices=["kernel", "sdpa", "both"], default="kernel",
                         help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
                              "alternated prompt by prompt in this process (default: kernel)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="profile batched decoding instead: all the recipe's prompts through this many slots "
+                             "(plain, speculative, speculative, plain, as the eval runs them)")
     parser.add_argument("--forward", choices=["lean", "module", "both"], default="lean",
                         help="the target's forward: as served (serve_eval.lean's walk where it applies), the model's own, "
                              "or both, alternated prompt by prompt in this process (default: lean)")
     args = parser.parse_args(argv)
     if args.attention == "both" and args.forward == "both":
         parser.error("--attention both and --forward both: one A/B at a time")
+    if args.batch and (args.attention != "kernel" or args.forward != "lean" or args.batch < 1):
+        parser.error("--batch: a batch size of 1 or more, with the served attention and forward")
     undo: list = []  # the timers come off when the profile ends (a caller's process keeps running)
     try:
         return _profile(args, undo)
@@ -115,11 +123,13 @@ def _profile(args, undo: list) -> dict:
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
-    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
+    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:None if args.batch else args.prompts]
     compiled = resolve_compile(recipe.decoding.compile, "cpu", drafter)
     int8 = resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False)
     serve(target, drafter, int8, resolve_prepack(recipe.decoding.prepack, "cpu"), compiled, prompts, max_new,
-          sampled=args.temperature > 0)
+          sampled=args.temperature > 0, rows=(args.batch,) if args.batch else ())
+    if args.batch:
+        return _profile_batch(args, target, drafter, prompts, recipe.decoding.model_copy(update={"max_new_tokens": max_new}), undo)
     served = target.config._attn_implementation  # the served attention (serve_eval.attention where it builds)
     drafters = {served: drafter}
     if args.attention != "kernel" and served != "sdpa":  # the same drafter on sdpa (its graph traces what it calls)
@@ -190,6 +200,99 @@ def _profile(args, undo: list) -> dict:
         print(f"speedup {' / '.join(settings)}: {a['speedup']:.3f} / {b['speedup']:.3f}; plain step {' / '.join(settings)}: "
               f"{a['plain_step_ms'] / b['plain_step_ms']:.3f}, speculative step {a['spec_step_ms'] / b['spec_step_ms']:.3f}")
     report = reports[settings[0]]
+    return report
+
+
+def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
+    """``--batch B``: where batched decoding's time goes, as the eval measures it (:func:`serve_eval.batch.
+    measure_batches`, with a calibration lent by one-row runs of the same prompts first, untimed): each
+    loop's prefills (the waiting prompts' groups), its target steps, the draft and the scheduler's
+    choice, per speculative step, and the speculative steps by the number of rows they ran with (the
+    tail, as rows finish apart)."""
+    from distill.base.features import FeatureCapture
+    from serve_eval import batch, engine
+    from serve_eval.budget import Budget
+    from serve_eval.sampling import Sampler
+
+    sampler = lambda i: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731
+    calibration = Budget({1: 1.0})  # lent to the batches, as the eval lends its one-row run's
+    capture = FeatureCapture(target, drafter.config.target_layer_ids)
+    budget = Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture), share=calibration)
+    for i, prompt in enumerate(prompts):
+        engine.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget)
+    loop = [None]  # "plain" or "speculative" while a timed run decodes
+    totals: dict = {kind: collections.defaultdict(float) for kind in ("plain", "speculative")}
+    calls: dict = {kind: collections.Counter() for kind in totals}
+    by_rows: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])  # rows -> tokens, seconds, steps
+
+    def timed(obj, name, label):
+        inner = getattr(obj, name)
+        undo.append(lambda: setattr(obj, name, inner))
+
+        def run(*a, **k):
+            if loop[0] is None:
+                return inner(*a, **k)
+            start = time.perf_counter()
+            out = inner(*a, **k)
+            totals[loop[0]][label] += time.perf_counter() - start
+            calls[loop[0]][label] += 1
+            return out
+        setattr(obj, name, run)
+
+    def whole(name, kind):  # a whole run, and the flag that lets the part timers count
+        inner = getattr(batch, name)
+        undo.append(lambda: setattr(batch, name, inner))
+
+        def run(*a, **k):
+            loop[0] = kind
+            try:
+                start = time.perf_counter()
+                out = inner(*a, **k)
+                totals[kind]["run"] += time.perf_counter() - start
+                calls[kind]["run"] += 1
+                totals[kind]["tokens"] += out[1].tokens
+                return out
+            finally:
+                loop[0] = None
+        setattr(batch, name, run)
+
+    whole("batched_plain_generate", "plain")
+    whole("batched_speculative_generate", "speculative")
+    timed(batch.Waiting, "take", "prefills")
+    timed(batch.BatchTarget, "step", "target steps")
+    timed(batch.BatchContext, "draft", "draft")
+    timed(batch.BatchScheduler, "choose", "scheduler.choose")
+    record = batch.BatchScheduler.record
+    undo.append(lambda: setattr(batch.BatchScheduler, "record", record))
+
+    def counted(self, rows, drafted, tokens, seconds):
+        cell = by_rows[rows]
+        cell[0], cell[1], cell[2] = cell[0] + tokens, cell[1] + seconds, cell[2] + 1
+        return record(self, rows, drafted, tokens, seconds)
+    batch.BatchScheduler.record = counted
+
+    row = batch.measure_batches(target, drafter, prompts, dec, None, sampler, [args.batch], calibration)[0]
+    spec, plain = totals["speculative"], totals["plain"]
+    steps = max(1, calls["speculative"]["target steps"])
+    parts = {label: round(1e3 * spec[label] / steps, 3) for label in ("target steps", "draft", "scheduler.choose")}
+    parts["the rest (the loop's own work)"] = round(1e3 * (spec["run"] - spec["prefills"]) / steps - sum(parts.values()), 3)
+    report = {"batch": args.batch, "prompts": len(prompts), "speedup": row["speedup"], "tau": row["tau"],
+              "plain_s": round(plain["run"] / max(1, calls["plain"]["run"]), 3),
+              "spec_s": round(spec["run"] / max(1, calls["speculative"]["run"]), 3),
+              "prefills_s": {"plain": round(plain["prefills"] / max(1, calls["plain"]["run"]), 3),
+                             "speculative": round(spec["prefills"] / max(1, calls["speculative"]["run"]), 3)},
+              "plain_step_ms": round(1e3 * plain["target steps"] / max(1, calls["plain"]["target steps"]), 3),
+              "ms_per_spec_step": parts,
+              "by_rows": {rows: {"steps": cell[2], "tokens_per_s": round(cell[0] / cell[1], 1) if cell[1] else 0.0}
+                          for rows, cell in sorted(by_rows.items())}}
+    print(f"batch {args.batch} ({len(prompts)} prompts, {args.batch} slots, T = {args.temperature}): a run "
+          f"{report['plain_s']:.3f} s plain, {report['spec_s']:.3f} s speculative; speedup {row['speedup']:.3f} (tau {row['tau']:.3f} a row)")
+    print(f"  prefills a run: plain {report['prefills_s']['plain']:.3f} s, speculative {report['prefills_s']['speculative']:.3f} s; "
+          f"a plain step {report['plain_step_ms']:.3f} ms")
+    for label, ms in parts.items():
+        print(f"  {label:30s} {ms:7.3f} ms a speculative step = {ms / report['plain_step_ms']:.3f} plain steps")
+    for rows, cell in report["by_rows"].items():
+        print(f"  speculative steps of {rows} rows: {cell['steps']:5d}, {cell['tokens_per_s']:8.1f} tokens/s")
     return report
 
 

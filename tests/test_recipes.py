@@ -134,6 +134,27 @@ def test_the_step_profiler_compares_the_lean_forward_with_the_models(capsys):
         main(["--drafter", "distill/assets/testbed_dflash", "--attention", "both", "--forward", "both"])
 
 
+def test_the_step_profiler_splits_a_batched_run(capsys):
+    """``--batch B``: batched plain and speculative decoding of the recipe's prompts as the eval runs
+    them, each loop's prefills and steps, the speculative step's parts, the steps by rows (at most B,
+    fewer in the tail); the timers come off; a batch below 1, or with an A/B, is refused."""
+    from recipes.profile_step import main
+    from serve_eval import batch
+
+    originals = (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate)
+    report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--compile", "off"])
+    assert report["batch"] == 2 and report["prompts"] == 16 and report["speedup"] > 0
+    assert 0 < report["prefills_s"]["plain"] < report["plain_s"] and 0 < report["prefills_s"]["speculative"] < report["spec_s"]
+    parts = report["ms_per_spec_step"]
+    assert parts["target steps"] > 0 and parts["draft"] > 0 and parts["scheduler.choose"] > 0
+    assert set(report["by_rows"]) <= {1, 2} and 2 in report["by_rows"]
+    assert "speculative steps of 2 rows" in capsys.readouterr().out
+    assert (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate) == originals
+    for bad in (["--batch", "-1"], ["--batch", "2", "--attention", "both"]):
+        with pytest.raises(SystemExit):
+            main(["--drafter", "distill/assets/testbed_dflash", *bad])
+
+
 def test_the_attention_benchmark_times_both_kernels(capsys):
     """``python -m recipes.bench_attention``, briefly: a row per query count and cache state, both
     kernels timed and their ratio printed."""
