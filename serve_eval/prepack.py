@@ -18,6 +18,11 @@ this machine has:
   that streaming them evicts nothing: the KV cache and the step's small tensors stay cached from one
   forward to the next (plain decoding 3-18% faster on a Zen 4 core, though the products alone stream
   3% slower; taller tiles lost more than they kept that way and keep their L2 prefetch).
+  A weight whose every value is an fp16 one (a checkpoint saved in fp16 and served in fp32, as the
+  testbed target is) is packed in fp16 and widened to fp32 in registers: the same products and bits
+  from half the bytes. The testbed target's 45 MB become 22.5, which stay in the 32 MB L3 from one
+  forward to the next (they no longer need streaming past it): alternated prompt by prompt with fp32
+  panels, plain decoding 13% and speculative decoding 20% faster.
   Every output is the same FMA chain over the inputs in
   order, so a row's result does not depend on how many rows share the call: a token verified among
   eight gets the bits it gets decoded alone. For more than ``PANEL_ROWS`` rows (a long prompt's
@@ -89,7 +94,7 @@ def only_rows(rows: torch.Tensor, total: int):
 @functools.cache
 def panels_available() -> bool:
     """Whether ``draftsmith_fp32`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
-    return native.avx2_operator(_SOURCE, "serve_eval.prepack: the C++ fp32 operator", "oneDNN's kernel")
+    return native.avx2_operator(_SOURCE, "serve_eval.prepack: the C++ fp32 operator", "oneDNN's kernel", ("-mf16c",))
 
 
 def onednn_available() -> bool:
@@ -129,7 +134,9 @@ class PrepackedLinear(nn.Module):
         if self.kernel == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif panels_available():  # (loads the operator: a copy unpickled in another process needs it too)
-            self.packed = torch.ops.draftsmith_fp32.pack(weight)
+            # fp16 panels where every value is an fp16 one (a checkpoint saved in fp16): the same products from half the bytes
+            exact = torch.equal(weight.half().float(), weight)
+            self.packed = (torch.ops.draftsmith_fp32.pack_half if exact else torch.ops.draftsmith_fp32.pack)(weight)
         else:
             raise RuntimeError(f"serve_eval.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}")
 
@@ -193,14 +200,20 @@ def prepack_linears(model: nn.Module, kernel: str = "on") -> dict:
     ``kernel`` (``on``: the first that serves, as :func:`resolve` chooses). Where their weights together
     exceed the last-level cache, one- and two-row products stream them past the caches (``stream``,
     :file:`linear_op.cpp`): each forward would only evict the rest of the step's data for weights that
-    cannot stay cached anyway. Returns what the report records: the kernel, how many Linears, the bytes
-    of their weights and whether they stream."""
+    cannot stay cached anyway. Weights whose values are all fp16 ones are packed in fp16 (the same
+    products from half the bytes). Returns what the report records: the kernel, how many Linears, the
+    bytes of their weights (and of the panels, how many in fp16) and whether they stream."""
     kernel = resolve(kernel, "cpu")
     linears = [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())
                if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
     nbytes = sum(child.weight.numel() * child.weight.element_size() for *_, child in linears)
+    packed = [PrepackedLinear(child, kernel) for *_, child in linears]
+    served = sum(p.packed.numel() * p.packed.element_size() for p in packed if kernel == "panels")  # what a forward streams
     cache = last_level_cache_bytes()
-    stream = kernel == "panels" and cache is not None and nbytes > cache
-    for parent, name, child in linears:
-        setattr(parent, name, PrepackedLinear(child, kernel, stream))
-    return {"kernel": kernel, "linears": len(linears), "weight_bytes": nbytes, "streamed": stream}
+    stream = kernel == "panels" and cache is not None and served > cache
+    for (parent, name, _), linear in zip(linears, packed):
+        linear.stream = stream
+        setattr(parent, name, linear)
+    return {"kernel": kernel, "linears": len(linears), "weight_bytes": nbytes,
+            **({"panel_bytes": served, "fp16_panels": sum(p.packed.dtype == torch.float16 for p in packed)} if kernel == "panels" else {}),
+            "streamed": stream}

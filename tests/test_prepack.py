@@ -98,6 +98,32 @@ def test_streamed_weights_give_the_same_bits(monkeypatch):
     assert prepack_linears(model, "panels")["streamed"] and model[0].stream
 
 
+@pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")
+def test_fp16_valued_weights_pack_in_fp16_and_give_the_same_bits():
+    """A weight whose every value is an fp16 one (a checkpoint saved in fp16, served in fp32) is packed
+    in fp16, half the bytes, and every kernel path (tiles, streamed tiles, wide tiles, only some rows)
+    computes exactly what the fp32 panels compute; a weight with one value that is not stays fp32."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 100)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.half().float())
+    half = PrepackedLinear(linear, "panels")
+    assert half.packed.dtype == torch.float16
+    full = torch.ops.draftsmith_fp32.pack(linear.weight.detach())
+    bias = linear.bias.detach()
+    with torch.no_grad():
+        for rows in (1, 2, 3, 5, 6, 7, 8, 13, 16, 25):
+            x = torch.randn(rows, 320)
+            for stream in (False, True):
+                expected = torch.ops.draftsmith_fp32.linear(x, full, 100, bias, None, stream)
+                assert torch.equal(torch.ops.draftsmith_fp32.linear(x, half.packed, 100, bias, None, stream), expected)
+        x, listed = torch.randn(3, 5, 320), torch.tensor([0, 1, 5, 10, 11])
+        with prepack.only_rows(listed, 15):
+            assert torch.equal(half(x), torch.ops.draftsmith_fp32.linear(x, full, 100, bias, listed))
+        linear.weight[3, 7] += 1e-4  # no longer an fp16 value
+    assert PrepackedLinear(linear, "panels").packed.dtype == torch.float32
+
+
 def test_the_last_level_cache_is_read_from_sysfs_or_unknown():
     size = prepack.last_level_cache_bytes()
     assert size is None or size >= 2**16
@@ -113,7 +139,8 @@ def test_prepack_converts_every_fp32_linear_of_a_model():
 
     toy = Toy()
     kernel = "panels" if prepack.panels_available() else "onednn"
-    assert prepack_linears(toy) == {"kernel": kernel, "linears": 2, "weight_bytes": (8 * 8 + 32 * 8) * 4, "streamed": False}
+    panels = {"panel_bytes": (16 * 8 + 32 * 8) * 4, "fp16_panels": 0} if kernel == "panels" else {}  # random fp32 values: fp32 panels
+    assert prepack_linears(toy) == {"kernel": kernel, "linears": 2, "weight_bytes": (8 * 8 + 32 * 8) * 4, **panels, "streamed": False}
     assert isinstance(toy.layer[0], PrepackedLinear) and isinstance(toy.lm_head, PrepackedLinear)
     assert toy.lm_head.kernel == kernel and not toy.lm_head.stream  # 1.3 KB: they stay cached
     assert type(toy.layer[2]) is nn.Linear  # fp16: not what the kernels were measured for
