@@ -1,4 +1,4 @@
-// draftsmith_fp32: y = x W^T + b for the few rows of a decode or verify step, fp32, AVX2 + FMA
+// draftsmith_fp32: y = x W^T + b for the few rows of a decode or verify step, fp32 arithmetic, AVX2 + FMA (and F16C for fp16 panels)
 // (serve_eval/prepack.py builds this file once per machine and loads it; see its docstring for why).
 //
 // pack(W [N, K]) -> [ceil(N / 16), K, 16]: the weight in panels of 16 output columns, each panel's
