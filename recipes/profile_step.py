@@ -221,23 +221,13 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
     for i, prompt in enumerate(prompts):
         engine.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget)
     loop = [None]  # "plain" or "speculative" while a timed run decodes
-    totals: dict = {kind: collections.defaultdict(float) for kind in ("plain", "speculative")}
-    calls: dict = {kind: collections.Counter() for kind in totals}
+    totals: dict[tuple[str, str], float] = collections.defaultdict(float)  # (loop, part) -> seconds
+    calls: collections.Counter = collections.Counter()
     by_rows: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])  # rows -> tokens, seconds, steps
-
-    def timed(obj, name, label):
-        inner = getattr(obj, name)
-        undo.append(lambda: setattr(obj, name, inner))
-
-        def run(*a, **k):
-            if loop[0] is None:
-                return inner(*a, **k)
-            start = time.perf_counter()
-            out = inner(*a, **k)
-            totals[loop[0]][label] += time.perf_counter() - start
-            calls[loop[0]][label] += 1
-            return out
-        setattr(obj, name, run)
+    active = lambda: loop[0] is not None  # noqa: E731
+    for obj, name, part in ((batch.Waiting, "take", "prefills"), (batch.BatchTarget, "step", "target steps"),
+                            (batch.BatchContext, "draft", "draft"), (batch.BatchScheduler, "choose", "scheduler.choose")):
+        _timed(obj, name, lambda *_, part=part: (loop[0], part), totals, calls, undo, active)
 
     def whole(name, kind):  # a whole run, and the flag that lets the part timers count
         inner = getattr(batch, name)
@@ -248,9 +238,8 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
             try:
                 start = time.perf_counter()
                 out = inner(*a, **k)
-                totals[kind]["run"] += time.perf_counter() - start
-                calls[kind]["run"] += 1
-                totals[kind]["tokens"] += out[1].tokens
+                totals[kind, "run"] += time.perf_counter() - start
+                calls[kind, "run"] += 1
                 return out
             finally:
                 loop[0] = None
@@ -258,10 +247,6 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
 
     whole("batched_plain_generate", "plain")
     whole("batched_speculative_generate", "speculative")
-    timed(batch.Waiting, "take", "prefills")
-    timed(batch.BatchTarget, "step", "target steps")
-    timed(batch.BatchContext, "draft", "draft")
-    timed(batch.BatchScheduler, "choose", "scheduler.choose")
     record = batch.BatchScheduler.record
     undo.append(lambda: setattr(batch.BatchScheduler, "record", record))
 
@@ -272,16 +257,17 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
     batch.BatchScheduler.record = counted
 
     row = batch.measure_batches(target, drafter, prompts, dec, None, sampler, [args.batch], calibration)[0]
-    spec, plain = totals["speculative"], totals["plain"]
-    steps = max(1, calls["speculative"]["target steps"])
-    parts = {label: round(1e3 * spec[label] / steps, 3) for label in ("target steps", "draft", "scheduler.choose")}
-    parts["the rest (the loop's own work)"] = round(1e3 * (spec["run"] - spec["prefills"]) / steps - sum(parts.values()), 3)
+    def per(kind, part, count="run"):  # seconds of `part` per run (or per call of `count`) of one loop
+        return totals[kind, part] / max(1, calls[kind, count])
+
+    parts = {part: round(1e3 * per("speculative", part, "target steps"), 3) for part in ("target steps", "draft", "scheduler.choose")}
+    parts["the rest (the loop's own work)"] = round(
+        1e3 * (totals["speculative", "run"] - totals["speculative", "prefills"]) / max(1, calls["speculative", "target steps"])
+        - sum(parts.values()), 3)
     report = {"batch": args.batch, "prompts": len(prompts), "speedup": row["speedup"], "tau": row["tau"],
-              "plain_s": round(plain["run"] / max(1, calls["plain"]["run"]), 3),
-              "spec_s": round(spec["run"] / max(1, calls["speculative"]["run"]), 3),
-              "prefills_s": {"plain": round(plain["prefills"] / max(1, calls["plain"]["run"]), 3),
-                             "speculative": round(spec["prefills"] / max(1, calls["speculative"]["run"]), 3)},
-              "plain_step_ms": round(1e3 * plain["target steps"] / max(1, calls["plain"]["target steps"]), 3),
+              "plain_s": round(per("plain", "run"), 3), "spec_s": round(per("speculative", "run"), 3),
+              "prefills_s": {kind: round(per(kind, "prefills"), 3) for kind in ("plain", "speculative")},
+              "plain_step_ms": round(1e3 * per("plain", "target steps", "target steps"), 3),
               "ms_per_spec_step": parts,
               "by_rows": {rows: {"steps": cell[2], "tokens_per_s": round(cell[0] / cell[1], 1) if cell[1] else 0.0}
                           for rows, cell in sorted(by_rows.items())}}

@@ -208,12 +208,12 @@ def prepack_linears(model: nn.Module, kernel: str = "on") -> dict:
                if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
     nbytes = sum(child.weight.numel() * child.weight.element_size() for *_, child in linears)
     packed = [PrepackedLinear(child, kernel) for *_, child in linears]
-    served = sum(p.packed.numel() * p.packed.element_size() for p in packed if kernel == "panels")  # what a forward streams
-    cache = last_level_cache_bytes()
-    stream = kernel == "panels" and cache is not None and served > cache
+    record = {"kernel": kernel, "linears": len(linears), "weight_bytes": nbytes, "streamed": False}
+    if kernel == "panels":  # what a forward streams: the panels, fp16 where the values allow
+        served, cache = sum(p.packed.numel() * p.packed.element_size() for p in packed), last_level_cache_bytes()
+        record.update(panel_bytes=served, fp16_panels=sum(p.packed.dtype == torch.float16 for p in packed),
+                      streamed=cache is not None and served > cache)
     for (parent, name, _), linear in zip(linears, packed):
-        linear.stream = stream
+        linear.stream = record["streamed"]
         setattr(parent, name, linear)
-    return {"kernel": kernel, "linears": len(linears), "weight_bytes": nbytes,
-            **({"panel_bytes": served, "fp16_panels": sum(p.packed.dtype == torch.float16 for p in packed)} if kernel == "panels" else {}),
-            "streamed": stream}
+    return record
