@@ -170,6 +170,29 @@ def test_the_attention_benchmark_times_both_kernels(capsys):
     assert capsys.readouterr().out.count("x) for 2 layers") == 4
 
 
+def test_the_linear_benchmark_frames_the_kernel_by_both_limits(capsys):
+    """``python -m recipes.bench_linears``, briefly, on the shipped target: a row per row count, its
+    FLOP/s and weight bytes/s each consistent with the time and with its fraction of the limit; bad
+    arguments exit."""
+    from recipes.bench_linears import main
+    from serve_eval import prepack
+
+    if not prepack.panels_available():
+        pytest.skip("no AVX2 or no compiler")
+    rows = main(["--rows", "1", "3", "--repeats", "2"])
+    assert [r["rows"] for r in rows] == [1, 3]
+    one, three = rows
+    assert three["gflops"] == pytest.approx(3 * one["gflops"] * one["ms"] / three["ms"], rel=0.02)  # 3x the FLOPs
+    assert one["gbytes_s"] == pytest.approx(three["gbytes_s"] * three["ms"] / one["ms"], rel=0.02)  # the same bytes
+    for r in rows:
+        assert r["ms"] > 0 and r["of_peak"] == pytest.approx(rows[0]["of_peak"] * r["gflops"] / rows[0]["gflops"], rel=0.02)
+    out = capsys.readouterr().out
+    assert out.count("of the peak") == 2 and "57 Linears" in out and "in fp16" in out
+    for bad in (["--rows", "0"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            main(bad)
+
+
 def test_the_vocabulary_sweep_reports_tau_per_setting(capsys):
     """``python -m recipes.vocab_tau``, briefly, on the shipped target and DFlash drafter at T = 1: one
     row per setting, its share of the first's tau, the per-step head's size; a malformed entry exits 2."""
