@@ -563,7 +563,8 @@ def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_
     tokens each with ``capture``'s features, for ``n = 1..max_n``, and at ``0`` a plain step (one token a
     row, no features: batched plain decoding's). Timed in ``repeats`` rounds after a warm-up round,
     every size once a round (each step undone), so that a machine that drifts moves every size alike;
-    the median per size. On random tokens: the cost does not depend on them."""
+    the fastest round per size (:func:`~serve_eval.engine.interleaved_seconds`' ``least``). On random
+    tokens: the cost does not depend on them."""
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
@@ -576,7 +577,7 @@ def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_
         for n in [0] if plain else range(1, max_n + 1):  # (a step keeps nothing: each writes over the last)
             ids = torch.randint(0, vocab, (rows, max(n, 1)), generator=gen).to(device)
             runs[n] = (functools.partial(session.step, ids), None)
-    return interleaved_seconds(runs, repeats, device)
+    return interleaved_seconds(runs, repeats, device, least=True)
 
 
 @dataclass

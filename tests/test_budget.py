@@ -165,6 +165,32 @@ def test_measured_verify_costs_cover_the_sizes_and_leave_the_rng_alone(tiny_targ
     assert sorted(costs) == [1, 2, 4] and all(c > 0 for c in costs.values())
 
 
+def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst():
+    """Each round starts one run further on; a burst that slows most rounds of one run moves its median
+    but not its fastest round (what a cost table takes: ``least``)."""
+    import collections
+    import time
+
+    from serve_eval.engine import interleaved_seconds
+
+    order, calls = [], collections.Counter()
+    slow = {"a": {1, 2, 3}, "b": set()}  # rounds (0: the warm-up) a burst slows
+
+    def runner(key):
+        def run():
+            order.append(key)
+            time.sleep(0.03 if calls[key] in slow[key] else 0.002)
+            calls[key] += 1
+        return run
+
+    runs = {key: (runner(key), None) for key in "ab"}
+    median = interleaved_seconds(runs, 4, "cpu")
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    calls.clear()
+    least = interleaved_seconds(runs, 4, "cpu", least=True)
+    assert median["a"] >= 0.03 > 0.02 > least["a"] and max(median["b"], least["b"]) < 0.02
+
+
 def _toy_greedy_run():
     """A toy target, an untrained DFlash drafter for it, a prompt and the target's 30 greedy tokens."""
     from distill.config import DrafterSection, ModelConfig
