@@ -73,7 +73,7 @@ from distill.base.features import FeatureCapture
 from .budget import COPY_Q, Budget, CausalChain, Probes, kept_to
 from .compiled import for_drafter
 from .compiled import proposal as compiled_proposal
-from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, median_seconds, verify_sizes
+from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, verify_sizes
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, kv_quant
 from .lean import TargetForward
 from .lookup import NgramIndex
@@ -537,8 +537,9 @@ class BatchScheduler:
 def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5) -> float:
     """Seconds of one batched greedy draft over ``rows`` rows of ``context`` cached positions, one more
     feature arriving per row, as the batched loop drafts (:meth:`BatchContext.draft`: compiled where it
-    fits; median of ``repeats`` after a warm-up), on random features: the cost does not depend on them.
-    A private generator leaves the caller's RNG alone."""
+    fits; the fastest of ``repeats`` after a warm-up, as the cost tables it is weighed against:
+    :func:`~serve_eval.engine.interleaved_seconds`' ``least``), on random features: the cost does not
+    depend on them. A private generator leaves the caller's RNG alone."""
     device = next(drafter.parameters()).device
     cfg = drafter.config
     gen = torch.Generator().manual_seed(0)
@@ -553,7 +554,7 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
         cached.defer(aux[:, context:], torch.ones(rows, dtype=torch.long))
         cached.draft(anchors, lambda x: x.argmax(-1), greedy=True)
 
-    return median_seconds(draft, repeats, device)
+    return interleaved_seconds({0: (draft, None)}, repeats, device, least=True)[0]
 
 
 @torch.inference_mode()

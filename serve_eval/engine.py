@@ -160,11 +160,6 @@ def interleaved_seconds(runs: dict, repeats: int, device, least: bool = False) -
     return {key: pick(t[1:]) for key, t in times.items()}
 
 
-def median_seconds(run, repeats: int, device, after=None) -> float:
-    """:func:`interleaved_seconds` of one ``run``."""
-    return interleaved_seconds({0: (run, after)}, repeats, device)[0]
-
-
 def verify_sizes(largest: int) -> list[int]:
     """The forward sizes a budget's cost table measures: every size up to 33 tokens (small-matrix
     kernels make neighbouring sizes differ, see :mod:`serve_eval.budget`), sparser beyond, and ``largest``."""
