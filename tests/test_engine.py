@@ -172,6 +172,41 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     assert torch.equal(decoded, trained)
 
 
+def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, tiny_target_dir, trained_drafters):
+    """``python -m recipes.bench_scale``, briefly, on the tiny target: the padded copy (MLPs twice as wide,
+    the new channels zero, made once and reused) gives the original's logits bit for bit, the eval on it
+    stays lossless, its weights are larger; a row per factor, the table and plot written; a recipe that is
+    not an eval exits 2."""
+    import json
+
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from recipes.bench_scale import main, pad_mlp
+
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "recipe": "eval", "output_dir": str(tmp_path / "unused"), "target": {"path": str(tiny_target_dir)},
+        "drafter": str(trained_drafters["dflash"].folder), "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
+        "decoding": {"max_new_tokens": 16, "compile": "off"}, "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}))
+    out = tmp_path / "out"
+    rows = main(["--recipe", str(recipe), "--factors", "2", "1", "--output", str(out)])
+    assert [r["factor"] for r in rows] == [1, 2] and all(r["same_logits"] and r["lossless"] for r in rows)
+    assert rows[1]["checkpoint_mb"] > rows[0]["checkpoint_mb"] > 0 and rows[1]["verify_over_plain"][1] == 1.0
+    for r in rows:
+        assert r["speedup_over_tau"] == pytest.approx(r["speedup"] / r["tau"], abs=1e-3) and r["draft_over_plain"] > 0
+    assert json.loads((out / "scale.json").read_text()) == json.loads(json.dumps(rows))
+    assert (out / "scale.png").stat().st_size > 1000
+    copy = AutoModelForCausalLM.from_pretrained(out / "targets" / "x2")
+    mlp = copy.model.layers[0].mlp
+    width = mlp.up_proj.out_features // 2
+    assert width == copy.config.intermediate_size // 2 and not mlp.up_proj.weight[width:].any() and not mlp.down_proj.weight[:, width:].any()
+    assert pad_mlp(tiny_target_dir, out / "targets" / "x2", 2) == out / "targets" / "x2"  # made once
+    with pytest.raises(SystemExit) as exit_:
+        main(["--recipe", "recipes/configs/dflash_testbed.yaml", "--output", str(out)])
+    assert exit_.value.code == 2
+
+
 @pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
                                       {"draft_vocab": 128, "draft_vocab_prompts": 4, "drafter_int8": "head"},
                                       {"draft_vocab": 96, "draft_vocab_prompts": 4, "draft_vocab_candidates": 8,
