@@ -12,7 +12,9 @@ target computes the original's function (checked per factor: its logits against 
 recipe's first prompts, bit for bit, the models' own forward in fp32). The drafter reads the same
 features and proposes the same drafts; only what a step costs grows (the MLP, ~80% of the testbed's
 matmul weights, ``f`` times the bytes and FLOPs). The padded copies are written once under
-``OUTPUT/targets`` (write, then rename) and reused.
+``OUTPUT/targets`` (write, then rename) and reused while their source and factor are the same. Any
+causal LM whose config names its MLP width (``intermediate_size``) pads; the logits check says whether
+the copy kept the function.
 
 Per factor the recipe's eval runs with ``target.path`` at the copy (1 thread, plain decoding measured
 back to back): speedup, tau, their ratio, tokens/s, the verify cost table ``t(n) / t(1)`` and the
@@ -34,14 +36,18 @@ import torch
 
 def pad_mlp(source: str | os.PathLike, folder: str | os.PathLike, factor: int) -> Path:
     """A copy of the causal LM at ``source`` in ``folder`` whose MLPs have ``factor`` times the channels,
-    the new ones zero (the same function; see the module docstring), saved in the source's dtype; the
-    tokenizer's and generation files copied beside it. Written under a temporary name, then renamed."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    the new ones zero (the same function; see the module docstring), saved in the source's dtype with the
+    source's tokenizer and generation config and a note of what it was padded from (a copy of the same
+    source and factor is reused). Written under a temporary name, then renamed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(folder)
-    if (folder / "config.json").exists():
+    folder, made = Path(folder), {"source": str(Path(source).resolve()), "factor": factor}
+    marker = folder / "padded_from.json"
+    if marker.exists() and json.loads(marker.read_text()) == made:
         return folder
     config = AutoConfig.from_pretrained(source)
+    if not isinstance(getattr(config, "intermediate_size", None), int):
+        raise ValueError(f"{source}: a config without an MLP width (intermediate_size) to pad")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=config.dtype)
     config.intermediate_size *= factor
     padded = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
@@ -59,9 +65,11 @@ def pad_mlp(source: str | os.PathLike, folder: str | os.PathLike, factor: int) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         padded.save_pretrained(tmp)
-        for extra in Path(source).iterdir():  # the tokenizer's files, the generation config
-            if extra.is_file() and not (tmp / extra.name).exists() and extra.suffix != ".safetensors":
-                shutil.copy(extra, tmp / extra.name)
+        AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+        if (Path(source) / "generation_config.json").exists():  # (the source's provenance stays with the source)
+            shutil.copy(Path(source) / "generation_config.json", tmp / "generation_config.json")
+        (tmp / marker.name).write_text(json.dumps(made))
+        shutil.rmtree(folder, ignore_errors=True)  # a copy of another source or factor
         os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -79,7 +87,7 @@ def same_logits(source: str | os.PathLike, padded: str | os.PathLike, prompts: l
 
 
 def row_of(factor: int, report: dict, same: bool, checkpoint_bytes: int) -> dict:
-    """What one factor's eval says about the step's costs."""
+    """What one factor's eval says about the step's costs (``plain_step_ms``: the cost table's one-token step)."""
     adaptive = report.get("adaptive") or {}
     verify = {int(n): ms for n, ms in adaptive.get("verify_ms", {}).items()}
     one = verify.get(1)
@@ -146,7 +154,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompts = encoded_prompts(base.prompts, base.data, base.seed, tokenizer, "cpu")[:2]
     rows = []
     for factor in sorted(set(args.factors)):
-        path = source if factor == 1 else str(pad_mlp(source, output / "targets" / f"x{factor}", factor))
+        try:
+            path = source if factor == 1 else str(pad_mlp(source, output / "targets" / f"x{factor}", factor))
+        except ValueError as e:
+            parser.exit(2, f"error: target.path: {e}\n")
         same = True if factor == 1 else same_logits(source, path, prompts)
         recipe = load_recipe(args.recipe, [*args.overrides, f"target.path={path}", f"output_dir={output / f'x{factor}'}"])
         row = row_of(factor, evaluate.main(recipe), same, sum(f.stat().st_size for f in Path(path).glob("*.safetensors")))

@@ -201,7 +201,9 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     mlp = copy.model.layers[0].mlp
     width = mlp.up_proj.out_features // 2
     assert width == copy.config.intermediate_size // 2 and not mlp.up_proj.weight[width:].any() and not mlp.down_proj.weight[:, width:].any()
+    made = (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns
     assert pad_mlp(tiny_target_dir, out / "targets" / "x2", 2) == out / "targets" / "x2"  # made once
+    assert (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns == made
     with pytest.raises(SystemExit) as exit_:
         main(["--recipe", "recipes/configs/dflash_testbed.yaml", "--output", str(out)])
     assert exit_.value.code == 2
