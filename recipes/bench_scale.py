@@ -10,7 +10,7 @@ with ``(f - 1) x intermediate_size`` channels whose ``gate`` / ``up`` rows and `
 zero: ``silu(0) * 0 = 0``, so each padded channel adds exactly ``+0`` to every sum and the padded
 target computes the original's function (checked per factor: its logits against the original's on the
 recipe's first prompts, bit for bit, the models' own forward in fp32). The drafter reads the same
-features and proposes the same drafts; only what a step costs grows (the MLP, ~80% of the testbed's
+features and proposes the same drafts; only what a step costs grows (the MLP, ~60% of the testbed's
 matmul weights, ``f`` times the bytes and FLOPs). The padded copies are written once under
 ``OUTPUT/targets`` (write, then rename) and reused while their source and factor are the same. Any
 causal LM whose config names its MLP width (``intermediate_size``) pads; the logits check says whether
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.exit(2, f"error: {e}\n")
     if base.recipe != "eval":
         parser.exit(2, f"error: --recipe {args.recipe} is a {base.recipe!r} recipe; bench_scale runs an eval recipe\n")
+    if not base.decoding.adaptive:
+        parser.exit(2, "error: decoding.adaptive = false: bench_scale reads the eval's verify cost table, which the budgets measure\n")
     source = resolve_target_path(base.target.path)
     _, tokenizer = load_target(base.target, "cpu", weights=False)
     prompts = encoded_prompts(base.prompts, base.data, base.seed, tokenizer, "cpu")[:2]

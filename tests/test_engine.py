@@ -204,9 +204,10 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     made = (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns
     assert pad_mlp(tiny_target_dir, out / "targets" / "x2", 2) == out / "targets" / "x2"  # made once
     assert (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns == made
-    with pytest.raises(SystemExit) as exit_:
-        main(["--recipe", "recipes/configs/dflash_testbed.yaml", "--output", str(out)])
-    assert exit_.value.code == 2
+    for bad in (["--recipe", "recipes/configs/dflash_testbed.yaml"], ["--recipe", str(recipe), "decoding.adaptive=false"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*bad, "--output", str(out)])
+        assert exit_.value.code == 2
 
 
 @pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
