@@ -18,7 +18,8 @@ the copy kept the function.
 
 Per factor the recipe's eval runs with ``target.path`` at the copy (1 thread, plain decoding measured
 back to back): speedup, tau, their ratio, tokens/s, the verify cost table ``t(n) / t(1)`` and the
-draft's cost in plain steps. Writes ``scale.json`` and ``scale.png``. A benchmark: run it on an
+draft's cost in plain steps, and with ``decoding.batch_sizes`` each batch size's speedup over batched plain
+decoding. Writes ``scale.json`` and ``scale.png``. A benchmark: run it on an
 otherwise idle core (``taskset -c 1``); each factor is one eval (~30-60 s on the testbed).
 """
 
@@ -97,7 +98,8 @@ def row_of(factor: int, report: dict, same: bool, checkpoint_bytes: int) -> dict
             "tokens_per_s": report["tokens_per_s"], "baseline_tokens_per_s": report["baseline_tokens_per_s"],
             "plain_step_ms": one, "verify_over_plain": {n: round(ms / one, 3) for n, ms in sorted(verify.items())} if one else {},
             "draft_over_plain": round(adaptive["draft_ms"] / one, 3) if one and adaptive.get("draft_ms") else None,
-            "mean_verified": adaptive.get("mean_verified")}
+            "mean_verified": adaptive.get("mean_verified"),
+            "batches": {row["batch"]: row["speedup"] for row in report.get("by_batch") or []}}  # with decoding.batch_sizes
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(row)
         print(f"x{factor}: a {row['checkpoint_mb']:g} MB checkpoint, same logits {same}: speedup {row['speedup']:.3f} at tau "
               f"{row['tau']:.3f} = {row['speedup_over_tau']:.3f}; plain {row['plain_step_ms']} ms a step, drafting "
-              f"{row['draft_over_plain']} plain steps; verify {row['verify_over_plain']}", flush=True)
+              f"{row['draft_over_plain']} plain steps; verify {row['verify_over_plain']}"
+              + "".join(f"; batch {b} {x:.3f}x batched plain" for b, x in row["batches"].items()), flush=True)
     output.mkdir(parents=True, exist_ok=True)
     tmp = output / ".scale.json.tmp"
     tmp.write_text(json.dumps(rows, indent=1))

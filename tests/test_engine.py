@@ -188,13 +188,15 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     recipe.write_text(yaml.safe_dump({
         "recipe": "eval", "output_dir": str(tmp_path / "unused"), "target": {"path": str(tiny_target_dir)},
         "drafter": str(trained_drafters["dflash"].folder), "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
-        "decoding": {"max_new_tokens": 16, "compile": "off"}, "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}))
+        "decoding": {"max_new_tokens": 16, "compile": "off", "batch_sizes": [2]},
+        "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}))
     out = tmp_path / "out"
     rows = main(["--recipe", str(recipe), "--factors", "2", "1", "--output", str(out)])
     assert [r["factor"] for r in rows] == [1, 2] and all(r["same_logits"] and r["lossless"] for r in rows)
     assert rows[1]["checkpoint_mb"] > rows[0]["checkpoint_mb"] > 0 and rows[1]["verify_over_plain"][1] == 1.0
     for r in rows:
         assert r["speedup_over_tau"] == pytest.approx(r["speedup"] / r["tau"], abs=1e-3) and r["draft_over_plain"] > 0
+        assert set(r["batches"]) == {2} and r["batches"][2] > 0
     assert json.loads((out / "scale.json").read_text()) == json.loads(json.dumps(rows))
     assert (out / "scale.png").stat().st_size > 1000
     copy = AutoModelForCausalLM.from_pretrained(out / "targets" / "x2")
