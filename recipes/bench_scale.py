@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -41,6 +40,8 @@ def pad_mlp(source: str | os.PathLike, folder: str | os.PathLike, factor: int) -
     source's tokenizer and generation config and a note of what it was padded from (a copy of the same
     source and factor is reused). Written under a temporary name, then renamed."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from distill.testbed import atomic_dir
 
     folder, made = Path(folder), {"source": str(Path(source).resolve()), "factor": factor}
     marker = folder / "padded_from.json"
@@ -62,18 +63,13 @@ def pad_mlp(source: str | os.PathLike, folder: str | os.PathLike, factor: int) -
             old = grown
         state[name] = old
     padded.load_state_dict(state)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    shutil.rmtree(folder, ignore_errors=True)  # a copy of another source or factor
+    with atomic_dir(folder) as tmp:
         padded.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
         if (Path(source) / "generation_config.json").exists():  # (the source's provenance stays with the source)
             shutil.copy(Path(source) / "generation_config.json", tmp / "generation_config.json")
         (tmp / marker.name).write_text(json.dumps(made))
-        shutil.rmtree(folder, ignore_errors=True)  # a copy of another source or factor
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -140,6 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from distill.config import RecipeError
     from distill.models import load_target, resolve_target_path
+    from distill.provenance import write_json_atomic
     from distill.regenerate import encoded_prompts
     from recipes import evaluate
     from recipes.registry import load_recipe
@@ -170,10 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{row['tau']:.3f} = {row['speedup_over_tau']:.3f}; plain {row['plain_step_ms']} ms a step, drafting "
               f"{row['draft_over_plain']} plain steps; verify {row['verify_over_plain']}"
               + "".join(f"; batch {b} {x:.3f}x batched plain" for b, x in row["batches"].items()), flush=True)
-    output.mkdir(parents=True, exist_ok=True)
-    tmp = output / ".scale.json.tmp"
-    tmp.write_text(json.dumps(rows, indent=1))
-    os.replace(tmp, output / "scale.json")
+    write_json_atomic(output / "scale.json", rows)
     plot(rows, output / "scale.png")
     return rows
 
