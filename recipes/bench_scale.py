@@ -74,13 +74,12 @@ def pad_mlp(source: str | os.PathLike, folder: str | os.PathLike, factor: int) -
 
 
 @torch.inference_mode()
-def same_logits(source: str | os.PathLike, padded: str | os.PathLike, prompts: list[torch.Tensor]) -> bool:
-    """Whether the two targets give bitwise the same logits over ``prompts`` (their own forward, fp32)."""
+def logits_of(folder: str | os.PathLike, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The model at ``folder``'s logits over each of ``prompts`` (its own forward, fp32)."""
     from transformers import AutoModelForCausalLM
 
-    a = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    b = AutoModelForCausalLM.from_pretrained(padded, dtype=torch.float32).eval()
-    return all(torch.equal(a(input_ids=p[None]).logits, b(input_ids=p[None]).logits) for p in prompts)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return [model(input_ids=p[None]).logits for p in prompts]
 
 
 def row_of(factor: int, report: dict, same: bool, checkpoint_bytes: int) -> dict:
@@ -153,13 +152,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     source = resolve_target_path(base.target.path)
     _, tokenizer = load_target(base.target, "cpu", weights=False)
     prompts = encoded_prompts(base.prompts, base.data, base.seed, tokenizer, "cpu")[:2]
+    reference = logits_of(source, prompts)  # each copy's, bit for bit, or it is not the same function
     rows = []
     for factor in sorted(set(args.factors)):
         try:
             path = source if factor == 1 else str(pad_mlp(source, output / "targets" / f"x{factor}", factor))
         except ValueError as e:
             parser.exit(2, f"error: target.path: {e}\n")
-        same = True if factor == 1 else same_logits(source, path, prompts)
+        same = factor == 1 or all(map(torch.equal, logits_of(path, prompts), reference))
         recipe = load_recipe(args.recipe, [*args.overrides, f"target.path={path}", f"output_dir={output / f'x{factor}'}"])
         row = row_of(factor, evaluate.main(recipe), same, sum(f.stat().st_size for f in Path(path).glob("*.safetensors")))
         rows.append(row)
