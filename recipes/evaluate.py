@@ -303,7 +303,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     for row in report.get("by_batch", []):
         scheduler = row["scheduler"] or {}
         print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
-              f"tokens/s batched plain, speedup {row['speedup']:.3f} (halves {' / '.join(map(str, row['speedup_halves']))}), "
+              f"tokens/s batched plain, speedup {row['speedup']:.3f} ({row['rounds']} x ABBA; halves "
+              f"{' / '.join(map(str, row['speedup_halves']))}), "
               f"lossless {row['lossless']}"
               + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else "")
               + (f", a copy read in {scheduler['copied_fraction']:.0%} of row-steps" if "copied_fraction" in scheduler else "")

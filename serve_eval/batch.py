@@ -801,8 +801,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
 
 def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int],
                     calibration: Budget | None = None) -> list[dict]:
-    """Batched plain and batched speculative decoding of all the prompts, each twice in the order plain,
-    speculative, speculative, plain, for each batch size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
+    """Batched plain and batched speculative decoding of all the prompts, in the order plain, speculative,
+    speculative, plain (``dec.batch_rounds`` times), for each batch size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
     (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
     calibration (``calibration``'s, when given: e.g. that of a one-row run of the same drafter, which
     learns on every step, where a batch scheduler that stops drafting learns only from its probes)
@@ -837,19 +837,25 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             return batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(), scheduler, kv,
                                                 slots=B, lookup=dec.lookup)
 
-        # plain, speculative, speculative, plain: a machine that drifts (these do) shifts both sides alike
+        # plain, speculative, speculative, plain (each round): a machine that drifts (these do) shifts both sides alike
         graph = for_drafter(drafter)
         graph_before = graph.calls if graph else 0
-        (base, base_stats), (ours, stats), (again, stats2), (base2, base_stats2) = plain(), speculative(), speculative(), plain()
-        tokens_per_s = (stats.tokens + stats2.tokens) / (stats.seconds + stats2.seconds)
-        baseline = (base_stats.tokens + base_stats2.tokens) / (base_stats.seconds + base_stats2.seconds)
-        rows.append({"batch": B, "prompts": len(prompts),
-                     "tau": round((stats.tokens + stats2.tokens) / (stats.row_steps + stats2.row_steps + 2 * len(prompts)), 4),  # each prefill reads its row once
+        outs, spec, base = [], [], []  # every run's tokens; speculative and plain runs' stats in time order
+        for _ in range(dec.batch_rounds):
+            for kind, run in (("plain", plain), ("spec", speculative), ("spec", speculative), ("plain", plain)):
+                out, run_stats = run()
+                outs.append(out)
+                (spec if kind == "spec" else base).append(run_stats)
+        tokens_per_s = sum(s.tokens for s in spec) / sum(s.seconds for s in spec)
+        baseline = sum(s.tokens for s in base) / sum(s.seconds for s in base)
+        # half k pairs speculative run k with the plain run on its side of the round (first with first)
+        halves = [(s.tokens / s.seconds) / (b.tokens / b.seconds) for s, b in zip(spec, base)]
+        rows.append({"batch": B, "prompts": len(prompts), "rounds": dec.batch_rounds,
+                     "tau": round(sum(s.tokens for s in spec) / sum(s.row_steps + len(prompts) for s in spec), 4),  # each prefill reads its row once
                      "tokens_per_s": round(tokens_per_s, 2), "baseline_tokens_per_s": round(baseline, 2),
                      "speedup": round(tokens_per_s / baseline, 4),
-                     "speedup_halves": [round((stats.tokens / stats.seconds) / (base_stats.tokens / base_stats.seconds), 4),
-                                        round((stats2.tokens / stats2.seconds) / (base_stats2.tokens / base_stats2.seconds), 4)],
-                     "lossless": ours == base == again == base2 if dec.temperature == 0 else None,
+                     "speedup_halves": [round(h, 4) for h in halves],
+                     "lossless": all(o == outs[0] for o in outs) if dec.temperature == 0 else None,
                      "scheduler": None if scheduler is None else scheduler.summary(),
                      **({"graph_drafts": graph.calls - graph_before} if graph else {})})  # drafts the compiled graph made
     return rows

@@ -605,19 +605,19 @@ def test_the_up_front_margin_is_strict_for_short_runs_and_sampled_rows():
 
 def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tmp_path, tiny_target_dir, trained_drafters):
     """``decoding.batch_sizes``: each size decodes every prompt plainly, speculatively, speculatively
-    again and plainly again (drift cancels); the row's speedup is over both pairs, each half is
-    reported, and all four outputs are the same greedy tokens."""
+    again and plainly again (drift cancels), ``batch_rounds`` times; the row's speedup pools every
+    pair, each half is reported, and all eight outputs are the same greedy tokens."""
     from recipes import evaluate
     from recipes.registry import parse_recipe
 
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
                            "drafter": str(trained_drafters["dflash"].folder),
                            "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
-                           "decoding": {"max_new_tokens": 12, "batch_sizes": [2]},
+                           "decoding": {"max_new_tokens": 12, "batch_sizes": [2], "batch_rounds": 2},
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     [row] = evaluate.main(recipe)["by_batch"]
-    assert row["batch"] == 2 and row["prompts"] == 3 and row["lossless"] is True
-    assert len(row["speedup_halves"]) == 2 and min(row["speedup_halves"]) <= row["speedup"] <= max(row["speedup_halves"])
+    assert row["batch"] == 2 and row["prompts"] == 3 and row["rounds"] == 2 and row["lossless"] is True
+    assert len(row["speedup_halves"]) == 4 and min(row["speedup_halves"]) <= row["speedup"] <= max(row["speedup_halves"])
     assert 1.0 <= row["tau"] <= 4.0 and row["scheduler"]["predicted_speedup"] > 0
     assert row["scheduler"]["up_front_margin"] == 1.6  # 3 prompts through 2 slots: a run that is mostly its tail
 

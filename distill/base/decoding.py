@@ -75,6 +75,9 @@ class DecodingSection(Strict):
                                                    "a drafter on a device of its own from them)")
     batch_sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts "
                                    "in batches of these sizes (batched plain vs batched speculative; serve_eval.batch)")
+    batch_rounds: int = Field(1, ge=1, description="batch_sizes: time plain, speculative, speculative, plain this many "
+                                                   "times per batch size; the speedup pools every round's tokens and "
+                                                   "seconds, and each half's own ratio is reported (its spread)")
 
     @field_validator("drafter_int8", "prepack", "compile", mode="before")
     @classmethod
