@@ -213,11 +213,14 @@ class BatchContext:
         """Every row's block after its context and the queued features, anchored at ``anchors`` [R, 1]:
         the drafts [R, K-1] and their logits [R, K-1, V] (drawn by ``choose`` over [R, 1, K-1, V]). One
         compiled graph reads the last step's features and the blocks together where it fits
-        (:meth:`~serve_eval.compiled.CompiledDraft.fits`), else the queue is appended first and
-        the drafter's ``block_hidden`` reads the context."""
+        (:meth:`~serve_eval.compiled.CompiledDraft.fits`; the features that several steps which did not
+        draft queued are appended first, in one product, rather than drafting eagerly at ~1.5-2x the
+        time), else the queue is appended first and the drafter's ``block_hidden`` reads the context."""
         graph, proposal = self.compiled, None
-        queued = self.pending[0] if len(self.pending) == 1 else (None, torch.zeros_like(self.lengths))
-        if graph is not None and len(self.pending) <= 1 and graph.fits(
+        if graph is not None and len(self.pending) > 1:
+            self.flush()
+        queued = self.pending[0] if self.pending else (None, torch.zeros_like(self.lengths))
+        if graph is not None and graph.fits(
                 self.keys, int((self.lengths + queued[1]).max()), 0 if queued[0] is None else queued[0].shape[1]):
             aux = queued[0] if queued[0] is not None else self.keys[0].new_zeros(len(self.lengths), 0, self.drafter.fc.in_features)
             device = aux.device

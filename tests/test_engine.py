@@ -961,6 +961,36 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     assert sum(tight) >= 0.95 * len(tight)
 
 
+def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained_drafters, monkeypatch):
+    """Steps that do not draft (a batch decoding plainly between the off switch's probes) queue a feature
+    a row each; the next draft appends them in one product and drafts through the compiled graph, giving
+    the drafts the eager path gives from the same context (rows of different lengths)."""
+    import copy
+
+    from serve_eval import compiled
+    from serve_eval.batch import BatchContext
+
+    drafter = copy.deepcopy(trained_drafters["dflash"]).fuse_projections()  # as the loops serve it
+    eager = copy.deepcopy(drafter)  # never compiled: its context drafts eagerly
+    compiled.compile_drafts(drafter, 48, rows=(2,))
+    calls, run = [], compiled.CompiledDraft.run
+    monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(len(args[0])) or run(self, *args))
+    torch.manual_seed(0)
+    width = drafter.fc.in_features
+    start, steps, anchors = torch.randn(2, 12, width), [torch.randn(2, 1, width) for _ in range(5)], torch.tensor([[3], [7]])
+    drafts = []
+    for d in (drafter, eager):
+        context = BatchContext(d)
+        context.start(start, torch.tensor([12, 9]))
+        for features in steps:
+            context.defer(features, torch.ones(2, dtype=torch.long))
+        drafts.append(context.draft(anchors, lambda x: x.argmax(-1), greedy=True))
+        assert context.lengths.tolist() == [17, 14] and not context.pending
+    assert calls == [2]  # the compiled drafter's one draft, through the graph
+    torch.testing.assert_close(drafts[0][1], drafts[1][1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(drafts[0][0], drafts[1][0])
+
+
 def test_each_compiled_drafter_has_a_graph_of_its_own():
     """Two drafters alike in every shape, one with causal blocks and one with bidirectional ones, each
     compiled (serve_eval.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
