@@ -210,10 +210,22 @@ class BlockProposer(Proposer):
         layer for both: ``decode_hidden``); steps that do not draft let them accumulate."""
         self.arrived = aux if self.arrived is None else torch.cat([self.arrived, aux], dim=1)
 
+    def _read(self, features: torch.Tensor) -> None:
+        """The context cache appends ``features`` [1, n, F] of its next positions, by the drafter's context
+        projection alone (a compiled draft reads at most ``K`` arriving features with its block)."""
+        start = self.context.length
+        positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
+        self.context.append(self.drafter.context_kv(features, positions, lean=True))
+
     @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V]."""
+        """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V].
+        Compiled (:mod:`serve_eval.compiled`), a draft reads up to ``K`` arriving features in its graph;
+        more (a prompt's, or those of steps that did not draft) are read into the context first."""
         arriving = None if self.arrived is None else self.arrived.shape[1]
+        if self.compiled is not None and arriving and arriving > self.block_size:  # a prompt's, or undrafted steps'
+            self._read(self.arrived[:, :-self.block_size])  # all but the last K: one product first, then the graph
+            self.arrived, arriving = self.arrived[:, -self.block_size:], self.block_size
         if self.compiled is not None and arriving and self.compiled.fits(self.context.keys, self.context.length + arriving, arriving):
             self.context.check_anchor(anchor_pos, self.arrived)
             hidden, proposal = self.compiled(anchor, self.context, self.arrived, self.compiled.proposes_for(sampler.greedy))

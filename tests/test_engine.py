@@ -991,6 +991,40 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     assert torch.equal(drafts[0][0], drafts[1][0])
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(trained_drafters, kind, monkeypatch):
+    """One row's draft after more than K verified features (a prompt's, or steps that did not draft)
+    reads all but the last K into the context first and drafts through the compiled graph: the drafts
+    of the eager path from the same features (its one forward over them all), the same context length."""
+    import copy
+
+    from serve_eval import compiled
+    from serve_eval.engine import BlockProposer
+    from serve_eval.sampling import Sampler
+
+    drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()  # as the loops serve it
+    eager = copy.deepcopy(drafter)
+    compiled.compile_drafts(drafter, 48)
+    calls, run = [], compiled.CompiledDraft.run
+    monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(args[2].shape[1]) or run(self, *args))
+    torch.manual_seed(0)
+    K = drafter.config.block_size
+    features = [torch.randn(1, 3 * K + 2, drafter.fc.in_features), torch.randn(1, K + 1, drafter.fc.in_features)]
+    drafts = []
+    for d in (drafter, eager):
+        proposer, out, position = BlockProposer(d), [], 0
+        for chunk, anchor in zip(features, (5, 9)):  # a prompt's features, then a step's too many
+            proposer.observe(chunk, position, None)
+            position += chunk.shape[1]
+            out.append(proposer.propose(torch.tensor(anchor), position, Sampler()))
+            assert proposer.context.length == position
+        drafts.append(out)
+    assert calls == [K, K]  # both drafts through the graph, each reading the last K features
+    for (tokens, logits), (eager_tokens, eager_logits) in zip(*drafts):
+        torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(tokens, eager_tokens)
+
+
 def test_each_compiled_drafter_has_a_graph_of_its_own():
     """Two drafters alike in every shape, one with causal blocks and one with bidirectional ones, each
     compiled (serve_eval.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
