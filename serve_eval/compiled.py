@@ -19,10 +19,11 @@ The same code drafts one row (:class:`~serve_eval.engine.BlockProposer`) or a ba
 per number of rows, each compiled when the draft is set up (:func:`compile_drafts`'s ``rows``), by a
 draft over throwaway caches, so that no timed draft pays for it (a few seconds each with inductor's
 on-disk cache warm, ~30 s cold), and one for every count below the smallest batch (its tail, as rows
-finish). A batch of another size drafts eagerly, as does one row's first draft after its prompt (more
-than ``K`` features at once) or after steps that did not draft; a batch appends what such steps queued
-in one product first and drafts through the graph (4 rows after 8 undrafted steps: 1.5-1.6 ms against
-2.0-2.3 eager, after 40: 2.4-2.7 against 3.3-3.4).
+finish). A batch of another size drafts eagerly. Where more features wait than a graph reads (``K``: a
+prompt's, or those of steps that did not draft), the loops append them to the context in one product
+first (one row all but the last ``K``, a batch all of them) and draft through the graph rather than
+eagerly (4 rows after 8 undrafted steps: 1.5-1.6 ms against 2.0-2.3 eager; after 40, 2.4-2.7 against
+3.3-3.4).
 
 Each drafter gets graphs of its own, without Dynamo's guards on its modules (they cost about a tenth
 of a compiled draft; see :func:`_without_module_guards`): compile a drafter once it is ready to
