@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from drafters import DRAFTERS, is_block_drafter
+from drafters import DRAFTERS, is_block_drafter, unwrapped
 from drafters.core import acceptance_stats, accepted_lengths, decode_walk, sample_anchors, summarize_acceptance
 
 from .base.features import FeatureCapture, default_layer_ids, final_norm
+from .data import rank_batches
 from .feature_cache import batch_features
 
 
@@ -77,17 +78,18 @@ def answer_span(loss_mask: torch.Tensor | None, row: int, length: int) -> tuple[
 def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64) -> tuple[int, int]:
     """Greedy decoding replayed over each window's answer (:func:`drafters.core.decode_walk`):
     ``(tokens, target forwards)`` summed over the batch. Block drafters draft a block at every anchor
-    of the answer (in chunks of ``chunk`` anchors); EAGLE-3's forward already drafts a chain from every
-    position (chain ``t`` is the draft after the bonus token at ``t + 1``)."""
+    of the window (in chunks of ``chunk`` anchors: how many forwards depends on the window's length
+    alone, never on its data, so every rank of a sharded model runs as many); EAGLE-3's forward
+    already drafts a chain from every position (chain ``t`` is the draft after the bonus token at
+    ``t + 1``). ``model`` may be wrapped (DDP, DeepSpeed, FSDP, compiled)."""
     B, L = ids.shape
     spans = [answer_span(loss_mask, r, L) for r in range(B)]
     if not is_block_drafter(model):
         kept = accepted_lengths(out.draft_tokens, out.target_tokens, out.scored)  # [B, chains]
         anchors = torch.arange(1, kept.shape[1] + 1, device=ids.device)[None].expand(B, -1)
     else:
-        lo = min((s[0] for s in spans if s), default=1)
         hi = L - cfg.block_size  # the last anchor whose block fits the window
-        every = torch.arange(max(lo, 1), hi + 1, device=ids.device)
+        every = torch.arange(1, hi + 1, device=ids.device)
         kept = []
         for part in every.split(chunk):
             anchors = part[None].expand(B, -1)
@@ -134,16 +136,14 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
                      accelerator=None, prefix: str = "val") -> dict:
     device = accelerator.device if accelerator else next(model.parameters()).device
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    unwrapped = accelerator.unwrap_model(model) if accelerator else model
-    cfg = unwrapped.config
+    cfg = unwrapped(model).config
     n = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
     sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     batches = torch.zeros((), dtype=torch.float64, device=device)
-    confs, labels = [], []
+    confs, labels, confident = [], [], False
     walk = torch.zeros(2, dtype=torch.float64, device=device)  # tokens, target forwards of the replayed decoding
-    starts = list(range(0, n, batch_size))
-    for b in starts[rank::world]:
+    for b, real in rank_batches(n, batch_size, rank, world):  # as many forwards on every rank (ZeRO-3 / FSDP gathers)
         batch = windows.collate(list(range(b, min(b + batch_size, n)))).to(device)
         ids, aux, last = batch_features(batch, capture)
         kwargs = {}
@@ -152,14 +152,17 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
             kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen,
                                                loss_mask=batch.loss_mask)
         out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
-        walk += torch.tensor(replay_decoding(model, cfg, ids, aux, last, batch.loss_mask, out), dtype=torch.float64, device=device)
+        weight = float(real)  # a padding batch runs for its collectives and counts nowhere (every sum's keys alike)
+        walk += weight * torch.tensor(replay_decoding(model, cfg, ids, aux, last, batch.loss_mask, out), dtype=torch.float64,
+                                      device=device)
         chains = out.scored.all(-1)  # only drafts whose every label is scored (responses, not prompts)
         stats = acceptance_stats(out.draft_tokens[chains], out.target_tokens[chains], out.accept[chains])
         for k, v in stats.items():
-            sums[k] = sums.get(k, 0) + v
-        loss_sum += out.loss.double()
-        batches += 1
-        if out.confidence is not None:
+            sums[k] = sums.get(k, 0) + weight * v
+        loss_sum += weight * out.loss.double()
+        batches += weight
+        confident = out.confidence is not None
+        if confident and real:
             confs.append(out.confidence[out.scored].float().cpu())
             labels.append((out.draft_tokens == out.target_tokens)[out.scored].cpu())
     if accelerator:
@@ -168,10 +171,10 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
         walk = accelerator.reduce(walk, "sum")
     metrics = {f"{prefix}_loss": (loss_sum / batches).item(), **summarize_acceptance(sums, prefix),
                f"{prefix}_simulated_tau": (walk[0] / walk[1].clamp_min(1)).item()}
-    if confs:
+    if confident:  # the same on every rank (the model's kind), so every rank gathers
         from accelerate.utils import gather_object
 
-        conf, label = torch.cat(confs), torch.cat(labels)
+        conf, label = torch.cat(confs or [torch.zeros(0)]), torch.cat(labels or [torch.zeros(0, dtype=torch.bool)])
         if accelerator and world > 1:
             conf, label = torch.cat(gather_object([conf])), torch.cat(gather_object([label]))
         metrics[f"{prefix}_confidence_ece"] = expected_calibration_error(conf, label)

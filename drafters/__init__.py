@@ -6,6 +6,7 @@ only effect at import. :data:`DRAFTERS` is the one registry of drafter kinds: a 
 ``drafter.kind``, a config's ``model_type`` (``draftsmith_<kind>``) and :func:`kind_of` all read it.
 """
 
+import torch
 from transformers import AutoConfig, AutoModel
 
 from .core import BlockDrafter, DrafterConfig, DrafterOutput, save_without_target_io, shares_target_io  # noqa: F401  (public API)
@@ -30,6 +31,28 @@ def kind_of(config) -> str | None:
     return kind if kind in DRAFTERS and model_type == DRAFTERS[kind][0].model_type else None
 
 
+def unwrapped(model):
+    """The model inside any training wrapper (``torch.compile``, DDP, FSDP, a DeepSpeed engine): what its
+    kind is read from. Wrappers hide the class, so ``isinstance`` on a wrapped model is always False.
+    (accelerate's ``extract_model_from_parallel`` does the same but imports DeepSpeed on every call; an
+    engine exists only where DeepSpeed was imported already.)"""
+    import sys
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    wrappers = (DistributedDataParallel, DataParallel, FullyShardedDataParallel)
+    if "deepspeed" in sys.modules:
+        wrappers += (sys.modules["deepspeed"].DeepSpeedEngine,)
+    while True:
+        if isinstance(model, torch.nn.Module) and "_orig_mod" in model.__dict__.get("_modules", {}):
+            model = model._orig_mod  # torch.compile's OptimizedModule
+        elif isinstance(model, wrappers):
+            model = model.module
+        else:
+            return model
+
+
 def is_block_drafter(model) -> bool:
-    """DFlash / DSpark: one forward drafts a whole block from the target's features."""
-    return isinstance(model, BlockDrafter)
+    """DFlash / DSpark (bare or wrapped, :func:`unwrapped`): one forward drafts a whole block from the target's features."""
+    return isinstance(unwrapped(model), BlockDrafter)
