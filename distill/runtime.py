@@ -62,6 +62,29 @@ def make_accelerator(train: TrainConfig, seed: int, project_dir: str | Path, wan
     return acc
 
 
+def deepspeed_grad_clip(plugin, grad_clip: float | None) -> None:
+    """Make the DeepSpeed engine clip gradients at the recipe's ``optim.grad_clip`` (``None``: no clipping,
+    DeepSpeed's ``0.0``). Called with the accelerator's ``DeepSpeedPlugin`` before ``accelerator.prepare``,
+    which is when DeepSpeed reads its config.
+
+    Under DeepSpeed the engine clips inside its own step (accelerate's ``clip_grad_norm_`` only reads the
+    norm afterwards), at its config's ``gradient_clipping``. Left to accelerate, that value is not the
+    recipe's: ``"auto"`` (what the shipped launch configs give) becomes 1.0 at ``prepare``, and an absent
+    key is DeepSpeed's 0.0, no clipping. Both become the recipe's value here. A number the launch sets
+    itself (a DeepSpeed config file, ``accelerate launch --gradient_clipping``) must equal it: a different
+    one raises :class:`RecipeError` rather than training with a clip the recipe does not record."""
+    want = float(grad_clip or 0.0)
+    config = plugin.deepspeed_config
+    have = config.get("gradient_clipping")
+    if have not in (None, "auto") and float(have) != want:
+        raise RecipeError(
+            f"the DeepSpeed config sets gradient_clipping={have} but the recipe's optim.grad_clip is {grad_clip}: "
+            "the recipe decides the clip under DeepSpeed too; set gradient_clipping to \"auto\" (or remove it) in the "
+            "DeepSpeed config, or set optim.grad_clip to the same value")
+    config["gradient_clipping"] = want
+    plugin.gradient_clipping = want
+
+
 def run_strategy(acc, model) -> dict:
     """How this run is parallelised, read from what really ran: accelerate's distributed type, the
     world size, the class ``prepare`` wrapped the model in (``DeepSpeedEngine``, ``FullyShardedDataParallel``,

@@ -7,7 +7,8 @@ everything else, on top of ``accelerate`` (so DDP, DeepSpeed and FSDP come from 
 * gradient accumulation (``accelerator.accumulate``), AdamW, warmup + cosine / WSD / constant
   learning rate (``transformers`` schedules), gradient clipping;
 * a step whose loss or gradient norm is not finite on *any* process is skipped (no update) and
-  counted; the data it consumed stays consumed, so resumes stay aligned;
+  counted; the data it consumed stays consumed, so resumes stay aligned. Under DeepSpeed, whose
+  engine steps inside ``accelerator.backward``, the skip happens there (:meth:`Trainer.train_step`);
 * periodic evaluation, ``best`` chosen by a named metric, ``latest`` every ``save_every`` steps;
 * exact resume: model, optimizer, scheduler, every process's RNG state, and the data position
   (samples consumed) are restored, so a killed-and-resumed run ends with the same weights as an
@@ -38,7 +39,7 @@ from .config import OptimConfig, TrainConfig
 from .data import PackedWindows
 from .perf import Throughput, measured_matmul_peak
 from .provenance import update_json_atomic
-from .runtime import log_acceptance, log_checkpoint_artifact, run_strategy
+from .runtime import deepspeed_grad_clip, log_acceptance, log_checkpoint_artifact, run_strategy
 
 
 @dataclass
@@ -138,6 +139,9 @@ class Trainer:
         self.state = TrainerState()
 
         optimizer = build_optimizer(model, optim_cfg)
+        self.deepspeed = accelerator.state.deepspeed_plugin is not None
+        if self.deepspeed:  # its engine clips inside its step, at its config's value: the recipe's
+            deepspeed_grad_clip(accelerator.state.deepspeed_plugin, optim_cfg.grad_clip)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # The scheduler is built on the prepared optimizer (DeepSpeed ZeRO-3 regroups the parameters)
         # and deliberately not prepared: accelerate would step it once per process.
@@ -233,8 +237,15 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
+        """One optimizer step over ``grad_accum`` micro-batches per process.
+
+        Skipping: the processes agree, before the backward of the step's last micro-batch, whether every
+        loss of the step was finite on every process (one all-reduce). If not, the weights, the optimizer
+        state (moments, step count) and DeepSpeed's fp32 master weights stay as they were, and the step is
+        counted in ``skipped_steps``; the scheduler, the step counter and the data position still advance.
+        The step is also skipped when the gradient norm is not finite (see :meth:`_optimizer_step`)."""
         cfg, acc = self.cfg, self.acc
-        finite = True
+        finite = all_finite = True
         loss_sum = torch.zeros((), device=acc.device)
         logs_sum: dict[str, float] = {}
         for micro in range(cfg.grad_accum):
@@ -243,20 +254,15 @@ class Trainer:
             with acc.accumulate(self.model):
                 loss, logs = self.loss_fn(self.model, batch)
                 finite &= bool(torch.isfinite(loss))
-                acc.backward(loss)
+                if micro == cfg.grad_accum - 1:  # the backward below ends the step (and steps a DeepSpeed engine)
+                    all_finite = acc.reduce(torch.tensor(float(finite), device=acc.device), "sum").item() == self.world
+                acc.backward(self._backward_loss(loss, all_finite))
             loss_sum += loss.detach()
             for k, v in logs.items():
                 logs_sum[k] = logs_sum.get(k, 0.0) + float(v)
-        all_finite = acc.reduce(torch.tensor(float(finite), device=acc.device), "sum").item() == self.world
-        grad_norm = None  # unknown without clipping, or when DeepSpeed clips inside its engine
-        if all_finite and self.grad_clip:
-            norm = acc.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            grad_norm = None if norm is None else float(norm)
-        if all_finite and (grad_norm is None or math.isfinite(grad_norm)):
-            self.optimizer.step()
-        else:
+        applied, grad_norm = self._deepspeed_outcome(all_finite) if self.deepspeed else self._optimizer_step(all_finite)
+        if not applied:
             self.state.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.state.step += 1
@@ -272,6 +278,52 @@ class Trainer:
             out[f"count/{name}"] = total
         out.update({f"train/{k}": v / cfg.grad_accum for k, v in logs_sum.items()})
         return out
+
+    def _backward_loss(self, loss: torch.Tensor, all_finite: bool) -> torch.Tensor:
+        """The loss to back-propagate: ``loss`` itself, except under DeepSpeed on a step to skip, where it
+        is ``loss * NaN`` so that every gradient this process contributes is NaN.
+
+        DeepSpeed's engine steps inside the last ``accelerator.backward``, before the trainer could decline
+        to; the one step it declines itself is one whose gradients are not finite (its overflow check: it
+        discards the gradients and leaves the weights, the fp32 master weights, the optimizer state and its
+        scheduler untouched). Non-finite gradients on every process are what a non-finite loss on any
+        process is turned into here: a loss can be NaN with finite gradients (a NaN that no parameter
+        reaches), and a loss that is finite here can belong to a step another process must skip. A loss
+        made finite instead (zero) would not do: AdamW would still advance its moments and step count and
+        decay the weights. Without DeepSpeed the optimizer is simply not stepped (:meth:`_optimizer_step`)."""
+        return loss * float("nan") if self.deepspeed and not all_finite else loss
+
+    def _optimizer_step(self, all_finite: bool) -> tuple[bool, float | None]:
+        """Without DeepSpeed: clip (when the recipe says so) and step the optimizer if every loss was
+        finite and so is the gradient norm. Returns (whether the weights were updated, the gradient
+        norm before clipping, or ``None`` when it was not computed)."""
+        grad_norm = None
+        if all_finite and self.grad_clip:
+            norm = self.acc.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            grad_norm = None if norm is None else float(norm)
+        applied = all_finite and (grad_norm is None or math.isfinite(grad_norm))
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return applied, grad_norm
+
+    def _deepspeed_outcome(self, all_finite: bool) -> tuple[bool, float | None]:
+        """Under DeepSpeed, after the engine stepped (inside the last ``accelerator.backward``): whether it
+        updated the weights, and the gradient norm it computed before clipping (``inf`` for a step it
+        discarded; ``None`` where its config turns the norm off). The engine also discards a step whose
+        loss was finite but whose gradients were not, as :meth:`_optimizer_step` does.
+
+        Raises if the engine applied a step whose loss was not finite: its config does not check the
+        gradients (:meth:`_backward_loss` relies on that check), and the weights are no longer usable."""
+        wrapped = self.acc.deepspeed_engine_wrapped
+        applied = wrapped.engine.was_step_applied()
+        if applied and not all_finite:
+            raise RuntimeError(
+                f"DeepSpeed applied step {self.state.step + 1} although its loss was not finite: this DeepSpeed config does not "
+                "discard steps with non-finite gradients (e.g. ZeRO stage 0 in fp32, zero_optimization.compute_grad_norm: false, "
+                "bf16.check_grad_overflow: false). Use ZeRO-2/3 with DeepSpeed's default checks (accelerate_configs/*zero*.yaml)")
+        norm = wrapped.get_global_grad_norm()
+        return applied, None if norm is None else float(norm)
 
     def fit(self) -> TrainResult:
         cfg, acc = self.cfg, self.acc
