@@ -28,7 +28,7 @@ The result is the same loss (sums over chunks divided by the scored-token count,
 Held-out evaluation reports the student's own loss / perplexity / accuracy on the data, the forward
 KL(p || q) at temperature 1 per token (nats), and top-1 agreement (student argmax == teacher argmax:
 the per-position greedy acceptance rate when the student drafts). Every rank runs the same number of
-forwards (:func:`even_batches`), as ZeRO-3 / FSDP need.
+forwards (:func:`distill.data.rank_batches`), as ZeRO-3 / FSDP need.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from drafters.pard import mask_blocks
 
+from .data import rank_batches
 from .lm import inputs_and_labels, next_token_ce
 
 DIVERGENCE_BETA = {"forward_kl": 0.0, "reverse_kl": 1.0}
@@ -190,18 +191,6 @@ def chunked_kd_terms(student_states, student_head, teacher_states, teacher_head,
     return div / count, (ce / count if with_ce else None)
 
 
-def even_batches(n: int, batch_size: int, rank: int, world: int) -> list[tuple[int, bool]]:
-    """This rank's share of an evaluation over items ``0 .. n-1`` in batches of ``batch_size``, as
-    ``(first item, real)`` pairs. Batches are dealt round-robin (rank ``r`` gets batches ``r, r + world,
-    ..``) and every rank gets ``ceil(batches / world)`` pairs: a rank short of one gets a padding pair
-    (``real`` False: batch 0 again, whose results the caller drops), so every rank runs the same number
-    of forwards. Under ZeRO-3 / FSDP every forward gathers parameters collectively, and a rank with one
-    forward more than another would wait for it forever. Every item is in exactly one real pair."""
-    starts = list(range(0, n, batch_size))
-    mine = starts[rank::world]
-    return [(start, True) for start in mine] + [(0, False)] * (-(-len(starts) // world) - len(mine))
-
-
 @torch.no_grad()
 def evaluate_student(student, teacher, windows, batch_size: int, max_batches: int | None = None,
                      accelerator=None, **forward_kwargs) -> dict:
@@ -211,7 +200,7 @@ def evaluate_student(student, teacher, windows, batch_size: int, max_batches: in
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     n = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # nll, correct, kl, agree, count
-    for start, real in even_batches(n, batch_size, rank, world):
+    for start, real in rank_batches(n, batch_size, rank, world):
         batch = windows.collate(list(range(start, min(start + batch_size, n)))).to(device)
         batch_sums = student_sums(student, teacher, batch, forward_kwargs)
         if real:  # a padding batch ran its forwards for the collectives; its numbers are dropped
@@ -254,7 +243,7 @@ def evaluate_pard(student, teacher, windows, batch_size: int, pard, mask_token_i
     n = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
     K = pard.draft_tokens
     sums = torch.zeros(K + 2, dtype=torch.float64, device=device)  # agreements per depth, run lengths, blocks
-    for start, real in even_batches(n, batch_size, rank, world):
+    for start, real in rank_batches(n, batch_size, rank, world):
         batch = windows.collate(list(range(start, min(start + batch_size, n)))).to(device)
         batch_sums = pard_sums(student, teacher, batch, pard, mask_token_id, torch.Generator().manual_seed(seed + start))
         if real:  # a padding batch ran its forwards for the collectives; its numbers are dropped

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from distill.base.flops import flops_per_token, matmul_params
 from distill.config import ModelConfig, PardSection
 from distill.data import Batch
-from distill.kd import evaluate_pard, evaluate_student, even_batches, kd_loss_fn
+from distill.kd import evaluate_pard, evaluate_student, kd_loss_fn
 from distill.models import build_causal_lm
 
 V, B, L = 300, 2, 32  # vocabulary, windows a batch, window length (inputs)
@@ -169,15 +169,6 @@ class HeldOut:
 
     def collate(self, idx):
         return Batch(self.batch.input_ids[idx], self.batch.loss_mask[idx])
-
-
-@pytest.mark.parametrize("n, batch_size, world", [(11, 2, 4), (5, 4, 3), (8, 2, 4), (0, 2, 2), (3, 1, 1)])
-def test_even_batches_give_every_rank_the_same_count_and_every_item_once(n, batch_size, world):
-    shares = [even_batches(n, batch_size, rank, world) for rank in range(world)]
-    assert len({len(share) for share in shares}) == 1
-    real = sorted(i for share in shares for start, is_real in share if is_real for i in range(start, min(start + batch_size, n)))
-    assert real == list(range(n))
-    assert all(start == 0 for share in shares for start, is_real in share if not is_real)
 
 
 @pytest.mark.parametrize("kind", ["student", "pard"])
