@@ -21,6 +21,16 @@ from .data import rank_batches
 from .feature_cache import batch_features
 
 
+def target_rope(config) -> dict:
+    """The target's RoPE settings (``rope_parameters``) for a drafter. A target with one set per layer
+    type (Gemma 3: local RoPE on its sliding layers, global on the others) gives its full-attention
+    layers' set: the drafter attends to the whole context, as those layers do."""
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    if "rope_type" not in rope and "full_attention" in rope:
+        rope = rope["full_attention"]
+    return dict(rope)
+
+
 def build_drafter(section, target, target_name: str, mask_token_id: int | None):
     """A randomly initialised drafter of ``section.kind`` sized for ``target``, with its embeddings and head."""
     tc = target.config
@@ -38,7 +48,8 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
         head_dim=tc.hidden_size // heads,
         intermediate_size=section.intermediate_size or tc.intermediate_size,
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-        rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        rope_parameters=target_rope(tc),
+        embed_scale=float(getattr(target.get_input_embeddings(), "embed_scale", 1.0)),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
         hidden_act=getattr(tc, "hidden_act", "silu"),
         target_hidden_size=tc.hidden_size,

@@ -141,12 +141,18 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
     try:
         if weights:
             with _whole_under_zero3():
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+                attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=attention)
         else:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[cfg.dtype])
             device = "meta"
         tokenizer = AutoTokenizer.from_pretrained(path)
+    except ValueError as e:  # e.g. an attention kernel the architecture does not support (gpt-oss and SDPA)
+        if "attn" not in str(e).lower() and "attention" not in str(e).lower():
+            raise
+        raise RecipeError(f"target.attn_implementation: {cfg.attn_implementation!r} cannot load {path}: "
+                          f"{str(e).splitlines()[0]} (use 'auto')") from None
     except OSError as e:  # a hub id that cannot be fetched (no network, no cache, no access)
         if Path(path).exists():
             raise

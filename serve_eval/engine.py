@@ -64,14 +64,15 @@ class TargetSession:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, last: bool = False) -> tuple[torch.Tensor, TargetFeatures | None]:
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                last: bool = False, key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
         """Read ``ids`` [1, n] at the next positions: logits [n, V] (``last``: the last position's only,
         [1, V], as a prompt's prefill reads them) and the features of those positions."""
         n = ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(self.length, self.length + n, device=ids.device)[None]
-        logits, feats = self.run(ids, position_ids, attention_mask, self.cache, torch.tensor([n - 1]) if last else None)
+        logits, feats = self.run(ids, position_ids, attention_mask, self.cache, torch.tensor([n - 1]) if last else None,
+                                 key_positions)
         self.length += n
         return logits[0], feats
 
@@ -89,7 +90,8 @@ class TargetSession:
         n = ids.shape[1]
         positions = (self.length + depths.to(ids.device))[None]
         mask = torch.cat([torch.ones(n, self.length, dtype=torch.bool), ancestors], dim=1)[None, None].to(ids.device)
-        return self.forward(ids, position_ids=positions, attention_mask=mask)
+        keys = torch.cat([torch.arange(self.length, device=ids.device), positions[0]])[None]  # the nodes' positions
+        return self.forward(ids, position_ids=positions, attention_mask=mask, key_positions=keys)
 
     @torch.inference_mode()
     def keep(self, prefix: int, nodes: list[int]) -> None:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 KV_FORMATS = ("full", "int8", "fp8", "int4")
 
@@ -267,12 +267,13 @@ class QuantizedLayer(InPlaceLayer):
 
 
 def inplace_cache(config, kv: KVQuant | None = None) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers write in place, quantized as
-    ``kv`` says (None: in the model's dtype); sliding-window and other special layers stay
-    transformers' own."""
+    """A ``DynamicCache`` for ``config`` whose every attention layer writes in place, quantized as ``kv``
+    says (None: in the model's dtype). Sliding-window layers keep their whole history too (a rollback
+    may return past the window; the masks apply it, :mod:`serve_eval.windows`); other special layers
+    stay transformers' own."""
     cache = DynamicCache(config=config)
-    cache.layers = [(InPlaceLayer() if kv is None else QuantizedLayer(kv)) if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
+    cache.layers = [(InPlaceLayer() if kv is None else QuantizedLayer(kv)) if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+                    else layer for layer in cache.layers]
     return cache
 
 

@@ -39,6 +39,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from distill.base.features import FeatureCapture, TargetFeatures
 
+from .windows import LayerMasks
+
 #: model classes whose forward :class:`LeanForward` reproduces, and their decoder layer's class
 SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen3ForCausalLM": "Qwen3DecoderLayer"}
 _OFF = contextvars.ContextVar("lean_forward_off", default=False)
@@ -158,23 +160,29 @@ class TargetForward:
     def __init__(self, target, capture: FeatureCapture | None = None):
         self.target, self.capture, self.lean = target, capture, lean_forward(target)
         self.keeps = "logits_to_keep" in inspect.signature(target.forward).parameters
+        self.masks = LayerMasks(target)  # a caller's mask, per layer (sliding windows, eager attention's form)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
+                 cache, logits_at: torch.Tensor | None = None,
+                 key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
+        """``attention_mask``: None (causal over the cache) or a boolean [B, 1, n, slots] visibility mask;
+        ``key_positions`` [B, slots]: each slot's position where it is not the slot's index (a tree's
+        nodes), for windowed layers (:mod:`serve_eval.windows`)."""
         capture = self.capture
         if self.lean is not None:
-            logits, captured = self.lean(input_ids, position_ids, attention_mask, cache,
-                                         None if capture is None else capture.layer_ids, logits_at)
+            mask = None if attention_mask is None else self.masks.prepare(attention_mask)
+            logits, captured = self.lean(input_ids, position_ids, mask, cache, None if capture is None else capture.layer_ids, logits_at)
             return logits, None if capture is None else capture.features(captured)
-        kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
-        if logits_at is not None and self.keeps:  # each row's own position (transformers' slice_logits_to_keep)
-            kwargs["logits_to_keep"], logits_at = logits_at.to(input_ids.device)[:, None], None
-        if capture is None:
-            logits, features = self.target(**kwargs).logits, None
-        else:
-            with capture.hooks() as captured:
-                logits = self.target(**kwargs).logits
-            features = capture.features(captured)
+        with self.masks.applied(attention_mask, position_ids, key_positions) as mask:
+            kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True)
+            if logits_at is not None and self.keeps:  # each row's own position (transformers' slice_logits_to_keep)
+                kwargs["logits_to_keep"], logits_at = logits_at.to(input_ids.device)[:, None], None
+            if capture is None:
+                logits, features = self.target(**kwargs).logits, None
+            else:
+                with capture.hooks() as captured:
+                    logits = self.target(**kwargs).logits
+                features = capture.features(captured)
         if logits_at is not None:  # a model that computes every position's logits: read the rows' own
             logits = torch.take_along_dim(logits, logits_at.to(logits.device)[:, None, None], dim=1)
         return logits, features

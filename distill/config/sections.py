@@ -200,7 +200,8 @@ class TargetConfig(Strict):
 
     path: str = Field("testbed", description="'testbed' (shipped), a local folder or a hub id")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="auto: transformers' choice for the model (SDPA where it supports it; gpt-oss: eager)")
 
     @field_validator("path")
     @classmethod

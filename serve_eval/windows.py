@@ -1,0 +1,99 @@
+"""Sliding-window attention in the decoding loops (Mistral, Gemma 3, gpt-oss, Qwen3 with windows).
+
+A windowed layer lets the token at position ``p`` attend to keys at positions ``k`` with
+``p - window < k <= p`` (transformers' ``sliding_window_overlay``). transformers' own sliding cache
+keeps only the last ``window - 1`` entries, so it cannot be rolled back past a rejected draft. The loops
+therefore keep every layer's whole history (:func:`serve_eval.kv.inplace_cache`: the window costs no
+memory saving here) and apply the window in the mask:
+
+* a forward without a mask of its own (a prompt, a chain) lets the model build its masks: over a
+  full cache transformers' sliding mask applies the window to absolute positions, exactly as it
+  would over its own sliding cache;
+* a forward with a visibility mask of the caller's (a tree's ancestors, a batch's rows) reaches the
+  model as a finished 4-D mask, which transformers hands to every layer unchanged. :class:`LayerMasks`
+  gives each windowed layer that mask with its window cut in, by the *positions* of queries and keys
+  (a tree node's position is its depth, not its slot), through a pre-hook on the layer's attention
+  for the duration of the forward.
+
+Invariant: a token's attention sees exactly the keys plain decoding's would, so the loops stay
+lossless on windowed targets (tested per family, with contexts past the window).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from distill.base.features import decoder_layers
+
+
+def layer_windows(target) -> list[int | None]:
+    """Each decoder layer's sliding window (None: it attends to the whole context). An attention
+    module's own ``sliding_window`` wins (Gemma 3, gpt-oss, Qwen3); else the config's ``layer_types``
+    with ``sliding_window`` (or every layer windowed, Mistral's way). Other layer kinds (chunked
+    attention) are refused: the loops would not reproduce them."""
+    config = target.config
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    out = []
+    for i, layer in enumerate(decoder_layers(target)):
+        kind = types[i] if types else "sliding_attention"
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"{type(target).__name__} layer {i} is '{kind}': the decoding loops support full and "
+                             f"sliding-window attention only")
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and hasattr(attention, "sliding_window"):
+            out.append(attention.sliding_window)
+        else:
+            out.append(window if kind == "sliding_attention" else None)
+    return out
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the additive one eager attention adds to its scores (0 / dtype min)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+class LayerMasks:
+    """Per-layer attention masks for a target's forward with a caller's 4-D visibility mask: the mask as
+    given where a layer sees everything, the mask with the layer's window cut in where it has one, each
+    converted to the additive form where the model attends eagerly (eager attention adds its mask)."""
+
+    def __init__(self, target):
+        windows = layer_windows(target)
+        layers = decoder_layers(target)
+        self.windowed = [(layer.self_attn, w) for layer, w in zip(layers, windows) if w is not None]
+        self.eager = target.config._attn_implementation == "eager"
+        self.dtype = next(target.parameters()).dtype
+
+    def prepare(self, mask: torch.Tensor) -> torch.Tensor:
+        return additive(mask, self.dtype) if self.eager and mask.dtype == torch.bool else mask
+
+    @contextlib.contextmanager
+    def applied(self, mask: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor | None):
+        """Within: ``mask`` [B, 1, n, S] (boolean, or None) is what the model gets (:meth:`prepare`d), and each
+        windowed layer's attention gets ``mask & (query position - key position < window)``. Query
+        positions [B, n]; key positions [B, S] (None: a key's slot is its position)."""
+        if mask is None or not self.windowed:
+            yield None if mask is None else self.prepare(mask)
+            return
+        if key_positions is None:
+            key_positions = torch.arange(mask.shape[-1], device=mask.device)[None]
+        distance = query_positions.to(mask.device)[:, None, :, None] - key_positions.to(mask.device)[:, None, None, :]
+        cut = {w: self.prepare(mask & (distance < w)) for w in {w for _, w in self.windowed}}
+        handles = [attention.register_forward_pre_hook(functools.partial(_with_mask, cut[w]), with_kwargs=True)
+                   for attention, w in self.windowed]
+        try:
+            yield self.prepare(mask)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _with_mask(mask, _module, args, kwargs):
+    if "attention_mask" not in kwargs:
+        raise RuntimeError("a windowed attention layer was called without an attention_mask keyword: the decoding "
+                           "loop cannot cut its window in")
+    return args, {**kwargs, "attention_mask": mask}
