@@ -158,8 +158,33 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
             raise
         raise RecipeError(f"target.path: '{path}' could not be loaded from the hub ({str(e).splitlines()[0]}); with "
                           f"no network, set HF_HUB_OFFLINE=1 to use the local cache, or give a local folder") from None
+    model = text_only(model)
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def text_only(model):
+    """The causal LM inside a multimodal checkpoint (Gemma 3's ``Gemma3ForConditionalGeneration``: a vision
+    tower and projector beside the language model): the text config's own ``...ForCausalLM`` holding the
+    checkpoint's decoder and head, the rest dropped. Drafters read and serve text; every layer lookup
+    (``model.model.layers``) and config read (``config.vocab_size``) then works as for a text model.
+    A text model is returned as it is; a multimodal one whose decoder does not fit its text class is refused."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    text = config.get_text_config()
+    if text is config:
+        return model
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(text)
+    decoder = model.get_decoder()
+    if type(shell.model) is not type(decoder):
+        raise RecipeError(f"target: {type(model).__name__} is multimodal and its language model ({type(decoder).__name__}) does not "
+                          f"fit {type(shell).__name__}: give the text-only checkpoint")
+    shell.model, shell.lm_head = decoder, model.get_output_embeddings()
+    shell.config._attn_implementation = decoder.config._attn_implementation
+    shell.generation_config = model.generation_config
+    return shell
 
 
 def model_summary(model) -> dict:

@@ -59,3 +59,19 @@ def save_family(name: str, folder: Path, tokenizer) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_gemma3_multimodal(folder: Path, tokenizer) -> Path:
+    """A tiny Gemma 3 checkpoint with a vision tower (``Gemma3ForConditionalGeneration``), as the hub's
+    ``gemma-3-*-it`` checkpoints are laid out."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, SiglipVisionConfig
+
+    text = family_config("gemma3", len(tokenizer), {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id})
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                patch_size=14)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                          mm_tokens_per_image=4)).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

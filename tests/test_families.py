@@ -18,7 +18,7 @@ from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
-from .families import FAMILIES, WINDOW, WINDOWED, family_model, save_family
+from .families import FAMILIES, WINDOW, WINDOWED, family_model, save_family, save_gemma3_multimodal
 from .test_engine import ScriptedProposer
 from .test_sampling import ALPHA, chi_square_pvalue
 
@@ -141,3 +141,20 @@ def test_sampling_follows_the_target_distribution(family):
             out, _ = speculative_generate(target, d, prompt, 3, sampler=sampler, mode=mode, tree_budget=4)
             counts[out[1], out[2]] += 1
         assert chi_square_pvalue(counts, exact) > ALPHA, mode
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_as_its_text_model(tmp_path, tokenizer):
+    """The hub's Gemma 3 checkpoints hold a vision tower beside the language model: the target is the
+    language model alone (its decoder and head, the same logits), which drafters build on and the loop decodes."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_gemma3_multimodal(tmp_path / "gemma3_mm", tokenizer)
+    full = AutoModelForCausalLM.from_pretrained(folder).eval()
+    target, _ = load_target(TargetConfig(path=str(folder)))
+    assert type(full).__name__ == "Gemma3ForConditionalGeneration" and type(target).__name__ == "Gemma3ForCausalLM"
+    prompt = prompts(1)[0]
+    with torch.no_grad():
+        assert torch.equal(target(prompt[None]).logits, full(prompt[None]).logits)
+    reference, _ = plain_generate(target, prompt, MAX_NEW)
+    assert reference == full.generate(prompt[None], max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt):].tolist()
+    assert speculative_generate(target, drafter(target, "dflash", tokenizer), prompt, MAX_NEW, mode="tree")[0] == reference
