@@ -49,7 +49,6 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
         intermediate_size=section.intermediate_size or tc.intermediate_size,
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
         rope_parameters=target_rope(tc),
-        embed_scale=float(getattr(target.get_input_embeddings(), "embed_scale", 1.0)),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
         hidden_act=getattr(tc, "hidden_act", "silu"),
         target_hidden_size=tc.hidden_size,

@@ -367,19 +367,6 @@ class ContextCache:
 
 # --------------------------------------------------------------------------------------------------
 # Shared config and model base
-class ScaledEmbedding(nn.Embedding):
-    """The target's token embedding as the target applies it: its table times ``scale`` (Gemma multiplies
-    by sqrt(hidden); 1 for most families). The scale comes from the drafter's config, not its weights."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float = 1.0):
-        super().__init__(num_embeddings, embedding_dim)
-        self.scale = float(scale)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = super().forward(input_ids)
-        return out if self.scale == 1.0 else out * torch.tensor(self.scale, dtype=out.dtype)
-
-
 # --------------------------------------------------------------------------------------------------
 
 
@@ -424,7 +411,6 @@ class DrafterConfig(PretrainedConfig):
         loss_chunk: int | None = None,
         mask_implementation: str = "auto",
         draft_vocab_size: int | None = None,
-        embed_scale: float = 1.0,
         **kwargs,
     ):
         if block_attention not in ("bidirectional", "causal"):
@@ -462,7 +448,6 @@ class DrafterConfig(PretrainedConfig):
             raise ValueError(f"mask_implementation must be 'auto', 'dense' or 'flex', got {mask_implementation!r}")
         self.mask_implementation = mask_implementation  # the blocks' mask: auto = flex for > 128 block queries on CUDA
         self.draft_vocab_size = draft_vocab_size  # drafts only from these many target tokens (drafters.vocab); None: all
-        self.embed_scale = embed_scale  # the target's embedding multiplier (Gemma: sqrt(hidden)), applied as the target does
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -512,7 +497,9 @@ class DrafterBase(PreTrainedModel):
             super()._init_weights(module)
 
     def _make_target_io(self, cfg) -> None:
-        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, getattr(cfg, "embed_scale", 1.0))
+        # the target's raw table: a target that scales its embeddings (Gemma, by sqrt(hidden)) does so in its
+        # own forward in vLLM and SGLang, whose drafters read the shared table unscaled, as this one does
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if getattr(cfg, "draft_vocab_size", None):  # a saved draft vocabulary (drafters.vocab): its ids load into this
             self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size))
