@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from drafters import unwrapped
 from drafters.pard import mask_blocks
 
+from .base.masks import LayerMasks
 from .data import rank_batches
 from .lm import inputs_and_labels, next_token_ce
 
@@ -62,6 +64,13 @@ def jsd_sum(student_logits, teacher_logits, beta: float, temperature: float) -> 
 
     return GKDTrainer.generalized_jsd_loss(student_logits.float(), teacher_logits.float(), beta=beta,
                                            temperature=temperature, reduction="sum")
+
+
+def block_masks(model, blocks):
+    """Context for a student's forward over PARD's mask blocks: yields the mask to pass, and meanwhile gives
+    each windowed layer the blocks' mask with its window cut in, by position (:mod:`distill.base.masks`):
+    a mask slot attends as the served drafter's token at that position will. ``model`` may be wrapped."""
+    return LayerMasks(unwrapped(model)).applied(blocks.attention_mask, blocks.position_ids, blocks.position_ids)
 
 
 def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_weight: float, student_kwargs=None,
@@ -85,9 +94,9 @@ def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_wei
         else:  # mask slots learn the target's distribution (and label) at the window position they draft for
             gen = torch.Generator().manual_seed(seed * 1_000_003 + (batch.first_sample or 0))
             blocks = mask_blocks(inputs, labels != -100, mask_token_id, pard.draft_tokens, pard.anchors, pard.keep, gen)
-            out, student_states, student_head = forward_to_head(
-                model, chunk is not None, input_ids=blocks.input_ids, position_ids=blocks.position_ids,
-                attention_mask=blocks.attention_mask, **extra)
+            with block_masks(model, blocks) as mask:
+                out, student_states, student_head = forward_to_head(
+                    model, chunk is not None, input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=mask, **extra)
             teacher_states = torch.cat([teacher_states, teacher_states.gather(
                 1, blocks.source[..., None].expand(-1, -1, teacher_states.shape[-1]))], dim=1)
             labels = torch.cat([labels, torch.where(blocks.valid, labels.gather(1, blocks.source), -100)], dim=1)
@@ -264,7 +273,8 @@ def pard_sums(student, teacher, batch, pard, mask_token_id: int, generator: torc
     scored = labels != -100
     scored[:, inputs.shape[1] - K:] = False  # whole blocks only
     blocks = mask_blocks(inputs, scored, mask_token_id, K, pard.anchors, 1.0, generator)
-    s = student(input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask).logits
+    with block_masks(student, blocks) as mask:
+        s = student(input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=mask).logits
     t = teacher(input_ids=inputs).logits.argmax(-1)
     L = inputs.shape[1]
     slot_agree = (s[:, L:].argmax(-1) == t.gather(1, blocks.source)) & blocks.valid  # [B, M], blocks of K - 1

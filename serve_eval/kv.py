@@ -269,7 +269,7 @@ class QuantizedLayer(InPlaceLayer):
 def inplace_cache(config, kv: KVQuant | None = None) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose every attention layer writes in place, quantized as ``kv``
     says (None: in the model's dtype). Sliding-window layers keep their whole history too (a rollback
-    may return past the window; the masks apply it, :mod:`serve_eval.windows`); other special layers
+    may return past the window; the masks apply it, :mod:`distill.base.masks`); other special layers
     stay transformers' own."""
     cache = DynamicCache(config=config)
     cache.layers = [(InPlaceLayer() if kv is None else QuantizedLayer(kv)) if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)

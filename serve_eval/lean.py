@@ -38,8 +38,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from distill.base.features import FeatureCapture, TargetFeatures
-
-from .windows import LayerMasks
+from distill.base.masks import LayerMasks
 
 #: model classes whose forward :class:`LeanForward` reproduces, and their decoder layer's class
 SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen3ForCausalLM": "Qwen3DecoderLayer"}
@@ -167,7 +166,7 @@ class TargetForward:
                  key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
         """``attention_mask``: None (causal over the cache) or a boolean [B, 1, n, slots] visibility mask;
         ``key_positions`` [B, slots]: each slot's position where it is not the slot's index (a tree's
-        nodes), for windowed layers (:mod:`serve_eval.windows`)."""
+        nodes), for windowed layers (:mod:`distill.base.masks`)."""
         capture = self.capture
         if self.lean is not None:
             mask = None if attention_mask is None else self.masks.prepare(attention_mask)

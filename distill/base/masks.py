@@ -1,22 +1,23 @@
-"""Sliding-window attention in the decoding loops (Mistral, Gemma 3, gpt-oss, Qwen3 with windows).
+"""A caller's attention mask, given to every layer as that layer attends: sliding windows and eager attention.
 
-A windowed layer lets the token at position ``p`` attend to keys at positions ``k`` with
-``p - window < k <= p`` (transformers' ``sliding_window_overlay``). transformers' own sliding cache
-keeps only the last ``window - 1`` entries, so it cannot be rolled back past a rejected draft. The loops
-therefore keep every layer's whole history (:func:`serve_eval.kv.inplace_cache`: the window costs no
-memory saving here) and apply the window in the mask:
+A windowed layer (Mistral, Gemma 3, gpt-oss, Qwen3 with windows) lets the token at position ``p``
+attend to keys at positions ``k`` with ``p - window < k <= p`` (transformers' ``sliding_window_overlay``).
+When a model builds its own masks it applies every layer's window; a finished 4-D mask of the caller's
+(a draft tree's ancestors, a batch's rows, PARD's mask blocks) reaches every layer unchanged, window or
+not. :class:`LayerMasks` gives each windowed layer the caller's mask with its window cut in, by the
+*positions* of queries and keys (a tree node's position is its depth, not its slot; a PARD mask slot's
+is its anchor's plus its index), through a pre-hook on the layer's attention for the duration of the
+forward; and converts a boolean mask to the additive form eager attention adds to its scores.
 
-* a forward without a mask of its own (a prompt, a chain) lets the model build its masks: over a
-  full cache transformers' sliding mask applies the window to absolute positions, exactly as it
-  would over its own sliding cache;
-* a forward with a visibility mask of the caller's (a tree's ancestors, a batch's rows) reaches the
-  model as a finished 4-D mask, which transformers hands to every layer unchanged. :class:`LayerMasks`
-  gives each windowed layer that mask with its window cut in, by the *positions* of queries and keys
-  (a tree node's position is its depth, not its slot), through a pre-hook on the layer's attention
-  for the duration of the forward.
+The decoding loops keep every layer's whole history (:func:`serve_eval.kv.inplace_cache`: transformers'
+sliding cache keeps only the last ``window - 1`` entries and cannot be rolled back past a rejected
+draft), so there a forward without a mask of its own (a prompt, a chain) lets the model apply its
+windows to absolute positions, exactly as over its own sliding cache, and a forward with one goes
+through :class:`LayerMasks`.
 
-Invariant: a token's attention sees exactly the keys plain decoding's would, so the loops stay
-lossless on windowed targets (tested per family, with contexts past the window).
+Invariant: each token's attention sees exactly the keys the model's own causal forward gives it, so the
+loops stay lossless on windowed targets and PARD trains what it serves (tested per family, with
+contexts past the window).
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ class LayerMasks:
     converted to the additive form where the model attends eagerly (eager attention adds its mask)."""
 
     def __init__(self, target):
-        windows = layer_windows(target)
-        layers = decoder_layers(target)
-        self.windowed = [(layer.self_attn, w) for layer, w in zip(layers, windows) if w is not None]
+        windowed = getattr(target.config, "sliding_window", None) is not None  # no window: no layer lookup (any model)
+        windows = layer_windows(target) if windowed else []
+        self.windowed = [(layer.self_attn, w) for layer, w in zip(decoder_layers(target), windows) if w is not None]
         self.eager = target.config._attn_implementation == "eager"
         self.dtype = next(target.parameters()).dtype
 
