@@ -18,6 +18,7 @@ from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
+from .conftest import reset_accelerate
 from .families import FAMILIES, WINDOW, WINDOWED, family_model, save_family, save_gemma3_multimodal
 from .test_engine import ScriptedProposer
 from .test_sampling import ALPHA, chi_square_pvalue
@@ -34,10 +35,16 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory, tokenizer):
-    """Each family saved as a checkpoint folder and loaded the way a recipe loads a target."""
+def folders(tmp_path_factory, tokenizer):
+    """Each family saved as a checkpoint folder, as a hub checkpoint is laid out."""
     root = tmp_path_factory.mktemp("families")
-    return {name: load_target(TargetConfig(path=str(save_family(name, root / name, tokenizer))))[0] for name in FAMILIES}
+    return {name: save_family(name, root / name, tokenizer) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def targets(folders):
+    """Each family loaded the way a recipe loads its target."""
+    return {name: load_target(TargetConfig(path=str(folder)))[0] for name, folder in folders.items()}
 
 
 def prompts(count: int = 3) -> list[torch.Tensor]:
@@ -158,3 +165,63 @@ def test_a_multimodal_gemma3_checkpoint_serves_as_its_text_model(tmp_path, token
     reference, _ = plain_generate(target, prompt, MAX_NEW)
     assert reference == full.generate(prompt[None], max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt):].tolist()
     assert speculative_generate(target, drafter(target, "dflash", tokenizer), prompt, MAX_NEW, mode="tree")[0] == reference
+
+
+def train(recipe: dict):
+    from recipes.registry import parse_recipe, run_recipe
+
+    reset_accelerate()
+    return run_recipe(parse_recipe(recipe))
+
+
+def short_run(out, target_dir, recipe: str, **sections) -> dict:
+    """Two steps of a training recipe on 40 stdlib files, evaluated and saved once."""
+    return {"recipe": recipe, "output_dir": str(out), "seed": 0, "target": {"path": str(target_dir)},
+            "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
+            "optim": {"lr": 3e-3, "warmup_steps": 1},
+            "train": {"max_steps": 2, "micro_batch_size": 4, "eval_every": 2, "eval_batches": 1, "save_every": 2, "log_every": 1,
+                      "torch_threads": 1}, **sections}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_drafter_trains_and_exports_behind_the_parity_gate(tmp_path, folders, family):
+    """DFlash and DSpark online, EAGLE-3 from an offline feature cache, two steps each against the family's
+    target; each exports to every format that can hold it, and the parity gate reloads each from disk and
+    passes (equal logits, measured tau as simulated)."""
+    from transformers import AutoModel
+
+    for kind, features in (("dflash", {"mode": "online"}), ("dspark", {"mode": "online"}),
+                           ("eagle3", {"mode": "offline", "cache_dir": str(tmp_path / "cache"), "dtype": "float32"})):
+        block = {"qk_norm": True} if kind != "eagle3" else {}
+        run = tmp_path / kind
+        summary = train(short_run(run, folders[family], "train_drafter", features={**features, "max_windows": 16},
+                                  drafter={"kind": kind, "num_layers": 1, "block_size": 4, "num_anchors": 8, "markov_rank": 16, **block}))
+        assert summary["steps"] == 2 and summary["val_simulated_tau"] >= 1.0, (kind, summary)
+        manifest = train({"recipe": "export", "output_dir": str(tmp_path / f"{kind}_export"), "seed": 0,
+                          "drafter": str(run / "checkpoints" / "best"), "target": {"path": str(folders[family])},
+                          "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 40},
+                          "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
+                          "gate": {"max_new_tokens": 24}, "torch_threads": 1})
+        exported = {fmt for fmt, rec in manifest["formats"].items() if rec["folder"]}
+        assert manifest["gate"]["passed"] and exported == ({"transformers", "speculators", "sglang_eagle3"} if kind == "eagle3"
+                                                           else {"transformers", "speculators"}), (kind, manifest["formats"])
+        assert AutoModel.from_pretrained(tmp_path / f"{kind}_export" / "transformers").config.model_type == f"draftsmith_{kind}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pard_student_of_the_targets_family_trains_and_drafts_losslessly(tmp_path, folders, targets, tokenizer, family):
+    """``student.arch: target``: a one-layer student of the target's own family, started from its first layer
+    (PARD's layer dropping), distilled with PARD's mask blocks (each windowed layer gets its window), then
+    drafting K tokens a forward in the loop."""
+    from transformers import AutoModelForCausalLM
+
+    summary = train(short_run(tmp_path, folders[family], "distill_student", student={"arch": "target", "num_layers": 1},
+                              init_from_target_layers=[0], distill={"divergence": "forward_kl", "ce_weight": 0.0},
+                              pard={"draft_tokens": 4, "anchors": 4, "keep": 0.6}))
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    assert type(student) is type(targets[family]) and student.config.num_hidden_layers == 1 and summary["steps"] == 2
+    prompt = prompts(1)[0]
+    reference, _ = plain_generate(targets[family], prompt, MAX_NEW)
+    assert speculative_generate(targets[family], student, prompt, MAX_NEW)[0] == reference
