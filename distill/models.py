@@ -10,6 +10,7 @@ that return a :class:`~distill.config.ModelConfig`; :func:`build_causal_lm` turn
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,8 +133,8 @@ def _whole_under_zero3():
 def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: bool = True):
     """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder.
     ``weights=False``: the model built from its config on the meta device (shapes and dtypes, no
-    memory, nothing downloaded but the config and tokenizer), for dry runs."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    memory, nothing downloaded but the config and tokenizer), for dry runs (:func:`meta_target`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import parcae  # noqa: F401  (registers Parcae with the Auto classes)
 
@@ -143,11 +144,10 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
             with _whole_under_zero3():
                 attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=attention)
+            tokenizer = AutoTokenizer.from_pretrained(path)
         else:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[cfg.dtype])
+            model, tokenizer = meta_target(path, DTYPES[cfg.dtype])
             device = "meta"
-        tokenizer = AutoTokenizer.from_pretrained(path)
     except ValueError as e:  # e.g. an attention kernel the architecture does not support (gpt-oss and SDPA)
         if "attn" not in str(e).lower() and "attention" not in str(e).lower():
             raise
@@ -160,6 +160,38 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
                           f"no network, set HF_HUB_OFFLINE=1 to use the local cache, or give a local folder") from None
     model = text_only(model)
     model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+@dataclass(frozen=True)
+class ConfigTokenIds:
+    """What a dry run reads of a tokenizer it cannot load: the special ids a target's config.json names
+    (no mask token: recipes that need one set it, e.g. ``drafter.mask_token_id``)."""
+
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+    mask_token_id: int | None = None
+
+
+def meta_target(path: str, dtype: torch.dtype):
+    """``(model, tokenizer)``: the target at ``path`` (a folder or hub id) built on the meta device from
+    its config, with its tokenizer. Inside :func:`distill.config.targets.allow_shipped_target_configs`, a
+    hub id whose config and tokenizer are not both in the hub cache and that has a shipped config is built
+    from that config (nothing is fetched), with :class:`ConfigTokenIds` for a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .config.targets import shipped_config_for_dry_run
+
+    shipped = shipped_config_for_dry_run(path)
+    if shipped is None:
+        config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    else:
+        config = AutoConfig.from_pretrained(shipped)
+        tokenizer = ConfigTokenIds(getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None),
+                                   getattr(config, "pad_token_id", None))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model, tokenizer
 
 

@@ -9,13 +9,17 @@
 RECIPE is a YAML path or the name of a shipped recipe (``draftsmith run dflash_testbed`` from any
 directory; ``draftsmith ls`` lists them). ``run`` validates the recipe (exit status 2 and nothing
 written on any error), then calls the entry point its ``recipe:`` key names (:mod:`recipes.registry`).
-``--dry-run`` validates and builds the recipe's models without training. The same command runs under
+``--dry-run`` validates and builds the recipe's models on the meta device without training, and a
+training recipe prints its memory per GPU (:mod:`recipes.dry_run`) for ``--num-processes`` GPUs at
+``--zero-stage`` (default 8, ZeRO-2); a hub target the hub cache lacks is built from its shipped config
+(``recipes/configs/targets/``), so real-target recipes dry-run offline. The same command runs under
 ``accelerate launch ... -m recipes.cli run RECIPE``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -28,6 +32,7 @@ EXAMPLES = {
   draftsmith run dflash_testbed train.max_steps=200          # a shipped recipe by name, with an override
   draftsmith run recipes/configs/eval_testbed.yaml drafter=distill/assets/testbed_dflash decoding.mode=tree
   draftsmith run dflash_qwen3_8b --dry-run                   # validate, build on the meta device, estimate memory
+  draftsmith run dflash_qwen3_30b_a3b --dry-run --num-processes 4 --zero-stage 3   # ... for another launch
   accelerate launch --config_file accelerate_configs/zero3.yaml -m recipes.cli run dflash_qwen3_8b""",
     "validate": """examples:
   draftsmith validate dspark_testbed
@@ -72,8 +77,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="dotted overrides, values parsed as YAML scalars (train.max_steps=20, 'x.y=[1, 2]')")
         if name == "run":
             p.add_argument("--dry-run", action="store_true",
-                           help="validate and build the models (on the meta device for large targets), print a "
-                                "summary with the memory estimate, train nothing")
+                           help="validate and build the models on the meta device, print a summary (JSON) and the "
+                                "memory per GPU, train nothing; a hub target not in the cache is built from its "
+                                "shipped config (recipes/configs/targets/)")
+            p.add_argument("--num-processes", type=_positive_int, metavar="N",
+                           help="with --dry-run: the GPUs (processes) the memory estimate is for (default: 8)")
+            p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], metavar="{0,1,2,3}",
+                           help="with --dry-run: the DeepSpeed ZeRO stage the memory estimate assumes; 0 = no DeepSpeed "
+                                "(DDP or one process) (default: 2)")
     ev = command("eval", "speculative vs plain decoding of a target with a drafter (writes OUTPUT_DIR/report.json)")
     ev.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (DFlash, DSpark, EAGLE-3 or any causal LM)")
     ev.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
@@ -159,13 +170,25 @@ def _ls(recipes: bool) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    dry_run = args.command == "run" and args.dry_run
+    if args.command == "run" and not dry_run and (args.num_processes or args.zero_stage is not None):
+        parser.error("--num-processes and --zero-stage size the --dry-run estimate; a real run takes its launch from accelerate")
 
     from distill.runtime import quiet_third_party
 
     quiet_third_party()
     from distill.config import RecipeError
+    from distill.config.targets import allow_shipped_target_configs
     from recipes.registry import load_recipe, parse_recipe, run_recipe
 
     if args.command == "ls":
@@ -202,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "eval_reports": args.eval_report, "draft_vocab": args.draft_vocab, "push_to_hub": push},
                                   source="draftsmith export")
             return _run_export(recipe)
-        recipe = load_recipe(args.recipe, args.overrides)
+        with allow_shipped_target_configs() if dry_run else contextlib.nullcontext():
+            recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -211,13 +235,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if recipe.recipe == "export" and not args.dry_run:
         return _run_export(recipe)
+    if dry_run:
+        return _dry_run(recipe, args)
     try:
-        result = run_recipe(recipe, dry_run=args.dry_run)
+        run_recipe(recipe)
     except RecipeError as e:  # found once the models are built (a layer-map pattern that matches nothing, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _dry_run(recipe, args) -> int:
+    """The recipe's dry-run summary as JSON, then its memory table (training recipes)."""
+    from distill.config import RecipeError
+    from recipes.dry_run import Launch, estimate_for, format_memory_table
+    from recipes.registry import run_recipe
+
+    launch = Launch(**{k: v for k, v in (("num_processes", args.num_processes), ("zero_stage", args.zero_stage)) if v is not None})
+    try:
+        with estimate_for(launch):
+            result = run_recipe(recipe, dry_run=True)
+    except RecipeError as e:  # found once the models are built (a layer-map pattern that matches nothing, ...)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, default=str))
+    if "memory_gib_per_device" in result:
+        print(format_memory_table(result["memory_gib_per_device"]))
     return 0
 
 

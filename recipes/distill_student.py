@@ -23,7 +23,10 @@ beside the trained one as in drafter recipes). The divergence itself is TRL's
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+
+import torch
 
 from distill.base.flops import flops_per_token
 from distill.config import DistillStudentRecipe, RecipeError
@@ -35,10 +38,46 @@ from distill.regenerate import training_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import recurrence_curve, training_forward_kwargs, unwrap
+from recipes.dry_run import (
+    Launch,
+    activation_bytes,
+    current_launch,
+    loss_bytes,
+    memory_table,
+    meta_target,
+    trained_layers,
+    training_state,
+    weight_bytes,
+)
 from recipes.quant_stage import QuantStage
 from recipes.train_lm import finish_lm_run
 
 SCHEMA = DistillStudentRecipe
+
+
+def memory_estimate(recipe: DistillStudentRecipe, target, student, launch: Launch | None = None) -> dict:
+    """GiB per GPU for one micro batch under ``launch`` (default: :func:`recipes.dry_run.current_launch`),
+    printed by ``--dry-run``; an estimate from shapes, every term as :mod:`recipes.dry_run` defines it.
+    The student's positions are the window's plus, with ``pard``, up to ``anchors x (draft_tokens - 1)``
+    appended mask slots a row; its activations are over those positions and the layers that carry
+    gradients. The loss holds both models' logits over the target's vocabulary for every position
+    (``distill.loss_chunk`` unset) or for a chunk of them, computed from the last hidden states: then
+    the teacher's last hidden states are held as ``features``."""
+    launch = launch or current_launch()
+    train, chunk = recipe.train, recipe.distill.loss_chunk
+    appended = recipe.pard.anchors * (recipe.pard.draft_tokens - 1) if recipe.pard else 0
+    positions = train.micro_batch_size * (recipe.data.seq_len + appended)
+    held = positions if chunk is None else min(positions, chunk)
+    teacher_states = positions * target.config.hidden_size * next(target.parameters()).element_size()
+    parts = {
+        "target_weights": weight_bytes(target.parameters()),
+        **training_state(student, train.mixed_precision, launch),
+        "features": 0 if chunk is None else teacher_states,
+        "activations": activation_bytes(positions, student.config.hidden_size, trained_layers(recipe.student), train.mixed_precision),
+        "loss_logits": loss_bytes(held, target.config.vocab_size, "divergence"),
+    }
+    return memory_table(parts, launch, train.mixed_precision, loss_positions_held=held, loss_positions_per_batch=positions,
+                        trainable_parameters=sum(p.numel() for p in student.parameters() if p.requires_grad))
 
 
 def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
@@ -46,8 +85,10 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
 
     ### Target (frozen) and student, in the target's vocabulary
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
-    target, tokenizer = load_target(recipe.target, acc.device if acc else "cpu")
-    student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
+    # a dry run builds both models on the meta device: shapes only, no weights read or allocated
+    target, tokenizer = meta_target(recipe.target) if dry_run else load_target(recipe.target, acc.device)
+    with torch.device("meta") if dry_run else contextlib.nullcontext():
+        student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
     if recipe.init_from_target_layers:
         init_from_target_layers(student, target, recipe.init_from_target_layers)
     pard = recipe.pard
@@ -58,7 +99,8 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
         student.config.pard = {"draft_tokens": pard.draft_tokens, "mask_token_id": mask_id}
     quant = QuantStage(recipe.quant, student)  # the layer map against this student: errors before any compute
     if dry_run:
-        return {"student": model_summary(student), "target": model_summary(target), "quant": quant.summary()}
+        return {"student": model_summary(student), "target": model_summary(target), "quant": quant.summary(),
+                "memory_gib_per_device": memory_estimate(recipe, target, student)}
 
     ### Data, tokenized with the target's tokenizer
     with acc.main_process_first():
@@ -76,7 +118,7 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     d = recipe.distill
     depths = (lambda model, batch: training_forward_kwargs(model, batch, recipe.seed)) if parcae_cfg else None
     loss_fn = kd_loss_fn(target, d.divergence, d.beta, d.temperature, d.ce_weight, depths, pard,
-                         pard and student.config.pard["mask_token_id"], recipe.seed)
+                         pard and student.config.pard["mask_token_id"], recipe.seed, chunk=d.loss_chunk)
 
     def evaluate(m, max_batches):
         metrics = evaluate_student(m, target, val, recipe.train.micro_batch_size, max_batches, acc)

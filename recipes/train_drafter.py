@@ -31,6 +31,17 @@ from distill.runtime import end_run, init_tracking, make_accelerator, set_thread
 from distill.trainer import Trainer
 from drafters.core import sample_anchors
 from drafters.vocab import coverage, frequent_tokens, restrict_vocab
+from recipes.dry_run import (
+    GiB,  # noqa: F401  (the estimate's unit, re-exported)
+    Launch,
+    activation_bytes,
+    current_launch,
+    loss_bytes,
+    memory_table,
+    meta_target,
+    training_state,
+    weight_bytes,
+)
 from recipes.quant_stage import QuantStage
 
 
@@ -46,21 +57,16 @@ def drafter_flops_per_token(drafter, target, seq_len: int, online: bool = True) 
     return 6 * weights * drafted + (flops_per_token(target, seq_len, training=False) if online else 0.0)
 
 
-GiB = 2 ** 30
-
-
-def memory_estimate(recipe: TrainDrafterRecipe, target, drafter) -> dict:
-    """GiB per device for one micro batch, before any ZeRO / FSDP sharding (an estimate from shapes,
-    printed by ``--dry-run``; not a measurement). The frozen target's weights; the drafter's trainable
-    weights with fp32 gradients and AdamW moments (16 bytes a parameter; ZeRO-2 divides all but the
-    weights by the world size); the drafter's frozen embeddings and head; the captured features; the
-    drafter's layer activations (~34 bytes x hidden per token and layer in 16-bit, Korthikanti et al.);
-    and the loss: the fp32 logits it holds at once (drafter's and target's, their softmaxes and the
-    gradient: ~6 copies of positions x vocabulary), all positions of the batch or ``drafter.loss_chunk``."""
+def memory_estimate(recipe: TrainDrafterRecipe, target, drafter, launch: Launch | None = None) -> dict:
+    """GiB per GPU for one micro batch under ``launch`` (default: :func:`recipes.dry_run.current_launch`),
+    printed by ``--dry-run``; an estimate from shapes, every term as :mod:`recipes.dry_run` defines it.
+    The drafter's frozen embeddings and head are ``frozen_weights``; ``features`` are the captured
+    target layers and final hidden state; activations run over the drafted positions (blocks x block
+    size; EAGLE-3: every position at every training-time-test step); the loss holds the drafted
+    positions' logits (whole blocks of ``drafter.loss_chunk``, or the whole batch) over the draft
+    vocabulary."""
+    launch = launch or current_launch()
     cfg, train = drafter.config, recipe.train
-    nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    act_bytes = 2 if train.mixed_precision != "no" else 4
     rows, seq = train.micro_batch_size, recipe.data.seq_len
     if cfg.model_type == "draftsmith_eagle3":  # every step's logits over every position live until the backward
         drafted = positions = seq * cfg.ttt_steps
@@ -68,20 +74,16 @@ def memory_estimate(recipe: TrainDrafterRecipe, target, drafter) -> dict:
         drafted, positions = cfg.num_anchors * cfg.block_size, cfg.num_anchors * (cfg.block_size - 1)
     positions *= rows
     held = positions if cfg.loss_chunk is None else min(positions, max(cfg.loss_chunk, cfg.block_size - 1))
-    features = rows * seq * cfg.target_hidden_size * (len(cfg.target_layer_ids) + 1) * act_bytes
+    feature_size = next(target.parameters()).element_size()
     parts = {
-        "target_weights": nbytes(target.parameters()),
-        "drafter_weights_grads_adam": 16 * trainable,
-        "drafter_frozen": nbytes(p for p in drafter.parameters() if not p.requires_grad),
-        "features": features,
-        "activations": 34 * rows * drafted * cfg.hidden_size * cfg.num_hidden_layers * act_bytes,
-        "loss_logits": 6 * held * cfg.vocab_size * 4,
+        "target_weights": weight_bytes(target.parameters()),
+        **training_state(drafter, train.mixed_precision, launch),
+        "features": rows * seq * cfg.target_hidden_size * (len(cfg.target_layer_ids) + 1) * feature_size,
+        "activations": activation_bytes(rows * drafted, cfg.hidden_size, cfg.num_hidden_layers, train.mixed_precision),
+        "loss_logits": loss_bytes(held, recipe.drafter.draft_vocab or cfg.vocab_size, "divergence"),
     }
-    out = {k: round(v / GiB, 2) for k, v in parts.items()}
-    out["total"] = round(sum(parts.values()) / GiB, 2)
-    out["loss_positions_held"] = held
-    out["loss_positions_per_batch"] = positions
-    return out
+    return memory_table(parts, launch, train.mixed_precision, loss_positions_held=held, loss_positions_per_batch=positions,
+                        trainable_parameters=sum(p.numel() for p in drafter.parameters() if p.requires_grad))
 
 
 def offline_windows(recipe, acc, capture, target, data_record, train, val):
@@ -123,14 +125,14 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     ### Target (frozen) and drafter
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
     # a dry run builds both models on the meta device: shapes only, no weights read or allocated
-    target, tokenizer = load_target(recipe.target, acc.device if acc else "meta", weights=not dry_run)
+    target, tokenizer = meta_target(recipe.target) if dry_run else load_target(recipe.target, acc.device)
     mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
     with torch.device("meta") if dry_run else contextlib.nullcontext():
         drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
     quant = QuantStage(recipe.quant, drafter)  # the layer map against this drafter: errors before any compute
     if dry_run:
-        return {"drafter": model_summary(drafter), "target_layer_ids": drafter.config.target_layer_ids,
+        return {"drafter": model_summary(drafter), "target": model_summary(target), "target_layer_ids": drafter.config.target_layer_ids,
                 "quant": quant.summary(), "memory_gib_per_device": memory_estimate(recipe, target, drafter)}
 
     ### Data, tokenized with the target's tokenizer; features online or from a cache

@@ -29,10 +29,27 @@ from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import curve_rows, parcae_lm_loss, recurrence_curve
+from recipes.dry_run import Launch, activation_bytes, current_launch, loss_bytes, memory_table, trained_layers, training_state
 from recipes.plots import plot_recurrence_curve
 from recipes.quant_stage import QuantStage
 
 SCHEMA = TrainLMRecipe
+
+
+def memory_estimate(recipe: TrainLMRecipe, model, launch: Launch | None = None) -> dict:
+    """GiB per GPU for one micro batch under ``launch`` (default: :func:`recipes.dry_run.current_launch`),
+    printed by ``--dry-run``, as :mod:`recipes.dry_run` defines each term: no target, cross-entropy over
+    the whole [B, T, V] logits, activations of the layers that carry gradients (Parcae: its core
+    ``backprop_depth`` times)."""
+    launch = launch or current_launch()
+    train, positions = recipe.train, recipe.train.micro_batch_size * recipe.data.seq_len
+    parts = {
+        **training_state(model, train.mixed_precision, launch),
+        "activations": activation_bytes(positions, recipe.model.hidden_size, trained_layers(recipe.model), train.mixed_precision),
+        "loss_logits": loss_bytes(positions, model.config.vocab_size, "cross_entropy"),
+    }
+    return memory_table(parts, launch, train.mixed_precision, loss_positions_held=positions, loss_positions_per_batch=positions,
+                        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
 def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
@@ -47,7 +64,8 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
         else:
             vocab, ids = recipe.tokenizer.vocab_size, None
         model = build_causal_lm(recipe.model, vocab, ids)
-        return {"model": model_summary(model), "quant": QuantStage(recipe.quant, model).summary()}
+        return {"model": model_summary(model), "quant": QuantStage(recipe.quant, model).summary(),
+                "memory_gib_per_device": memory_estimate(recipe, model)}
 
     ### Accelerator, data, tokenizer
     acc = make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)

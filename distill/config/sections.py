@@ -15,6 +15,7 @@ from drafters import DRAFTERS
 from ..base.decoding import GateSettings
 from ..base.schema import Strict
 from .paths import HUB_ID, existing_path, local_or_hub, pretrained_folder, resolve_path
+from .targets import shipped_config_for_dry_run
 
 #: a drafter kind: a key of :data:`drafters.DRAFTERS`
 DrafterKind = Literal[tuple(DRAFTERS)]  # type: ignore[valid-type]
@@ -208,6 +209,8 @@ class TargetConfig(Strict):
     def _target_exists(cls, v: str) -> str:
         if v == "testbed":
             return v
+        if shipped_config_for_dry_run(v) is not None:
+            return v  # a dry run builds it from its shipped config (distill.config.targets)
         v = local_or_hub(v, "target", "config.json")
         if Path(os.path.expanduser(v)).is_dir():  # a local folder: whole weights and a tokenizer
             from ..checks import check_checkpoint, check_tokenizer
@@ -380,6 +383,8 @@ class DistillSection(Strict):
     beta: float = Field(0.5, gt=0, lt=1, description="generalized JSD interpolation (divergence = jsd)")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of both distributions")
     ce_weight: float = Field(0.0, ge=0, le=1, description="share of cross-entropy on the data's tokens")
+    loss_chunk: Optional[int] = Field(None, gt=0, description="scored positions per chunk of the KD loss, computed from the "
+                                                              "last hidden states so no [B, T, V] logits exist; None = whole logits")
 
 
 class PardSection(Strict):
