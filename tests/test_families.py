@@ -175,9 +175,9 @@ def train(recipe: dict):
 
 
 def short_run(out, target_dir, recipe: str, **sections) -> dict:
-    """Two steps of a training recipe on 40 stdlib files, evaluated and saved once."""
+    """Two steps of a training recipe on 12 stdlib files, evaluated and saved once."""
     return {"recipe": recipe, "output_dir": str(out), "seed": 0, "target": {"path": str(target_dir)},
-            "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
+            "data": {"source": "stdlib", "seq_len": 64, "max_documents": 12, "val_fraction": 0.1},
             "optim": {"lr": 3e-3, "warmup_steps": 1},
             "train": {"max_steps": 2, "micro_batch_size": 4, "eval_every": 2, "eval_batches": 1, "save_every": 2, "log_every": 1,
                       "torch_threads": 1}, **sections}
