@@ -145,14 +145,17 @@ def trained_layers(model_cfg) -> int:
 
 
 def memory_table(parts: dict[str, float], launch: Launch, mixed_precision: str, **counts) -> dict:
-    """The machine-readable table: every :data:`MEMORY_KEYS` term in GiB per GPU (0 when absent),
-    ``total``, the launch assumed, ``counts`` (positions and the like) and the formulas."""
+    """The machine-readable table: every :data:`MEMORY_KEYS` term in GiB per GPU (0 when absent) and
+    ``total``, rounded to 0.01; the same in whole bytes under ``bytes``; the launch assumed, ``counts``
+    (positions and the like) and the formulas."""
     unknown = set(parts) - set(MEMORY_KEYS)
     if unknown:
         raise KeyError(f"not memory terms: {sorted(unknown)}")
-    table = {k: round(parts.get(k, 0) / GiB, 2) for k in MEMORY_KEYS}
-    table["total"] = round(sum(parts.values()) / GiB, 2)
+    exact = {k: int(parts.get(k, 0)) for k in MEMORY_KEYS}
+    exact["total"] = sum(exact.values())
+    table = {k: round(v / GiB, 2) for k, v in exact.items()}
     table.update(num_processes=launch.num_processes, zero_stage=launch.zero_stage, mixed_precision=mixed_precision, **counts)
+    table["bytes"] = exact
     table["formulas"] = FORMULAS
     return table
 
