@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from distill.base.features import LAYER_ID_CONVENTION, FeatureCapture
-from distill.config import TrainDrafterRecipe
+from distill.config import RecipeError, TrainDrafterRecipe
 from distill.data import make_windows
 from distill.drafter_eval import build_drafter, evaluate_drafter
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
@@ -29,6 +29,7 @@ from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import training_splits
 from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
+from drafters import DRAFTERS
 from drafters.core import sample_anchors
 from drafters.vocab import coverage, frequent_tokens, restrict_vocab
 from recipes.dry_run import (
@@ -127,6 +128,9 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     # a dry run builds both models on the meta device: shapes only, no weights read or allocated
     target, tokenizer = meta_target(recipe.target) if dry_run else load_target(recipe.target, acc.device)
     mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
+    if mask_id is None and DRAFTERS[recipe.drafter.kind][0].needs_mask_token:
+        raise RecipeError(f"drafter.mask_token_id: the target's tokenizer has no mask token and a {recipe.drafter.kind} drafter "
+                          "needs one; set drafter.mask_token_id to a token id the target does not use (a reserved one)")
     with torch.device("meta") if dry_run else contextlib.nullcontext():
         drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
     capture = FeatureCapture(target, drafter.config.target_layer_ids)

@@ -174,6 +174,8 @@ def test_the_command_line_prints_the_table_and_keeps_real_runs_strict():
     assert bad.returncode == 2 and "--zero-stage" in bad.stderr
     flags = run_cli("run", "dflash_llama31_8b", "--num-processes", "2")
     assert flags.returncode == 2 and "--dry-run" in flags.stderr
+    no_mask = run_cli("run", "dflash_llama31_8b", "drafter.mask_token_id=null", "--dry-run")  # the config names no mask token
+    assert no_mask.returncode == 2 and "error: drafter.mask_token_id" in no_mask.stderr and "Traceback" not in no_mask.stderr
 
 
 def test_a_student_trains_with_the_kd_loss_in_chunks(tmp_path, monkeypatch):
