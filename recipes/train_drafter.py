@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from distill.base.features import LAYER_ID_CONVENTION, FeatureCapture
+from distill.checkpoint import Ranks
 from distill.config import RecipeError, TrainDrafterRecipe
 from distill.data import make_windows
 from distill.drafter_eval import build_drafter, evaluate_drafter
-from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_cache
+from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_caches
 from distill.models import DTYPES, load_target, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import training_splits
@@ -88,32 +89,35 @@ def memory_estimate(recipe: TrainDrafterRecipe, target, drafter, launch: Launch 
 
 
 def offline_windows(recipe, acc, capture, target, data_record, train, val):
-    """Cached-feature windows for both splits, building the caches first where they are missing."""
+    """Cached-feature windows for both splits, building the caches first where they are missing: the
+    shards of both divided among the ranks, each running its copy of the target (``data_record`` gets
+    ``features_by_rank``, the shards each rank wrote)."""
     folder = Path(recipe.features.cache_dir or Path(recipe.output_dir) / "feature_cache")
     dtype = DTYPES[recipe.features.dtype]
-    out = []
+    expected, build = {}, []
     for split, windows in (("train", train), ("val", val)):
-        expected = {"target_fingerprint": target_fingerprint(target), "layer_ids": capture.layer_ids,
-                    "layer_id_convention": LAYER_ID_CONVENTION, "seq_len": windows.seq_len, "split": split,
-                    "num_windows": len(windows),
-                    "dtype": recipe.features.dtype, "tokenizer_fingerprint": data_record["tokenizer_fingerprint"],
-                    "data_fingerprint": data_record["data_fingerprint"]}
-        if acc.is_main_process and not (folder / split / "manifest.json").exists():
-            meta = {k: expected[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "data_fingerprint", "split")}
-            write_feature_cache(capture, windows, folder / split, {"target": recipe.target.path, **meta}, dtype,
-                                batch_size=recipe.train.micro_batch_size, device=acc.device)
-        acc.wait_for_everyone()
-        out.append(CachedFeatureWindows(folder / split, expected, recipe.seed, shuffle=windows.shuffle))
-    return out
+        expected[split] = {"target_fingerprint": target_fingerprint(target), "layer_ids": capture.layer_ids,
+                           "layer_id_convention": LAYER_ID_CONVENTION, "seq_len": windows.seq_len, "split": split,
+                           "num_windows": len(windows),
+                           "dtype": recipe.features.dtype, "tokenizer_fingerprint": data_record["tokenizer_fingerprint"],
+                           "data_fingerprint": data_record["data_fingerprint"]}
+        meta = {k: expected[split][k] for k in ("target_fingerprint", "tokenizer_fingerprint", "data_fingerprint", "split")}
+        build.append((windows, folder / split, {"target": recipe.target.path, **meta}))
+    data_record["features_by_rank"] = write_feature_caches(capture, build, dtype, batch_size=recipe.train.micro_batch_size,
+                                                           device=acc.device, ranks=Ranks.of(acc))
+    return [CachedFeatureWindows(folder / split, expected[split], recipe.seed, shuffle=windows.shuffle)
+            for split, windows in (("train", train), ("val", val))]
 
 
-def drafter_windows(recipe: TrainDrafterRecipe, target, tokenizer):
+def drafter_windows(recipe: TrainDrafterRecipe, target, tokenizer, ranks: Ranks | None = None):
     """``(train, val, data record)``: the recipe's token windows (the corpus, or the target's answers,
     regenerated now or read from their cache) of ``seq_len + 1`` tokens; the drafter reads all of them
-    (no shift: its targets come from the features)."""
-    splits, data_cfg, record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed)
-    train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows)
-    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed)
+    (no shift: its targets come from the features). Regenerating and tokenizing are divided among
+    ``ranks``; the record's ``tokenized_by_rank`` says how (per split, the shards each rank tokenized)."""
+    splits, data_cfg, record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks)
+    train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows, ranks)
+    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed, ranks=ranks)
+    record["tokenized_by_rank"] = {"train": train.prepared_by_rank, "val": val.prepared_by_rank}
     return train, val, record
 
 
@@ -140,8 +144,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
                 "quant": quant.summary(), "memory_gib_per_device": memory_estimate(recipe, target, drafter)}
 
     ### Data, tokenized with the target's tokenizer; features online or from a cache
-    with acc.main_process_first():
-        train, val, data_record = drafter_windows(recipe, target, tokenizer)
+    train, val, data_record = drafter_windows(recipe, target, tokenizer, Ranks.of(acc))  # every rank prepares its share
     if recipe.drafter.draft_vocab:  # before any step (and any resume): the tokens the training answers use most
         counts = train.token_counts(drafter.config.vocab_size)
         restrict_vocab(drafter, frequent_tokens(counts, recipe.drafter.draft_vocab))
@@ -191,6 +194,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         "target_layer_ids": drafter.config.target_layer_ids,
         "block_size": drafter.config.block_size,
         "steps": result.step,
+        "world_size": result.world_size,
         "train_seconds": round(result.train_seconds, 2),
         "tokens_per_s": round(result.tokens_per_s, 1),
         **{f"{k}_per_s": round(v, 1) for k, v in result.count_rates.items()},

@@ -217,3 +217,37 @@ def test_a_drafter_trains_under_deepspeed_zero_resumes_and_matches_one_process(t
     assert a.keys() == b.keys() and yaml.safe_load((out / "recipe.yaml").read_text())["drafter"]["kind"] == "dflash"
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), f"{k}: max difference {(a[k] - b[k]).abs().max():.2e}"
+    assert_same_evaluation(tmp_path / "reference", out)  # the engine-wrapped drafter is evaluated as a DFlash drafter
+
+
+def assert_same_evaluation(a: Path, b: Path) -> None:
+    """The two runs' held-out metrics (what picks ``checkpoints/best``) agree, up to float reduction order."""
+    ma, mb = (json.loads((run / "summary.json").read_text()) for run in (a, b))
+    keys = sorted(k for k in ma if k.startswith("val_"))
+    assert "val_simulated_tau" in keys and keys == sorted(k for k in mb if k.startswith("val_"))
+    for k in keys:
+        assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.slow
+def test_a_drafter_on_two_cpu_ranks_trains_and_evaluates_like_one_rank(tmp_path, tiny_target_dir):
+    """DDP on 2 gloo ranks against 1 rank with twice the accumulation: the same weights and the same
+    held-out metrics, with an odd number of evaluation batches (one rank pads its share)."""
+    from .test_drafters import drafter_recipe
+
+    train = {"max_steps": 4, "save_every": 4, "eval_every": 4, "eval_batches": 3, "micro_batch_size": 2}
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, accum in ((one, 2), (two, 1)):
+        recipe = drafter_recipe(out, tiny_target_dir, "dflash", **train, grad_accum=accum).model_dump(mode="json")
+        write_recipe(tmp_path / f"{out.name}.yaml", recipe)
+    r1 = run_cli("run", str(tmp_path / "one.yaml"))
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519"]
+    r2 = run_cli("run", str(tmp_path / "two.yaml"), launcher=torchrun, env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    s1, s2 = (json.loads((o / "summary.json").read_text()) for o in (one, two))
+    assert s1["world_size"] == 1 and s2["world_size"] == 2, "torchrun did not give 2 real ranks"
+    w1, w2 = final_weights(one), final_weights(two)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{k}: {m}")  # noqa: B023
+    assert_same_evaluation(one, two)
