@@ -22,6 +22,7 @@ The package's modules, each one seam:
     sections  the typed sections recipes share (model, data, training, target, drafter, prompts, ...)
     recipes   each recipe's schema (which module runs which name: recipes.registry)
     loading   YAML files, dotted overrides, validation with errors that name the key
+    targets   shipped configs of real hub targets, which dry runs build from without the hub
 
 Every public name is importable from ``distill.config`` itself.
 """
