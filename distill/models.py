@@ -10,6 +10,7 @@ that return a :class:`~distill.config.ModelConfig`; :func:`build_causal_lm` turn
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,24 @@ def init_from_target_layers(student, target, layers: list[int]) -> None:
         param.copy_(theirs)
 
 
+def target_family_lm(target, num_layers: int, layers: list[int] | None = None, dtype: torch.dtype = torch.float32):
+    """A randomly initialised causal LM of ``target``'s own architecture and sizes with ``num_layers``
+    decoder layers (a student of any family: ``student.arch = target``). Per-layer kinds (sliding or full
+    attention) follow the target's ``layers`` (the ones :func:`init_from_target_layers` will copy), else its
+    first ``num_layers``."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    layers = list(layers or range(num_layers))
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+    for key in ("mlp_only_layers",):  # MoE layer lists name layers of the target
+        if getattr(config, key, None):
+            setattr(config, key, [j for j, i in enumerate(layers) if i in getattr(target.config, key)])
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None = None, dtype: torch.dtype = torch.float32):
     """A randomly initialised ``transformers`` causal LM for ``cfg``.
 
@@ -67,6 +86,8 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None 
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+    if cfg.arch == "target":
+        raise RecipeError("model.arch = target builds a student of its target's family (distill_student); this model has no target")
     common = dict(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,

@@ -32,7 +32,7 @@ from distill.base.flops import flops_per_token
 from distill.config import DistillStudentRecipe, RecipeError
 from distill.data import make_windows
 from distill.kd import evaluate_pard, evaluate_student, kd_loss_fn
-from distill.models import build_causal_lm, init_from_target_layers, load_target, model_summary, special_token_ids
+from distill.models import build_causal_lm, init_from_target_layers, load_target, model_summary, special_token_ids, target_family_lm
 from distill.provenance import write_run_header
 from distill.regenerate import training_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads
@@ -88,7 +88,10 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     # a dry run builds both models on the meta device: shapes only, no weights read or allocated
     target, tokenizer = meta_target(recipe.target) if dry_run else load_target(recipe.target, acc.device)
     with torch.device("meta") if dry_run else contextlib.nullcontext():
-        student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
+        if recipe.student.arch == "target":  # the target's own family (PARD's layer dropping from any target)
+            student = target_family_lm(target, recipe.student.num_layers, recipe.init_from_target_layers)
+        else:
+            student = build_causal_lm(recipe.student, target.config.vocab_size, special_token_ids(tokenizer))
     if recipe.init_from_target_layers:
         init_from_target_layers(student, target, recipe.init_from_target_layers)
     pard = recipe.pard

@@ -225,3 +225,23 @@ def test_a_pard_student_of_the_targets_family_trains_and_drafts_losslessly(tmp_p
     prompt = prompts(1)[0]
     reference, _ = plain_generate(targets[family], prompt, MAX_NEW)
     assert speculative_generate(targets[family], student, prompt, MAX_NEW)[0] == reference
+
+
+def test_a_family_the_loop_cannot_run_is_refused_at_validation(tmp_path, folders):
+    """Llama 4's chunked-attention layers would be verified with the wrong masks: the eval recipe refuses
+    the target before anything loads, naming the layer kind."""
+    from transformers import Llama4TextConfig
+
+    from distill.config import RecipeError
+    from recipes.registry import parse_recipe
+
+    from .conftest import REPO
+
+    folder = tmp_path / "llama4"
+    folder.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((folders["llama3"] / name).read_bytes())
+    Llama4TextConfig(num_hidden_layers=4).save_pretrained(folder)
+    with pytest.raises(RecipeError, match="chunked_attention layers; the decoding loop supports"):
+        parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / "out"), "target": {"path": str(folder)},
+                      "drafter": str(REPO / "distill/assets/testbed_dflash"), "prompts": {"from_corpus": 2}, "data": {"source": "stdlib"}})

@@ -29,6 +29,21 @@ import torch
 
 from distill.base.features import decoder_layers
 
+#: the attention kinds the decoding loops reproduce (a config's ``layer_types``)
+LOOP_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def unsupported_layers(config: dict) -> str | None:
+    """Why the decoding loops cannot run a target of this ``config.json`` (its text config for a
+    multimodal one), or None: layer kinds other than full and sliding-window attention (Llama 4's
+    chunked attention, linear-attention layers) would be verified with the wrong masks."""
+    text = config.get("text_config") or config
+    kinds = sorted(set(text.get("layer_types") or ()) - set(LOOP_LAYER_KINDS))
+    if kinds:
+        return (f"{text.get('model_type', 'this model')} has {', '.join(kinds)} layers; the decoding loop supports "
+                f"{' and '.join(LOOP_LAYER_KINDS)} only")
+    return None
+
 
 def layer_windows(target) -> list[int | None]:
     """Each decoder layer's sliding window (None: it attends to the whole context). An attention
@@ -39,11 +54,11 @@ def layer_windows(target) -> list[int | None]:
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     out = []
+    why = unsupported_layers(config.to_dict())
+    if why:
+        raise ValueError(why)
     for i, layer in enumerate(decoder_layers(target)):
         kind = types[i] if types else "sliding_attention"
-        if kind not in ("full_attention", "sliding_attention"):
-            raise ValueError(f"{type(target).__name__} layer {i} is '{kind}': the decoding loops support full and "
-                             f"sliding-window attention only")
         attention = getattr(layer, "self_attn", None)
         if attention is not None and hasattr(attention, "sliding_window"):
             out.append(attention.sliding_window)

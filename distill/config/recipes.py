@@ -271,11 +271,17 @@ class EvalRecipe(RecipeBase):
 
 
 def _check_fit(drafter: str, target: str) -> None:
-    """A drafter folder against a target on disk (a hub target is checked when it loads)."""
+    """A drafter folder against a target on disk, which the decoding loop must be able to run (a hub
+    target is checked when it loads)."""
+    from ..base.masks import unsupported_layers
     from ..checks import check_drafter_fits, read_config
+    from .errors import RecipeError
 
     target_config = local_config(target)
     if target_config is not None:
+        why = unsupported_layers(target_config)
+        if why:
+            raise RecipeError(f"target.path '{target}': {why}")
         check_drafter_fits(read_config(drafter, "drafter folder"), target_config, drafter, target)
 
 

@@ -49,7 +49,9 @@ class ParcaeSection(Strict):
 class ModelConfig(Strict):
     """Architecture of a causal LM built from scratch (the testbed target, students, Parcae models)."""
 
-    arch: Literal["llama", "qwen3", "parcae"] = "llama"
+    arch: Literal["llama", "qwen3", "parcae", "target"] = Field(
+        "llama", description="target: the target's own architecture and sizes (any family), num_layers of them; "
+                             "students only, with init_from_target_layers for PARD's layer dropping")
     hidden_size: int = Field(320, gt=0)
     num_layers: int = Field(8, gt=0)
     num_heads: int = Field(5, gt=0)
@@ -74,6 +76,13 @@ class ModelConfig(Strict):
         if p.prelude_layers + p.core_layers + p.coda_layers != self.num_layers:
             raise ValueError(f"model.num_layers ({self.num_layers}) must equal parcae.prelude_layers + core_layers + "
                              f"coda_layers ({p.prelude_layers} + {p.core_layers} + {p.coda_layers})")
+        return self
+
+    @model_validator(mode="after")
+    def _target_shape(self) -> "ModelConfig":
+        shaped = sorted(self.model_fields_set - {"arch", "num_layers", "initializer_range"})
+        if self.arch == "target" and shaped:
+            raise ValueError(f"arch = target takes the target's sizes; {', '.join(shaped)} cannot be set with it")
         return self
 
     @model_validator(mode="after")
