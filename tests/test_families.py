@@ -124,7 +124,7 @@ def toy(family: str):
 @pytest.mark.parametrize("family", WINDOWED + ["qwen3_moe"])
 def test_sampling_follows_the_target_distribution(family):
     """At T = 1 the loop's (2nd, 3rd) tokens after a prompt past the window follow the target's exact joint
-    distribution (enumerated), chain and tree (chi-square)."""
+    distribution (enumerated), chain, tree and batch (chi-square)."""
     target = toy(family)
     prompt = torch.tensor([1, 2, 3, 4, 5, 0, 1, 2])
     sampler = Sampler(temperature=1.0)
@@ -148,6 +148,13 @@ def test_sampling_follows_the_target_distribution(family):
             out, _ = speculative_generate(target, d, prompt, 3, sampler=sampler, mode=mode, tree_budget=4)
             counts[out[1], out[2]] += 1
         assert chi_square_pvalue(counts, exact) > ALPHA, mode
+    counts = torch.zeros(6, 6)  # batches: eight rows of the prompt, each with its own draws
+    for b in range(50):
+        samplers = [Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1000 * b + r)) for r in range(8)]
+        outs, _ = batched_speculative_generate(target, d, [prompt] * 8, 3, samplers=samplers)
+        for out in outs:
+            counts[out[1], out[2]] += 1
+    assert chi_square_pvalue(counts, exact) > ALPHA, "batch"
 
 
 def test_a_multimodal_gemma3_checkpoint_serves_as_its_text_model(tmp_path, tokenizer):
