@@ -67,6 +67,40 @@ from .vocab import restrict_vocab
 RMSNorm = LlamaRMSNorm
 
 
+class RotaryEmbedding(LlamaRotaryEmbedding):
+    """transformers' Llama rotary embedding whose inverse frequencies stay fp32 when the module is cast to
+    another floating dtype (``.to(torch.bfloat16)``, ``.half()``; only moved to the new device). cos and
+    sin are computed in fp32 from ``inv_freq`` either way; a bf16 ``inv_freq`` (8 significant bits) would
+    put the angle ``position * inv_freq`` off by up to ``position * 2^-9`` radians (cosines off by 0.9 at
+    position 1,000). So a drafter cast whole to bf16 rotates by the fp32 module's angles, rounded only
+    where cos and sin are cast to the input's dtype."""
+
+    def _apply(self, fn, recurse=True):
+        fp32 = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, buf in fp32.items():
+            moved = self._buffers[name]
+            if moved is not None and moved.dtype != torch.float32:
+                self._buffers[name] = buf.to(moved.device)
+        return self
+
+
+def same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values in one dtype, as attention kernels take them: autocast's where it is on
+    for their device (what autocast gives SDPA; flex attention, which it does not cover, gets the same),
+    else the widest of theirs where they differ. Under autocast they do differ: ``q_norm`` / ``k_norm``
+    return fp32 (transformers' RMSNorm scales its input, cast back to bf16, by its fp32 weight) while
+    ``v_proj`` returns bf16. Tensors that already agree, with autocast off, are returned as they are."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    elif q.dtype == k.dtype == v.dtype:
+        return q, k, v
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def rms(norm: LlamaRMSNorm | None, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """``norm(x)`` (``x`` itself for no norm), with ``fused`` in one operation where that is the same
     arithmetic (fp32: transformers' module computes in fp32, then scales by its weight). Decoding fuses;
@@ -103,7 +137,7 @@ class DraftAttention(nn.Module):
         # Qwen3-style per-head RMSNorm on queries and keys (before RoPE); vLLM's DFlash layers have it
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if getattr(cfg, "qk_norm", False) else None
-        self.rotary = LlamaRotaryEmbedding(llama_view(cfg))
+        self.rotary = RotaryEmbedding(llama_view(cfg))
         self.qkv_proj: nn.Linear | None = None  # decoding's one product for q, k and v (fuse_projections)
         self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, D]: q_norm's weight, then k_norm's
 
@@ -194,8 +228,10 @@ class DraftAttention(nn.Module):
 
     def attend_queries(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
                        lean: bool = False) -> torch.Tensor:
-        """:meth:`attend` from queries already projected, normed and rotated, [B, heads, Q, D]."""
+        """:meth:`attend` from queries already projected, normed and rotated, [B, heads, Q, D]. The kernel,
+        whichever it is, gets queries, keys and values of one dtype (:func:`same_dtype`)."""
         B, Q = q.shape[0], q.shape[2]
+        q, k, v = same_dtype(q, k, v)
         impl = self.config._attn_implementation or "sdpa"
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
@@ -505,6 +541,15 @@ class DrafterBase(PreTrainedModel):
             self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size))
         self.freeze_target_io()
 
+    def target_features(self, aux: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's features ``aux`` and last hidden states ``last`` in the dtypes of the weights that
+        read them (``fc``'s, the LM head's), where they differ and autocast is off: a bf16 target's features
+        feed an fp32 drafter (``target.dtype: bfloat16``, ``mixed_precision: no``), an fp32 target's (or a
+        feature cache's, which batches read in fp32) feed a drafter cast whole to bf16 (DeepSpeed's ``bf16``).
+        Under autocast they pass as they are (autocast casts a Linear's inputs itself); tensors already in
+        their weights' dtype are returned as they are."""
+        return _as_input_of(aux, self.fc.weight), _as_input_of(last, self.lm_head.weight)
+
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits over the whole vocabulary from its last hidden state (the frozen head is
         the target's; a draft vocabulary restricts only what the drafter proposes)."""
@@ -574,6 +619,13 @@ class DrafterBase(PreTrainedModel):
             return self.copy_target_io(target)
         self.embed_tokens.weight, self.lm_head.weight = emb, head  # the target's Parameters, left as they are
         return self._restrict_to_draft_vocab()
+
+
+def _as_input_of(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``weight``'s dtype where they differ and autocast is off for ``x``'s device; else ``x``."""
+    if x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(weight.dtype)
 
 
 def own_target_io(drafter):

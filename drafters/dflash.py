@@ -30,6 +30,7 @@ class DFlashDrafter(BlockDrafter):
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
                 anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
+        aux, last = self.target_features(aux, last)
         anchors = self.anchors_for(input_ids, anchors, loss_mask)
         hidden = self.block_hidden(aux, gather_positions(input_ids, anchors), anchors)
         targets = self.block_targets(input_ids, last, anchors, loss_mask)

@@ -113,6 +113,7 @@ class DSparkDrafter(BlockDrafter):
                 anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
         cfg = self.config
         K = cfg.block_size
+        aux, last = self.target_features(aux, last)
         anchors = self.anchors_for(input_ids, anchors, loss_mask)
         anchor_tokens = gather_positions(input_ids, anchors)
         hidden = self.block_hidden(aux, anchor_tokens, anchors)

@@ -81,6 +81,7 @@ class Eagle3Drafter(DrafterBase):
         B, T = input_ids.shape
         S = cfg.ttt_steps
         dev = input_ids.device
+        aux, last = self.target_features(aux, last)
         # token x[p+1] at position p; the last position has no next token and never gets a loss
         next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
         emb = self.embed_tokens(next_tokens)
