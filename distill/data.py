@@ -13,21 +13,29 @@ Sample order
 Memory
     Hub datasets and dataset files (json/jsonl, parquet, csv, text) stay in ``datasets``' Arrow
     tables, memory-mapped from disk: a split is a :class:`DatasetColumn`, never a Python list of the
-    corpus. Tokenizing runs ``Dataset.map`` (with its cache) and writes the token stream (or the
-    example windows) straight into a memory-mapped ``.npy`` file, batch by batch; training reads the
-    windows it needs from that file. Memory stays bounded by a batch, whatever the corpus size.
+    corpus. Tokenizing reads the records in batches and writes the token stream (or the example
+    windows) straight to files on disk, batch by batch; training memory-maps the result and reads the
+    windows it needs. Memory stays bounded by a batch, whatever the corpus size.
+
+Preparation on every rank
+    Tokenizing is divided among the ranks (``ranks``, :class:`~distill.checkpoint.Ranks`): the records
+    are cut into contiguous shards of at most :data:`SHARD_RECORDS` (at least one a rank), dealt
+    round-robin; each rank writes its shards under ``.<name>-<key>.parts/`` (each published atomically)
+    and the main rank concatenates them, in record order, into the cached file: the same bytes whatever
+    the number of ranks. A killed run keeps its finished shards.
 
 Sharding
-    Every rank memory-maps the same token file (the main process writes it first) and reads only the
-    windows of its own micro-batches. An optimizer step consumes ``micro_batch * grad_accum * world_size`` samples. Micro-batch ``m``
+    Every rank memory-maps the same token file and reads only the windows of its own micro-batches.
+    An optimizer step consumes ``micro_batch * grad_accum * world_size`` samples. Micro-batch ``m``
     of rank ``r`` takes the ``(m * world_size + r)``-th block of ``micro_batch`` samples, so two
     processes with accumulation 1 see exactly the samples one process sees with accumulation 2.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint import Ranks, fsync_path, run_sharded, shard_bounds, write_file_atomically
 from .checks import jsonl_records
 from .config import DATA_SUFFIXES, DataConfig, RecipeError, TokenizerConfig
 from .testbed import Document, atomic_dir, cache_dir, fingerprint_texts, split_documents, stdlib_documents, train_bpe_tokenizer
@@ -178,43 +187,85 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return fingerprint_texts([tokenizer.backend_tokenizer.to_str()]) if hasattr(tokenizer, "backend_tokenizer") else tokenizer.name_or_path
 
 
-def tokenize_stream(texts: Sequence[str], tokenizer, name: str = "stream") -> np.ndarray:
+#: records (documents or examples) per tokenizing shard: one rank's unit of work, and what a killed run keeps
+SHARD_RECORDS = 8192
+#: records tokenized in one call of the tokenizer (and held in memory at once)
+TOKENIZE_BATCH = 256
+
+
+def _record_batches(records: Sequence, lo: int, hi: int):
+    """Records ``lo .. hi-1`` in lists of :data:`TOKENIZE_BATCH`, read in batches from Arrow for a
+    :class:`DatasetColumn` (never the whole range at once)."""
+    if isinstance(records, DatasetColumn):
+        items = iter(DatasetColumn(records.dataset.select(range(lo, hi)), records.columns, records.text))
+    else:
+        items = (records[i] for i in range(lo, hi))
+    while batch := list(itertools.islice(items, TOKENIZE_BATCH)):
+        yield batch
+
+
+def _parts_folder(final: Path) -> Path:
+    return final.with_name(f".{final.name.removesuffix('.npy')}.parts")
+
+
+def _shard_files(parts: Path, bounds: list[tuple[int, int]], suffix: str) -> list[Path]:
+    return [parts / f"{i:05d}-of-{len(bounds):05d}{suffix}" for i in range(len(bounds))]
+
+
+def _token_dtype(tokenizer) -> np.dtype:
+    return np.dtype(np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max else np.uint32)
+
+
+def tokenize_stream(texts: Sequence[str], tokenizer, name: str = "stream", ranks: Ranks | None = None) -> np.ndarray:
     """Documents joined by EOS into one token array (uint16 when the vocabulary fits), cached on disk
-    and memory-mapped; a :class:`DatasetColumn` is tokenized by ``Dataset.map`` and written batch by batch."""
+    and memory-mapped. With ``ranks`` every rank tokenizes its shards (module doc); every rank returns
+    the whole array."""
+    return _tokenized_stream(texts, tokenizer, name, ranks)[0]
+
+
+def _tokenized_stream(texts: Sequence[str], tokenizer, name: str, ranks: Ranks | None) -> tuple[np.ndarray, list[int]]:
+    """:func:`tokenize_stream` and the number of shards each rank tokenized (all 0: read from the cache)."""
+    ranks = ranks or Ranks()
     key = _records_key(texts, tokenizer_fingerprint(tokenizer))
     path = cache_dir() / "tokens" / f"{name}-{key}.npy"
     if path.exists():
-        return np.load(path, mmap_mode="r")
+        shutil.rmtree(_parts_folder(path), ignore_errors=True)  # left by a kill between the merge and its cleanup
+        return np.load(path, mmap_mode="r"), [0] * ranks.world
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token; documents could not be separated")
-    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max else np.uint32
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
-    if isinstance(texts, DatasetColumn):
-        field = texts.columns[0]
-        docs = texts.dataset.map(lambda b: {"ids": tokenizer(b[field], add_special_tokens=False)["input_ids"]},
-                                 batched=True, batch_size=256, remove_columns=texts.dataset.column_names, desc=f"tokenize {name}")
-        sizes = docs.map(lambda b: {"n": [len(x) + 1 for x in b["ids"]]}, batched=True, remove_columns=["ids"])
-        total = sum(int(np.sum(b["n"])) for b in sizes.iter(batch_size=65536))
-        stream = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(total,))
-        at = 0
-        for batch in docs.iter(batch_size=256):
-            for ids in batch["ids"]:
-                stream[at:at + len(ids)] = ids
-                stream[at + len(ids)] = eos
-                at += len(ids) + 1
-        stream.flush()
-        del stream
-    else:
-        chunks = []
-        for start in range(0, len(texts), 256):
-            for ids in tokenizer(list(texts[start:start + 256]), add_special_tokens=False)["input_ids"]:
-                chunks.append(np.asarray(ids + [eos], dtype=dtype))
-        with open(tmp, "wb") as f:
-            np.save(f, np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype))
-    os.replace(tmp, path)
-    return np.load(path, mmap_mode="r")
+    dtype = _token_dtype(tokenizer)
+    bounds = shard_bounds(len(texts), ranks.world, SHARD_RECORDS)
+    parts = _parts_folder(path)
+    parts.mkdir(parents=True, exist_ok=True)
+    shards = _shard_files(parts, bounds, ".bin")
+
+    def write(i: int) -> None:  # the shard's documents, each followed by EOS, as raw tokens
+        def tokens(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                for batch in _record_batches(texts, *bounds[i]):
+                    for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                        f.write(np.asarray(ids + [eos], dtype=dtype).tobytes())
+
+        write_file_atomically(shards[i], tokens)
+
+    def merge() -> None:  # the shards end to end, in record order
+        def stream(tmp: Path) -> None:
+            sizes = [shard.stat().st_size // dtype.itemsize for shard in shards]
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(sum(sizes),))
+            at = 0
+            for shard, size in zip(shards, sizes):
+                if size:
+                    out[at:at + size] = np.memmap(shard, dtype=dtype, mode="r", shape=(size,))
+                at += size
+            out.flush()
+            del out
+
+        write_file_atomically(path, stream)
+        shutil.rmtree(parts, ignore_errors=True)
+
+    counts = run_sharded(ranks, len(shards), lambda i: shards[i].exists(), write, merge, f"tokenizing {name} into {path}")
+    return np.load(path, mmap_mode="r"), [len(c) for c in counts]
 
 
 @dataclass
@@ -245,6 +296,9 @@ class Batch:
 
 class PackedWindows:
     """Non-overlapping ``seq_len + 1``-token windows of a token stream, visited in seeded epochs."""
+
+    #: the tokenizing shards each rank wrote for these windows (:func:`make_windows`), None if not made there
+    prepared_by_rank: list[int] | None = None
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shuffle: bool = True,
                  max_windows: int | None = None):
@@ -342,25 +396,80 @@ def encode_example(record: dict, tokenizer, cfg: DataConfig) -> tuple[list[int],
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
-def tokenize_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, name: str = "examples") -> tuple[np.ndarray, np.ndarray]:
+def tokenize_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, name: str = "examples",
+                      ranks: Ranks | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every record as one window of ``seq_len + 1`` tokens (truncated or padded) and its loss mask;
-    cached on disk and memory-mapped, written row by row (a :class:`DatasetColumn` is read in batches)."""
+    cached on disk and memory-mapped, written row by row (a :class:`DatasetColumn` is read in batches).
+    With ``ranks`` every rank encodes its shards (module doc); every rank returns the whole arrays."""
+    return _tokenized_examples(records, tokenizer, cfg, name, ranks)[:2]
+
+
+def _tokenized_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, name: str,
+                        ranks: Ranks | None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """:func:`tokenize_examples` and the number of shards each rank encoded (all 0: read from the cache)."""
+    ranks = ranks or Ranks()
     width = cfg.seq_len + 1
     key = _records_key(records, tokenizer_fingerprint(tokenizer), f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}")
     folder = cache_dir() / "examples" / f"{name}-{key}"
+    counts = [0] * ranks.world
     if not (folder / "mask.npy").exists():
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        counts = _encode_examples(records, tokenizer, cfg, folder, ranks)
+    else:
+        shutil.rmtree(_parts_folder(folder), ignore_errors=True)  # left by a kill between the merge and its cleanup
+    return np.load(folder / "ids.npy", mmap_mode="r"), np.load(folder / "mask.npy", mmap_mode="r"), counts
+
+
+def _encode_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, folder: Path, ranks: Ranks) -> list[int]:
+    """Write ``folder/{ids,mask}.npy`` from per-rank shards (each a folder of its rows' ``ids.npy`` and
+    ``mask.npy``); the number of shards each rank encoded."""
+    width = cfg.seq_len + 1
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bounds = shard_bounds(len(records), ranks.world, SHARD_RECORDS)
+    parts = _parts_folder(folder)
+    parts.mkdir(parents=True, exist_ok=True)
+    shards = _shard_files(parts, bounds, "")
+
+    def write(i: int) -> None:
+        lo, hi = bounds[i]
+        write_file_atomically(shards[i], lambda tmp: _write_example_rows(records, lo, hi, tokenizer, cfg, pad, tmp))
+
+    def merge() -> None:
         with atomic_dir(folder) as tmp:
-            ids = np.lib.format.open_memmap(tmp / "ids.npy", mode="w+", dtype=np.int64, shape=(len(records), width))
-            mask = np.lib.format.open_memmap(tmp / "mask.npy", mode="w+", dtype=np.int8, shape=(len(records), width))
-            ids[:] = pad
-            for i, record in enumerate(records):
-                tokens, scored = encode_example(record, tokenizer, cfg)
-                ids[i, :min(width, len(tokens))] = tokens[:width]
-                mask[i, :min(width, len(scored))] = scored[:width]
+            ids, mask = _example_arrays(tmp, len(records), width, pad)
+            for (lo, hi), shard in zip(bounds, shards):
+                ids[lo:hi] = np.load(shard / "ids.npy", mmap_mode="r")
+                mask[lo:hi] = np.load(shard / "mask.npy", mmap_mode="r")
             ids.flush(), mask.flush()
             del ids, mask
-    return np.load(folder / "ids.npy", mmap_mode="r"), np.load(folder / "mask.npy", mmap_mode="r")
+            for f in ("ids.npy", "mask.npy"):
+                fsync_path(tmp / f)
+        shutil.rmtree(parts, ignore_errors=True)
+
+    counts = run_sharded(ranks, len(shards), lambda i: shards[i].exists(), write, merge, f"tokenizing examples into {folder}")
+    return [len(c) for c in counts]
+
+
+def _example_arrays(folder: Path, rows: int, width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """New memory-mapped ``folder/ids.npy`` (int64, all ``pad``) and ``folder/mask.npy`` (int8, all 0) of ``rows`` windows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = np.lib.format.open_memmap(folder / "ids.npy", mode="w+", dtype=np.int64, shape=(rows, width))
+    mask = np.lib.format.open_memmap(folder / "mask.npy", mode="w+", dtype=np.int8, shape=(rows, width))
+    ids[:] = pad
+    return ids, mask
+
+
+def _write_example_rows(records: Sequence[dict], lo: int, hi: int, tokenizer, cfg: DataConfig, pad: int, folder: Path) -> None:
+    """Records ``lo .. hi-1`` encoded (:func:`encode_example`) into ``folder/{ids,mask}.npy``, row by row."""
+    width = cfg.seq_len + 1
+    ids, mask = _example_arrays(folder, hi - lo, width, pad)
+    row = 0
+    for batch in _record_batches(records, lo, hi):
+        for record in batch:
+            tokens, scored = encode_example(record, tokenizer, cfg)
+            ids[row, :min(width, len(tokens))] = tokens[:width]
+            mask[row, :min(width, len(scored))] = scored[:width]
+            row += 1
+    ids.flush(), mask.flush()
 
 
 class ExampleWindows(PackedWindows):
@@ -389,10 +498,16 @@ class ExampleWindows(PackedWindows):
 
 
 def make_windows(records: list, tokenizer, cfg: DataConfig, split: str, seed: int = 0,
-                 max_windows: int | None = None) -> PackedWindows:
-    """Training windows (shuffled per epoch) or held-out windows (in order) for one split."""
+                 max_windows: int | None = None, ranks: Ranks | None = None) -> PackedWindows:
+    """Training windows (shuffled per epoch) or held-out windows (in order) for one split, tokenized by
+    every rank of ``ranks`` (module doc). ``prepared_by_rank`` on the result: the shards each rank
+    tokenized (all 0 when the split came from the cache)."""
     shuffle = split == "train"
     if cfg.format == "text":
-        return PackedWindows(tokenize_stream(records, tokenizer, split), cfg.seq_len, seed, shuffle, max_windows)
-    ids, mask = tokenize_examples(records, tokenizer, cfg, split)
-    return ExampleWindows(ids, mask, seed, shuffle, max_windows)
+        tokens, counts = _tokenized_stream(records, tokenizer, split, ranks)
+        windows = PackedWindows(tokens, cfg.seq_len, seed, shuffle, max_windows)
+    else:
+        ids, mask, counts = _tokenized_examples(records, tokenizer, cfg, split, ranks)
+        windows = ExampleWindows(ids, mask, seed, shuffle, max_windows)
+    windows.prepared_by_rank = counts
+    return windows

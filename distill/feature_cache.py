@@ -16,15 +16,20 @@ recipe whose values differ is refused before training with the list of differenc
 training on features of another layer, target or tokenisation is the classic way to get a drafter
 that scores well offline and accepts nothing when served.
 
-The whole folder is written under a temporary name and renamed when complete, so a killed writer
-leaves no cache that looks valid.
+Shard ``s`` holds windows ``s * per .. (s + 1) * per - 1`` with ``per`` the shard size rounded up to
+whole batches, so the layout (and every byte) depends on the windows, the batch size and the shard
+size, not on how many ranks wrote it. Writing is divided among the ranks of a launch
+(:func:`~distill.checkpoint.run_sharded`): the shards of every cache being built are dealt round-robin,
+each rank runs its copy of the target over its own and publishes each shard atomically into
+``<folder>.parts-<plan>/`` (``plan``: a digest of everything the manifest records), and the main rank
+writes the manifest and renames that folder to ``<folder>``. A killed run keeps the shards it finished
+(a plan that changed starts afresh), and no folder that looks like a cache is ever incomplete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -34,6 +39,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .base.features import LAYER_ID_CONVENTION, FeatureCapture
+from .checkpoint import Ranks, publish, run_sharded, write_file_atomically
 from .checks import check_safetensors
 from .config import RecipeError
 from .data import Batch, PackedWindows
@@ -67,43 +73,80 @@ def target_fingerprint(target) -> str:
 
 
 def write_feature_cache(capture: FeatureCapture, windows: PackedWindows, folder: Path, meta: dict, dtype: torch.dtype,
-                        batch_size: int = 8, shard_windows: int = 512, device="cpu") -> Path:
+                        batch_size: int = 8, shard_windows: int = 512, device="cpu", ranks: Ranks | None = None) -> Path:
     """Run the target over every window of ``windows`` (in index order) and store the features."""
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shards, buf = [], {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
+    write_feature_caches(capture, [(windows, Path(folder), meta)], dtype, batch_size, shard_windows, device, ranks)
+    return Path(folder)
 
-    def flush():
-        if not buf["input_ids"]:
-            return
-        name = f"shard_{len(shards):05d}.safetensors"
-        save_file({k: torch.cat(v).contiguous() for k, v in buf.items() if v}, str(tmp / name))
-        shards.append({"file": name, "windows": sum(t.shape[0] for t in buf["input_ids"])})
-        for v in buf.values():
-            v.clear()
 
-    n = len(windows)
-    for start in tqdm(range(0, n, batch_size), desc=f"caching {meta.get('split', '')} features", unit="batch"):
-        batch = windows.collate(list(range(start, min(start + batch_size, n))))
-        feats = capture(batch.input_ids.to(device))
-        buf["input_ids"].append(batch.input_ids.to(torch.int32))
-        if batch.loss_mask is not None:
-            buf["loss_mask"].append(batch.loss_mask.to(torch.int8))
-        buf["aux"].append(feats.aux.to(dtype).cpu())
-        buf["last"].append(feats.last.to(dtype).cpu())
-        if sum(t.shape[0] for t in buf["input_ids"]) >= shard_windows:
-            flush()
-    flush()
-    manifest = {"format_version": FORMAT_VERSION, **meta, "layer_ids": list(capture.layer_ids),
-                "layer_id_convention": LAYER_ID_CONVENTION, "dtype": str(dtype).removeprefix("torch."),
-                "seq_len": windows.seq_len, "num_windows": n, "shards": shards}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    return folder
+def write_feature_caches(capture: FeatureCapture, caches: list[tuple[PackedWindows, Path, dict]], dtype: torch.dtype,
+                         batch_size: int = 8, shard_windows: int = 512, device="cpu", ranks: Ranks | None = None) -> list[int]:
+    """Build each ``(windows, folder, meta)`` cache whose folder has no manifest yet, the shards of all of
+    them divided among ``ranks`` (module doc); every rank must call this with the same caches. Returns
+    the number of shards each rank wrote."""
+    ranks = ranks or Ranks()
+    per = -(-shard_windows // batch_size) * batch_size
+    plans = [_Plan(capture, windows, Path(folder), meta, dtype, per) for windows, folder, meta in caches
+             if not (Path(folder) / "manifest.json").exists()]
+    units = [(plan, s) for plan in plans for s in range(len(plan.shards))]
+    for plan in plans:
+        plan.parts.mkdir(parents=True, exist_ok=True)
+
+    def write(i: int) -> None:
+        plan, s = units[i]
+        write_file_atomically(plan.shard_path(s), lambda tmp: plan.write_shard(s, tmp, batch_size, device))
+
+    def merge() -> None:
+        for plan in plans:
+            plan.publish()
+
+    counts = run_sharded(ranks, len(units), lambda i: units[i][0].shard_path(units[i][1]).exists(), write, merge,
+                         "caching features into " + ", ".join(str(p.folder) for p in plans))
+    return [len(c) for c in counts]
+
+
+class _Plan:
+    """One cache folder to build: its manifest (but the shard list's files), its shards' window ranges
+    and the work folder named by a digest of both."""
+
+    def __init__(self, capture: FeatureCapture, windows: PackedWindows, folder: Path, meta: dict, dtype: torch.dtype, per: int):
+        self.capture, self.windows, self.folder, self.dtype = capture, windows, folder, dtype
+        n = len(windows)
+        self.ranges = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
+        self.shards = [{"file": f"shard_{s:05d}.safetensors", "windows": hi - lo} for s, (lo, hi) in enumerate(self.ranges)]
+        self.manifest = {"format_version": FORMAT_VERSION, **meta, "layer_ids": list(capture.layer_ids),
+                         "layer_id_convention": LAYER_ID_CONVENTION, "dtype": str(dtype).removeprefix("torch."),
+                         "seq_len": windows.seq_len, "num_windows": n, "shards": self.shards}
+        digest = hashlib.sha256(json.dumps(self.manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        self.parts = folder.with_name(f"{folder.name}.parts-{digest}")
+
+    def shard_path(self, s: int) -> Path:
+        return self.parts / self.shards[s]["file"]
+
+    def write_shard(self, s: int, tmp: Path, batch_size: int, device) -> None:
+        """Shard ``s``: the target's features of its windows, run ``batch_size`` windows at a time."""
+        lo, hi = self.ranges[s]
+        buf = {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
+        for start in tqdm(range(lo, hi, batch_size), desc=f"caching {self.manifest.get('split', '')} features, shard {s}",
+                          unit="batch", leave=False):
+            batch = self.windows.collate(list(range(start, min(start + batch_size, hi))))
+            feats = self.capture(batch.input_ids.to(device))
+            buf["input_ids"].append(batch.input_ids.to(torch.int32))
+            if batch.loss_mask is not None:
+                buf["loss_mask"].append(batch.loss_mask.to(torch.int8))
+            buf["aux"].append(feats.aux.to(self.dtype).cpu())
+            buf["last"].append(feats.last.to(self.dtype).cpu())
+        save_file({k: torch.cat(v).contiguous() for k, v in buf.items() if v}, str(tmp))
+
+    def publish(self) -> None:
+        """The manifest written last into the work folder, which then becomes the cache folder; work
+        folders of other plans for this folder go."""
+        write_file_atomically(self.parts / "manifest.json", lambda tmp: tmp.write_text(json.dumps(self.manifest, indent=2)))
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        publish(self.parts, self.folder)
+        for stale in self.folder.parent.glob(f"{self.folder.name}.parts-*"):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def read_manifest(folder: Path) -> dict:

@@ -13,10 +13,15 @@ Records (one JSON object per line)::
 decoded text need not give them back); ``eos`` says whether the target ended the response itself, so
 a response cut at ``max_new_tokens`` is not taught to end there.
 
-Resumable: prompts are cut into fixed batches; each finished batch is appended (and flushed) to
-``<file>.partial``; a re-run keeps the complete batches, drops a torn or half-written one, and
-continues; the file is renamed into place when every prompt is answered. Each batch samples with its
-own seed, so a resumed run writes exactly what an uninterrupted one would.
+Resumable and divided among ranks: prompts are cut into fixed batches, and each finished batch is
+written to its own file under ``<file>.parts/`` (temporary name, fsync, rename). With ``ranks`` (a
+launch of several processes, :class:`~distill.checkpoint.Ranks`) the batches still to answer are dealt
+round-robin and every rank answers its own with its copy of the target; the main rank then joins the
+batch files, in prompt order, into ``<file>`` (written and renamed into place). A re-run keeps the
+finished batches and answers the rest; complete batches of records found in ``<file>.partial`` (one
+record a line, as an append log holds them; a torn line ends it) count as finished too. Each batch
+samples with its own seed, so a resumed run, or one with any number of ranks, writes exactly what an
+uninterrupted single process would.
 
 :func:`regenerated_splits` is the in-process stage of drafter recipes (``regenerate:``): train-split
 prompts answered at each of several temperatures, held-out prompts answered greedily (what serving
@@ -29,13 +34,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .checkpoint import Ranks, run_sharded, write_file_atomically
 from .testbed import cache_dir, fingerprint_texts
 
 REGENERATION_VERSION = 1
@@ -95,61 +103,145 @@ def prompt_token_ids(prompt: dict, tokenizer) -> list[int]:
     return tokenizer(render(prompt, tokenizer), add_special_tokens=False)["input_ids"]
 
 
-def read_done(partial: Path, batches: list[list[int]]) -> dict[int, dict]:
-    """Records of the batches that were completely written. A torn last line or a half-written batch
-    (a kill mid-write) is dropped, and the file rewritten to hold exactly the complete batches."""
-    done = {}
-    if partial.exists():
-        for line in partial.read_text().splitlines():
-            try:
+@dataclass
+class AnswerJob:
+    """One file of answers: ``prompts`` answered at ``temperature``; the batch starting at prompt ``i``
+    samples with seed ``seed * 1_000_003 + i``."""
+
+    out_file: Path
+    prompts: list[dict]
+    temperature: float
+    seed: int
+    desc: str = "regenerating"
+
+    def batches(self, size: int) -> list[range]:
+        """The fixed batches over all prompts (a resumed run pads and seeds each as the first run did)."""
+        return [range(b, min(b + size, len(self.prompts))) for b in range(0, len(self.prompts), size)]
+
+    @property
+    def parts(self) -> Path:
+        return self.out_file.with_name(self.out_file.name + ".parts")
+
+    @property
+    def log(self) -> Path:
+        return self.out_file.with_name(self.out_file.name + ".partial")
+
+    def batch_file(self, batch: range) -> Path:
+        return self.parts / f"{batch.start:08d}-{batch.stop:08d}.jsonl"
+
+    def adopt_log(self, size: int) -> None:
+        """Complete batches of the records in :attr:`log` (by prompt id; a torn line ends it) written as
+        batch files, unless there already."""
+        if not self.log.exists():
+            return
+        records = {}
+        with open(self.log) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                records[record["id"]] = record
+        for batch in self.batches(size):
+            if all(i in records for i in batch) and not self.batch_file(batch).exists():
+                lines = "".join(json.dumps(records[i]) + "\n" for i in batch)
+                write_file_atomically(self.batch_file(batch), lambda tmp, text=lines: tmp.write_text(text))
+
+    def merge(self, size: int) -> None:
+        """The batch files end to end, in prompt order, as :attr:`out_file`; the pieces go."""
+        def join(tmp: Path) -> None:
+            with open(tmp, "wb") as out:
+                for batch in self.batches(size):
+                    with open(self.batch_file(batch), "rb") as part:
+                        shutil.copyfileobj(part, out)
+
+        write_file_atomically(self.out_file, join)
+        shutil.rmtree(self.parts, ignore_errors=True)
+        self.log.unlink(missing_ok=True)
+
+    def stats(self) -> dict:
+        """Records and response tokens (EOS counted where the target wrote it) of the finished file."""
+        records = tokens = 0
+        with open(self.out_file) as f:
+            for line in f:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            done[record["id"]] = record
-        done = {i: done[i] for batch in batches if all(j in done for j in batch) for i in batch}
-        tmp = partial.with_name(partial.name + ".tmp")
-        tmp.write_text("".join(json.dumps(done[i]) + "\n" for i in sorted(done)))
-        os.replace(tmp, partial)
-    return done
+                records, tokens = records + 1, tokens + len(record["response_ids"]) + record["eos"]
+        return {"records": records, "response_tokens": tokens}
+
+
+def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, max_new_tokens: int,
+                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
+                   seed: int = 0, desc: str = "regenerating", server=None, ranks: Ranks | None = None) -> dict:
+    """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc), in-process
+    or through ``server`` (a :class:`~distill.config.ServerSection`; ``target`` may then be None).
+    Returns :func:`answer_jobs`' record of the file."""
+    job = AnswerJob(Path(out_file), prompts, temperature, seed, desc)
+    return answer_jobs(target, tokenizer, [job], max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k,
+                       batch_size=batch_size, server=server, ranks=ranks)[0]
 
 
 @torch.no_grad()
-def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, max_new_tokens: int,
-                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
-                   seed: int = 0, desc: str = "regenerating", server=None) -> dict:
-    """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc), in-process
-    or through ``server`` (a :class:`~distill.config.ServerSection`; ``target`` may then be None).
-    Returns ``{"records", "response_tokens", "tokens_per_s"}`` (tokens/s of this call's generation only)."""
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_file.with_name(out_file.name + ".partial")
-    # fixed batches over all prompts, so a resumed run pads and seeds every batch as the first run did
-    batches = [list(range(b, min(b + batch_size, len(prompts)))) for b in range(0, len(prompts), batch_size)]
-    done = {} if out_file.exists() else read_done(partial, batches)
-    todo = [] if out_file.exists() else [batch for batch in batches if batch[0] not in done]
-    answer = (ServerAnswers(server, tokenizer) if server is not None else InProcessAnswers(target, tokenizer)) if todo else None
-    new_tokens, seconds = 0, 0.0
-    devices = [answer.device] if answer is not None and answer.device.type == "cuda" else []
-    # the per-batch seeds below must not leak into the caller's RNG: a training run that regenerates
-    # and one that reuses cached answers then draw the same anchors and data order
-    with open(partial, "a") as sink, torch.random.fork_rng(devices=devices):
-        for batch in tqdm(todo, desc=desc, unit="batch"):
-            batch_seed = seed * 1_000_003 + batch[0]  # per-batch seed: resumes reproduce
-            t0 = time.perf_counter()
-            rows = answer([prompts[i] for i in batch], max_new_tokens, temperature, top_p, top_k, batch_seed)
-            seconds += time.perf_counter() - t0
-            for i, (prompt_ids, new, ended, extra) in zip(batch, rows):
-                new_tokens += len(new) + ended
-                record = {"id": i, **prompts[i], "prompt_ids": prompt_ids, "response": tokenizer.decode(new, skip_special_tokens=True),
-                          "response_ids": new, "eos": ended, "temperature": temperature, **extra}
-                sink.write(json.dumps(record) + "\n")
-            sink.flush()
-            os.fsync(sink.fileno())
-    if not out_file.exists():
-        os.replace(partial, out_file)
-    records = [json.loads(line) for line in out_file.read_text().splitlines()]
-    return {"records": len(records), "response_tokens": sum(len(r["response_ids"]) + r["eos"] for r in records),
-            "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None}
+def answer_jobs(target, tokenizer, jobs: list[AnswerJob], *, max_new_tokens: int, top_p: float = 1.0, top_k: int = 0,
+                batch_size: int = 8, server=None, ranks: Ranks | None = None) -> list[dict]:
+    """Every job's file of answers, the batches of all unfinished files divided among ``ranks`` (module
+    doc); every rank must call this with the same jobs. Returns per job ``{"records", "response_tokens",
+    "tokens_per_s", "batches_by_rank"}``: tokens/s of this call's generation only (the ranks' tokens over
+    the longest a rank spent on the file; None when nothing was generated) and the batches each rank
+    answered in this call."""
+    ranks = ranks or Ranks()
+    pending = [job for job in jobs if not job.out_file.exists()]
+    for job in jobs:
+        if ranks.is_main and job.out_file.exists():  # pieces left by a kill between a merge and its cleanup
+            shutil.rmtree(job.parts, ignore_errors=True)
+    units = [(j, batch) for j, job in enumerate(pending) for batch in job.batches(batch_size)]
+    for job in pending:
+        job.parts.mkdir(parents=True, exist_ok=True)
+        if ranks.is_main:
+            job.adopt_log(batch_size)
+    answer, progress = None, tqdm(desc=", ".join(job.desc for job in pending), unit="batch", disable=not pending)
+
+    def write(i: int) -> tuple[int, int, float]:
+        nonlocal answer
+        j, batch = units[i]
+        job = pending[j]
+        if answer is None:
+            answer = ServerAnswers(server, tokenizer) if server is not None else InProcessAnswers(target, tokenizer)
+        t0 = time.perf_counter()
+        rows = answer([job.prompts[k] for k in batch], max_new_tokens, job.temperature, top_p, top_k,
+                      job.seed * 1_000_003 + batch.start)  # per-batch seed: resumes and any number of ranks reproduce
+        seconds = time.perf_counter() - t0
+        lines, new_tokens = [], 0
+        for k, (prompt_ids, new, ended, extra) in zip(batch, rows):
+            new_tokens += len(new) + ended
+            record = {"id": k, **job.prompts[k], "prompt_ids": prompt_ids, "response": tokenizer.decode(new, skip_special_tokens=True),
+                      "response_ids": new, "eos": ended, "temperature": job.temperature, **extra}
+            lines.append(json.dumps(record) + "\n")
+        write_file_atomically(job.batch_file(batch), lambda tmp: tmp.write_text("".join(lines)))
+        progress.update(1)
+        return j, new_tokens, seconds
+
+    def merge() -> None:
+        for job in pending:
+            job.merge(batch_size)
+
+    device = next(target.parameters()).device if server is None and target is not None else torch.device("cpu")
+    # the per-batch seeds must not leak into the caller's RNG: a training run that regenerates and one
+    # that reuses cached answers then draw the same anchors and data order
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        done = run_sharded(ranks, len(units), lambda i: pending[units[i][0]].batch_file(units[i][1]).exists(), write, merge,
+                           "regenerating " + ", ".join(str(job.out_file) for job in pending))
+    progress.close()
+    return [_job_record(job, pending, done) for job in jobs]
+
+
+def _job_record(job: AnswerJob, pending: list[AnswerJob], done: list[list[tuple[int, int, float]]]) -> dict:
+    """:func:`answer_jobs`' record of one job from its file and what each rank did for it."""
+    j = next((j for j, p in enumerate(pending) if p is job), None)
+    mine = [[(tokens, seconds) for jj, tokens, seconds in rank if jj == j] for rank in done]
+    tokens = sum(t for rank in mine for t, _ in rank)
+    seconds = max((sum(s for _, s in rank) for rank in mine), default=0.0)
+    return {**job.stats(), "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+            "batches_by_rank": [len(rank) for rank in mine]}
 
 
 class InProcessAnswers:
@@ -236,52 +328,54 @@ def regeneration_key(stage, target_fp: str, tokenizer_fp: str, data_fp: str, see
     return fingerprint_texts([settings], f"v{REGENERATION_VERSION}", target_fp, tokenizer_fp, data_fp, f"seed={seed}")
 
 
-def regenerated_splits(stage, target, tokenizer, splits, seed: int, target_fp: str, tokenizer_fp: str) -> dict:
+def regenerated_splits(stage, target, tokenizer, splits, seed: int, target_fp: str, tokenizer_fp: str,
+                       ranks: Ranks | None = None) -> dict:
     """Answer ``stage``'s train prompts (split over ``stage.temperatures``) and held-out prompts (greedy),
-    or reuse the cached answers. Returns the record: files, key, counts, response tokens and tokens/s."""
+    or reuse the cached answers; with ``ranks`` every rank answers its share of all the files' batches
+    (module doc) and returns the record. Returns the record: files, key, counts, response tokens,
+    tokens/s and the batches each rank answered."""
     key = regeneration_key(stage, target_fp, tokenizer_fp, splits.fingerprint, seed)
     folder = cache_dir() / "regenerated" / key
     manifest = folder / "manifest.json"
     if manifest.exists():
         return {**json.loads(manifest.read_text()), "reused": True}
-    jobs = []  # (file, prompts, temperature, seed)
+    jobs = []
     per_temp = -(-stage.train_prompts // len(stage.temperatures))
     train_prompts = corpus_prompts(splits.train, per_temp * len(stage.temperatures), stage.prompt_tokens, tokenizer, seed)
     for j, temperature in enumerate(stage.temperatures):
-        jobs.append((folder / f"train_t{temperature:g}.jsonl", train_prompts[j * per_temp:(j + 1) * per_temp], temperature, seed + j))
+        jobs.append(AnswerJob(folder / f"train_t{temperature:g}.jsonl", train_prompts[j * per_temp:(j + 1) * per_temp],
+                              temperature, seed + j, f"regenerating train_t{temperature:g}"))
     val_prompts = corpus_prompts(splits.val, stage.val_prompts, stage.prompt_tokens, tokenizer, seed + 1)
-    jobs.append((folder / "val_t0.jsonl", val_prompts, 0.0, seed))
-    stats = {}
-    for file, prompts, temperature, job_seed in jobs:
-        stats[file.name] = answer_prompts(
-            target, tokenizer, prompts, file, max_new_tokens=stage.max_new_tokens, temperature=temperature,
-            top_p=stage.top_p, top_k=stage.top_k, batch_size=stage.batch_size, seed=job_seed,
-            desc=f"regenerating {file.stem}", server=stage.server)
-    record = {"key": key, "folder": str(folder), "train_files": [str(j[0]) for j in jobs[:-1]], "val_files": [str(jobs[-1][0])],
-              "files": stats, "train_response_tokens": sum(s["response_tokens"] for n, s in stats.items() if n.startswith("train")),
+    jobs.append(AnswerJob(folder / "val_t0.jsonl", val_prompts, 0.0, seed, "regenerating val_t0"))
+    done = answer_jobs(target, tokenizer, jobs, max_new_tokens=stage.max_new_tokens, top_p=stage.top_p, top_k=stage.top_k,
+                       batch_size=stage.batch_size, server=stage.server, ranks=ranks)
+    stats = {job.out_file.name: record for job, record in zip(jobs, done)}
+    record = {"key": key, "folder": str(folder), "train_files": [str(j.out_file) for j in jobs[:-1]],
+              "val_files": [str(jobs[-1].out_file)], "files": stats,
+              "train_response_tokens": sum(s["response_tokens"] for n, s in stats.items() if n.startswith("train")),
+              "batches_by_rank": [sum(col) for col in zip(*(s["batches_by_rank"] for s in stats.values()))],
               "settings": stage.model_dump(mode="json")}
-    tmp = manifest.with_name("manifest.json.tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, manifest)
+    if ranks is None or ranks.is_main:
+        write_file_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(record, indent=2)))
     return {**record, "reused": False}
 
 
-def training_splits(data, stage, target, tokenizer, seed: int):
+def training_splits(data, stage, target, tokenizer, seed: int, ranks: Ranks | None = None):
     """What a training recipe trains on: ``data``'s corpus, or with a ``regenerate:`` ``stage`` the
-    target's own answers to prompts cut from it (regenerated now, or read back from their cache:
-    recipes with the same stage, corpus, target and seed share one). Returns the text splits, the data
-    config to cut them into windows with, and the run's data record."""
+    target's own answers to prompts cut from it (regenerated now by every rank of ``ranks``, or read
+    back from their cache: recipes with the same stage, corpus, target and seed share one). Returns the
+    text splits, the data config to cut them into windows with, and the run's data record."""
     from .data import load_text_splits, regenerated_text_splits, tokenizer_fingerprint
     from .feature_cache import target_fingerprint
 
     splits, regenerated = load_text_splits(data, seed), None
     if stage is not None:
         regenerated = regenerated_splits(stage, target, tokenizer, splits, seed, target_fingerprint(target),
-                                         tokenizer_fingerprint(tokenizer))
+                                         tokenizer_fingerprint(tokenizer), ranks)
         splits = regenerated_text_splits(regenerated)
         data = data.model_copy(update={"format": "prompt_response"})
     record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
               "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
     if regenerated is not None:
-        record["regenerated"] = {k: regenerated[k] for k in ("key", "folder", "files", "train_response_tokens", "reused")}
+        record["regenerated"] = {k: regenerated.get(k) for k in ("key", "folder", "files", "train_response_tokens", "batches_by_rank", "reused")}
     return splits, data, record

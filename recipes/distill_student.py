@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from distill.base.flops import flops_per_token
+from distill.checkpoint import Ranks
 from distill.config import DistillStudentRecipe, RecipeError
 from distill.data import make_windows
 from distill.kd import evaluate_pard, evaluate_student, kd_loss_fn
@@ -106,10 +107,11 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
                 "memory_gib_per_device": memory_estimate(recipe, target, student)}
 
     ### Data, tokenized with the target's tokenizer
-    with acc.main_process_first():
-        splits, data_cfg, data_record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed)
-        train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed)
-        val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed)
+    ranks = Ranks.of(acc)  # every rank regenerates and tokenizes its share
+    splits, data_cfg, data_record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks)
+    train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, ranks=ranks)
+    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed, ranks=ranks)
+    data_record["tokenized_by_rank"] = {"train": train.prepared_by_rank, "val": val.prepared_by_rank}
     if acc.is_main_process:
         write_run_header(recipe.output_dir, recipe, data=data_record, student=model_summary(student),
                          target=recipe.target.path, world_size=acc.num_processes)

@@ -9,9 +9,12 @@ Output: ``<output_dir>/data.jsonl``, one record per prompt with the text and the
 ``messages``). Resumable: a re-run after a kill continues and writes exactly what an uninterrupted
 run would. With a ``server:`` section the answers come from an OpenAI-compatible endpoint (vLLM,
 SGLang, ``transformers serve``) instead, same records and resume rules: the way to regenerate at 8B
-scale, where the reference trainers use a vLLM / SGLang server.
+scale, where the reference trainers use a vLLM / SGLang server. Launched as several processes
+(``torchrun`` / ``accelerate launch``), every rank answers its share of the batches with its own copy
+of the target on its own device, and the main rank joins them: the same file as one process writes.
 
     draftsmith run recipes/configs/regenerate_testbed.yaml
+    torchrun --nproc_per_node 8 -m recipes.cli run recipes/configs/regenerate_testbed.yaml
     vllm serve Qwen/Qwen3-8B --port 8000 &
     draftsmith run recipes/configs/regenerate_testbed.yaml target.path=Qwen/Qwen3-8B \
         server.base_url=http://127.0.0.1:8000/v1 server.model=Qwen/Qwen3-8B 'server.extra_body={return_token_ids: true}'
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distill.checkpoint import Ranks
 from distill.config import RegenerateRecipe
 from distill.models import load_target
 from distill.provenance import write_json_atomic, write_run_header
@@ -32,23 +36,28 @@ SCHEMA = RegenerateRecipe
 
 def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
     import torch
+    from accelerate import PartialState
 
     set_threads(recipe.torch_threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # under torchrun / accelerate launch: this rank and its device (without CUDA, gloo ranks on the CPU)
+    state = PartialState(cpu=not torch.cuda.is_available())
+    ranks = Ranks.of(state)
     # through a server, only the tokenizer is needed here (the model is built on the meta device)
-    target, tokenizer = load_target(recipe.target, device, weights=recipe.server is None and not dry_run)
+    target, tokenizer = load_target(recipe.target, state.device, weights=recipe.server is None and not dry_run)
     prompts = load_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer)
     if dry_run:
         return {"prompts": len(prompts), "example": render(prompts[0], tokenizer)[:200]}
 
     out = Path(recipe.output_dir)
-    write_run_header(out, recipe)
+    if ranks.is_main:
+        write_run_header(out, recipe, world_size=ranks.world)
     gen = recipe.generation
     stats = answer_prompts(target, tokenizer, prompts, out / "data.jsonl", max_new_tokens=gen.max_new_tokens,
                            temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, batch_size=gen.batch_size,
-                           seed=recipe.seed, server=recipe.server)
-    summary = {"data": str(out / "data.jsonl"), **stats}
-    write_json_atomic(out / "summary.json", summary)
-    print(f"wrote {stats['records']} responses ({stats['response_tokens']} tokens, {stats['tokens_per_s']} tokens/s) "
-          f"to {out / 'data.jsonl'}")
+                           seed=recipe.seed, server=recipe.server, ranks=ranks)
+    summary = {"data": str(out / "data.jsonl"), "world_size": ranks.world, **stats}
+    if ranks.is_main:
+        write_json_atomic(out / "summary.json", summary)
+        print(f"wrote {stats['records']} responses ({stats['response_tokens']} tokens, {stats['tokens_per_s']} tokens/s) "
+              f"to {out / 'data.jsonl'}")
     return summary

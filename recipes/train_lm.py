@@ -21,6 +21,7 @@ from pathlib import Path
 
 from distill.base.flops import flops_per_token
 from distill.base.lm import evaluate_lm
+from distill.checkpoint import Ranks
 from distill.config import TrainLMRecipe
 from distill.data import build_tokenizer, load_text_splits, make_windows, tokenizer_fingerprint
 from distill.lm import lm_loss
@@ -69,11 +70,15 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
 
     ### Accelerator, data, tokenizer
     acc = make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
-    with acc.main_process_first():  # the main process fills the caches, the others read them
-        splits = load_text_splits(recipe.data, recipe.seed)
+    ranks = Ranks.of(acc)
+    splits = load_text_splits(recipe.data, recipe.seed)  # every rank (datasets' file locks share one download)
+    if recipe.tokenizer.path:
         tokenizer = build_tokenizer(recipe.tokenizer, splits)
-        train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed)
-        val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed)
+    else:  # training a BPE is one job, not divisible: the main process trains it, the others load it
+        with acc.main_process_first():
+            tokenizer = build_tokenizer(recipe.tokenizer, splits)
+    train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed, ranks=ranks)  # every rank its shards
+    val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed, ranks=ranks)
 
     ### Model
     model = build_causal_lm(recipe.model, len(tokenizer), special_token_ids(tokenizer))
@@ -84,7 +89,8 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     ### Run header
     data_record = {"description": splits.description, "text_fingerprint": splits.fingerprint,
                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                   "train_windows": len(train), "val_windows": len(val), "seq_len": recipe.data.seq_len}
+                   "train_windows": len(train), "val_windows": len(val), "seq_len": recipe.data.seq_len,
+                   "tokenized_by_rank": {"train": train.prepared_by_rank, "val": val.prepared_by_rank}}
     if acc.is_main_process:
         write_run_header(recipe.output_dir, recipe, data=data_record, model=model_summary(model),
                          world_size=acc.num_processes)
