@@ -22,20 +22,37 @@ import torch
 
 @functools.lru_cache(maxsize=None)
 def measured_matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None) -> float:
-    """Best achieved FLOP/s of an ``n x n @ n x n`` matmul on ``device`` (``threads`` is a cache key)."""
-    n = 2048 if device == "cpu" else 8192
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    """Best achieved FLOP/s of an ``n x n @ n x n`` matmul on ``device`` (``threads`` is a cache key), at the
+    size :func:`probe_size` settles on."""
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-    torch.mm(a, b)
-    sync()
-    best = float("inf")
-    for _ in range(3 if device == "cpu" else 10):
-        t0 = time.perf_counter()
+
+    def seconds(n: int) -> float:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         torch.mm(a, b)
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = float("inf")
+        for _ in range(3 if device == "cpu" else 10):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    n, best = probe_size(seconds, 2048 if device == "cpu" else 8192)
     return _best_ever(f"{_device_name(device)}|{dtype}|threads={threads}", 2 * n**3 / best)
+
+
+def probe_size(seconds, largest: int, smallest: int = 256, enough: float = 0.05) -> tuple[int, float]:
+    """The matmul size to measure the peak at: doubled from ``smallest`` while one product takes under
+    ``enough`` seconds, at most ``largest``. Large enough to run at the kernel's pace, small enough that a
+    dtype without fast kernels here (bf16 on a CPU: ~1 GFLOP/s, where 2048^3 takes a quarter hour of
+    timing) costs a second, not minutes. ``seconds(n)`` times one product of size ``n``; returns the size
+    and its time."""
+    n, took = smallest, seconds(smallest)
+    while n < largest and took < enough:
+        n *= 2
+        took = seconds(n)
+    return n, took
 
 
 def _device_name(device: str) -> str:

@@ -185,3 +185,16 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, fault):
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
     steps = [m["step"] for m in read_metrics(out) if "train/loss" in m]
     assert steps == sorted(set(steps)), "metrics.jsonl repeats steps after resume"
+
+
+def test_the_matmul_peak_is_probed_at_a_size_the_dtype_can_afford():
+    """bf16 on a CPU runs ~1 GFLOP/s: a fixed 2048^3 probe took minutes before a bf16 run's first step.
+    The size doubles only while a product stays fast, up to the largest."""
+    from distill.perf import probe_size
+
+    def rate(flops_per_s):
+        return lambda n: 2 * n**3 / flops_per_s
+
+    assert probe_size(rate(1e11), 2048)[0] == 2048  # fp32 on this CPU: the full size
+    assert probe_size(rate(1.3e9), 2048) == (512, 2 * 512**3 / 1.3e9)  # bf16 here: 0.2 s a product at 512
+    assert probe_size(rate(7e14), 8192)[0] == 8192  # a GPU
