@@ -350,17 +350,6 @@ class PackedWindows:
         return samples / self.num_windows
 
 
-def rank_batches(n: int, batch_size: int, rank: int, world: int) -> list[tuple[int, bool]]:
-    """This rank's share of an evaluation over items ``0 .. n-1`` in batches of ``batch_size``: pairs
-    ``(first item, real)``. Batches go round-robin; a rank short of one gets a *padding* batch (``real``
-    False: the first batch again, whose results the caller must drop), so every rank runs the same
-    number of forwards. Under ZeRO-3 / FSDP each forward gathers parameters collectively: an uneven
-    split would leave the ranks with more batches waiting on the others forever."""
-    starts = list(range(0, n, batch_size))
-    mine = starts[rank::world]
-    return [(s, True) for s in mine] + [(0, False)] * (-(-len(starts) // world) - len(mine))
-
-
 def chat_messages(record: dict, cfg: DataConfig) -> list[dict]:
     if cfg.format == "messages":
         return list(record[cfg.messages_field])

@@ -17,7 +17,7 @@ from drafters import DRAFTERS, is_block_drafter, unwrapped
 from drafters.core import acceptance_stats, accepted_lengths, decode_walk, sample_anchors, summarize_acceptance
 
 from .base.features import FeatureCapture, default_layer_ids, final_norm
-from .data import rank_batches
+from .base.lm import rank_batches
 from .feature_cache import batch_features
 
 

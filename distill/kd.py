@@ -43,8 +43,8 @@ from torch.utils.checkpoint import checkpoint
 from drafters import unwrapped
 from drafters.pard import mask_blocks
 
+from .base.lm import rank_batches
 from .base.masks import LayerMasks
-from .data import rank_batches
 from .lm import inputs_and_labels, next_token_ce
 
 DIVERGENCE_BETA = {"forward_kl": 0.0, "reverse_kl": 1.0}

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from distill.base.features import FeatureCapture
+from distill.base.lm import rank_batches
 from distill.config import DataConfig, TargetConfig
-from distill.data import Batch, rank_batches
+from distill.data import Batch
 from distill.drafter_eval import evaluate_drafter
 from distill.models import load_target
 
@@ -155,3 +156,31 @@ def test_padding_batches_count_nowhere(target, val_windows):
         mp.setattr(rank, "reduce", reduce)
         evaluate_drafter(drafter, capture, val_windows, 4, max_batches=1, accelerator=rank)  # one batch: rank 1 pads
     assert seen and float(seen["first"].abs().sum()) == 0.0
+
+
+def test_every_rank_runs_as_many_lm_forwards_and_the_ranks_add_up_to_one(target, val_windows):
+    """A causal LM's held-out evaluation (students, Parcae's recurrence curve, ``train_lm``; the final one
+    reads the whole split): 9 windows in batches of 4 over 2 ranks, the same forwards on each, and the
+    ranks' token counts add up to the one-process count."""
+    from distill.base.lm import evaluate_lm
+
+    class Nine:
+        def __len__(self):
+            return 9
+
+        def collate(self, indices):
+            return val_windows.collate(indices)
+
+    model, windows = target[0], Nine()
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    counts, tokens = [], []
+    try:
+        for rank in range(2):
+            calls.clear()
+            tokens.append(evaluate_lm(model, windows, 4, accelerator=_FakeRank(rank, 2))["val_tokens"])
+            counts.append(len(calls))
+        whole = evaluate_lm(model, windows, 4)["val_tokens"]
+    finally:
+        handle.remove()
+    assert counts == [2, 2] and sum(tokens) == whole == 9 * 64

@@ -31,6 +31,17 @@ def next_token_ce(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
 
 
 @torch.no_grad()
+def rank_batches(n: int, batch_size: int, rank: int, world: int) -> list[tuple[int, bool]]:
+    """This rank's share of an evaluation over items ``0 .. n-1`` in batches of ``batch_size``: pairs
+    ``(first item, real)``. Batches go round-robin; a rank short of one gets a *padding* batch (``real``
+    False: the first batch again, whose results the caller must drop), so every rank runs the same
+    number of forwards. Under ZeRO-3 / FSDP each forward gathers parameters collectively: an uneven
+    split would leave the ranks with more batches waiting on the others forever."""
+    starts = list(range(0, n, batch_size))
+    mine = starts[rank::world]
+    return [(s, True) for s in mine] + [(0, False)] * (-(-len(starts) // world) - len(mine))
+
+
 def evaluate_lm(model, windows, batch_size: int, max_batches: int | None = None,
                 accelerator=None, prefix: str = "val", **forward_kwargs) -> dict:
     """Held-out loss, perplexity and accuracy; ``forward_kwargs`` go to the model (e.g. ``num_steps``)."""
@@ -40,14 +51,13 @@ def evaluate_lm(model, windows, batch_size: int, max_batches: int | None = None,
     nll = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
-    mine = list(range(rank, n, world))
-    for start in range(0, len(mine), batch_size):
-        idx = mine[start:start + batch_size]
-        inputs, labels = inputs_and_labels(windows.collate(idx).to(device))
+    for start, real in rank_batches(n, batch_size, rank, world):  # as many forwards on every rank (ZeRO-3 / FSDP gathers)
+        inputs, labels = inputs_and_labels(windows.collate(list(range(start, min(start + batch_size, n)))).to(device))
         logits = model(input_ids=inputs, **forward_kwargs).logits.float()
-        nll += next_token_ce(logits, labels, reduction="sum").double()
-        correct += (logits.argmax(-1) == labels).sum().double()
-        count += (labels != -100).sum().double()
+        if real:
+            nll += next_token_ce(logits, labels, reduction="sum").double()
+            correct += (logits.argmax(-1) == labels).sum().double()
+            count += (labels != -100).sum().double()
     if accelerator:
         nll, correct, count = (accelerator.reduce(t, "sum") for t in (nll, correct, count))
     loss = (nll / count).item()
