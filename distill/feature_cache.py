@@ -72,13 +72,6 @@ def target_fingerprint(target) -> str:
     return h.hexdigest()[:16]
 
 
-def write_feature_cache(capture: FeatureCapture, windows: PackedWindows, folder: Path, meta: dict, dtype: torch.dtype,
-                        batch_size: int = 8, shard_windows: int = 512, device="cpu", ranks: Ranks | None = None) -> Path:
-    """Run the target over every window of ``windows`` (in index order) and store the features."""
-    write_feature_caches(capture, [(windows, Path(folder), meta)], dtype, batch_size, shard_windows, device, ranks)
-    return Path(folder)
-
-
 def write_feature_caches(capture: FeatureCapture, caches: list[tuple[PackedWindows, Path, dict]], dtype: torch.dtype,
                          batch_size: int = 8, shard_windows: int = 512, device="cpu", ranks: Ranks | None = None) -> list[int]:
     """Build each ``(windows, folder, meta)`` cache whose folder has no manifest yet, the shards of all of
