@@ -78,9 +78,9 @@ class LayerMasks:
     converted to the additive form where the model attends eagerly (eager attention adds its mask)."""
 
     def __init__(self, target):
-        windowed = getattr(target.config, "sliding_window", None) is not None  # no window: no layer lookup (any model)
-        windows = layer_windows(target) if windowed else []
-        self.windowed = [(layer.self_attn, w) for layer, w in zip(decoder_layers(target), windows) if w is not None]
+        self.windowed = []  # (attention module, window) of each windowed layer; no window: no layer lookup (any model)
+        if getattr(target.config, "sliding_window", None) is not None:
+            self.windowed = [(layer.self_attn, w) for layer, w in zip(decoder_layers(target), layer_windows(target)) if w is not None]
         self.eager = target.config._attn_implementation == "eager"
         self.dtype = next(target.parameters()).dtype
 
