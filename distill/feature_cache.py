@@ -10,7 +10,8 @@ Window ``i`` of the cache is window ``i`` of :class:`~distill.data.PackedWindows
 stream, so offline training visits exactly the batches online training would, and (with a float32
 cache) computes exactly the same losses.
 
-The manifest records the target (path and a fingerprint of its config and weights), the tokenizer
+The manifest records the target (path and a fingerprint of its checkpoint's config and weights, read from
+its files, and the dtype it runs in), the tokenizer
 and data fingerprints, the layer ids *and their index convention*, the dtype and the window length. A
 recipe whose values differ is refused before training with the list of differences: silently
 training on features of another layer, target or tokenisation is the classic way to get a drafter
@@ -43,6 +44,7 @@ from .checkpoint import Ranks, publish, run_sharded, write_file_atomically
 from .checks import check_safetensors
 from .config import RecipeError
 from .data import Batch, PackedWindows
+from .target_files import checkpoint_fingerprint, checkpoint_folder
 
 FORMAT_VERSION = 1
 #: manifest fields a recipe must agree with
@@ -55,7 +57,8 @@ class FeatureCacheMismatch(RecipeError):
 
 
 def batch_features(batch: Batch, capture: FeatureCapture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, aux, last) of a batch: read from the cache, or captured from the target now."""
+    """(input_ids, aux, last) of a batch, on its ``input_ids``' device: read from the cache (a batch that has
+    them), or captured from the target now (:class:`FeatureCapture` moves a split target's states there)."""
     if batch.aux is not None:
         return batch.input_ids, batch.aux, batch.last
     feats = capture(batch.input_ids)
@@ -63,13 +66,11 @@ def batch_features(batch: Batch, capture: FeatureCapture) -> tuple[torch.Tensor,
 
 
 def target_fingerprint(target) -> str:
-    """A fingerprint of the target's config and weights (every tensor's shape and a strided sample)."""
-    h = hashlib.sha256(json.dumps(target.config.to_dict(), sort_keys=True, default=str).encode())
-    for name, p in target.state_dict().items():
-        flat = p.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 64)].float().cpu().numpy().tobytes()
-        h.update(name.encode() + str(tuple(p.shape)).encode() + sample)
-    return h.hexdigest()[:16]
+    """A fingerprint of the checkpoint ``target`` was loaded or built from (``target.name_or_path``) and the
+    dtype it runs in: its config and every tensor's shape and a strided sample, read from the checkpoint's
+    files (:func:`~distill.target_files.checkpoint_fingerprint`), so a target loaded whole, split over
+    devices or built on the meta device without its weights has the same one."""
+    return checkpoint_fingerprint(checkpoint_folder(target.name_or_path), target.dtype)
 
 
 def write_feature_caches(capture: FeatureCapture, caches: list[tuple[PackedWindows, Path, dict]], dtype: torch.dtype,

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from .base.features import final_norm
 from .base.flops import matmul_params
 from .config import ModelConfig, RecipeError, TargetConfig
+from .target_files import checkpoint_folder, read_tensors
 from .testbed import SHIPPED_TARGET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,10 +153,23 @@ def _whole_under_zero3():
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+def check_device_map(cfg: TargetConfig, num_processes: int) -> None:
+    """Refuse ``target.device_map`` in a launch of more than one process: each process would place its own
+    copy of the target over every device it sees. The split target needs one process given all the node's GPUs."""
+    if cfg.device_map is not None and num_processes > 1:
+        raise RecipeError(f"target.device_map: {cfg.device_map!r} splits the target over the node's devices in one process, "
+                          f"but this launch runs {num_processes} processes, each of which would place its own copy; run it "
+                          "as one process (`draftsmith run RECIPE`, which sees every GPU), e.g. to build the offline feature "
+                          "cache (features.build_only: true), then train from that cache under `accelerate launch` "
+                          "without target.device_map")
+
+
 def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: bool = True):
-    """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder.
-    ``weights=False``: the model built from its config on the meta device (shapes and dtypes, no
-    memory, nothing downloaded but the config and tokenizer), for dry runs (:func:`meta_target`)."""
+    """A frozen target (eval mode, no gradients) and its tokenizer, by hub id or local folder, on ``device``;
+    with ``cfg.device_map`` placed as transformers' ``device_map`` says instead (``auto``: split by layers over
+    every visible GPU; ``device`` is not used). ``weights=False``: the model built from its config on the meta
+    device (shapes and dtypes, no memory, nothing downloaded but the config and tokenizer), for dry runs
+    (:func:`meta_target`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import parcae  # noqa: F401  (registers Parcae with the Auto classes)
@@ -164,7 +179,8 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
         if weights:
             with _whole_under_zero3():
                 attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=attention)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=attention,
+                                                             device_map=cfg.device_map)
             tokenizer = AutoTokenizer.from_pretrained(path)
         else:
             model, tokenizer = meta_target(path, DTYPES[cfg.dtype])
@@ -180,8 +196,59 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
         raise RecipeError(f"target.path: '{path}' could not be loaded from the hub ({str(e).splitlines()[0]}); with "
                           f"no network, set HF_HUB_OFFLINE=1 to use the local cache, or give a local folder") from None
     model = text_only(model)
-    model.to(device).eval().requires_grad_(False)
+    if cfg.device_map is None or not weights:
+        model.to(device)
+    model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+def load_target_io(cfg: TargetConfig, norm: bool = False):
+    """``(target, tokenizer)`` without the target's weights, for training from a complete feature cache:
+    the model built on the meta device from its config (:func:`meta_target`), with only what a drafter copies
+    read from the checkpoint's safetensors files by tensor name, in ``cfg.dtype`` on the CPU: the input
+    embeddings, the LM head (one tensor when tied) and, with ``norm``, the final norm's weight. Running the
+    target raises :class:`RecipeError`: its layers hold no weights."""
+    path = resolve_target_path(cfg.path)
+    with _whole_under_zero3():
+        built, tokenizer = meta_target(path, DTYPES[cfg.dtype])
+    model = text_only(built)
+    wanted = {"input embeddings": model.get_input_embeddings().weight, "LM head": model.get_output_embeddings().weight}
+    if norm:
+        wanted["final norm"] = final_norm(model).weight
+    names = _parameter_names(built)
+    read = read_tensors(checkpoint_folder(path), {label: names[id(p)] for label, p in wanted.items()})
+    loaded = {}
+    for label, p in wanted.items():
+        loaded.setdefault(id(p), torch.nn.Parameter(read[label].to(DTYPES[cfg.dtype]), requires_grad=False))
+    _replace_parameters(model, loaded)
+    _refuse_to_run(model, f"target.path {cfg.path}: the target was built without its weights (features.mode offline "
+                          "with complete feature caches reads none); it cannot run")
+    return model.eval().requires_grad_(False), tokenizer
+
+
+def _parameter_names(model) -> dict[int, list[str]]:
+    """Every parameter of ``model`` (by ``id``) and all its names (a tied one has several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _replace_parameters(model, new: dict[int, torch.nn.Parameter]) -> None:
+    """Every reference in ``model`` to a parameter whose ``id`` ``new`` holds replaced by its new one."""
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and id(p) in new:
+                module._parameters[key] = new[id(p)]
+
+
+def _refuse_to_run(model, message: str) -> None:
+    """Any forward of ``model`` or of its decoder (what feature capture runs) raises ``RecipeError(message)``."""
+    def refuse(_module, _args):
+        raise RecipeError(message)
+
+    model.register_forward_pre_hook(refuse)
+    (getattr(model, "model", None) or model.base_model).register_forward_pre_hook(refuse)
 
 
 @dataclass(frozen=True)
@@ -237,6 +304,7 @@ def text_only(model):
     shell.model, shell.lm_head = decoder, model.get_output_embeddings()
     shell.config._attn_implementation = decoder.config._attn_implementation
     shell.generation_config = model.generation_config
+    shell.name_or_path = model.name_or_path  # the checkpoint it came from (target_fingerprint reads its files)
     return shell
 
 

@@ -5,6 +5,12 @@ the configured layers and its final hidden state for every batch (:mod:`distill.
 (``features.mode: offline``): the same features are written once to ``features.cache_dir`` (built on
 first use) and read back; a cache made for another target, tokenizer, data or layer set is refused. The drafter never sees gradients
 from the target, and the target's embeddings and LM head are copied into the drafter, frozen.
+
+A target one GPU cannot hold beside the training state trains in two stages: the cache built in one
+process with the target split over the node's GPUs (``target.device_map: auto``, ``features.build_only:
+true``), then training from the complete cache under any launch, which reads none of the target's weights
+but the embeddings, head and final norm the drafter copies (:func:`frozen_target`).
+
 Every evaluation reports per-position acceptance and the simulated acceptance length tau on held-out
 windows; ``checkpoints/best`` is the drafter with the highest tau. Launch::
 
@@ -25,7 +31,7 @@ from distill.config import RecipeError, TrainDrafterRecipe
 from distill.data import make_windows
 from distill.drafter_eval import build_drafter, evaluate_drafter
 from distill.feature_cache import CachedFeatureWindows, batch_features, target_fingerprint, write_feature_caches
-from distill.models import DTYPES, load_target, model_summary, resolve_target_path
+from distill.models import DTYPES, check_device_map, load_target, load_target_io, model_summary, resolve_target_path
 from distill.provenance import write_json_atomic, write_run_header
 from distill.regenerate import training_splits
 from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
@@ -88,15 +94,41 @@ def memory_estimate(recipe: TrainDrafterRecipe, target, drafter, launch: Launch 
                         trainable_parameters=sum(p.numel() for p in drafter.parameters() if p.requires_grad))
 
 
+SPLITS = ("train", "val")
+
+
+def cache_folder(recipe: TrainDrafterRecipe) -> Path:
+    """The offline feature caches' folder (one subfolder per split)."""
+    return Path(recipe.features.cache_dir or Path(recipe.output_dir) / "feature_cache")
+
+
+def caches_complete(recipe: TrainDrafterRecipe) -> bool:
+    """Whether features are offline and both splits' caches are written (their manifests present)."""
+    return recipe.features.mode == "offline" and all((cache_folder(recipe) / s / "manifest.json").exists() for s in SPLITS)
+
+
+def frozen_target(recipe: TrainDrafterRecipe, acc, weightless: bool):
+    """``(target, tokenizer)`` for training: loaded whole on ``acc.device`` (or placed by ``target.device_map``,
+    one process only), or, ``weightless`` (the offline caches complete), built without its weights
+    (:func:`distill.models.load_target_io`: only the embeddings, head and, for ``drafter.init_norm_scale``,
+    final norm the drafter copies; ``target.device_map`` then places nothing and is not checked). Either
+    way the caches' fingerprint check reads the checkpoint's files."""
+    if weightless:
+        return load_target_io(recipe.target, norm=recipe.drafter.init_norm_scale is not None)
+    check_device_map(recipe.target, acc.num_processes)
+    return load_target(recipe.target, acc.device)
+
+
 def offline_windows(recipe, acc, capture, target, data_record, train, val):
     """Cached-feature windows for both splits, building the caches first where they are missing: the
     shards of both divided among the ranks, each running its copy of the target (``data_record`` gets
     ``features_by_rank``, the shards each rank wrote)."""
-    folder = Path(recipe.features.cache_dir or Path(recipe.output_dir) / "feature_cache")
+    folder = cache_folder(recipe)
     dtype = DTYPES[recipe.features.dtype]
+    fingerprint = target_fingerprint(target)
     expected, build = {}, []
     for split, windows in (("train", train), ("val", val)):
-        expected[split] = {"target_fingerprint": target_fingerprint(target), "layer_ids": capture.layer_ids,
+        expected[split] = {"target_fingerprint": fingerprint, "layer_ids": capture.layer_ids,
                            "layer_id_convention": LAYER_ID_CONVENTION, "seq_len": windows.seq_len, "split": split,
                            "num_windows": len(windows),
                            "dtype": recipe.features.dtype, "tokenizer_fingerprint": data_record["tokenizer_fingerprint"],
@@ -107,6 +139,16 @@ def offline_windows(recipe, acc, capture, target, data_record, train, val):
                                                            device=acc.device, ranks=Ranks.of(acc))
     return [CachedFeatureWindows(folder / split, expected[split], recipe.seed, shuffle=windows.shuffle)
             for split, windows in (("train", train), ("val", val))]
+
+
+def cache_summary(recipe: TrainDrafterRecipe, acc, train, val, data_record: dict) -> dict:
+    """``features.build_only``: the built caches' summary, written to ``summary.json`` by the main process."""
+    summary = {"feature_cache": str(cache_folder(recipe)), "windows": {"train": len(train), "val": len(val)},
+               "target": recipe.target.path, "features_by_rank": data_record["features_by_rank"]}
+    if acc.is_main_process:
+        write_json_atomic(Path(recipe.output_dir) / "summary.json", summary)
+    end_run(acc)
+    return summary
 
 
 def drafter_windows(recipe: TrainDrafterRecipe, target, tokenizer, ranks: Ranks | None = None):
@@ -130,13 +172,16 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     ### Target (frozen) and drafter
     acc = None if dry_run else make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
     # a dry run builds both models on the meta device: shapes only, no weights read or allocated
-    target, tokenizer = meta_target(recipe.target) if dry_run else load_target(recipe.target, acc.device)
+    weightless = not dry_run and caches_complete(recipe)  # training from complete caches: no target weights
+    target, tokenizer = meta_target(recipe.target) if dry_run else frozen_target(recipe, acc, weightless)
     mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
     if mask_id is None and DRAFTERS[recipe.drafter.kind][0].needs_mask_token:
         raise RecipeError(f"drafter.mask_token_id: the target's tokenizer has no mask token and a {recipe.drafter.kind} drafter "
                           "needs one; set drafter.mask_token_id to a token id the target does not use (a reserved one)")
     with torch.device("meta") if dry_run else contextlib.nullcontext():
         drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
+    if weightless:
+        target.to("meta")  # what it read is copied into the drafter; the target holds no memory from here on
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
     quant = QuantStage(recipe.quant, drafter)  # the layer map against this drafter: errors before any compute
     if dry_run:
@@ -156,6 +201,8 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         write_run_header(recipe.output_dir, recipe, data=data_record, drafter=model_summary(drafter),
                          target_layer_ids=drafter.config.target_layer_ids, layer_id_convention=LAYER_ID_CONVENTION,
                          world_size=acc.num_processes)
+    if recipe.features.build_only:
+        return cache_summary(recipe, acc, train, val, data_record)
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
 
     block = drafter.config.model_type != "draftsmith_eagle3"

@@ -84,13 +84,18 @@ class FeatureCapture:
             for h in handles:
                 h.remove()
 
-    def features(self, captured: dict) -> TargetFeatures:
-        return TargetFeatures(aux=torch.cat([captured[i] for i in self.layer_ids], dim=-1), last=captured["last"])
+    def features(self, captured: dict, device: torch.device | str | None = None) -> TargetFeatures:
+        """The captured states on ``device`` (None: the first captured layer's). A target split over devices
+        (``target.device_map``) leaves each state on its layer's device; they are moved, not left there."""
+        device = device if device is not None else captured[self.layer_ids[0]].device
+        return TargetFeatures(aux=torch.cat([captured[i].to(device) for i in self.layer_ids], dim=-1),
+                              last=captured["last"].to(device))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
+        """The target's features for ``input_ids``, on ``input_ids``' device."""
         with self.hooks() as captured:
             # only the base model runs: the LM head's [T, vocab] logits are rebuilt where needed
             base = getattr(self.target, "model", None) or self.target.base_model
             base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return self.features(captured)
+        return self.features(captured, input_ids.device)

@@ -40,6 +40,14 @@ class RecipeBase(Strict):
     output_dir: str
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _device_map_for_drafters(self):
+        target = getattr(self, "target", None)
+        if isinstance(target, TargetConfig) and target.device_map is not None and self.recipe != "train_drafter":
+            raise ValueError(f"target.device_map: only train_drafter places a split target's outputs (its features); "
+                             f"recipe {self.recipe} loads the target whole on each process's device: leave it unset")
+        return self
+
 
 class TrainingRecipe(RecipeBase):
     """Sections every recipe that trains something has."""

@@ -212,6 +212,10 @@ class TargetConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto: transformers' choice for the model (SDPA where it supports it; gpt-oss: eager)")
+    device_map: Optional[Literal["auto", "cpu"]] = Field(
+        None, description="train_drafter, one process: transformers' device_map for the target (auto: split by layers over "
+                          "every visible GPU, e.g. to build an offline feature cache for a target one GPU cannot hold); "
+                          "None = whole on each process's device")
 
     @field_validator("path")
     @classmethod
@@ -382,6 +386,15 @@ class FeaturesSection(Strict):
     cache_dir: Optional[str] = Field(None, description="offline cache folder; None = <output_dir>/feature_cache")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="storage dtype of cached features")
     max_windows: Optional[int] = Field(None, gt=0, description="cap on training windows (both modes)")
+    build_only: bool = Field(False, description="offline: build both splits' caches and stop (no training); training "
+                                                "from complete caches then reads none of the target's weights but what "
+                                                "the drafter copies")
+
+    @model_validator(mode="after")
+    def _build_only_offline(self) -> "FeaturesSection":
+        if self.build_only and self.mode != "offline":
+            raise ValueError("features.build_only builds the offline feature cache: set features.mode: offline")
+        return self
 
 
 class DistillSection(Strict):
