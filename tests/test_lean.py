@@ -99,7 +99,7 @@ def test_a_model_without_logits_to_keep_gives_each_rows_own_logits():
     class Plain(torch.nn.Module):  # a causal LM that knows nothing of logits_to_keep
         def __init__(self):
             super().__init__()
-            self.inner = target
+            self.inner, self.config = target, target.config
 
         def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, use_cache=True):
             return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,

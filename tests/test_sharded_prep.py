@@ -302,8 +302,13 @@ def cache_in(folder: Path, world: int, target_dir: Path, fail_at: int | None = N
     caches = [(PackedWindows(tokens, 9, shuffle=False), folder / "train", {"split": "train"}),
               (PackedWindows(tokens[:91], 9, shuffle=False), folder / "val", {"split": "val"})]
 
+    # each rank's copy loaded here, one after another: transformers' loading patches process-wide state
+    # (its init-skipping contexts) and is not thread-safe; loaded inside the threads, later loads in the
+    # process lost their tied heads
+    targets = [AutoModelForCausalLM.from_pretrained(target_dir).eval() for _ in range(world)]
+
     def job(ranks: Ranks):
-        capture = FeatureCapture(AutoModelForCausalLM.from_pretrained(target_dir).eval(), [0, 2])
+        capture = FeatureCapture(targets[ranks.rank], [0, 2])
         if fail_at is not None:
             calls, run = [], capture.__call__
             capture = type("Dying", (), {"layer_ids": capture.layer_ids,
