@@ -135,6 +135,22 @@ def init_tracking(acc, wandb: WandbConfig, output_dir: str | Path, config: dict,
 RUN_RECORD = "wandb_run.json"  # written into a run folder: how downstream runs find and cite it
 
 
+def restore_functional_linear() -> None:
+    """Undo DeepSpeed ZeRO-3's process-wide replacement of ``torch.nn.functional.linear`` (its
+    memory-efficient linear, installed when a ZeRO-3 engine partitions a model and documented to "persist
+    unless manually reset"). What runs after training in the same process (torchao's converted models,
+    whose weights are tensor subclasses the replacement cannot transpose; the next recipe stage) then gets
+    torch's own. A no-op where DeepSpeed never replaced it."""
+    import sys
+
+    import torch
+
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(zero, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
+
+
 def end_run(acc) -> None:
     """The end of a run on every rank: the ranks wait for each other, then the trackers finish and the
     process group goes (``end_training``). A rank that tore its group down while another still wrote

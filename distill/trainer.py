@@ -39,7 +39,7 @@ from .config import OptimConfig, TrainConfig
 from .data import PackedWindows
 from .perf import Throughput, measured_matmul_peak
 from .provenance import update_json_atomic
-from .runtime import deepspeed_grad_clip, log_acceptance, log_checkpoint_artifact, run_strategy
+from .runtime import deepspeed_grad_clip, log_acceptance, log_checkpoint_artifact, restore_functional_linear, run_strategy
 
 
 @dataclass
@@ -358,6 +358,7 @@ class Trainer:
                 self._save_latest()
             fault_point("kill_after_step", step)
         bar.close()
+        restore_functional_linear()  # ZeRO-3's replacement would break what runs after training in this process
         tokens_per_s = self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else 0.0
         rates = {name: total / self.state.train_seconds for name, total in self.state.counts.items()} if self.state.train_seconds else {}
         return TrainResult(

@@ -85,6 +85,10 @@ def reset_accelerate() -> None:
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     reset_accelerate()
+    yield
+    from distill.runtime import restore_functional_linear
+
+    restore_functional_linear()  # an in-process ZeRO-3 engine replaces torch's F.linear for the whole process
 
 
 @pytest.fixture(scope="session")
