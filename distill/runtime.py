@@ -153,9 +153,15 @@ def restore_functional_linear() -> None:
 
 def end_run(acc) -> None:
     """The end of a run on every rank: the ranks wait for each other, then the trackers finish and the
-    process group goes (``end_training``). A rank that tore its group down while another still wrote
+    process group goes (``end_training``; under DeepSpeed through ``deepspeed.comm``, so that a later
+    DeepSpeed run in the same process does not find groups it cached of a destroyed world). A rank that tore its group down while another still wrote
     its files could take the run down with it (two CPU ranks on gloo: one aborted, SIGABRT, at exit)."""
     acc.wait_for_everyone()
+    if acc.state.deepspeed_plugin is not None:  # through DeepSpeed, which then forgets the groups it cached too
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
     acc.end_training()
 
 
