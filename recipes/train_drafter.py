@@ -40,7 +40,6 @@ from drafters import DRAFTERS
 from drafters.core import sample_anchors
 from drafters.vocab import coverage, frequent_tokens, restrict_vocab
 from recipes.dry_run import (
-    GiB,  # noqa: F401  (the estimate's unit, re-exported)
     Launch,
     activation_bytes,
     current_launch,

@@ -219,7 +219,8 @@ def test_gpu_drafter_recipes_fit_an_80_gb_device(name, monkeypatch):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from distill.drafter_eval import build_drafter
-    from recipes.train_drafter import GiB, memory_estimate
+    from recipes.dry_run import GiB
+    from recipes.train_drafter import memory_estimate
 
     monkeypatch.delenv("HF_HUB_OFFLINE")  # validate the hub id's form; nothing is fetched
     recipe = load_recipe(REPO / "recipes" / "configs" / f"{name}.yaml")
