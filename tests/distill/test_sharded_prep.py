@@ -24,7 +24,7 @@ from distill import data as data_module
 from distill.checkpoint import Ranks, run_sharded, shard_bounds
 from distill.config import DataConfig
 
-from .conftest import run_cli, write_recipe
+from ..conftest import run_cli, write_recipe
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -361,7 +361,7 @@ def test_two_ranks_regenerate_tokenize_and_cache_features_like_one(tmp_path, tin
     from recipes import train_drafter
     from recipes.registry import parse_recipe
 
-    from .test_drafters import drafter_recipe
+    from ..conftest import drafter_recipe
 
     def recipe(name: str) -> dict:
         raw = drafter_recipe(tmp_path / name, tiny_target_dir, "dflash", max_steps=2, eval_every=2, save_every=2,

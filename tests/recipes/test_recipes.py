@@ -11,7 +11,7 @@ import yaml
 from distill.config import HUB_ID, RecipeError
 from recipes.registry import load_recipe, run_recipe
 
-from .conftest import REPO
+from ..conftest import REPO
 
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 CONFIG_REF = re.compile(r"\b((?:recipes|accelerate_configs)/[\w./-]+\.ya?ml)\b")

@@ -12,8 +12,7 @@ from distill.config import DataConfig, TargetConfig
 from distill.data import encode_example
 from recipes.registry import parse_recipe
 
-from .conftest import reset_accelerate
-from .test_drafters import drafter_recipe
+from ..conftest import drafter_recipe, reset_accelerate
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -87,7 +86,7 @@ def test_a_student_recipe_trains_on_the_answers_a_drafter_recipe_cached(tmp_path
     a drafter recipe with the same stage, corpus, target and seed regenerated, and trains on them."""
     from recipes import distill_student, train_drafter
 
-    from .test_students import student_recipe
+    from ..conftest import student_recipe
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     stage = {"train_prompts": 8, "val_prompts": 4, "prompt_tokens": 12, "max_new_tokens": 16, "temperatures": [0.0, 0.7],

@@ -16,9 +16,8 @@ import torch
 from distill.config import TargetConfig
 from distill.models import load_target
 
-from .conftest import REPO
-from .families import save_family
-from .test_distributed import launch_env
+from ..conftest import REPO, launch_env
+from ..families import save_family
 
 FAMILIES = ["llama3", "qwen3", "gemma3"]
 

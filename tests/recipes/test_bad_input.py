@@ -13,7 +13,7 @@ import pytest
 from distill.testbed import SHIPPED_TARGET
 from recipes.cli import main
 
-from .conftest import REPO
+from ..conftest import REPO
 
 DRAFTER = REPO / "distill/assets/testbed_dflash"
 

@@ -14,7 +14,7 @@ from distill.trainer import Trainer, build_scheduler
 from recipes import train_lm
 from recipes.registry import parse_recipe
 
-from .conftest import run_cli, tiny_lm_recipe, write_recipe
+from ..conftest import run_cli, tiny_lm_recipe, write_recipe
 
 
 def read_metrics(out):

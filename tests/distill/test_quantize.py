@@ -17,7 +17,7 @@ from recipes import quant_report as R
 from recipes.quant_stage import QuantStage
 from recipes.registry import parse_recipe
 
-from .conftest import tiny_lm_recipe
+from ..conftest import tiny_lm_recipe
 
 ATTN = r"re:model\.layers\.\d+\.self_attn\..*"
 MLP = r"re:model\.layers\.\d+\.mlp\..*"
@@ -346,7 +346,7 @@ def tiny_trained_lm(tmp_path_factory):
     model the quantize recipe starts from."""
     from recipes import train_lm
 
-    from .conftest import reset_accelerate
+    from ..conftest import reset_accelerate
 
     out = tmp_path_factory.mktemp("qat-lm")
     recipe = tiny_lm_recipe(out, train={"max_steps": 16, "eval_every": 16, "save_every": 8},
@@ -380,7 +380,7 @@ def test_train_lm_with_qat_writes_a_reloadable_quantized_model(tiny_trained_lm):
 def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
     from recipes import quantize
 
-    from .conftest import reset_accelerate
+    from ..conftest import reset_accelerate
 
     src, _ = tiny_trained_lm
     recipe = {"recipe": "quantize", "output_dir": str(tmp_path / "q"), "model": str(src / "model"),
@@ -415,7 +415,7 @@ def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
 def test_quantize_recipe_refuses_a_dead_pattern_before_any_compute(tiny_trained_lm, tmp_path, capsys):
     from recipes.cli import main
 
-    from .conftest import write_recipe
+    from ..conftest import write_recipe
 
     src, _ = tiny_trained_lm
     path = write_recipe(tmp_path / "r.yaml", {"recipe": "quantize", "output_dir": str(tmp_path / "q"), "model": str(src / "model"),
@@ -434,7 +434,7 @@ def test_train_drafter_with_qat_on_the_shipped_target(tmp_path):
     from recipes import train_drafter
     from serve_eval.engine import plain_generate, speculative_generate
 
-    from .conftest import reset_accelerate
+    from ..conftest import reset_accelerate
 
     recipe = {"recipe": "train_drafter", "output_dir": str(tmp_path / "d"), "target": {"path": "testbed"},
               "drafter": {"kind": "dflash", "num_anchors": 2, "block_size": 4},

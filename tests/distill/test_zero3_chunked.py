@@ -17,9 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import reset_accelerate
-from .test_deepspeed_semantics import deepspeed_env  # noqa: F401  (a fixture)
-from .test_drafters import drafter_recipe
+from ..conftest import drafter_recipe, reset_accelerate
 
 pytestmark = pytest.mark.xdist_group("distributed")
 

@@ -8,7 +8,7 @@ from distill.config import RecipeError, apply_overrides
 from recipes.cli import main as cli_main
 from recipes.registry import load_recipe, parse_recipe
 
-from .conftest import tiny_lm_recipe, write_recipe
+from ..conftest import tiny_lm_recipe, write_recipe
 
 
 def error_of(raw: dict) -> str:

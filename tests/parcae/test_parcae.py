@@ -18,7 +18,7 @@ from parcae.training import depth_seed, parcae_lm_loss
 from recipes.registry import parse_recipe
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 
-from .conftest import tiny_lm_recipe
+from ..conftest import tiny_lm_recipe
 
 VOCAB = 97
 
@@ -188,7 +188,7 @@ def test_a_killed_parcae_run_resumes_to_identical_weights(tmp_path):
 
     from recipes import train_lm
 
-    from .conftest import run_cli, write_recipe
+    from ..conftest import run_cli, write_recipe
 
     model = {"arch": "parcae", "num_layers": 3, "parcae": {"prelude_layers": 1, "core_layers": 1, "coda_layers": 1,
                                                            "mean_recurrence": 3, "backprop_depth": 1, "eval_recurrences": [1]}}

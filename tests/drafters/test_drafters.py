@@ -14,21 +14,7 @@ from distill.config import TargetConfig
 from distill.models import load_target
 from recipes.registry import parse_recipe
 
-from .conftest import reset_accelerate
-
-KINDS = ["dflash", "dspark", "eagle3"]
-
-
-def drafter_recipe(out, target_dir, kind, drafter=None, **train):
-    return parse_recipe({
-        "recipe": "train_drafter", "output_dir": str(out), "seed": 0,
-        "target": {"path": str(target_dir)},
-        "drafter": {"kind": kind, "num_layers": 1, "block_size": 4, "num_anchors": 8, "markov_rank": 16, **(drafter or {})},
-        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
-        "train": {"max_steps": 150, "micro_batch_size": 4, "eval_every": 50, "eval_batches": 4, "save_every": 40,
-                  "log_every": 5, "torch_threads": 1, **train},
-    })
+from ..conftest import KINDS, drafter_recipe, reset_accelerate
 
 
 def test_hooks_follow_the_output_of_layer_convention(tiny_target_dir):

@@ -16,8 +16,7 @@ from safetensors.torch import load_file, save_file
 from distill.config import RecipeError, TargetConfig
 from recipes.registry import parse_recipe
 
-from .conftest import reset_accelerate
-from .test_drafters import drafter_recipe
+from ..conftest import drafter_recipe, reset_accelerate
 
 SPLITS = ("train", "val")
 

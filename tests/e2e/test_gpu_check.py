@@ -9,7 +9,7 @@ import torch
 
 from recipes import gpu_check
 
-from .conftest import REPO
+from ..conftest import REPO
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")

@@ -16,8 +16,7 @@ from serve_eval.attention import available as attention_builds
 from serve_eval.budget import Budget
 from serve_eval.engine import Proposer, TargetSession, make_proposer, plain_generate, speculative_generate
 
-from .conftest import reset_accelerate
-from .test_drafters import KINDS, drafter_recipe
+from ..conftest import KINDS, drafter_recipe, reset_accelerate
 
 MAX_NEW = 40
 
@@ -773,7 +772,7 @@ def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_p
     from recipes import evaluate, train_drafter
     from recipes.registry import parse_recipe
 
-    from .test_drafters import drafter_recipe
+    from ..conftest import drafter_recipe
 
     folder = trained_drafters["dflash"].folder
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / "serve"), "target": {"path": str(tiny_target_dir)},
@@ -1034,7 +1033,7 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
     from drafters.core import ContextCache
     from serve_eval import compiled
 
-    from .conftest import tiny_dflash
+    from ..conftest import tiny_dflash
 
     torch.manual_seed(0)
     aux = torch.randn(1, 40, 32)

@@ -18,9 +18,9 @@ from serve_eval.budget import Budget
 from serve_eval.engine import make_proposer, plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 
-from .conftest import reset_accelerate
-from .families import FAMILIES, WINDOW, WINDOWED, family_model, save_family, save_gemma3_multimodal
-from .test_engine import ScriptedProposer
+from ..conftest import reset_accelerate
+from ..families import FAMILIES, WINDOW, WINDOWED, family_model, save_family, save_gemma3_multimodal
+from .test_loop import ScriptedProposer
 from .test_sampling import ALPHA, chi_square_pvalue
 
 MAX_NEW = 3 * WINDOW
@@ -242,7 +242,7 @@ def test_a_family_the_loop_cannot_run_is_refused_at_validation(tmp_path, folders
     from distill.config import RecipeError
     from recipes.registry import parse_recipe
 
-    from .conftest import REPO
+    from ..conftest import REPO
 
     folder = tmp_path / "llama4"
     folder.mkdir()

@@ -6,7 +6,6 @@ a one-rank gloo world, with the environment ``accelerate launch`` sets for ``acc
 from __future__ import annotations
 
 import math
-import socket
 
 import numpy as np
 import pytest
@@ -15,8 +14,7 @@ import torch
 from distill.config import OptimConfig, RecipeError, TrainConfig
 from distill.trainer import Trainer
 
-from .conftest import REPO, reset_accelerate
-from .test_distributed import launch_env
+from ..conftest import reset_accelerate
 
 # one pytest-xdist worker runs them all, one after another (with the other DeepSpeed tests). The engine
 # tests take seconds, but are ``slow``: DeepSpeed's first process group on a machine compiles its shared-memory
@@ -24,28 +22,6 @@ from .test_distributed import launch_env
 pytestmark = pytest.mark.xdist_group("distributed")
 
 TRAIN = TrainConfig(max_steps=8, micro_batch_size=2, eval_every=100, save_every=100, log_every=1)
-
-
-@pytest.fixture
-def deepspeed_env(monkeypatch):
-    """``enter(stage)`` puts this process in the environment of a one-process ``accelerate launch`` with
-    ``cpu_zero{stage}.yaml`` (a gloo world of one rank on a free port); the world is torn down afterwards."""
-
-    def enter(stage: int) -> None:
-        _, env = launch_env(REPO / f"accelerate_configs/cpu_zero{stage}.yaml")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-
-    yield enter
-    import deepspeed.comm
-
-    if deepspeed.comm.is_initialized():  # DeepSpeed's own teardown also forgets the groups it cached
-        deepspeed.comm.destroy_process_group()
-    reset_accelerate()
 
 
 def make_trainer(tmp_path, optim: OptimConfig, loss_fn=None, deepspeed: bool = True) -> Trainer:

@@ -153,7 +153,7 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
     from drafters.core import ContextCache
     from serve_eval import compiled
 
-    from .conftest import tiny_dflash
+    from ..conftest import tiny_dflash
 
     torch.manual_seed(0)
     aux = torch.randn(1, 40, 32)

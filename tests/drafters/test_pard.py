@@ -11,8 +11,7 @@ from distill.models import build_causal_lm, load_target
 from drafters.pard import block_lengths, mask_blocks
 from serve_eval.engine import PardProposer, make_proposer, plain_generate, speculative_generate
 
-from .conftest import reset_accelerate
-from .test_students import student_recipe
+from ..conftest import reset_accelerate, student_recipe
 
 MASK = 5
 

@@ -21,8 +21,7 @@ from distill.drafter_eval import build_drafter
 from distill.models import build_causal_lm
 from drafters import kind_of
 
-from .conftest import reset_accelerate
-from .test_deepspeed_semantics import deepspeed_env  # noqa: F401  (a fixture, requested by name)
+from ..conftest import reset_accelerate
 
 BF16 = torch.bfloat16
 VOCAB, SEQ, MASK_ID = 64, 32, 1
@@ -181,7 +180,7 @@ def train_two_steps(out, target_dir, monkeypatch) -> tuple[dict, list[float]]:
     import distill.trainer
     from recipes import train_drafter
 
-    from .test_drafters import drafter_recipe
+    from ..conftest import drafter_recipe
 
     monkeypatch.setattr(distill.trainer, "measured_matmul_peak", lambda *args: 1e10)
     recipe = drafter_recipe(out, target_dir, "dflash", {"qk_norm": True}, max_steps=2, eval_every=2, save_every=2,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import REPO, run_cli, tiny_lm_recipe, write_recipe
+from ..conftest import REPO, launch_env, run_cli, tiny_lm_recipe, write_recipe
 
 # one pytest-xdist worker runs them all, one after another
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -30,24 +30,6 @@ def launcher(config: Path) -> list[str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(port)]
-
-
-def launch_env(config: Path) -> tuple[object, dict]:
-    """Run accelerate's launcher argument handling on ``config`` and return (args, the env it would set)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
-
-    args = launch_command_parser().parse_args(["--config_file", str(config), "-m", "recipes.cli", "run", "r.yaml"])
-    args, defaults, mp_from_config = _validate_launch_command(args)
-    if args.use_deepspeed:
-        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-        _, env = prepare_deepspeed_cmd_env(args)
-    elif args.use_fsdp or args.multi_gpu:
-        env = prepare_multi_gpu_env(args)
-    else:
-        _, env = prepare_simple_launcher_cmd_env(args)
-    return args, env
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -197,7 +179,7 @@ def test_a_drafter_trains_under_deepspeed_zero_resumes_and_matches_one_process(t
     from recipes import train_drafter
     from recipes.registry import parse_recipe
 
-    from .test_drafters import drafter_recipe
+    from ..conftest import drafter_recipe
 
     train = {"max_steps": 6, "save_every": 3, "eval_every": 6, "eval_batches": 2}
     recipe = drafter_recipe(tmp_path / "reference", tiny_target_dir, "dflash", **train).model_dump(mode="json")
@@ -233,7 +215,7 @@ def assert_same_evaluation(a: Path, b: Path) -> None:
 def test_a_drafter_on_two_cpu_ranks_trains_and_evaluates_like_one_rank(tmp_path, tiny_target_dir):
     """DDP on 2 gloo ranks against 1 rank with twice the accumulation: the same weights and the same
     held-out metrics, with an odd number of evaluation batches (one rank pads its share)."""
-    from .test_drafters import drafter_recipe
+    from ..conftest import drafter_recipe
 
     train = {"max_steps": 4, "save_every": 4, "eval_every": 4, "eval_batches": 3, "micro_batch_size": 2}
     one, two = tmp_path / "one", tmp_path / "two"

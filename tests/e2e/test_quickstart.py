@@ -11,7 +11,7 @@ from distill.testbed import SHIPPED_DRAFTERS, SHIPPED_TARGET
 from recipes import quickstart
 from recipes.registry import parse_recipe
 
-from .conftest import tiny_lm_recipe, write_recipe
+from ..conftest import tiny_lm_recipe, write_recipe
 
 TARGET_KEYS = {"checkpoint", "val_loss", "val_ppl", "train_seconds", "tokens_per_s", "mfu"}
 

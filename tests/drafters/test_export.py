@@ -332,8 +332,8 @@ def test_tracked_runs_carry_checkpoints_tables_and_links(tmp_path, tiny_target_d
     from recipes import train_drafter
     from recipes.export import export_drafter
 
-    from .conftest import reset_accelerate
-    from .test_trainer import wandb_records
+    from ..conftest import reset_accelerate
+    from ..distill.test_trainer import wandb_records
 
     tracked_target = tmp_path / "target_run" / "model"
     shutil.copytree(tiny_target_dir, tracked_target)

@@ -12,7 +12,7 @@ from distill.models import load_target
 from recipes.registry import parse_recipe
 from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 
-from .conftest import reset_accelerate
+from ..conftest import reset_accelerate, student_recipe
 
 
 def test_divergences_match_their_definitions():
@@ -29,23 +29,6 @@ def test_divergences_match_their_definitions():
     jsd = generalized_jsd(s, t, labels, 0.5, 1.0)
     assert 0 < jsd < min(forward, reverse)
     assert generalized_jsd(t, t, labels, 0.0, 1.0).abs() < 1e-6
-
-
-def student_recipe(out, target_dir, arch="llama", **train):
-    student = {"arch": arch, "hidden_size": 48, "num_layers": 2, "num_heads": 4, "intermediate_size": 96,
-               "max_position_embeddings": 128}
-    if arch == "parcae":
-        student["num_layers"] = 3
-        student["parcae"] = {"prelude_layers": 1, "core_layers": 1, "coda_layers": 1, "mean_recurrence": 2,
-                             "backprop_depth": 1, "eval_recurrences": [1]}
-    return parse_recipe({
-        "recipe": "distill_student", "output_dir": str(out), "seed": 0, "target": {"path": str(target_dir)},
-        "student": student, "distill": {"divergence": "forward_kl", "ce_weight": 0.1},
-        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.05},
-        "optim": {"lr": 3e-3, "warmup_steps": 5},
-        "train": {"max_steps": 60, "micro_batch_size": 8, "eval_every": 60, "eval_batches": 4, "save_every": 60,
-                  "log_every": 10, "torch_threads": 1, **train},
-    })
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from distill.config.targets import SHIPPED_TARGET_CONFIGS, allow_shipped_target_
 from recipes.dry_run import MEMORY_KEYS, GiB, Launch, estimate_for, training_state
 from recipes.registry import load_recipe, parse_recipe, run_recipe
 
-from .conftest import REPO, reset_accelerate, run_cli, tiny_lm_recipe
+from ..conftest import REPO, reset_accelerate, run_cli, tiny_lm_recipe
 
 #: published parameter counts of the shipped targets (Gemma 3: its language model, the vision tower aside)
 PUBLISHED = {"Qwen/Qwen3-8B": 8.2e9, "meta-llama/Llama-3.1-8B-Instruct": 8.0e9, "google/gemma-3-12b-it": 11.8e9,
@@ -33,7 +33,7 @@ def moe_target(tmp_path_factory):
 
     from distill.testbed import SHIPPED_TARGET
 
-    from .families import save_family
+    from ..families import save_family
 
     return save_family("qwen3_moe", tmp_path_factory.mktemp("moe-target"), AutoTokenizer.from_pretrained(SHIPPED_TARGET))
 

@@ -15,7 +15,7 @@ from distill.data import Batch
 from distill.drafter_eval import evaluate_drafter
 from distill.models import load_target
 
-from .conftest import REPO
+from ..conftest import REPO
 
 KINDS = ["dflash", "dspark", "eagle3"]
 
