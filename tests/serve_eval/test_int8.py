@@ -1,6 +1,6 @@
 """serve_eval.int8: a Linear served from int8 weight codes and int8 activations computes what its
 codes say (the int32 sum is exact), stays close to the full-precision Linear, and converts a drafter's
-heads (restricted or not) or all its Linears."""
+heads (restricted or not) or all its Linears; an int8 drafter decodes losslessly."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ from torch import nn
 
 from drafters.vocab import RestrictedHead
 from serve_eval import int8 as int8_module
+from serve_eval.budget import Budget
+from serve_eval.engine import plain_generate, speculative_generate
 from serve_eval.int8 import Int8Linear, Int8RestrictedHead, int8_drafter
+
+from ..conftest import KINDS, MAX_NEW
 
 
 def _torch_arithmetic(int8: Int8Linear, x: torch.Tensor, levels: int = 127) -> torch.Tensor:
@@ -127,3 +131,23 @@ def test_the_recipe_setting_reads_a_bare_yaml_off():
 
     assert load_recipe("eval_testbed", ["decoding.drafter_int8=off"]).decoding.drafter_int8 == "off"
     assert load_recipe("eval_testbed", []).decoding.drafter_int8 == "auto"
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "causal_lm"])
+def test_int8_drafters_stay_lossless(target_and_prompts, trained_drafters, kind):
+    """A drafter served with int8 weights (serve_eval.int8; a causal LM: the target itself, its head in
+    int8; block drafters with fused products) is another drafter: greedy chains and trees still equal plain decoding."""
+    import copy
+
+    from serve_eval.int8 import Int8Linear, int8_drafter
+
+    target, tok, prompts = target_and_prompts
+    drafter = copy.deepcopy(target if kind == "causal_lm" else trained_drafters[kind])
+    if kind in ("dflash", "dspark"):  # served as the eval serves them: fused products, then int8 codes
+        drafter.fuse_projections()
+    record = int8_drafter(drafter, "head" if kind == "causal_lm" else "all")
+    assert record["int8_bytes"] < record["weight_bytes"] / 3 and isinstance(drafter.lm_head, Int8Linear)
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        assert speculative_generate(target, drafter, prompt, MAX_NEW)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference

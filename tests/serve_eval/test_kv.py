@@ -1,12 +1,17 @@
 """The quantized KV cache (serve_eval.kv): rounding within half a step, one fixed quantized model
-whatever the chunking, and the loop's cache calls (crop, row selection, tree moves) on codes."""
+whatever the chunking, the loop's cache calls (crop, row selection, tree moves) on codes, the in-place
+cache against transformers' own, and decoding over a quantized cache as lossless as over its plain decoding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from serve_eval.budget import Budget
+from serve_eval.engine import TargetSession, plain_generate, speculative_generate
 from serve_eval.kv import InPlaceLayer, KVQuant, QuantizedLayer, RowWrites, dequantize, quantize, rotation
+
+from ..conftest import KINDS, MAX_NEW
 
 FORMATS = [KVQuant("int8"), KVQuant("fp8"), KVQuant("int4"), KVQuant("int4", rotate=True)]
 
@@ -123,3 +128,59 @@ def test_a_head_narrower_than_a_group_is_one_group():
     layer = QuantizedLayer(KVQuant("int4"))
     k, _ = layer.update(states(1, 2, 5, 8), states(1, 2, 5, 8))
     assert layer.spec.group == 8 and k.shape == (1, 2, 5, 8)
+
+
+def test_the_in_place_cache_holds_what_a_dynamic_cache_holds(target_and_prompts):
+    """The loop's target cache (serve_eval.kv) against transformers' own under the calls the loop
+    makes: appends across buffer growth, crops, row selection; the same keys, values and logits."""
+    from transformers import DynamicCache
+
+    from serve_eval.kv import inplace_cache
+
+    target = target_and_prompts[0]
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = inplace_cache(target.config), DynamicCache(config=target.config)
+    length = 0
+    for n, crop, rows in [(3, 0, None), (40, 5, None), (1, 0, [0, 2]), (70, 30, None), (8, 7, [1])]:
+        batch = theirs.layers[0].keys.shape[0] if length else 3
+        ids = torch.randint(0, target.config.vocab_size, (batch, n), generator=gen)
+        pos = torch.arange(length, length + n)[None].expand(batch, -1)
+        a = target(input_ids=ids, position_ids=pos, cache=ours, use_cache=True).logits
+        b = target(input_ids=ids, position_ids=pos, cache=theirs, use_cache=True).logits
+        assert torch.allclose(a, b, atol=1e-5)
+        for cache in (ours, theirs):
+            cache.crop(-crop)
+            if rows is not None:
+                for layer in cache.layers:
+                    layer.batch_select_indices(torch.tensor(rows))
+        length += n - crop
+        assert ours.get_seq_length() == theirs.get_seq_length() == length
+        for mine, ref in zip(ours.layers, theirs.layers):
+            assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_kv_caches_stay_lossless(target_and_prompts, trained_drafters, kind):
+    """With the target's KV cache quantized (serve_eval.kv), greedy chains and trees (with a budget)
+    emit exactly what plain decoding with the same quantized cache emits, for every format, and so
+    do batches of rows of different lengths (block drafters), with a prompt taking a finished row's
+    place too; the quantized cache does change the
+    target's logits (it is in use)."""
+    from serve_eval.batch import batched_speculative_generate
+    from serve_eval.kv import KVQuant
+
+    target, tok, prompts = target_and_prompts
+    drafter = trained_drafters[kind]
+    for kv in (KVQuant("int8"), KVQuant("fp8"), KVQuant("int4"), KVQuant("int4", rotate=True)):
+        full, quantized = TargetSession(target).forward(prompts[0][None]), TargetSession(target, kv=kv).forward(prompts[0][None])
+        assert not torch.allclose(full[0], quantized[0], atol=1e-4)
+        for prompt in prompts:
+            reference, _ = plain_generate(target, prompt, MAX_NEW, kv=kv)
+            assert speculative_generate(target, drafter, prompt, MAX_NEW, kv=kv)[0] == reference
+            assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", kv=kv,
+                                        budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+        if kind != "eagle3":
+            rows = [prompts[0], prompts[1][:17], prompts[2][:9]]
+            expected = [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]
+            for slots in (None, 2):  # 2: the third prompt takes a finished row's place, codes copied in place
+                assert batched_speculative_generate(target, drafter, rows, MAX_NEW, kv=kv, slots=slots)[0] == expected

@@ -1,7 +1,8 @@
 """serve_eval.prepack: a Linear served from a weight repacked once (our AVX2 panels, oneDNN's layout)
 computes the float Linear (up to summation order), the panel kernel gives a row the same bits whatever
 rows share the call, the original Parameters stay, gradients fall back to F.linear, every fp32 Linear
-of a target converts; the setting resolves per device and reads bare YAML on / off."""
+of a target converts; the setting resolves per device and reads bare YAML on / off; a prepacked target
+decodes losslessly in chains, trees and batches."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import torch
 from torch import nn
 
 from serve_eval import prepack
+from serve_eval.budget import Budget
+from serve_eval.engine import plain_generate, speculative_generate
 from serve_eval.prepack import PANEL_ROWS, PrepackedLinear, available, prepack_linears, resolve
+
+from ..conftest import KINDS, MAX_NEW
 
 KERNELS = [pytest.param("panels", marks=pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")),
            pytest.param("onednn", marks=pytest.mark.skipif(not prepack.onednn_available(), reason="no oneDNN Linear ops"))]
@@ -184,3 +189,41 @@ def test_the_recipe_setting_reads_bare_yaml_on_and_off():
     assert load_recipe("eval_testbed", ["decoding.prepack=off"]).decoding.prepack == "off"
     assert load_recipe("eval_testbed", ["decoding.prepack=on"]).decoding.prepack == "on"
     assert load_recipe("eval_testbed", ["decoding.prepack=onednn"]).decoding.prepack == "onednn"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters, kind):
+    """A target served from weights prepacked once (serve_eval.prepack: the AVX2 panel kernel where it
+    builds, else oneDNN's) is the target both loops decode with: its logits are the float Linears' up to summation order, and greedy chains, trees and
+    batches still equal its own plain decoding."""
+    import copy
+
+    from drafters import is_block_drafter
+    from serve_eval.batch import BatchScheduler, batched_speculative_generate
+    from serve_eval.prepack import prepack_linears
+
+    target, tok, prompts = target_and_prompts
+    packed = copy.deepcopy(target)
+    record = prepack_linears(packed)
+    assert record["linears"] == 7 * target.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; the head
+    ids = torch.cat(prompts)[None]
+    with torch.no_grad():
+        assert torch.allclose(packed(ids).logits, target(ids).logits, rtol=1e-4, atol=1e-4)
+    drafter = trained_drafters[kind]
+    references = [plain_generate(packed, prompt, MAX_NEW)[0] for prompt in prompts]
+    for prompt, reference in zip(prompts, references):
+        assert speculative_generate(packed, drafter, prompt, MAX_NEW)[0] == reference
+        assert speculative_generate(packed, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+    if is_block_drafter(drafter):  # batches run block drafters
+        assert batched_speculative_generate(packed, drafter, prompts, MAX_NEW)[0] == references
+        # rows that verify different numbers of tokens: the panel kernel skips the padding (prepack.only_rows)
+        K = drafter.config.block_size
+
+        class Ragged(BatchScheduler):  # every step's rows read 1..K tokens, whatever the drafts' confidences
+            def choose(self, top_q, causal=False, copies=None):
+                _, copied = super().choose(top_q, causal, copies)
+                return torch.tensor([1 + (self.drafted_steps + r) % K for r in range(len(top_q))]), copied
+
+        scheduler = Ragged(Budget({1: 1.0, 2: 1.05, 4 * K: 2.5}), K, min_drafts=10**6)
+        assert batched_speculative_generate(packed, drafter, prompts, MAX_NEW, scheduler=scheduler)[0] == references
+        assert any(len(set(step)) > 1 for step in scheduler.chosen)

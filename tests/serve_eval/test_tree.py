@@ -1,13 +1,18 @@
-"""Best-first draft trees hold the best-scoring paths, and the ancestor mask matches the tree."""
+"""Best-first draft trees hold the best-scoring paths, the ancestor mask matches the tree, and greedy tree
+decoding emits exactly the target's greedy tokens."""
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
+from serve_eval.engine import plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 from serve_eval.tree import build_best_first_tree, walk_tree
+
+from ..conftest import KINDS, MAX_NEW
 
 
 def test_best_first_tree_holds_the_top_scoring_paths():
@@ -92,3 +97,26 @@ def test_graft_shares_the_agreeing_prefix_and_appends_the_rest():
     assert grafted.depths.tolist() == [1, 1, 2, 3, 4]
     _, nodes = graft(tree, [8])
     assert nodes == [3]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("budget", [1, 6, 24])
+def test_greedy_tree_decoding_equals_greedy(target_and_prompts, trained_drafters, kind, budget):
+    target, _, prompts = target_and_prompts
+    forwards = 0
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        ours, stats = speculative_generate(target, trained_drafters[kind], prompt, MAX_NEW, mode="tree", tree_budget=budget)
+        assert ours == reference
+        forwards += stats.target_forwards
+    # trees of a trained drafter keep drafts (over all prompts: the tiny target's answers can be runs of
+    # whitespace on which a 250-step drafter never ranks the right token near the top)
+    assert forwards < MAX_NEW * len(prompts) or budget == 1
+
+
+def test_tree_beats_chain_on_acceptance(target_and_prompts, trained_drafters):
+    target, _, prompts = target_and_prompts
+    chain = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW)[1].target_forwards for p in prompts)
+    tree = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW, mode="tree", tree_budget=32)[1].target_forwards
+               for p in prompts)
+    assert tree <= chain
