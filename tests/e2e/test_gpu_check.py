@@ -31,4 +31,7 @@ def test_cpu_rehearsal_runs_every_step_and_reports_them(tmp_path, monkeypatch):
     assert {k.split("/")[1] for k in runs} == {"chain", "tree", "tree_lookup", "batch4", "chain_t1"}
     assert all(r["lossless"] is True for k, r in runs.items() if not k.endswith("_t1"))
     assert steps["train"]["steps"] == 3 and steps["train"]["tokens_per_s"] > 0 and 0 < steps["train"]["mfu"] < 1
-    assert steps["eval"]["chain"]["lossless"] and steps["eval"]["tree"]["tau"] >= 1
+    for mode in ("chain", "tree"):  # the shipped DFlash drafter's drafts are kept: more than one token a target forward
+        row = steps["eval"][mode]
+        assert row["lossless"] is True and row["tau"] > 1, (mode, row)
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-3)

@@ -31,8 +31,9 @@ def test_quickstart_with_the_shipped_target(tmp_path):
     shipped = saved["shipped_drafter"]  # the shipped DFlash drafter, measured now as a chain and as a tree
     assert shipped == summary["shipped_drafter"] and shipped["kind"] == "dflash" and shipped["simulated_tau"] > 1
     for mode in ("chain", "tree", "chain_full_draft", "chain_lookup", "tree_lookup"):
-        assert shipped[mode]["lossless"] is True and shipped[mode]["prompts"] == 2 and shipped[mode]["tau"] >= 1
-        assert shipped[f"{mode}_speedup"] == shipped[mode]["speedup"] > 0
+        row = shipped[mode]  # a trained drafter's drafts are kept: more than one token a target forward
+        assert row["lossless"] is True and row["prompts"] == 2 and shipped[f"{mode}_tau"] == row["tau"] > 1, (mode, row)
+        assert shipped[f"{mode}_speedup"] == row["speedup"] == pytest.approx(row["tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-3)
     assert shipped["simulated_minus_measured_tau"] == round(shipped["simulated_tau"] - shipped["chain_full_draft_tau"], 4)
     assert shipped["tree_budget"] == quickstart.best_tree_budget(json.loads((SHIPPED_DRAFTERS["dflash"] / "results.json").read_text()))
 
@@ -67,7 +68,9 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     assert 1.0 <= drafter["simulated_tau"] <= 4.0 and drafter["tokens_per_s"] > 0
     saved = json.loads((out / "summary.json").read_text())
     assert saved["drafter"] == drafter
-    assert saved["eval"]["lossless"] is True and saved["eval"]["prompts"] == 2 and saved["eval"]["speedup"] > 0
+    evaluation = saved["eval"]
+    assert evaluation["lossless"] is True and evaluation["prompts"] == 2
+    assert evaluation["speedup"] == pytest.approx(evaluation["tokens_per_s"] / evaluation["baseline_tokens_per_s"], rel=1e-3)
     export = saved["export"]  # stage 4: the drafter exported behind the parity gate
     assert export["gate"]["passed"] and export["gate"]["logits_max_abs_diff"] == 0.0
     assert export["formats"]["transformers"] == str(out / "export" / "transformers")

@@ -165,30 +165,32 @@ def test_measured_verify_costs_cover_the_sizes_and_leave_the_rng_alone(tiny_targ
     assert sorted(costs) == [1, 2, 4] and all(c > 0 for c in costs.values())
 
 
-def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst():
+def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst(monkeypatch):
     """Each round starts one run further on; a burst that slows most rounds of one run moves its median
-    but not its fastest round (what a cost table takes: ``least``)."""
+    but not its fastest round (what a cost table takes: ``least``). The clock is the runs' own: each run
+    advances it by what it costs, so the times are exact."""
     import collections
-    import time
 
-    from serve_eval.engine import interleaved_seconds
+    from serve_eval import engine
 
-    order, calls = [], collections.Counter()
+    order, calls, clock = [], collections.Counter(), [0.0]
     slow = {"a": {1, 2, 3}, "b": set()}  # rounds (0: the warm-up) a burst slows
+    monkeypatch.setattr(engine, "device_clock", lambda device: lambda: clock[0])
 
     def runner(key):
         def run():
             order.append(key)
-            time.sleep(0.03 if calls[key] in slow[key] else 0.002)
+            clock[0] += 0.001 if calls[key] == 0 else 0.03 if calls[key] in slow[key] else 0.002  # the warm-up: not counted
             calls[key] += 1
         return run
 
     runs = {key: (runner(key), None) for key in "ab"}
-    median = interleaved_seconds(runs, 4, "cpu")
+    median = engine.interleaved_seconds(runs, 4, "cpu")
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     calls.clear()
-    least = interleaved_seconds(runs, 4, "cpu", least=True)
-    assert median["a"] >= 0.03 > 0.02 > least["a"] and max(median["b"], least["b"]) < 0.02
+    least = engine.interleaved_seconds(runs, 4, "cpu", least=True)
+    assert median == {"a": pytest.approx(0.03), "b": pytest.approx(0.002)}  # rounds 1-4 of a: 0.03 three times, then 0.002
+    assert least == {"a": pytest.approx(0.002), "b": pytest.approx(0.002)}
 
 
 def _toy_greedy_run():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -129,9 +130,26 @@ def test_fp16_valued_weights_pack_in_fp16_and_give_the_same_bits():
     assert PrepackedLinear(linear, "panels").packed.dtype == torch.float32
 
 
-def test_the_last_level_cache_is_read_from_sysfs_or_unknown():
-    size = prepack.last_level_cache_bytes()
-    assert size is None or size >= 2**16
+def test_the_last_level_cache_is_read_from_sysfs_or_unknown(tmp_path, monkeypatch):
+    """The size of the highest cache level sysfs lists (entries it cannot read skipped), None where it lists
+    none; on this machine, a size wherever its own sysfs lists levels."""
+    sysfs, real_path = "/sys/devices/system/cpu/cpu0/cache", prepack.Path
+    listed = any((folder / "level").exists() for folder in real_path(sysfs).glob("index*"))
+    assert (prepack.last_level_cache_bytes() is not None) == listed
+    for name, level, size in [("index0", "1", "32K"), ("index1", "1", "48K"), ("index2", "2", "1280K"), ("index3", "3", "30M"),
+                              ("index4", "4", "?"), ("index5", None, "64M")]:  # index4, index5: unreadable
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+        if level is not None:
+            (tmp_path / name / "level").write_text(level + "\n")
+    monkeypatch.setattr(prepack, "Path", lambda path: tmp_path if path == sysfs else real_path(path))
+    assert prepack.last_level_cache_bytes() == 30 * 2**20
+    for name in ("index3", "index4", "index5"):
+        shutil.rmtree(tmp_path / name)
+    assert prepack.last_level_cache_bytes() == 1280 * 2**10
+    for name in ("index0", "index1", "index2"):
+        shutil.rmtree(tmp_path / name)
+    assert prepack.last_level_cache_bytes() is None
 
 
 @pytest.mark.skipif(not available(), reason="no kernel serves here")

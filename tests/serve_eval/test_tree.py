@@ -115,8 +115,10 @@ def test_greedy_tree_decoding_equals_greedy(target_and_prompts, trained_drafters
 
 
 def test_tree_beats_chain_on_acceptance(target_and_prompts, trained_drafters):
+    """A 32-node tree holds the alternatives a chain lacks: over the prompts it needs fewer target forwards
+    than the chain of the same drafter (not every prompt: the steps fall at other positions)."""
     target, _, prompts = target_and_prompts
     chain = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW)[1].target_forwards for p in prompts)
     tree = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW, mode="tree", tree_budget=32)[1].target_forwards
                for p in prompts)
-    assert tree <= chain
+    assert tree < chain, (tree, chain)
