@@ -18,8 +18,21 @@ def error_of(raw: dict) -> str:
 
 
 def test_valid_recipe_parses_with_defaults(tmp_path):
-    r = parse_recipe(tiny_lm_recipe(tmp_path / "out"))
+    """Every key the recipe sets keeps its value, and every key it leaves out takes its schema's default."""
+    raw = tiny_lm_recipe(tmp_path / "out")
+    r = parse_recipe(raw)
     assert r.train.max_steps == 12 and r.optim.schedule == "cosine" and r.model.num_kv_heads is None
+    for name, field in type(r).model_fields.items():
+        value = getattr(r, name)
+        if name not in raw:
+            assert value == field.get_default(call_default_factory=True), name
+        elif not isinstance(raw[name], dict):
+            assert value == raw[name], name
+        else:
+            assert {key: getattr(value, key) for key in raw[name]} == raw[name], name
+            for key, inner in type(value).model_fields.items():
+                if key not in raw[name]:
+                    assert getattr(value, key) == inner.get_default(call_default_factory=True), f"{name}.{key}"
 
 
 def test_unknown_key_names_it_and_suggests_the_closest(tmp_path):

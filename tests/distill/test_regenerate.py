@@ -106,15 +106,38 @@ def test_a_student_recipe_trains_on_the_answers_a_drafter_recipe_cached(tmp_path
     assert torch.isfinite(torch.tensor(summary["val_loss"]))
 
 
-def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir):
+def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir, trained_drafters):
+    """A drafter (the corpus-trained one, trained on) trains on the target's regenerated answers, and its
+    held-out simulated tau is the tau the decoding loop measures on the held-out answers: each answer is
+    the target's greedy continuation of its prompt, and the replay walks it as the loop decodes it."""
+    from transformers import AutoModel
+
+    from distill.models import load_target
     from recipes import regenerate, train_drafter
+    from recipes.train_drafter import drafter_windows
+    from serve_eval.engine import speculative_generate
 
     data = regenerate.main(regenerate_recipe(tmp_path / "regen", tiny_target_dir))["data"]
     reset_accelerate()
-    raw = drafter_recipe(tmp_path / "drafter", tiny_target_dir, "dspark", max_steps=6, eval_every=3).model_dump(mode="json")
+    raw = drafter_recipe(tmp_path / "drafter", tiny_target_dir, "dspark", {"init_from": str(trained_drafters["dspark"].folder)},
+                         max_steps=6, eval_every=3).model_dump(mode="json")
     raw["data"] = {"source": "files", "train_files": [data], "format": "prompt_response", "seq_len": 32, "val_fraction": 0.34}
-    summary = train_drafter.main(parse_recipe(raw))
-    assert torch.isfinite(torch.tensor(summary["val_loss"])) and summary["val_simulated_tau"] >= 1.0
+    recipe = parse_recipe(raw)
+    summary = train_drafter.main(recipe)
+    assert torch.isfinite(torch.tensor(summary["val_loss"]))
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    _, val, _ = drafter_windows(recipe, target, tok)
+    drafter = AutoModel.from_pretrained(tmp_path / "drafter" / "model").eval()
+    tokens = forwards = 0
+    for i in range(len(val)):
+        window = val.collate([i])
+        scored, ids = window.loss_mask[0].nonzero(), window.input_ids[0]
+        first, last = int(scored[0]), int(scored[-1])
+        out, stats = speculative_generate(target, drafter, ids[:first], last - first + 1)
+        assert out == ids[first:last + 1].tolist()
+        tokens, forwards = tokens + stats.tokens, forwards + stats.target_forwards
+    assert len(val) > 0 and forwards < tokens  # drafts kept on the answers
+    assert summary["val_simulated_tau"] == pytest.approx(tokens / forwards), (summary["val_simulated_tau"], tokens, forwards)
 
 
 def test_regenerated_records_keep_the_exact_tokens(tmp_path, tiny_target_dir):

@@ -131,7 +131,13 @@ def test_an_eval_measures_ssd_beside_plain_speculative_decoding():
     report = measure(target, target, prompts, dec, None, lambda i: Sampler(), None)
     ssd = report["ssd"]
     assert report["lossless"] is True and ssd["speculative_decoding"]["tau"] > 1 and ssd["hit_rate"] > 0.5
-    assert ssd["modeled_separate_device_speedup"] > 0 and ssd["over_speculative_decoding"] > 0
+    sd = ssd["speculative_decoding"]  # the target drafting for itself: every draft kept, 4 tokens a step, 7 forwards a prompt
+    assert sd["tau"] == round(2 * 24 / (2 * 7), 4) and report["acceptance_by_position"] == [1.0, 1.0, 1.0]
+    assert sd["speedup"] == pytest.approx(sd["tokens_per_s"] / report["baseline_tokens_per_s"], rel=1e-3)
+    assert ssd["over_speculative_decoding"] == pytest.approx(report["tokens_per_s"] / sd["tokens_per_s"], rel=1e-3)
+    steps = round(2 * 24 / report["tau"]) - 2  # every forward but each prompt's prefill
+    modeled = (2 * 24 - 2) / (1e-3 * ssd["modeled_separate_device_ms_per_step"] * steps)  # tokens a second, drafting apart
+    assert ssd["modeled_separate_device_speedup"] == pytest.approx(modeled / report["baseline_tokens_per_s"], rel=1e-3)
     with pytest.raises(ValueError, match="ssd verifies every draft of a chain"):
         DecodingSection(ssd=True)  # per-step budgets are on by default
 
