@@ -188,13 +188,13 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, fault):
 
 
 def test_the_matmul_peak_is_probed_at_a_size_the_dtype_can_afford():
-    """bf16 on a CPU runs ~1 GFLOP/s: a fixed 2048^3 probe took minutes before a bf16 run's first step.
-    The size doubles only while a product stays fast, up to the largest."""
+    """A dtype without fast kernels (bf16 on a CPU) would spend minutes on a fixed 2048^3 probe before a
+    run's first step: the size doubles only while a product stays fast, up to the largest."""
     from distill.perf import probe_size
 
     def rate(flops_per_s):
         return lambda n: 2 * n**3 / flops_per_s
 
-    assert probe_size(rate(1e11), 2048)[0] == 2048  # fp32 on this CPU: the full size
-    assert probe_size(rate(1.3e9), 2048) == (512, 2 * 512**3 / 1.3e9)  # bf16 here: 0.2 s a product at 512
+    assert probe_size(rate(1e11), 2048)[0] == 2048  # fp32 on a CPU: the full size
+    assert probe_size(rate(1.3e9), 2048) == (512, 2 * 512**3 / 1.3e9)  # bf16 on a CPU: 0.2 s a product at 512
     assert probe_size(rate(7e14), 8192)[0] == 8192  # a GPU

@@ -247,7 +247,7 @@ def test_the_draft_switch_stops_drafting_where_it_does_not_pay_and_probes():
 def test_one_stalled_plain_step_does_not_hold_up_the_plain_reference():
     """The switch's plain reference is the median of the last plain steps: one that stalls (a first
     call, a collection) does not make plain decoding look slow, and drafted steps that run below the
-    plain steps stop drafting (a running mean read the plain rate as a twentieth of what it was)."""
+    plain steps stop drafting (a mean would read the plain rate as a fraction of what it is)."""
     switch = DraftSwitch(plain_seconds=1.0, min_drafts=4)
     for seconds in (1.0, 60.0, 1.0, 1.0):
         switch.record(False, 0, seconds)
