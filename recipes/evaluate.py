@@ -20,9 +20,9 @@ served (online adaptation, ``recipes/configs/adapt_testbed.yaml``). With a quant
 cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
 token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s. How the
-models were served: ``drafter_int8``, ``draft_attention``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
-(the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off,
-and ``target_forward`` (``lean``: :mod:`serve_eval.lean`'s walk, else the model's own).
+models were served: ``backend`` (``torch`` or ``cpu``, :mod:`serve_eval.backend`), ``target_forward``, and on the
+CPU backend ``drafter_int8``, ``draft_attention``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
+(the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off.
 
     draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
     draftsmith run recipes/configs/eval_testbed.yaml drafter=runs/dflash_testbed/checkpoints/best
@@ -44,18 +44,11 @@ from distill.provenance import write_json_atomic, write_jsonl_atomic, write_run_
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from recipes.plots import saved_figure
-from serve_eval.attention import use_attention
+from serve_eval.backend import backend_for
 from serve_eval.batch import measure_batches
 from serve_eval.budget import Budget
-from serve_eval.compiled import compile_drafts, for_drafter
-from serve_eval.compiled import resolve as resolve_compile
 from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
-from serve_eval.int8 import int8_drafter
-from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
-from serve_eval.lean import lean_forward
-from serve_eval.prepack import prepack_linears
-from serve_eval.prepack import resolve as resolve_prepack
 from serve_eval.sampling import Sampler
 
 
@@ -75,28 +68,6 @@ def load_drafter(folder: str, target, device):
     shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head
     drafter = AutoModel.from_pretrained(folder, dtype=dtype).to(device).eval()
     return drafter.share_target_io(target) if shared else drafter
-
-
-def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompts=(), max_new_tokens: int = 0,
-          sampled: bool = False, rows: tuple[int, ...] = ()) -> dict:
-    """Ready both models for decoding, as settled by :func:`serve_eval.int8.resolve`,
-    :func:`serve_eval.prepack.resolve` and :func:`serve_eval.compiled.resolve`: a block drafter's fused
-    products, then int8 codes of the drafter's Linears, its draft compiled over them (for ``prompts``
-    and ``max_new_tokens`` new tokens, greedy or ``sampled``, one row and batches of ``rows``), and the
-    target's Linears prepacked and, with them, its attention on our C++ kernel
-    (:mod:`serve_eval.attention`; a block drafter's too, before its draft is compiled). Returns the
-    report's records of each (off where off), and which forward the target steps with
-    (:mod:`serve_eval.lean`'s walk where it applies)."""
-    block = drafters.is_block_drafter(drafter)
-    if block:
-        drafter.fuse_projections()
-    positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
-    return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",  # before the compile: it traces them
-            "draft_attention": use_attention(drafter) if prepack != "off" and block else "off",  # so does the attention
-            "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
-            "target_prepack": prepack_linears(target, prepack) if prepack != "off" else "off",
-            "target_attention": use_attention(target) if prepack != "off" else "off",
-            "target_forward": "lean" if lean_forward(target) is not None else "the model's own"}
 
 
 def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
@@ -182,9 +153,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
             raise RecipeError("decoding.drafter_int8 = 'head' with draft_vocab_candidates: the per-step vocabulary "
                               "computes its own rows (auto and all serve the rest in int8 and leave the head to it)")
     try:  # a target drafting for itself with head / all was refused with the recipe
-        int8 = resolve_int8(dec.drafter_int8, device, same)
-        prepack = resolve_prepack(dec.prepack, device)
-        compiled = resolve_compile(dec.compile, device, drafter)
+        backend = backend_for("auto", device, drafter, same, int8=dec.drafter_int8, prepack=dec.prepack, compile=dec.compile)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if dec.ssd and dec.ssd_concurrent and device != "cpu":
@@ -209,13 +178,13 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
-    records = serve(target, drafter, int8, prepack, compiled, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batch_sizes))
+    records = backend.prepare(target, drafter, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batch_sizes))
 
     # warm-up: first calls pay for allocations and lazy initialisation
-    plain_generate(target, encoded[0], 4, eos)
-    speculative_generate(target, drafter, encoded[0], 4, eos,
+    plain_generate(target, encoded[0], 4, eos, backend=backend)
+    speculative_generate(target, drafter, encoded[0], 4, eos, backend=backend,
                          proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence,
-                                                parallel=dec.parallel_drafts))
+                                                parallel=dec.parallel_drafts, backend=backend))
 
     def sampler(prompt_index: int) -> Sampler:  # the same seeds for both loops
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)
@@ -224,7 +193,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
     calibration = Budget({1: 1.0}) if dec.batch_sizes and dec.adaptive else None  # the chain's, lent to the batches
     served = [] if recipe.record_served else None  # what the first configuration served (online adaptation)
-    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None)
+    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None, backend)
             for i, budget in enumerate(budgets)]
     if served is not None:  # with the texts, as regenerate writes them (the token ids are what training reads)
         write_jsonl_atomic(out / "served.jsonl", [{**row, "prompt": tokenizer.decode(row["prompt_ids"]),
@@ -245,14 +214,15 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         **({"draft_vocab": vocab_record} if vocab_record else {}),
         **records,
     }
-    if compiled == "on":  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
-        report["draft_compiled"]["graph_drafts"] = for_drafter(drafter).calls
+    graph = backend.draft_graph(drafter)
+    if graph is not None:  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
+        report["draft_compiled"]["graph_drafts"] = graph.calls
     if dec.kv_cache != "full":
-        report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler)
+        report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler, backend)
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
     if dec.batch_sizes:
-        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes, calibration)
+        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes, calibration, backend)
     if recipe.peer_assistant and dec.temperature == 0:
         report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
     if recipe.peer_prompt_lookup and dec.temperature == 0:  # drafter-free: n-grams of the prompt and output so far
@@ -317,7 +287,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
 
 
 @torch.no_grad()
-def measure_kv_quality(target, encoded, dec, eos, sampler) -> dict:
+def measure_kv_quality(target, encoded, dec, eos, sampler, backend) -> dict:
     """The target with ``dec``'s quantized KV cache against itself in full precision (a quantized
     cache changes the target): bytes the cache holds per token; mean NLL of the held-out prompts'
     tokens, teacher-forced (every position attends through the cache, :mod:`serve_eval.kv`); the
@@ -337,7 +307,7 @@ def measure_kv_quality(target, encoded, dec, eos, sampler) -> dict:
     for i, prompt in enumerate(encoded):
         outs = {}
         for name, spec in (("full", None), ("quantized", kv)):
-            outs[name], stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), spec)
+            outs[name], stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), spec, backend)
             seconds[name] += stats.total_seconds
             counts[name] += stats.tokens
         full, quantized = outs["full"], outs["quantized"]
