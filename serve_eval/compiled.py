@@ -3,9 +3,9 @@
 Eager, one draft of the shipped DFlash drafter is ~100 small operations (norms, rotations, the int8
 row scaling, masks, the head's argmax) at 5-10 µs each around six int8 products: on this CPU the
 operations cost as much as the products. ``torch.compile`` (inductor's C++ kernels) fuses them, but
-only where the graph holds still, so the draft is traced through :meth:`drafters.core.BlockDrafter.
+only where the graph holds still, so the draft is traced through :meth:`drafters.block.BlockDrafter.
 decode_static` (shapes that do not change from step to step; see its docstring for why its block
-equals :meth:`~drafters.core.BlockDrafter.decode_hidden`'s) and the int8 products through an operator
+equals :meth:`~drafters.block.BlockDrafter.decode_hidden`'s) and the int8 products through an operator
 of their own (:mod:`serve_eval.int8`). What varies from step to step is data:
 
 * per row, the cache length and the number of arriving features, ``counts`` = ``[start, n]``, a tensor;
@@ -57,7 +57,8 @@ import weakref
 
 import torch
 
-from drafters.core import BlockDrafter, ContextCache
+from drafters.block import BlockDrafter
+from drafters.cache import ContextCache
 from drafters.vocab import CandidateHead
 
 
@@ -188,7 +189,7 @@ class CompiledDraft:
         """The graph's draft for ``R`` rows: anchors [R], ``counts`` [R, 2] = each row's cached length and
         the number of the ``arriving`` features [R, m, F] (``m <= K``) that are its own; returns the
         hidden states [R, 1, K, H] and, with ``propose``, the greedy proposal over them, as
-        :meth:`~drafters.core.BlockDrafter.propose` gives it. The buffers then hold the arrived positions."""
+        :meth:`~drafters.block.BlockDrafter.propose` gives it. The buffers then hold the arrived positions."""
         features = torch.nn.functional.pad(arriving, (0, 0, 0, self.block_size - arriving.shape[1]))  # zero rows: not multiplied
         direct = self.unguarded.get((len(anchors), propose)) if torch.is_inference_mode_enabled() else None
         out = (direct or self.graph)(self._drafter(), anchors, counts, features, keys, values, propose)
@@ -198,8 +199,8 @@ class CompiledDraft:
     def __call__(self, anchor: torch.Tensor, cache: ContextCache, arrived: torch.Tensor, propose: bool):
         """The block after ``cache`` and the ``arrived`` features [1, n, F] (where it :meth:`fits`): its hidden
         states [1, 1, K, H] and, with ``propose``, the drafter's greedy proposal over them (tokens,
-        logits and confidence, as :meth:`~drafters.core.BlockDrafter.propose` gives them); the cache
-        then holds the arrived positions, as after :meth:`~drafters.core.BlockDrafter.decode_hidden`."""
+        logits and confidence, as :meth:`~drafters.block.BlockDrafter.propose` gives them); the cache
+        then holds the arrived positions, as after :meth:`~drafters.block.BlockDrafter.decode_hidden`."""
         start, n = cache.length, arrived.shape[1]
         out = self.run(anchor.view(1), torch.tensor([[start, n]], device=arrived.device), arrived, cache.keys, cache.values, propose)
         cache.length = start + n

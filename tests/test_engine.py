@@ -1031,7 +1031,7 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
     them would give one the other's mask): each draft equals its own drafter's eager one."""
     import copy
 
-    from drafters.core import ContextCache
+    from drafters.cache import ContextCache
     from serve_eval import compiled
 
     from .conftest import tiny_dflash
