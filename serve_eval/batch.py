@@ -15,7 +15,7 @@ and a prompt takes a finished row's place in place: its entries are copied over 
 (:meth:`BatchTarget.put`) and nothing else of the batch's caches moves. The drafter's context
 (target features of each row's verified tokens) is kept the same way, per row and right-padded, so a
 block anchored at row ``i``'s length sees exactly row ``i``'s context
-(:func:`drafters.core.block_attention_mask`).
+(:func:`drafters.masks.block_attention_mask`).
 
 A step. The drafter drafts ``K - 1`` tokens for every row in one batched block forward (one compiled
 graph that also reads the last step's features, where the draft is compiled for this many rows:

@@ -41,7 +41,7 @@ from transformers import DynamicCache
 
 from distill.base.features import FeatureCapture, TargetFeatures
 from drafters import Eagle3Drafter, is_block_drafter
-from drafters.core import ContextCache
+from drafters.cache import ContextCache
 
 from .backend import TORCH, Backend
 from .budget import COPY_Q, Budget, CausalChain

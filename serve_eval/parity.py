@@ -36,7 +36,7 @@ import torch
 from distill.base.decoding import GateSettings
 from distill.base.features import FeatureCapture, decoder_layers, final_norm
 from drafters import is_block_drafter
-from drafters.core import sample_anchors
+from drafters.masks import sample_anchors
 
 
 @contextmanager

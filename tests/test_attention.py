@@ -150,7 +150,7 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
     the drafter's own on sdpa, for causal and bidirectional blocks."""
     import copy
 
-    from drafters.core import ContextCache
+    from drafters.cache import ContextCache
     from serve_eval.cpu import CpuBackend
 
     from .conftest import tiny_dflash

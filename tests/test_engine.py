@@ -1037,7 +1037,7 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
     them would give one the other's mask): each draft equals its own drafter's eager one."""
     import copy
 
-    from drafters.core import ContextCache
+    from drafters.cache import ContextCache
 
     from .conftest import tiny_dflash
 

@@ -89,7 +89,7 @@ AttentionMaskInterface.register(NAME, sdpa_mask)
 def use_attention(model) -> dict:
     """Serve ``model``'s attention from :func:`attention` (in place; a model whose attention does not
     follow transformers' interface keeps its own): the target, or a block drafter (whose layers
-    read ``config._attn_implementation``, :class:`drafters.core.DraftAttention`; before its draft is
+    read ``config._attn_implementation``, :class:`drafters.layers.DraftAttention`; before its draft is
     compiled, which traces what it calls). Returns what the report records."""
     if not available():
         return {"kernel": "sdpa", "why": "the C++ attention operator does not serve here"}

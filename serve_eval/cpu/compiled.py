@@ -42,7 +42,8 @@ import weakref
 
 import torch
 
-from drafters.core import BlockDrafter, ContextCache
+from drafters.block import BlockDrafter
+from drafters.cache import ContextCache
 from drafters.vocab import CandidateHead
 
 
