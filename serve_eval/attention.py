@@ -1,4 +1,4 @@
-"""The target's attention for the few queries of a decode or verify step, on the CPU (``decoding.prepack``).
+"""The target's attention for the few queries of a decode or verify step, on the CPU (``decoding.cpu.prepack``).
 
 A step of ``n`` queries (1 decoding, a handful verifying) attends over the ``L`` cached positions:
 ``softmax(q k^T / sqrt(D) + mask) v``, a few hundred thousand multiply-adds a layer, so its time is

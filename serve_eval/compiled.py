@@ -1,4 +1,4 @@
-"""A block drafter's draft as one compiled graph (``decoding.compile``).
+"""A block drafter's draft as one compiled graph (``decoding.cpu.compile``).
 
 Eager, one draft of the shipped DFlash drafter is ~100 small operations (norms, rotations, the int8
 row scaling, masks, the head's argmax) at 5-10 µs each around six int8 products: on this CPU the
@@ -72,17 +72,17 @@ def available() -> bool:
 
 
 def resolve(setting: str, device: str, drafter) -> str:
-    """What ``decoding.compile`` means here: ``auto`` is ``on`` for a block drafter on the CPU where
+    """What ``decoding.cpu.compile`` means here: ``auto`` is ``on`` for a block drafter on the CPU where
     inductor can compile, else ``off``; ``on`` for another drafter, or without a compiler, is a ValueError.
     (On a GPU ``on`` compiles the same graph; it is not measured here, so ``auto`` leaves it off.)"""
     block = isinstance(drafter, BlockDrafter)
     if setting == "auto":
         return "on" if device == "cpu" and block and available() else "off"
     if setting == "on" and not block:
-        raise ValueError(f"decoding.compile = 'on' compiles a block drafter's draft (DFlash, DSpark); "
+        raise ValueError(f"decoding.cpu.compile = 'on' compiles a block drafter's draft (DFlash, DSpark); "
                          f"{type(drafter).__name__} drafts eagerly (auto or off)")
     if setting == "on" and device == "cpu" and not available():
-        raise ValueError("decoding.compile = 'on': inductor finds no C++ compiler here; install one (g++) or use auto / off")
+        raise ValueError("decoding.cpu.compile = 'on': inductor finds no C++ compiler here; install one (g++) or use auto / off")
     return setting
 
 

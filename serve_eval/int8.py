@@ -1,4 +1,4 @@
-"""Int8 weights for the drafter while it drafts, on the CPU (``decoding.drafter_int8``).
+"""Int8 weights for the drafter while it drafts, on the CPU (``decoding.cpu.int8``).
 
 A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 
@@ -135,12 +135,12 @@ class Int8RestrictedHead(Int8Linear):
 
 
 def resolve(setting: str, device: str, drafter_is_target: bool) -> str:
-    """What ``decoding.drafter_int8`` means here: ``auto`` is ``all`` on the CPU, ``off`` on a GPU or for a
+    """What ``decoding.cpu.int8`` means here: ``auto`` is ``all`` on the CPU, ``off`` on a GPU or for a
     target drafting for itself; ``head`` / ``all`` on a GPU are a ValueError (the kernels are the CPU's)."""
     if setting == "auto":
         return "all" if device == "cpu" and not drafter_is_target else "off"
     if setting != "off" and device != "cpu":
-        raise ValueError(f"decoding.drafter_int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
+        raise ValueError(f"decoding.cpu.int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
                          f"(serve_eval.int8); on {device} the drafter runs in the target's dtype (auto or off)")
     return setting
 

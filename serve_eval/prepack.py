@@ -1,4 +1,4 @@
-"""The target's Linears served from weights prepacked once, on the CPU (``decoding.prepack``).
+"""The target's Linears served from weights prepacked once, on the CPU (``decoding.cpu.prepack``).
 
 A Linear ``y = x W^T + b`` computes the same fp32 products whichever kernel runs it; what changes is how
 fast. A decode step of the testbed target reads its 45 MB of weights (more than the 32 MB L3) once per
@@ -161,7 +161,7 @@ class PrepackedLinear(nn.Module):
 
 
 def resolve(setting: str, device: str) -> str:
-    """The kernel ``decoding.prepack`` names here (``panels``, ``onednn``) or ``off``: ``auto`` is ``on``
+    """The kernel ``decoding.cpu.prepack`` names here (``panels``, ``onednn``) or ``off``: ``auto`` is ``on``
     on the CPU and ``off`` elsewhere; ``on`` the first kernel that serves (``off`` under ``auto`` where
     none does). A kernel on a GPU, or one that does not serve here, is a ValueError."""
     if setting == "auto":
@@ -171,13 +171,13 @@ def resolve(setting: str, device: str) -> str:
     if setting == "off":
         return "off"
     if device != "cpu":
-        raise ValueError(f"decoding.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
+        raise ValueError(f"decoding.cpu.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
                          f"the target keeps its own kernels (auto or off)")
     kernels = list(_NEEDS) if setting == "on" else [setting]
     for kernel in kernels:
         if _serves(kernel):
             return kernel
-    raise ValueError(f"decoding.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
+    raise ValueError(f"decoding.cpu.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
                      + " / ".join(_NEEDS[k] for k in kernels) + "; use auto or off")
 
 
