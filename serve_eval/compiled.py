@@ -40,7 +40,7 @@ conditions on its own draws, runs eagerly over the graph's block: :func:`proposa
 
 Measured on the shipped DFlash drafter (1 thread): a draft alone, alternated with eager on one cache
 state, 0.65-0.72 of eager's time; in the loop, where the target's forward has just pushed the
-drafter's weights and code out of the caches, 0.72-0.85 (``python -m recipes.profile_step --compile
+drafter's weights and code out of the caches, 0.72-0.85 (``python -m recipes.profile_step --cpu-compile
 on|off``: 0.160-0.168 plain steps against 0.199-0.201). Four rows at once, alone: 1.87 ms against
 2.86 ms eager (the eager batch path also appends the context in a product of its own).
 
