@@ -7,9 +7,9 @@ for token; at temperature > 0 outputs differ draw by draw (``lossless`` is null)
 distribution test in ``tests/test_sampling.py``.
 
 Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus included), ``adaptive``
-(with ``decoding.adaptive``: the measured verify costs, the mean tokens verified per step and the
+(with ``decoding.budget.adaptive``: the measured verify costs, the mean tokens verified per step and the
 acceptance calibration, the cost model's predicted tau / step time / tokens per second beside the
-measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batch_sizes``: batched
+measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batches.sizes``: batched
 speculative vs batched plain decoding per batch size, :mod:`serve_eval.batch`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
@@ -17,7 +17,7 @@ per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve. `
 writes ``served.jsonl``: every prompt with the answer the loop served (the target's own, since the loop
 is lossless) in the records a drafter recipe trains on, so a drafter can keep learning from what it
 served (online adaptation, ``recipes/configs/adapt_testbed.yaml``). With a quantized KV
-cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
+cache (``decoding.kv.format``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
 token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s. How the
 models were served: ``backend`` (``torch`` or ``cpu``, :mod:`serve_eval.backend`), ``target_forward``, and on the
@@ -136,62 +136,56 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     same = same_folder(recipe.drafter, recipe.target.path)
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
-    vocab_keys = [f"{k} = {v}" for k, v in (("draft_vocab", dec.draft_vocab),
-                                             ("draft_vocab_candidates", dec.draft_vocab_candidates)) if v]
-    if vocab_keys and (same or not isinstance(getattr(drafter, "lm_head", None), torch.nn.Linear)):
-        raise RecipeError(f"decoding.{vocab_keys[0]}: a draft vocabulary restricts a drafter's own output head "
-                          + ("(here the drafter is the target: restricting it would change the target)" if same else
-                             f"(an lm_head Linear); this drafter, {drafter.config.model_type!r}, has none"))
-    if dec.draft_vocab > len(tokenizer):
-        raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
-    if dec.draft_vocab_candidates:
+    vocab = dec.vocab
+    if (vocab.size or vocab.candidates) and not isinstance(getattr(drafter, "lm_head", None), torch.nn.Linear):
+        key = f"decoding.vocab.{'size' if vocab.size else 'candidates'}"  # the target drafting for itself: refused with the recipe
+        raise RecipeError(f"{key}: a draft vocabulary restricts a drafter's own output head (an lm_head Linear); this "
+                          f"drafter, {drafter.config.model_type!r}, has none")
+    if vocab.size > len(tokenizer):
+        raise RecipeError(f"decoding.vocab.size = {vocab.size} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
+    if vocab.candidates:
         head = drafter.lm_head.weight.shape
-        if dec.draft_vocab_candidates > head[0] or dec.draft_vocab_rank > min(head):
-            raise RecipeError(f"decoding.draft_vocab_candidates = {dec.draft_vocab_candidates} / draft_vocab_rank = "
-                              f"{dec.draft_vocab_rank} do not fit the drafter's {head[0]} x {head[1]} output head")
-        if dec.drafter_int8 == "head":
-            raise RecipeError("decoding.drafter_int8 = 'head' with draft_vocab_candidates: the per-step vocabulary "
-                              "computes its own rows (auto and all serve the rest in int8 and leave the head to it)")
-    try:  # a target drafting for itself with head / all was refused with the recipe
-        backend = backend_for("auto", device, drafter, same, int8=dec.drafter_int8, prepack=dec.prepack, compile=dec.compile)
+        if vocab.candidates > head[0] or vocab.rank > min(head):
+            raise RecipeError(f"decoding.vocab.candidates = {vocab.candidates} / decoding.vocab.rank = {vocab.rank} do "
+                              f"not fit the drafter's {head[0]} x {head[1]} output head")
+    try:  # what a device or a drafter cannot serve; a target drafting for itself with head / all was refused with the recipe
+        backend = backend_for(dec.backend, device, drafter, same, int8=dec.cpu.int8, prepack=dec.cpu.prepack,
+                              compile=dec.cpu.compile)
     except ValueError as e:
         raise RecipeError(str(e)) from None
-    if dec.ssd and dec.ssd_concurrent and device != "cpu":
-        raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
-                          f"{device} set ssd_concurrent: false (inline)")
-    if dec.batch_sizes:
-        if not drafters.is_block_drafter(drafter) or dec.mode != "chain":
-            raise RecipeError(f"decoding.batch_sizes: batched decoding runs block drafters (dflash, dspark) in chain "
-                              f"mode; this drafter is {drafter.config.model_type!r} in {dec.mode!r} mode")
-        if max(dec.batch_sizes) > len(encoded):
-            raise RecipeError(f"decoding.batch_sizes: {max(dec.batch_sizes)} rows need at least as many prompts, "
-                              f"the recipe has {len(encoded)}")
+    if dec.ssd.enabled and dec.ssd.concurrent and device != "cpu":
+        raise RecipeError("decoding.ssd.concurrent runs the drafter in a CPU worker process on a core of its own; on "
+                          f"{device} set decoding.ssd.concurrent: false (inline)")
+    if dec.batches.sizes and max(dec.batches.sizes) > len(encoded):  # block drafters in chain mode: checked with the recipe
+        raise RecipeError(f"decoding.batches.sizes: {max(dec.batches.sizes)} rows need at least as many prompts, "
+                          f"the recipe has {len(encoded)}")
     if dry_run:
         return {"prompts": len(encoded), "drafter": drafter.config.model_type}
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
     vocab_record = draft_vocabulary(
-        drafter, target, tokenizer, dec.draft_vocab, dec.draft_vocab_prompts, recipe.data, recipe.seed,
+        drafter, target, tokenizer, vocab.size, vocab.prompts, recipe.data, recipe.seed,
         recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k,
-        dec.draft_vocab_candidates, dec.draft_vocab_rank) if dec.draft_vocab or dec.draft_vocab_candidates else None
+        vocab.candidates, vocab.rank) if vocab.size or vocab.candidates else None
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
-    records = backend.prepare(target, drafter, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batch_sizes))
+    records = backend.prepare(target, drafter, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batches.sizes))
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos, backend=backend)
     speculative_generate(target, drafter, encoded[0], 4, eos, backend=backend,
-                         proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence,
-                                                parallel=dec.parallel_drafts, backend=backend))
+                         proposer=make_proposer(drafter, draft_length=dec.drafter.draft_length,
+                                                draft_recurrence=dec.drafter.draft_recurrence,
+                                                parallel=dec.drafter.parallel_drafts, backend=backend))
 
     def sampler(prompt_index: int) -> Sampler:  # the same seeds for both loops
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)
         return Sampler(dec.temperature, dec.top_k, dec.top_p, gen)
 
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
-    calibration = Budget({1: 1.0}) if dec.batch_sizes and dec.adaptive else None  # the chain's, lent to the batches
+    calibration = Budget({1: 1.0}) if dec.batches.sizes and dec.budget.adaptive else None  # the chain's, lent to the batches
     served = [] if recipe.record_served else None  # what the first configuration served (online adaptation)
     runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None, backend)
             for i, budget in enumerate(budgets)]
@@ -204,7 +198,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         "drafter": recipe.drafter,
         "drafter_kind": drafter.config.model_type.removeprefix("draftsmith_"),
         "mode": dec.mode,
-        **({"verify_drafts": dec.verify_drafts} if dec.verify_drafts else {}),
+        **({"verify_drafts": dec.budget.verify_drafts} if dec.budget.verify_drafts else {}),
         "temperature": dec.temperature,
         "prompts": len(encoded),
         "max_new_tokens": dec.max_new_tokens,
@@ -217,12 +211,12 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     graph = backend.draft_graph(drafter)
     if graph is not None:  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
         report["draft_compiled"]["graph_drafts"] = graph.calls
-    if dec.kv_cache != "full":
+    if dec.kv.format != "full":
         report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler, backend)
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
-    if dec.batch_sizes:
-        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes, calibration, backend)
+    if dec.batches.sizes:
+        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batches.sizes, calibration, backend)
     if recipe.peer_assistant and dec.temperature == 0:
         report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
     if recipe.peer_prompt_lookup and dec.temperature == 0:  # drafter-free: n-grams of the prompt and output so far
@@ -293,7 +287,7 @@ def measure_kv_quality(target, encoded, dec, eos, sampler, backend) -> dict:
     tokens, teacher-forced (every position attends through the cache, :mod:`serve_eval.kv`); the
     share of new tokens before each prompt's first divergence from the full-precision output (same
     sampler seeds), and of prompts with identical outputs; plain decoding tokens/s of both."""
-    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
+    kv = kv_quant(dec.kv.format, dec.kv.rotate)
     nll, nbytes, positions = {"full": 0.0, "quantized": 0.0}, {"full": 0, "quantized": 0}, 0
     for prompt in encoded:
         for name, spec in (("full", None), ("quantized", kv)):
@@ -314,7 +308,7 @@ def measure_kv_quality(target, encoded, dec, eos, sampler, backend) -> dict:
         agree = next((j for j, (a, b) in enumerate(zip(full, quantized)) if a != b), min(len(full), len(quantized)))
         same, tokens, identical = same + agree, tokens + len(full), identical + (full == quantized)
     scored = positions - len(encoded)
-    return {"format": dec.kv_cache, "rotate": dec.kv_rotate,
+    return {"format": dec.kv.format, "rotate": dec.kv.rotate,
             "bytes_per_token": {k: round(v / positions, 1) for k, v in nbytes.items()},
             "nll": {k: round(v / scored, 4) for k, v in nll.items()},
             "same_tokens_share": round(same / max(1, tokens), 4), "identical_outputs": f"{identical}/{len(encoded)}",

@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off] [--attention kernel|sdpa|both] [--forward lean|module|both]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--cpu-int8 auto|off|head|all] [--cpu-prepack auto|on|panels|onednn|off] [--cpu-compile auto|on|off] [--attention kernel|sdpa|both] [--forward lean|module|both]
     python -m recipes.profile_step --drafter distill/assets/testbed_dflash --batch 4
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
@@ -26,6 +26,11 @@ import collections
 import time
 
 import torch
+
+from distill.base.decoding import CpuSection
+from distill.config.flags import add_flags, flags, given
+
+CPU_FLAGS = flags(CpuSection, "decoding.cpu.", strip="decoding.")  # the eval's own: --cpu-int8, --cpu-prepack, --cpu-compile
 
 
 def _timed(obj, name: str, label, totals: dict, calls: collections.Counter, undo: list, active=lambda: True) -> None:
@@ -73,12 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts, the first a warm-up")
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
-    parser.add_argument("--drafter-int8", choices=["auto", "off", "head", "all"],
-                        help="the drafter's head / all its Linears in int8, or off (default: the recipe's, auto)")
-    parser.add_argument("--prepack", choices=["auto", "on", "panels", "onednn", "off"],
-                        help="the target's Linears prepacked (AVX2 panels, else oneDNN), or off (default: the recipe's, auto)")
-    parser.add_argument("--compile", choices=["auto", "on", "off"],
-                        help="a block drafter's draft as one compiled graph, or eager (default: the recipe's, auto)")
+    add_flags(parser, CPU_FLAGS, {f.key: "the recipe's" for f in CPU_FLAGS})  # decoding.cpu.*: --cpu-int8, ...
     parser.add_argument("--attention", choices=["kernel", "sdpa", "both"], default="kernel",
                         help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
                              "alternated prompt by prompt in this process (default: kernel)")
@@ -113,8 +113,7 @@ def _profile(args, undo: list) -> dict:
     from serve_eval.cpu import CpuBackend
     from serve_eval.sampling import Sampler
 
-    overrides = [f"decoding.{key}={value}" for key, value in (("drafter_int8", args.drafter_int8), ("prepack", args.prepack),
-                                                                           ("compile", args.compile)) if value]
+    overrides = [f"{key}={value}" for key, value in given(args, CPU_FLAGS).items()]
     recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", *overrides])
     max_new = args.max_new_tokens or recipe.decoding.max_new_tokens
     set_threads(recipe.decoding.torch_threads)
@@ -122,7 +121,7 @@ def _profile(args, undo: list) -> dict:
     drafter = load_drafter(recipe.drafter, target, "cpu")
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:None if args.batch else args.prompts]
     dec = recipe.decoding
-    backend = CpuBackend(drafter, int8=dec.drafter_int8, prepack=dec.prepack, compile=dec.compile)
+    backend = CpuBackend(drafter, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile)
     backend.prepare(target, drafter, prompts, max_new, sampled=args.temperature > 0, rows=(args.batch,) if args.batch else ())
     compiled = backend.compile
     if args.batch:
@@ -131,7 +130,7 @@ def _profile(args, undo: list) -> dict:
     drafters = {served: (drafter, backend)}
     if args.attention != "kernel" and served != "sdpa":  # the same drafter on sdpa (its graph traces what it calls)
         sdpa = load_drafter(recipe.drafter, target, "cpu")
-        drafters["sdpa"] = sdpa, CpuBackend(sdpa, int8=dec.drafter_int8, prepack="off", compile=dec.compile)
+        drafters["sdpa"] = sdpa, CpuBackend(sdpa, int8=dec.cpu.int8, prepack="off", compile=dec.cpu.compile)
         drafters["sdpa"][1].prepare(target, sdpa, prompts, max_new, sampled=args.temperature > 0)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

@@ -807,15 +807,15 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
 def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int],
                     calibration: Budget | None = None, backend: Backend = TORCH) -> list[dict]:
     """Batched plain and batched speculative decoding of all the prompts, in the order plain, speculative,
-    speculative, plain (``dec.batch_rounds`` times), for each batch size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
+    speculative, plain (``dec.batches.rounds`` times), for each batch size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
     (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
     calibration (``calibration``'s, when given: e.g. that of a one-row run of the same drafter, which
     learns on every step, where a batch scheduler that stops drafting learns only from its probes)
     and one cost table serve every batch size; each has its own scheduler."""
     K = drafter.config.block_size
-    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
+    kv = kv_quant(dec.kv.format, dec.kv.rotate)
     budget = None
-    if dec.adaptive:
+    if dec.budget.adaptive:
         capture = FeatureCapture(target, drafter.config.target_layer_ids)
         budget = Budget(measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture, kv=kv, backend=backend),
                         share=calibration)
@@ -841,13 +841,13 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
             if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
                 return plain()
             return batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(), scheduler, kv,
-                                                slots=B, lookup=dec.lookup, backend=backend)
+                                                slots=B, lookup=dec.lookup.tokens, backend=backend)
 
         # plain, speculative, speculative, plain (each round): a machine that drifts (these do) shifts both sides alike
         graph = backend.draft_graph(drafter)
         graph_before = graph.calls if graph else 0
         outs, spec, base = [], [], []  # every run's tokens; speculative and plain runs' stats in time order
-        for _ in range(dec.batch_rounds):
+        for _ in range(dec.batches.rounds):
             for kind, run in (("plain", plain), ("spec", speculative), ("spec", speculative), ("plain", plain)):
                 out, run_stats = run()
                 outs.append(out)
@@ -856,7 +856,7 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         baseline = sum(s.tokens for s in base) / sum(s.seconds for s in base)
         # half k pairs speculative run k with the plain run on its side of the round (first with first)
         halves = [(s.tokens / s.seconds) / (b.tokens / b.seconds) for s, b in zip(spec, base)]
-        rows.append({"batch": B, "prompts": len(prompts), "rounds": dec.batch_rounds,
+        rows.append({"batch": B, "prompts": len(prompts), "rounds": dec.batches.rounds,
                      "tau": round(sum(s.tokens for s in spec) / sum(s.row_steps + len(prompts) for s in spec), 4),  # each prefill reads its row once
                      "tokens_per_s": round(tokens_per_s, 2), "baseline_tokens_per_s": round(baseline, 2),
                      "speedup": round(tokens_per_s / baseline, 4),

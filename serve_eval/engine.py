@@ -658,14 +658,14 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe.
     ``calibration``: a budget whose acceptance calibration the run's budget shares (and extends).
     ``served``: a list that gets, per prompt, what the loop served (:func:`served_record`)."""
-    new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence,  # noqa: E731
-                                         dec.parallel_drafts, backend)
+    new_proposer = lambda: make_proposer(drafter, dec.drafter.confidence_threshold, dec.drafter.draft_length,  # noqa: E731
+                                         dec.drafter.draft_recurrence, dec.drafter.parallel_drafts, backend)
     probe = new_proposer()
     K = probe.block_size
-    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
+    kv = kv_quant(dec.kv.format, dec.kv.rotate)
     budget = None
-    if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
-        largest = ((budget_nodes or 1) + 1 if dec.mode == "tree" else K) + dec.lookup
+    if dec.budget.adaptive:  # one cost table and one acceptance calibration for the whole run
+        largest = ((budget_nodes or 1) + 1 if dec.mode == "tree" else K) + dec.lookup.tokens
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
         budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv, backend=backend), share=calibration,
                         loop_offset=True)
@@ -674,16 +674,16 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless, verify_ms = [], True, []
     speculation = None
-    if dec.ssd:  # imported here: serve_eval.ssd builds on this module
+    if dec.ssd.enabled:  # imported here: serve_eval.ssd builds on this module
         from .ssd import open_speculation, ssd_generate, ssd_report
 
-        speculation = open_speculation(new_proposer(), dec.ssd_branches, dec.ssd_exponent, dec.ssd_backup, dec.ssd_concurrent)
+        speculation = open_speculation(new_proposer(), dec.ssd.branches, dec.ssd.exponent, dec.ssd.backup, dec.ssd.concurrent)
     try:
         for i, prompt in enumerate(encoded):
             base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), kv, backend)
             ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
                                                proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
-                                               budget=budget, lookup=dec.lookup, kv=kv, verify_drafts=dec.verify_drafts,
+                                               budget=budget, lookup=dec.lookup.tokens, kv=kv, verify_drafts=dec.budget.verify_drafts,
                                                backend=backend)
             if speculation is not None:  # plain speculative decoding above; speculative speculation here
                 totals["sd_tokens"] += stats.tokens

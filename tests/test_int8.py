@@ -125,5 +125,5 @@ def test_int8_drafter_converts_heads_or_everything():
 def test_the_recipe_setting_reads_a_bare_yaml_off():
     from recipes.registry import load_recipe
 
-    assert load_recipe("eval_testbed", ["decoding.drafter_int8=off"]).decoding.drafter_int8 == "off"
-    assert load_recipe("eval_testbed", []).decoding.drafter_int8 == "auto"
+    assert load_recipe("eval_testbed", ["decoding.cpu.int8=off"]).decoding.cpu.int8 == "off"
+    assert load_recipe("eval_testbed", []).decoding.cpu.int8 == "auto"

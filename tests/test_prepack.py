@@ -180,7 +180,7 @@ def test_a_kernel_that_does_not_serve_here_is_refused(monkeypatch):
 def test_the_recipe_setting_reads_bare_yaml_on_and_off():
     from recipes.registry import load_recipe
 
-    assert load_recipe("eval_testbed", []).decoding.prepack == "auto"
-    assert load_recipe("eval_testbed", ["decoding.prepack=off"]).decoding.prepack == "off"
-    assert load_recipe("eval_testbed", ["decoding.prepack=on"]).decoding.prepack == "on"
-    assert load_recipe("eval_testbed", ["decoding.prepack=onednn"]).decoding.prepack == "onednn"
+    assert load_recipe("eval_testbed", []).decoding.cpu.prepack == "auto"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=off"]).decoding.cpu.prepack == "off"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=on"]).decoding.cpu.prepack == "on"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=onednn"]).decoding.cpu.prepack == "onednn"

@@ -105,7 +105,7 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     from serve_eval.cpu import attention
 
     originals = (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length)
-    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--compile", "off",
+    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--cpu-compile", "off",
                    "--attention", "both"])
     parts = report["ms_per_step"]  # (eager: a compiled draft is one graph, timed as proposer.propose)
     assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length", "target.verify",
@@ -125,7 +125,7 @@ def test_the_step_profiler_compares_the_lean_forward_with_the_models(capsys):
     from recipes.profile_step import main
     from serve_eval.cpu.lean import lean_forward
 
-    main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--compile", "off",
+    main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--cpu-compile", "off",
           "--forward", "both"])
     out = capsys.readouterr().out
     assert out.count("plain steps)") == 2 and "forward lean" in out and "forward module" in out
@@ -143,7 +143,7 @@ def test_the_step_profiler_splits_a_batched_run(capsys):
     from serve_eval import batch
 
     originals = (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate)
-    report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--compile", "off"])
+    report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--cpu-compile", "off"])
     assert report["batch"] == 2 and report["prompts"] == 16 and report["speedup"] > 0
     assert 0 < report["prefills_s"]["plain"] < report["plain_s"] and 0 < report["prefills_s"]["speculative"] < report["spec_s"]
     parts = report["ms_per_spec_step"]
