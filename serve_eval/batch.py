@@ -15,11 +15,11 @@ and a prompt takes a finished row's place in place: its entries are copied over 
 (:meth:`BatchTarget.put`) and nothing else of the batch's caches moves. The drafter's context
 (target features of each row's verified tokens) is kept the same way, per row and right-padded, so a
 block anchored at row ``i``'s length sees exactly row ``i``'s context
-(:func:`drafters.core.block_attention_mask`).
+(:func:`drafters.masks.block_attention_mask`).
 
 A step. The drafter drafts ``K - 1`` tokens for every row in one batched block forward (one compiled
 graph that also reads the last step's features, where the draft is compiled for this many rows:
-:mod:`serve_eval.compiled`; eager otherwise, the features appended to the context first); the scheduler
+:mod:`serve_eval.cpu.compiled`; eager otherwise, the features appended to the context first); the scheduler
 picks each row's ``n_i`` (row ``i`` reads its bonus and its first ``n_i - 1`` drafts; rows that read
 fewer are padded to the longest with their next drafts, which the target's Linears skip and whose
 queries attend to one slot: :meth:`BatchTarget.step`); each row verifies its own drafts, greedily or
@@ -70,25 +70,25 @@ import torch.nn.functional as F
 
 from distill.base.features import FeatureCapture
 
+from .backend import TORCH, Backend
 from .budget import COPY_Q, Budget, CausalChain, Probes, kept_to
-from .compiled import for_drafter
-from .compiled import proposal as compiled_proposal
+from .cpu.compiled import proposal as compiled_proposal
 from .engine import _next_outcome, _truncate, interleaved_seconds, measure_verify_costs, verify_sizes
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, kv_quant
-from .lean import TargetForward
 from .lookup import NgramIndex
-from .prepack import only_rows
 from .sampling import Sampler, top_tokens, verify_chain
 
 
 class BatchTarget:
     """The target over a batch of rows: a KV cache in which row ``i`` holds its tokens at its first
     ``lengths[i]`` slots (every row writes at slots of its own, :mod:`serve_eval.kv`), and each row's
-    length (its next position). ``kv``: the cache's quantization (:mod:`serve_eval.kv`)."""
+    length (its next position). ``kv``: the cache's quantization (:mod:`serve_eval.kv`); ``backend``: how
+    the target is served (:mod:`serve_eval.backend`)."""
 
-    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
-        self.target, self.kv = target, kv
-        self.run = TargetForward(target, capture)  # its capture: the features the drafter reads
+    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None,
+                 backend: Backend = TORCH):
+        self.target, self.kv, self.backend = target, kv, backend
+        self.run = backend.target_forward(target, capture)  # its capture: the features the drafter reads
         self.cache = inplace_cache(target.config, kv)
         if not all(isinstance(layer, InPlaceLayer) for layer in self.cache.layers):
             raise ValueError("batched decoding needs a target whose every layer attends to the whole cache "
@@ -127,7 +127,7 @@ class BatchTarget:
         """Read ``ids`` [R, n] after each row's tokens: logits [R, n, V] and features. Nothing is kept
         until :meth:`keep`: the next step writes over what this one wrote past the kept tokens. With
         ``counts`` [R], row ``i`` reads its first ``counts[i]`` tokens only: the rest is padding, which
-        the target's Linears skip (:func:`~serve_eval.prepack.only_rows`; 0 there, so every number the
+        the target's Linears skip (:func:`~serve_eval.cpu.prepack.only_rows`; 0 there, so every number the
         padding leaves in the caches is finite) and whose logits and features mean nothing. A row's
         tokens attend to none after them, padding included: they get the bits they get alone."""
         R, n = ids.shape
@@ -138,7 +138,7 @@ class BatchTarget:
         real = torch.arange(n)[None] < counts[:, None]  # [R, n]
         mask &= real[:, :, None]  # padding attends to its row's first slot only: finite, and next to free
         mask[:, :, 0] |= ~real
-        with only_rows(real.flatten().nonzero().flatten().to(ids.device), R * n):
+        with self.backend.skip_rows(real.flatten().nonzero().flatten().to(ids.device), R * n):
             return self._run(ids, positions.to(ids.device), mask.to(ids.device))
 
     def keep(self, counts: torch.Tensor) -> None:
@@ -169,13 +169,13 @@ def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
 
 class BatchContext:
     """A block drafter's context keys/values per row, compact and right-padded: row ``i`` holds its
-    first ``lengths[i]`` positions. Where the drafter's draft is compiled (:mod:`serve_eval.compiled`)
+    first ``lengths[i]`` positions. Where the drafter's draft is compiled (:mod:`serve_eval.cpu.compiled`)
     the buffers hold the graph's positions from the start, and :meth:`draft` reads the last step's
     features in the graph's forward."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, backend: Backend = TORCH):
         self.drafter = drafter
-        self.compiled = for_drafter(drafter)
+        self.compiled = backend.draft_graph(drafter)
         self.capacity = self.compiled.positions if self.compiled else 0  # buffers of this length while they fit
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -213,7 +213,7 @@ class BatchContext:
         """Every row's block after its context and the queued features, anchored at ``anchors`` [R, 1]:
         the drafts [R, K-1] and their logits [R, K-1, V] (drawn by ``choose`` over [R, 1, K-1, V]). One
         compiled graph reads the last step's features and the blocks together where it fits
-        (:meth:`~serve_eval.compiled.CompiledDraft.fits`), else the drafter's ``block_hidden`` reads the
+        (:meth:`~serve_eval.cpu.compiled.CompiledDraft.fits`), else the drafter's ``block_hidden`` reads the
         context. Features queued by several steps that did not draft are appended first, in one product
         (so the graph still serves: eagerly the draft took ~1.5-2x the time)."""
         graph, proposal = self.compiled, None
@@ -537,7 +537,7 @@ class BatchScheduler:
 
 
 @torch.inference_mode()
-def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5) -> float:
+def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5, backend: Backend = TORCH) -> float:
     """Seconds of one batched greedy draft over ``rows`` rows of ``context`` cached positions, one more
     feature arriving per row, as the batched loop drafts (:meth:`BatchContext.draft`: compiled where it
     fits; the fastest of ``repeats`` after a warm-up, as the cost tables it is weighed against:
@@ -547,7 +547,7 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
     cfg = drafter.config
     gen = torch.Generator().manual_seed(0)
     aux = torch.randn(rows, context + 1, drafter.fc.in_features, generator=gen).to(device)
-    cached = BatchContext(drafter)
+    cached = BatchContext(drafter, backend)
     cached.append(aux[:, :context], torch.full((rows,), context))
     lengths = cached.lengths
     anchors = torch.randint(0, cfg.vocab_size, (rows, 1), generator=gen).to(device)
@@ -562,7 +562,7 @@ def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int =
 
 @torch.inference_mode()
 def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_n: int, context: int,
-                         kv: KVQuant | None = None, repeats: int = 5) -> dict[int, float]:
+                         kv: KVQuant | None = None, repeats: int = 5, backend: Backend = TORCH) -> dict[int, float]:
     """Seconds of a batched target step over ``rows`` rows of ``context`` cached tokens reading ``n``
     tokens each with ``capture``'s features, for ``n = 1..max_n``, and at ``0`` a plain step (one token a
     row, no features: batched plain decoding's). Timed in ``repeats`` rounds after a warm-up round,
@@ -575,7 +575,7 @@ def measure_step_seconds(target, capture: FeatureCapture | None, rows: int, max_
     prompts = [torch.randint(0, vocab, (context,), generator=gen).to(device) for _ in range(rows)]
     runs = {}
     for plain in (True, False):
-        session = BatchTarget(target, None if plain else capture, kv)
+        session = BatchTarget(target, None if plain else capture, kv, backend)
         session.prefill(prompts)
 
         for n in [0] if plain else range(1, max_n + 1):  # (a step keeps nothing: each writes over the last)
@@ -607,8 +607,9 @@ class Waiting:
     of a speculative batch finish apart, and a prompt prefilled alone as each one finishes costs about
     twice what it costs in a group (testbed, 64-token prompts: 78 ms against 39 ms a row in fours)."""
 
-    def __init__(self, target, capture: FeatureCapture | None, kv: KVQuant | None, prompts, samplers, slots: int, outs):
-        self.target, self.capture, self.kv = target, capture, kv
+    def __init__(self, target, capture: FeatureCapture | None, kv: KVQuant | None, prompts, samplers, slots: int, outs,
+                 backend: Backend = TORCH):
+        self.target, self.capture, self.kv, self.backend = target, capture, kv, backend
         self.prompts, self.samplers, self.slots, self.outs = prompts, samplers, slots, outs
         self.queue = list(range(len(prompts)))
         self.group: BatchTarget | None = None  # the last group prefilled, and of its rows:
@@ -627,7 +628,7 @@ class Waiting:
         if not self.ready:
             joining = self.queue[:self.slots]
             del self.queue[:len(joining)]
-            self.group = BatchTarget(self.target, self.capture, self.kv)
+            self.group = BatchTarget(self.target, self.capture, self.kv, self.backend)
             logits, self.aux = self.group.prefill([self.prompts[i] for i in joining])
             self.first = _choose_rows([self.samplers[i] for i in joining], logits).cpu()
             for i, t in zip(joining, self.first.tolist()):
@@ -691,13 +692,14 @@ def _choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
-                           samplers: list[Sampler] | None = None, kv: KVQuant | None = None, slots: int | None = None):
+                           samplers: list[Sampler] | None = None, kv: KVQuant | None = None, slots: int | None = None,
+                           backend: Backend = TORCH):
     """Plain decoding of several prompts at once: at most ``slots`` rows (default: all), rows leave the
     batch when they finish and waiting prompts take their places."""
     samplers = samplers or [Sampler() for _ in prompts]
     start, stats = time.perf_counter(), BatchStats()
     outs, live, bonus, session = [[] for _ in prompts], [], torch.zeros(0, dtype=torch.long), None
-    waiting = Waiting(target, None, kv, prompts, samplers, slots or len(prompts), outs)
+    waiting = Waiting(target, None, kv, prompts, samplers, slots or len(prompts), outs, backend)
     while True:
         live, bonus, session = _refill(waiting, live, bonus, session, None, max_new_tokens, eos_token_id)
         if not live:
@@ -715,7 +717,7 @@ def batched_plain_generate(target, prompts: list[torch.Tensor], max_new_tokens: 
 def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int,
                                  eos_token_id: int | None = None, samplers: list[Sampler] | None = None,
                                  scheduler: BatchScheduler | None = None, kv: KVQuant | None = None,
-                                 slots: int | None = None, lookup: int = 0):
+                                 slots: int | None = None, lookup: int = 0, backend: Backend = TORCH):
     """Speculative decoding of several prompts at once with a block drafter (see the module doc): at
     most ``slots`` rows (default: all) at a time, waiting prompts taking the places of rows that finish.
     Without a scheduler every step verifies all ``K - 1`` drafts of every row. ``lookup``: a row may
@@ -727,8 +729,8 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
     start, stats = time.perf_counter(), BatchStats()
     outs, live, bonus, session = [[] for _ in prompts], [], torch.zeros(0, dtype=torch.long), None
     waiting = Waiting(target, FeatureCapture(target, drafter.config.target_layer_ids), kv, prompts, samplers,
-                      slots or len(prompts), outs)
-    context = BatchContext(drafter)
+                      slots or len(prompts), outs, backend)
+    context = BatchContext(drafter, backend)
     indexes: dict[int, NgramIndex] = {}  # prompt -> its text's n-grams (lookup)
     while True:
         live, bonus, session = _refill(waiting, live, bonus, session, context, max_new_tokens, eos_token_id)
@@ -803,19 +805,20 @@ def batched_speculative_generate(target, drafter, prompts: list[torch.Tensor], m
 
 
 def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int],
-                    calibration: Budget | None = None) -> list[dict]:
+                    calibration: Budget | None = None, backend: Backend = TORCH) -> list[dict]:
     """Batched plain and batched speculative decoding of all the prompts, in the order plain, speculative,
-    speculative, plain (``dec.batch_rounds`` times), for each batch size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
+    speculative, plain (``dec.batches.rounds`` times), for each batch size ``B``: at most ``B`` rows at a time, waiting prompts taking the places of rows that finish
     (``sampler(i)``: prompt i's sampler, the same seeds for both loops). One acceptance
     calibration (``calibration``'s, when given: e.g. that of a one-row run of the same drafter, which
     learns on every step, where a batch scheduler that stops drafting learns only from its probes)
     and one cost table serve every batch size; each has its own scheduler."""
     K = drafter.config.block_size
-    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
+    kv = kv_quant(dec.kv.format, dec.kv.rotate)
     budget = None
-    if dec.adaptive:
+    if dec.budget.adaptive:
         capture = FeatureCapture(target, drafter.config.target_layer_ids)
-        budget = Budget(measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture, kv=kv), share=calibration)
+        budget = Budget(measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture, kv=kv, backend=backend),
+                        share=calibration)
     rows = []
     prompts, samplers = list(encoded), lambda: [sampler(i) for i in range(len(encoded))]  # noqa: E731
     for B in batch_sizes:
@@ -824,27 +827,27 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         if budget is not None:  # the batched step's own cost at this size, over a cache about the mean's length
             # the mean prompt and three quarters of the answer: attention reads up to the longest row
             context = sum(map(len, prompts)) // len(prompts) + dec.max_new_tokens * 3 // 4
-            steps = measure_step_seconds(target, capture, B, K, context, kv)
+            steps = measure_step_seconds(target, capture, B, K, context, kv, backend=backend)
             scheduler = BatchScheduler(budget, K, min_drafts=1 if calibration else 8, step_seconds=steps, rows=B)
-            scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B)
+            scheduler.draft_seconds[B] = measure_draft_seconds(drafter, B, backend=backend)
             scheduler.predicted = scheduler.predicted_speedup(B)
             if calibration is not None:  # a calibrated prediction: below the margin drafting would not pay here
                 scheduler.margin = up_front_margin(len(prompts), B, sampled=dec.temperature > 0)
                 scheduler.off = scheduler.predicted < scheduler.margin
         def plain(B=B):
-            return batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B)
+            return batched_plain_generate(target, prompts, dec.max_new_tokens, eos, samplers(), kv, slots=B, backend=backend)
 
         def speculative(B=B, scheduler=scheduler):
             if scheduler is not None and scheduler.off:  # speculation off: the loop is plain decoding
                 return plain()
             return batched_speculative_generate(target, drafter, prompts, dec.max_new_tokens, eos, samplers(), scheduler, kv,
-                                                slots=B, lookup=dec.lookup)
+                                                slots=B, lookup=dec.lookup.tokens, backend=backend)
 
         # plain, speculative, speculative, plain (each round): a machine that drifts (these do) shifts both sides alike
-        graph = for_drafter(drafter)
+        graph = backend.draft_graph(drafter)
         graph_before = graph.calls if graph else 0
         outs, spec, base = [], [], []  # every run's tokens; speculative and plain runs' stats in time order
-        for _ in range(dec.batch_rounds):
+        for _ in range(dec.batches.rounds):
             for kind, run in (("plain", plain), ("spec", speculative), ("spec", speculative), ("plain", plain)):
                 out, run_stats = run()
                 outs.append(out)
@@ -853,7 +856,7 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         baseline = sum(s.tokens for s in base) / sum(s.seconds for s in base)
         # half k pairs speculative run k with the plain run on its side of the round (first with first)
         halves = [(s.tokens / s.seconds) / (b.tokens / b.seconds) for s, b in zip(spec, base)]
-        rows.append({"batch": B, "prompts": len(prompts), "rounds": dec.batch_rounds,
+        rows.append({"batch": B, "prompts": len(prompts), "rounds": dec.batches.rounds,
                      "tau": round(sum(s.tokens for s in spec) / sum(s.row_steps + len(prompts) for s in spec), 4),  # each prefill reads its row once
                      "tokens_per_s": round(tokens_per_s, 2), "baseline_tokens_per_s": round(baseline, 2),
                      "speedup": round(tokens_per_s / baseline, 4),

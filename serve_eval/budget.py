@@ -428,7 +428,7 @@ class DraftSwitch:
         self.min_drafts, self.measure = min_drafts, measure
         # skip below this fraction of the plain rate. Both rates are running means over ~200 steps, steady
         # enough to compare as they are; 0.9 kept a drafter that ran at 0.85-0.95x plain decoding drafting
-        # once a prepacked target made verifying two tokens cost about one (serve_eval.prepack)
+        # once a prepacked target made verifying two tokens cost about one (serve_eval.cpu.prepack)
         self.margin = margin
         self.bare_seconds = plain_seconds
         # the last plain steps' seconds (at least `measure` of them, which should_draft counts)

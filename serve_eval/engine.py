@@ -41,13 +41,12 @@ from transformers import DynamicCache
 
 from distill.base.features import FeatureCapture, TargetFeatures
 from drafters import Eagle3Drafter, is_block_drafter
-from drafters.core import ContextCache
+from drafters.cache import ContextCache
 
+from .backend import TORCH, Backend
 from .budget import COPY_Q, Budget, CausalChain
-from .compiled import for_drafter
-from .compiled import proposal as compiled_proposal
+from .cpu.compiled import proposal as compiled_proposal
 from .kv import KVQuant, inplace_cache, keep_entries, kv_quant
-from .lean import TargetForward
 from .lookup import NgramIndex, graft
 from .sampling import Sampler, top_tokens, verify_chain
 from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
@@ -55,11 +54,12 @@ from .tree import DraftTree, build_best_first_tree, sample_tree, walk_tree
 
 class TargetSession:
     """The target with a KV cache of the positions it has read (quantized as ``kv`` says,
-    :mod:`serve_eval.kv`); optionally captures features."""
+    :mod:`serve_eval.kv`), stepped as ``backend`` serves it; optionally captures features."""
 
-    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
+    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None,
+                 backend: Backend = TORCH):
         self.target = target
-        self.run = TargetForward(target, capture)  # its capture: the features a drafter reads
+        self.run = backend.target_forward(target, capture)  # its capture: the features a drafter reads
         self.cache = inplace_cache(target.config, kv)
         self.length = 0
 
@@ -103,7 +103,7 @@ class TargetSession:
 
 @torch.inference_mode()
 def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeats: int = 5,
-                         kv: KVQuant | None = None) -> dict[int, float]:
+                         kv: KVQuant | None = None, backend: Backend = TORCH) -> dict[int, float]:
     """Seconds of one target forward over ``n`` new tokens after ``context`` cached ones, for each ``n``
     in ``sizes`` (the fastest of ``repeats`` interleaved rounds: :func:`interleaved_seconds`' ``least``),
     with the loop's feature capture and KV cache. The tokens are random (a private generator: the
@@ -111,7 +111,7 @@ def measure_verify_costs(target, sizes, capture=None, context: int = 128, repeat
     device = next(target.parameters()).device
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    session = TargetSession(target, capture, kv)
+    session = TargetSession(target, capture, kv, backend)
     session.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device))
     undo = lambda: session.rollback(context)  # noqa: E731
     runs = {n: (functools.partial(session.forward, torch.randint(0, vocab, (1, n), generator=gen).to(device)), undo)
@@ -194,12 +194,12 @@ class BlockProposer(Proposer):
     ``1..k-1`` only, so where the draft stops depends on nothing the target has not seen or is about
     to verify, and the loop stays lossless."""
 
-    def __init__(self, drafter, confidence_threshold: float = 0.0):
+    def __init__(self, drafter, confidence_threshold: float = 0.0, backend: Backend = TORCH):
         self.drafter = drafter
         self.block_size = drafter.config.block_size
         self.conditional = drafter.conditional_drafts
         self.confidence_threshold = confidence_threshold
-        self.compiled = for_drafter(drafter)  # serve_eval.compiled: the draft as one graph, where it was set up
+        self.compiled = backend.draft_graph(drafter)  # the draft as one graph, where the backend built one
         self.begin(None)
 
     def begin(self, prompt: torch.Tensor | None) -> None:
@@ -222,7 +222,7 @@ class BlockProposer(Proposer):
     @torch.inference_mode()
     def propose(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [K-1] for the positions after the anchor, and the logits they were drawn from [K-1, V].
-        Compiled (:mod:`serve_eval.compiled`), a draft reads up to ``K`` arriving features in its graph;
+        Compiled (:mod:`serve_eval.cpu.compiled`), a draft reads up to ``K`` arriving features in its graph;
         more (a prompt's, or those of steps that did not draft) are read into the context first."""
         arriving = None if self.arrived is None else self.arrived.shape[1]
         if self.compiled is not None and arriving and arriving > self.block_size:  # a prompt's, or undrafted steps'
@@ -349,7 +349,7 @@ class PardProposer(LMProposer):
 
 
 def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None,
-                  parallel: bool = True):
+                  parallel: bool = True, backend: Backend = TORCH):
     """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`PardProposer`
     for a PARD-trained LM (``config.pard``; ``parallel=False`` drafts with it autoregressively),
     :class:`LMProposer` for any other causal LM (``draft_length`` tokens per step; ``draft_recurrence``
@@ -357,7 +357,7 @@ def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int 
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter)
     if is_block_drafter(drafter):
-        return BlockProposer(drafter, confidence_threshold)
+        return BlockProposer(drafter, confidence_threshold, backend)
     pard = getattr(drafter.config, "pard", None)
     if pard and parallel:
         return PardProposer(drafter, pard["draft_tokens"], pard["mask_token_id"])
@@ -493,12 +493,13 @@ def _truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[i
 
 @torch.inference_mode()
 def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                   sampler: Sampler | None = None, kv: KVQuant | None = None):
-    """Plain decoding with a KV cache (the baseline), with the same sampler and KV cache as the speculative loop."""
+                   sampler: Sampler | None = None, kv: KVQuant | None = None, backend: Backend = TORCH):
+    """Plain decoding with a KV cache (the baseline), with the same sampler, KV cache and backend as the
+    speculative loop."""
     sampler = sampler or Sampler()
     stats = GenerationStats()
     start = time.perf_counter()
-    session = TargetSession(target, kv=kv)
+    session = TargetSession(target, kv=kv, backend=backend)
     logits, _ = session.forward(prompt.view(1, -1), last=True)
     out = [int(sampler.choose(logits[-1]))]
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
@@ -515,7 +516,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
                          sampler: Sampler | None = None, proposer=None, verify=verify_chain,
                          confidence_threshold: float = 0.0, mode: str = "chain", tree_budget: int = 16,
                          walk=walk_tree, budget: Budget | None = None, lookup: int = 0, kv: KVQuant | None = None,
-                         verify_drafts: int = 0):
+                         verify_drafts: int = 0, backend: Backend = TORCH):
     """Speculative decoding with chain or tree verification (see the module docstrings of this file
     and of :mod:`serve_eval.tree`). With a :class:`~serve_eval.budget.Budget` each step verifies the
     prefix of the drafts (chain) or of the ``tree_budget``-node tree with the most expected tokens per
@@ -524,13 +525,13 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     (:mod:`serve_eval.kv`); without a budget, ``verify_drafts`` verifies a chain's first that many
     drafts only (a fixed draft length; 0: all); ``verify`` and ``walk`` are test hooks."""
     sampler = sampler or Sampler()
-    proposer = proposer or make_proposer(drafter, confidence_threshold)
+    proposer = proposer or make_proposer(drafter, confidence_threshold, backend=backend)
     K = proposer.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
     now = device_clock(prompt.device)
     start = now()
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer.needs_features else None
-    session = TargetSession(target, capture, kv)
+    session = TargetSession(target, capture, kv, backend)
     prompt = prompt.view(1, -1)
     proposer.begin(prompt)
     logits, feats = session.forward(prompt, last=True)
@@ -651,38 +652,39 @@ def served_record(index: int, prompt: torch.Tensor, emitted: list[int], eos: int
 
 
 def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibration: Budget | None = None,
-            served: list | None = None) -> dict:
+            served: list | None = None, backend: Backend = TORCH) -> dict:
     """Baseline and speculative decoding of every prompt, back to back, as ``dec`` (a
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same
     seeds for both loops). The numbers of an eval report, the parity gate and the quantize recipe.
     ``calibration``: a budget whose acceptance calibration the run's budget shares (and extends).
     ``served``: a list that gets, per prompt, what the loop served (:func:`served_record`)."""
-    new_proposer = lambda: make_proposer(drafter, dec.confidence_threshold, dec.draft_length, dec.draft_recurrence,  # noqa: E731
-                                         dec.parallel_drafts)
+    new_proposer = lambda: make_proposer(drafter, dec.drafter.confidence_threshold, dec.drafter.draft_length,  # noqa: E731
+                                         dec.drafter.draft_recurrence, dec.drafter.parallel_drafts, backend)
     probe = new_proposer()
     K = probe.block_size
-    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
+    kv = kv_quant(dec.kv.format, dec.kv.rotate)
     budget = None
-    if dec.adaptive:  # one cost table and one acceptance calibration for the whole run
-        largest = ((budget_nodes or 1) + 1 if dec.mode == "tree" else K) + dec.lookup
+    if dec.budget.adaptive:  # one cost table and one acceptance calibration for the whole run
+        largest = ((budget_nodes or 1) + 1 if dec.mode == "tree" else K) + dec.lookup.tokens
         capture = FeatureCapture(target, drafter.config.target_layer_ids) if probe.needs_features else None
-        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv), share=calibration,
+        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv, backend=backend), share=calibration,
                         loop_offset=True)
     totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
               "sd_tokens": 0, "sd_forwards": 0, "sd_s": 0.0}
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless, verify_ms = [], True, []
     speculation = None
-    if dec.ssd:  # imported here: serve_eval.ssd builds on this module
+    if dec.ssd.enabled:  # imported here: serve_eval.ssd builds on this module
         from .ssd import open_speculation, ssd_generate, ssd_report
 
-        speculation = open_speculation(new_proposer(), dec.ssd_branches, dec.ssd_exponent, dec.ssd_backup, dec.ssd_concurrent)
+        speculation = open_speculation(new_proposer(), dec.ssd.branches, dec.ssd.exponent, dec.ssd.backup, dec.ssd.concurrent)
     try:
         for i, prompt in enumerate(encoded):
-            base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), kv)
+            base, base_stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), kv, backend)
             ours, stats = speculative_generate(target, drafter, prompt, dec.max_new_tokens, eos, sampler(i),
                                                proposer=new_proposer(), mode=dec.mode, tree_budget=budget_nodes or 1,
-                                               budget=budget, lookup=dec.lookup, kv=kv, verify_drafts=dec.verify_drafts)
+                                               budget=budget, lookup=dec.lookup.tokens, kv=kv, verify_drafts=dec.budget.verify_drafts,
+                                               backend=backend)
             if speculation is not None:  # plain speculative decoding above; speculative speculation here
                 totals["sd_tokens"] += stats.tokens
                 totals["sd_forwards"] += stats.target_forwards
@@ -690,7 +692,8 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibrati
                 sd_same = ours == base
                 loop = sampler(i)
                 seed = (loop.generator.initial_seed() if loop.generator is not None else i) + 2**32  # the drafter's own
-                ours, stats, steps_ms = ssd_generate(target, speculation, prompt, dec.max_new_tokens, eos, loop, seed, kv)
+                ours, stats, steps_ms = ssd_generate(target, speculation, prompt, dec.max_new_tokens, eos, loop, seed, kv,
+                                                       backend)
                 verify_ms += steps_ms
             same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
             if speculation is not None and same is not None:

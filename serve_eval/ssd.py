@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+from .backend import TORCH, Backend
 from .engine import GenerationStats, PardProposer, TargetSession, _truncate
 from .kv import KVQuant, keep_entries
 from .sampling import Sampler, verify_chain
@@ -401,7 +402,7 @@ def _tensors(answer, device) -> tuple[torch.Tensor, torch.Tensor | None]:
 @torch.inference_mode()
 def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | None = None, sampler: Sampler | None = None, seed: int = 0,
-                 kv: KVQuant | None = None, verify=verify_chain):
+                 kv: KVQuant | None = None, backend: Backend = TORCH, verify=verify_chain):
     """Speculative speculative decoding of one prompt (module docstring): the speculation builds the
     next drafts while the target verifies (concurrent), or between verifications (inline). ``seed``
     seeds the drafter's own random stream. Returns the tokens, :class:`GenerationStats` (``draft_seconds``:
@@ -410,7 +411,7 @@ def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, m
     K = speculation.block_size
     stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
     start = time.perf_counter()
-    session = TargetSession(target, kv=kv)
+    session = TargetSession(target, kv=kv, backend=backend)
     prompt = prompt.view(1, -1)
     logits, _ = session.forward(prompt, last=True)
     stats.target_forwards += 1

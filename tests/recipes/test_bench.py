@@ -21,7 +21,7 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     recipe.write_text(yaml.safe_dump({
         "recipe": "eval", "output_dir": str(tmp_path / "unused"), "target": {"path": str(tiny_target_dir)},
         "drafter": str(trained_drafters["dflash"].folder), "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
-        "decoding": {"max_new_tokens": 16, "compile": "off", "batch_sizes": [2]},
+        "decoding": {"max_new_tokens": 16, "cpu": {"compile": "off"}, "batches": {"sizes": [2]}},
         "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}))
     out = tmp_path / "out"
     rows = main(["--recipe", str(recipe), "--factors", "2", "1", "--output", str(out)])
@@ -39,7 +39,7 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     made = (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns
     assert pad_mlp(tiny_target_dir, out / "targets" / "x2", 2) == out / "targets" / "x2"  # made once
     assert (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns == made
-    for bad in (["--recipe", "recipes/configs/dflash_testbed.yaml"], ["--recipe", str(recipe), "decoding.adaptive=false"]):
+    for bad in (["--recipe", "recipes/configs/dflash_testbed.yaml"], ["--recipe", str(recipe), "decoding.budget.adaptive=false"]):
         with pytest.raises(SystemExit) as exit_:
             main([*bad, "--output", str(out)])
         assert exit_.value.code == 2

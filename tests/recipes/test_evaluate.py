@@ -9,17 +9,16 @@ import torch
 
 from distill.config import TargetConfig
 from distill.models import load_target
-from serve_eval import prepack
-from serve_eval.attention import available as attention_builds
+from serve_eval.cpu import prepack
+from serve_eval.cpu.attention import available as attention_builds
 from serve_eval.engine import plain_generate
 
 from ..conftest import drafter_recipe, reset_accelerate
 
 
-@pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
-                                      {"draft_vocab": 128, "draft_vocab_prompts": 4, "drafter_int8": "head"},
-                                      {"draft_vocab": 96, "draft_vocab_prompts": 4, "draft_vocab_candidates": 8,
-                                       "draft_vocab_rank": 16}])
+@pytest.mark.parametrize("decoding", [{"budget": {"adaptive": False}}, {"mode": "tree", "tree_budgets": [2, 8]},
+                                      {"vocab": {"size": 128, "prompts": 4}, "cpu": {"int8": "head"}},
+                                      {"vocab": {"size": 96, "prompts": 4, "candidates": 8, "rank": 16}}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -36,7 +35,7 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
         peer = report[key]
         assert peer["same_as_greedy"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
         assert peer["ours_over_peer"] == pytest.approx(report["tokens_per_s"] / peer["tokens_per_s"], rel=1e-3)
-    if decoding.get("adaptive", True):  # the budget's cost table and its choices are reported
+    if decoding.get("budget", {}).get("adaptive", True):  # the budget's cost table and its choices are reported
         adaptive = report["adaptive"]
         assert set(adaptive["verify_ms"]) >= {"1", "3"} and 1 <= adaptive["mean_verified"] <= 9
         histogram = {int(n): c for n, c in adaptive["verified_histogram"].items()}
@@ -63,20 +62,21 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     assert report["target_prepack"]["kernel"] == ("panels" if prepack.panels_available() else "onednn")
     assert report["target_attention"]["kernel"] == ("draftsmith_fp32" if attention_builds() else "sdpa")  # and its attention,
     assert report["draft_attention"] == report["target_attention"]  # and the block drafter's
-    assert report["target_forward"] == "lean"  # a Llama target: serve_eval.lean's walk
-    assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] in ("avx512-vnni", "avx2")
+    assert report["target_forward"] == "lean"  # a Llama target: serve_eval.cpu.lean's walk
+    assert report["drafter_int8"]["which"] == decoding.get("cpu", {}).get("int8", "all") and report["drafter_int8"]["kernel"] in ("avx512-vnni", "avx2")
     graph = report["draft_compiled"]  # and the draft compiled as one graph, over caches for 16 + 24 positions and a block
-    assert graph["graph"] == "decode_static" + ("" if "draft_vocab_candidates" in decoding else " + propose")
+    vocab = decoding.get("vocab", {})
+    assert graph["graph"] == "decode_static" + ("" if "candidates" in vocab else " + propose")
     assert graph["cache_positions"] == 16 + 24 + 4 + 1 and graph["graph_drafts"] > 10
-    if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
-        vocab = report["draft_vocab"]
-        assert vocab["size"] == decoding["draft_vocab"] and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1
-    if "draft_vocab_candidates" in decoding:  # 96 static tokens and each row's 8 best by a rank-16 head
+    if "size" in vocab:  # the heads restricted to the 128 tokens the target's answers use most
+        record = report["draft_vocab"]
+        assert record["size"] == vocab["size"] and record["counted_tokens"] == 4 * 24 and 0.5 < record["coverage"] <= 1
+    if "candidates" in vocab:  # 96 static tokens and each row's 8 best by a rank-16 head
         per_step = report["draft_vocab"]["per_step"]
         assert per_step == {"static": 96, "candidates": 8, "rank": 16, "size": 104}
         assert report["drafter_int8"]["which"] == "all"  # every Linear but the per-step head, which keeps its rows
         assert type(trained_drafters["dflash"].lm_head).__name__ != "CandidateHead"  # the eval's own copy changed
-    elif "drafter_int8" in decoding:  # the restricted head, served from int8 codes of its 128 rows
+    elif "cpu" in decoding:  # the restricted head, served from int8 codes of its 128 rows
         int8 = report["drafter_int8"]
         assert int8["which"] == "head" and int8["linears"] == 1 and int8["int8_bytes"] < int8["weight_bytes"] / 3
 
@@ -93,19 +93,19 @@ def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, t
                              "decoding": {"max_new_tokens": 8, **decoding},
                              "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
 
-    with pytest.raises(RecipeError, match="decoding.batch_sizes: batched decoding runs block drafters"):
-        evaluate.main(recipe("eagle3", batch_sizes=[2]))
-    with pytest.raises(RecipeError, match="need at least as many prompts"):
-        evaluate.main(recipe("dflash", batch_sizes=[4]))
-    with pytest.raises(RecipeError, match="decoding.compile = 'on' compiles a block drafter's draft.*Eagle3Drafter"):
-        evaluate.main(recipe("eagle3", compile="on"))  # a compiled draft is a block drafter's; off / auto: eager
+    with pytest.raises(RecipeError, match="decoding.batches.sizes: batched decoding runs block drafters"):
+        recipe("eagle3", batches={"sizes": [2]})  # refused with the recipe
+    with pytest.raises(RecipeError, match="decoding.batches.sizes: 4 rows need at least as many prompts"):
+        evaluate.main(recipe("dflash", batches={"sizes": [4]}))
+    with pytest.raises(RecipeError, match="decoding.cpu.compile = 'on' compiles a block drafter's draft.*Eagle3Drafter"):
+        evaluate.main(recipe("eagle3", cpu={"compile": "on"}))  # a compiled draft is a block drafter's; off / auto: eager
     assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
-    assert evaluate.main(recipe("eagle3", compile=False))["draft_compiled"] == "off"  # a bare YAML off
+    assert evaluate.main(recipe("eagle3", cpu={"compile": False}))["draft_compiled"] == "off"  # a bare YAML off
 
 
 def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tmp_path, tiny_target_dir, trained_drafters):
-    """``decoding.batch_sizes``: each size decodes every prompt plainly, speculatively, speculatively
-    again and plainly again (drift cancels), ``batch_rounds`` times; the row's speedup pools every
+    """``decoding.batches.sizes``: each size decodes every prompt plainly, speculatively, speculatively
+    again and plainly again (drift cancels), ``batches.rounds`` times; the row's speedup pools every
     pair, each half is reported, and all eight outputs are the same greedy tokens."""
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -113,7 +113,7 @@ def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tm
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
                            "drafter": str(trained_drafters["dflash"].folder),
                            "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
-                           "decoding": {"max_new_tokens": 12, "batch_sizes": [2], "batch_rounds": 2},
+                           "decoding": {"max_new_tokens": 12, "batches": {"sizes": [2], "rounds": 2}},
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     [row] = evaluate.main(recipe)["by_batch"]
     assert row["batch"] == 2 and row["prompts"] == 3 and row["rounds"] == 2 and row["lossless"] is True
@@ -136,15 +136,15 @@ def test_draft_vocabularies_refuse_what_they_cannot_restrict(tmp_path, tiny_targ
                              "decoding": {"max_new_tokens": 8, **decoding},
                              "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
 
-    with pytest.raises(RecipeError, match="decoding.draft_vocab = 64: .*the drafter is the target"):
-        evaluate.main(recipe(tiny_target_dir, draft_vocab=64, drafter_int8="off"))
-    with pytest.raises(RecipeError, match="decoding.draft_vocab_candidates = 64: .*the drafter is the target"):
-        evaluate.main(recipe(tiny_target_dir, draft_vocab_candidates=64, drafter_int8="off"))
+    with pytest.raises(RecipeError, match="decoding.vocab.size = 64: .*the drafter .* is the target"):
+        recipe(tiny_target_dir, vocab={"size": 64}, cpu={"int8": "off"})  # refused with the recipe
+    with pytest.raises(RecipeError, match="decoding.vocab.candidates = 64: .*the drafter .* is the target"):
+        recipe(tiny_target_dir, vocab={"candidates": 64}, cpu={"int8": "off"})
     dflash = trained_drafters["dflash"].folder
-    with pytest.raises(RecipeError, match="drafter_int8 = 'head' with draft_vocab_candidates"):
-        evaluate.main(recipe(dflash, draft_vocab_candidates=64, drafter_int8="head"))
-    with pytest.raises(RecipeError, match="do not fit the drafter's 512 x"):
-        evaluate.main(recipe(dflash, draft_vocab_candidates=600))
+    with pytest.raises(RecipeError, match="decoding.cpu.int8 = 'head' with decoding.vocab.candidates"):
+        recipe(dflash, vocab={"candidates": 64}, cpu={"int8": "head"})
+    with pytest.raises(RecipeError, match="decoding.vocab.candidates = 600 .* do not fit the drafter's 512 x"):
+        evaluate.main(recipe(dflash, vocab={"candidates": 600}))
     assert not (tmp_path / "report.json").exists()
 
 
@@ -162,7 +162,7 @@ def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_p
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / "serve"), "target": {"path": str(tiny_target_dir)},
                            "drafter": str(folder), "record_served": True,
                            "prompts": {"from_corpus": 4, "split": "train", "prompt_tokens": 16},
-                           "decoding": {"max_new_tokens": 24, "kv_cache": "int8"},
+                           "decoding": {"max_new_tokens": 24, "kv": {"format": "int8"}},
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     report = evaluate.main(recipe)
     quality = report["kv_quality"]

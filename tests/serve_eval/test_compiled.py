@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from serve_eval.budget import Budget
+from serve_eval.cpu import CpuBackend
 from serve_eval.engine import plain_generate, speculative_generate
 
 from ..conftest import MAX_NEW
@@ -28,19 +29,20 @@ def close_to_rounding_or_an_int8_step(actual, expected, tight: list) -> None:
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
-    """A block drafter's draft compiled as one graph (serve_eval.compiled, over the fused int8 drafter
+    """A block drafter's draft compiled as one graph (serve_eval.cpu.compiled, over the fused int8 drafter
     the eval serves) gives each step the eager draft's block and greedy proposal (DSpark's chain after
     the graph's own drafts), to rounding; greedy chains and trees still equal plain decoding, and a
     sequence longer than the graph's caches drafts eagerly past them."""
     import copy
 
-    from serve_eval import compiled
-    from serve_eval.int8 import int8_drafter
+    from serve_eval.cpu import compiled
+    from serve_eval.cpu.int8 import int8_drafter
 
     target, tok, prompts = target_and_prompts
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
-    record = compiled.compile_drafts(drafter, max(len(p) for p in prompts) + MAX_NEW)
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    record = backend.compile_draft(drafter, max(len(p) for p in prompts) + MAX_NEW)
     assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
     graph_call, counts, tight = compiled.CompiledDraft.__call__, [], []
 
@@ -62,13 +64,14 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     monkeypatch.setattr(compiled.CompiledDraft, "__call__", checked)
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
-        assert speculative_generate(target, drafter, prompt, MAX_NEW)[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}))[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, backend=backend)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}), backend=backend)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}),
+                                    backend=backend)[0] == reference
     assert len(counts) > 20 and len(set(counts)) > 2  # the graph drafted, after steps that kept various counts
     assert sum(tight) >= 0.95 * len(tight)
     longer, before = torch.cat([prompts[0]] * 3), len(counts)  # past the graph's caches: eager, still lossless
-    assert speculative_generate(target, drafter, longer, MAX_NEW)[0] == plain_generate(target, longer, MAX_NEW)[0]
+    assert speculative_generate(target, drafter, longer, MAX_NEW, backend=backend)[0] == plain_generate(target, longer, MAX_NEW)[0]
     assert len(counts) == before
 
 
@@ -80,17 +83,18 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     to the eager decode_static on the same buffers, and every row equals plain decoding."""
     import copy
 
-    from serve_eval import compiled
     from serve_eval.batch import BatchScheduler, batched_speculative_generate
-    from serve_eval.int8 import int8_drafter
+    from serve_eval.cpu import compiled
+    from serve_eval.cpu.int8 import int8_drafter
 
     target, _, prompts = target_and_prompts
     prompts = [prompts[0], prompts[1][:17], prompts[2][:9], prompts[0][:20]]
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
     # 3 rows, and 2 as the tail of 3 (rows finish apart): every count below the smallest batch gets a graph
-    assert compiled.compile_drafts(drafter, max(map(len, prompts)) + MAX_NEW, rows=(3,))["rows"] == [1, 2, 3]
-    assert set(compiled.for_drafter(drafter).unguarded) == {(1, True), (2, True), (3, True)}  # each graph's code, unguarded
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    assert backend.compile_draft(drafter, max(map(len, prompts)) + MAX_NEW, rows=(3,))["rows"] == [1, 2, 3]
+    assert backend.draft_graph(drafter).warmed == {(1, True), (2, True), (3, True)}  # each graph compiled up front
     graph_run, rows_seen, tight = compiled.CompiledDraft.run, [], []
 
     def checked(self, anchors, counts, arriving, keys, values, propose):
@@ -99,7 +103,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
         features[:, :arriving.shape[1]] = arriving
         reference = drafter.decode_static(anchors, counts, features, copies[:len(keys)], copies[len(keys):])
         guarded = self.graph(drafter, anchors, counts, features, guarded_copies[:len(keys)], guarded_copies[len(keys):], propose)
-        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)  # unguarded: the same bits
+        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)  # its graph's guards only: the same bits
         assert torch.equal(hidden, guarded[0]) and all(torch.equal(a, b) for a, b in zip(keys + values, guarded_copies))
         close_to_rounding_or_an_int8_step(hidden, reference, tight)
         rows_seen.append(len(anchors))
@@ -109,7 +113,8 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
     K = drafter.config.block_size
     for slots, scheduler in ((3, None), (2, None), (3, BatchScheduler(Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}), K))):
-        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler)[0] == reference
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler,
+                                            backend=backend)[0] == reference
     assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
     assert sum(tight) >= 0.95 * len(tight)
 
@@ -120,12 +125,13 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     the drafts the eager path gives from the same context (rows of different lengths)."""
     import copy
 
-    from serve_eval import compiled
     from serve_eval.batch import BatchContext
+    from serve_eval.cpu import compiled
 
     drafter = copy.deepcopy(trained_drafters["dflash"]).fuse_projections()  # as the loops serve it
     eager = copy.deepcopy(drafter)  # never compiled: its context drafts eagerly
-    compiled.compile_drafts(drafter, 48, rows=(2,))
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    backend.compile_draft(drafter, 48, rows=(2,))
     calls, run = [], compiled.CompiledDraft.run
     monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(len(args[0])) or run(self, *args))
     torch.manual_seed(0)
@@ -133,7 +139,7 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     start, steps, anchors = torch.randn(2, 12, width), [torch.randn(2, 1, width) for _ in range(5)], torch.tensor([[3], [7]])
     drafts = []
     for d in (drafter, eager):
-        context = BatchContext(d)
+        context = BatchContext(d, backend)
         context.start(start, torch.tensor([12, 9]))
         for features in steps:
             context.defer(features, torch.ones(2, dtype=torch.long))
@@ -151,13 +157,14 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
     of the eager path from the same features (its one forward over them all), the same context length."""
     import copy
 
-    from serve_eval import compiled
+    from serve_eval.cpu import compiled
     from serve_eval.engine import BlockProposer
     from serve_eval.sampling import Sampler
 
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()  # as the loops serve it
     eager = copy.deepcopy(drafter)
-    compiled.compile_drafts(drafter, 48)
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    backend.compile_draft(drafter, 48)
     calls, run = [], compiled.CompiledDraft.run
     monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(args[2].shape[1]) or run(self, *args))
     torch.manual_seed(0)
@@ -165,7 +172,7 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
     features = [torch.randn(1, 3 * K + 2, drafter.fc.in_features), torch.randn(1, K + 1, drafter.fc.in_features)]
     drafts = []
     for d in (drafter, eager):
-        proposer, out, position = BlockProposer(d), [], 0
+        proposer, out, position = BlockProposer(d, backend=backend), [], 0
         for chunk, anchor in zip(features, (5, 9)):  # a prompt's features, then a step's too many
             proposer.observe(chunk, position, None)
             position += chunk.shape[1]
@@ -180,12 +187,11 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
 
 def test_each_compiled_drafter_has_a_graph_of_its_own():
     """Two drafters alike in every shape, one with causal blocks and one with bidirectional ones, each
-    compiled (serve_eval.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
+    compiled (serve_eval.cpu.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
     them would give one the other's mask): each draft equals its own drafter's eager one."""
     import copy
 
-    from drafters.core import ContextCache
-    from serve_eval import compiled
+    from drafters.cache import ContextCache
 
     from ..conftest import tiny_dflash
 
@@ -193,8 +199,9 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
     aux = torch.randn(1, 40, 32)
     for attention in ("causal", "bidirectional"):
         drafter = tiny_dflash(attention)
-        compiled.compile_drafts(drafter, 32)
-        graph = compiled.for_drafter(drafter)
+        backend = CpuBackend(prepack="off", int8="off", compile="off")
+        backend.compile_draft(drafter, 32)
+        graph = backend.draft_graph(drafter)
         cache = ContextCache(spare=4, capacity=graph.positions)
         with torch.inference_mode():
             drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])

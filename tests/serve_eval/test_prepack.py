@@ -1,4 +1,4 @@
-"""serve_eval.prepack: a Linear served from a weight repacked once (our AVX2 panels, oneDNN's layout)
+"""serve_eval.cpu.prepack: a Linear served from a weight repacked once (our AVX2 panels, oneDNN's layout)
 computes the float Linear (up to summation order), the panel kernel gives a row the same bits whatever
 rows share the call, the original Parameters stay, gradients fall back to F.linear, every fp32 Linear
 of a target converts; the setting resolves per device and reads bare YAML on / off; a prepacked target
@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from serve_eval import prepack
 from serve_eval.budget import Budget
+from serve_eval.cpu import prepack
+from serve_eval.cpu.prepack import PANEL_ROWS, PrepackedLinear, available, prepack_linears, resolve
 from serve_eval.engine import plain_generate, speculative_generate
-from serve_eval.prepack import PANEL_ROWS, PrepackedLinear, available, prepack_linears, resolve
 
 from ..conftest import KINDS, MAX_NEW
 
@@ -184,41 +184,41 @@ def test_the_setting_resolves_per_device_to_a_kernel():
     best = "panels" if prepack.panels_available() else "onednn"
     assert resolve("auto", "cpu") == resolve("on", "cpu") == best
     assert resolve("auto", "cuda") == "off" and resolve("off", "cpu") == "off"
-    with pytest.raises(ValueError, match="decoding.prepack = 'on'.*cuda"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'on'.*cuda"):
         resolve("on", "cuda")
-    with pytest.raises(ValueError, match="decoding.prepack = 'onednn'.*cuda"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'onednn'.*cuda"):
         resolve("onednn", "cuda")
 
 
 def test_a_kernel_that_does_not_serve_here_is_refused(monkeypatch):
     monkeypatch.setattr(prepack, "panels_available", lambda: False)
-    with pytest.raises(ValueError, match="decoding.prepack = 'panels'.*AVX2"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'panels'.*AVX2"):
         resolve("panels", "cpu")
     monkeypatch.setattr(prepack, "onednn_available", lambda: False)
     assert resolve("auto", "cpu") == "off"
-    with pytest.raises(ValueError, match="decoding.prepack = 'on': neither"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'on': neither"):
         resolve("on", "cpu")
 
 
 def test_the_recipe_setting_reads_bare_yaml_on_and_off():
     from recipes.registry import load_recipe
 
-    assert load_recipe("eval_testbed", []).decoding.prepack == "auto"
-    assert load_recipe("eval_testbed", ["decoding.prepack=off"]).decoding.prepack == "off"
-    assert load_recipe("eval_testbed", ["decoding.prepack=on"]).decoding.prepack == "on"
-    assert load_recipe("eval_testbed", ["decoding.prepack=onednn"]).decoding.prepack == "onednn"
+    assert load_recipe("eval_testbed", []).decoding.cpu.prepack == "auto"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=off"]).decoding.cpu.prepack == "off"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=on"]).decoding.cpu.prepack == "on"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=onednn"]).decoding.cpu.prepack == "onednn"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters, kind):
-    """A target served from weights prepacked once (serve_eval.prepack: the AVX2 panel kernel where it
+    """A target served from weights prepacked once (serve_eval.cpu.prepack: the AVX2 panel kernel where it
     builds, else oneDNN's) is the target both loops decode with: its logits are the float Linears' up to summation order, and greedy chains, trees and
     batches still equal its own plain decoding."""
     import copy
 
     from drafters import is_block_drafter
     from serve_eval.batch import BatchScheduler, batched_speculative_generate
-    from serve_eval.prepack import prepack_linears
+    from serve_eval.cpu.prepack import prepack_linears
 
     target, tok, prompts = target_and_prompts
     packed = copy.deepcopy(target)

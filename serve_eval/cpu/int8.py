@@ -1,4 +1,4 @@
-"""Int8 weights for the drafter while it drafts, on the CPU (``decoding.drafter_int8``).
+"""Int8 weights for the drafter while it drafts, on the CPU (``decoding.cpu.int8``).
 
 A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 
@@ -12,7 +12,7 @@ A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 
 Kernels, the first that serves here:
 
-* ``draftsmith_int8::linear`` (:file:`int8_op.cpp`, built once per machine by :mod:`serve_eval.native`,
+* ``draftsmith_int8::linear`` (:file:`int8_op.cpp`, built once per machine by :mod:`serve_eval.cpu.native`,
   ~20 s): the codes in panels of 16 outputs x 4 inputs, prefetched into L2 as they stream, rows in tiles whose
   sums stay in registers; a row of zeros (the padding rows of a compiled draft's arriving features) is
   not multiplied. On AVX-512 VNNI (``vpdpbusd``, 64 products an instruction) it computes exactly the
@@ -40,7 +40,7 @@ head alone and ``Int8DynamicActivationInt8WeightConfig`` 0.79 ms (a tensor subcl
 Python at every call, with no fused CPU kernel for these shapes); oneDNN's ``qlinear_pointwise`` was
 slower than fbgemm's.
 
-The operator takes plain tensors, so a compiled draft (:mod:`serve_eval.compiled`) holds it in its
+The operator takes plain tensors, so a compiled draft (:mod:`serve_eval.cpu.compiled`) holds it in its
 graph like any ATen operator (a shape function is registered). On a GPU the drafter runs in the
 target's bf16 and this is refused.
 
@@ -75,7 +75,7 @@ _SOURCE = Path(__file__).with_name("int8_op.cpp")
 def native_op() -> str | None:
     """The instruction set ``draftsmith_int8::linear`` (:file:`int8_op.cpp`) runs on here (``avx512-vnni``,
     ``avx2``), or None where it cannot be built (not an x86 CPU with AVX2, no compiler: ``torch._int_mm`` serves)."""
-    if not native.avx2_operator(_SOURCE, "serve_eval.int8: the C++ int8 operator", "torch._int_mm",
+    if not native.avx2_operator(_SOURCE, "serve_eval.cpu.int8: the C++ int8 operator", "torch._int_mm",
                                 ("-ffp-contract=off",)):  # its scalings rounded one by one, as torch's
         return None
     torch.library.register_fake("draftsmith_int8::linear", _fake)
@@ -135,13 +135,13 @@ class Int8RestrictedHead(Int8Linear):
 
 
 def resolve(setting: str, device: str, drafter_is_target: bool) -> str:
-    """What ``decoding.drafter_int8`` means here: ``auto`` is ``all`` on the CPU, ``off`` on a GPU or for a
+    """What ``decoding.cpu.int8`` means here: ``auto`` is ``all`` on the CPU, ``off`` on a GPU or for a
     target drafting for itself; ``head`` / ``all`` on a GPU are a ValueError (the kernels are the CPU's)."""
     if setting == "auto":
         return "all" if device == "cpu" and not drafter_is_target else "off"
     if setting != "off" and device != "cpu":
-        raise ValueError(f"decoding.drafter_int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
-                         f"(serve_eval.int8); on {device} the drafter runs in the target's dtype (auto or off)")
+        raise ValueError(f"decoding.cpu.int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
+                         f"(serve_eval.cpu.int8); on {device} the drafter runs in the target's dtype (auto or off)")
     return setting
 
 

@@ -1,4 +1,4 @@
-"""The target's Linears served from weights prepacked once, on the CPU (``decoding.prepack``).
+"""The target's Linears served from weights prepacked once, on the CPU (``decoding.cpu.prepack``).
 
 A Linear ``y = x W^T + b`` computes the same fp32 products whichever kernel runs it; what changes is how
 fast. A decode step of the testbed target reads its 45 MB of weights (more than the 32 MB L3) once per
@@ -27,7 +27,7 @@ this machine has:
   order, so a row's result does not depend on how many rows share the call: a token verified among
   eight gets the bits it gets decoded alone. For more than ``PANEL_ROWS`` rows (a long prompt's
   prefill) ``F.linear``'s blocked GEMM, which reads each input row once per block, serves instead.
-  Built once per machine (:mod:`serve_eval.native`, ~20 s) where the CPU has AVX2 and FMA and a C++
+  Built once per machine (:mod:`serve_eval.cpu.native`, ~20 s) where the CPU has AVX2 and FMA and a C++
   compiler is at hand.
 * ``onednn``: oneDNN's weight reorder (``torch.ops.mkldnn._reorder_linear_weight``, once) and its
   kernel (``torch.ops.mkldnn._linear_pointwise``), the private ops torch's own compiler (inductor's CPU
@@ -94,7 +94,7 @@ def only_rows(rows: torch.Tensor, total: int):
 @functools.cache
 def panels_available() -> bool:
     """Whether ``draftsmith_fp32`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
-    return native.avx2_operator(_SOURCE, "serve_eval.prepack: the C++ fp32 operator", "oneDNN's kernel", ("-mf16c",))
+    return native.avx2_operator(_SOURCE, "serve_eval.cpu.prepack: the C++ fp32 operator", "oneDNN's kernel", ("-mf16c",))
 
 
 def onednn_available() -> bool:
@@ -138,7 +138,7 @@ class PrepackedLinear(nn.Module):
             exact = torch.equal(weight.half().float(), weight)
             self.packed = (torch.ops.draftsmith_fp32.pack_half if exact else torch.ops.draftsmith_fp32.pack)(weight)
         else:
-            raise RuntimeError(f"serve_eval.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}")
+            raise RuntimeError(f"serve_eval.cpu.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}")
 
     def __getstate__(self):  # derived from the weight (oneDNN's blocked tensor has no storage to pickle): rebuilt
         return {k: v for k, v in self.__dict__.items() if k != "packed"}
@@ -161,7 +161,7 @@ class PrepackedLinear(nn.Module):
 
 
 def resolve(setting: str, device: str) -> str:
-    """The kernel ``decoding.prepack`` names here (``panels``, ``onednn``) or ``off``: ``auto`` is ``on``
+    """The kernel ``decoding.cpu.prepack`` names here (``panels``, ``onednn``) or ``off``: ``auto`` is ``on``
     on the CPU and ``off`` elsewhere; ``on`` the first kernel that serves (``off`` under ``auto`` where
     none does). A kernel on a GPU, or one that does not serve here, is a ValueError."""
     if setting == "auto":
@@ -171,13 +171,13 @@ def resolve(setting: str, device: str) -> str:
     if setting == "off":
         return "off"
     if device != "cpu":
-        raise ValueError(f"decoding.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
+        raise ValueError(f"decoding.cpu.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
                          f"the target keeps its own kernels (auto or off)")
     kernels = list(_NEEDS) if setting == "on" else [setting]
     for kernel in kernels:
         if _serves(kernel):
             return kernel
-    raise ValueError(f"decoding.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
+    raise ValueError(f"decoding.cpu.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
                      + " / ".join(_NEEDS[k] for k in kernels) + "; use auto or off")
 
 
