@@ -214,7 +214,7 @@ def render_recipes() -> str:
     for name, schema in schemas.items():
         lines.append(f"| `{name}` | `{RECIPES[name]}` | [{schema.__name__}](#{schema.__name__.lower()}) | "
                      f"{_cell(_first_paragraph(schema.__doc__))} |")
-    lines += ["", "## Shipped recipes", "", "`draftsmith run NAME` runs `recipes/configs/NAME.yaml` from any directory; "
+    lines += ["", "## Shipped recipes", "", "`draftsmith run NAME` runs the shipped recipe `NAME.yaml` of `recipes/configs/` from any directory; "
               "`draftsmith ls` prints this list.", "",
               "| name | `recipe:` | what it is |", "|---|---|---|"]
     import yaml
