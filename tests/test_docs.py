@@ -28,9 +28,10 @@ SKIP_DIRS = {".venv", "runs", ".git", "tests", "__pycache__", ".pytest_cache"}
 _ORDINALS = ("first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth "
              "fourteenth fifteenth sixteenth seventeenth eighteenth nineteenth twentieth").split()
 _ORDINALS += [f"twenty-{o}" for o in _ORDINALS[:9]] + ["thirtieth"]
+_GAP = r"(?:\s|#|//|\*)+"  # words may wrap onto the next line of a comment
 HISTORY = [
-    re.compile(rf"\b({'|'.join(_ORDINALS)}|\d+(st|nd|rd|th))\s+(work\s+)?session\b", re.I),
-    re.compile(r"\b(this|that|the last|last|the next|the previous|an earlier|the same) session\b", re.I),
+    re.compile(rf"\b({'|'.join(_ORDINALS)}|\d+(st|nd|rd|th)){_GAP}(work{_GAP})?sessions?\b", re.I),
+    re.compile(rf"\b(this|that|the last|last|the next|the previous|an earlier|the same|three|two|several){_GAP}sessions?\b", re.I),
     re.compile(r"\bsession'?s (start|end)\b|\b(start|end) of (the|this) session\b", re.I),
     re.compile(r"\btonight\b|\bthis morning\b|\byesterday\b", re.I),
     re.compile(r"\bwe tried\b|\bwe then\b", re.I),
@@ -42,12 +43,10 @@ DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 
 def _history_hits(text: str, dates: bool) -> list[str]:
     hits = []
-    for number, line in enumerate(text.splitlines(), 1):
-        for pattern in HISTORY + ([DATE] if dates else []):
-            m = pattern.search(line)
-            if m:
-                hits.append(f"{number}: {m.group(0)!r}")
-    return hits
+    for pattern in HISTORY + ([DATE] if dates else []):
+        for m in pattern.finditer(text):
+            hits.append(f"{text.count(chr(10), 0, m.start()) + 1}: {' '.join(m.group(0).split())!r}")
+    return sorted(hits, key=lambda h: int(h.split(":")[0]))
 
 
 def _rel(path: Path) -> str:
