@@ -45,7 +45,7 @@ EXAMPLES = {
   accelerate launch --config_file accelerate_configs/zero3.yaml -m recipes.cli run dflash_qwen3_8b""",
     "validate": """examples:
   draftsmith validate dspark_testbed
-  draftsmith validate my_recipe.yaml train.lr=1e-3 'decoding.tree_budgets=[8, 16]'""",
+  draftsmith validate my_recipe.yaml optim.lr=1e-3 'decoding.tree_budgets=[8, 16]'""",
     "eval": """examples:
   draftsmith eval --drafter distill/assets/testbed_dflash
   draftsmith eval --drafter distill/assets/testbed_dflash --mode tree --tree-budgets 8 16 32

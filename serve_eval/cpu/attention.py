@@ -7,7 +7,7 @@ cache by the weights' stream in between) and the kernel's own overhead. torch's 
 CPU is built for long query blocks; :file:`attention_op.cpp` (``draftsmith_attn::attention``) reads
 each key and value row once per head (the values prefetched while the scores are computed), eight
 keys' scores at a time. ``python -m recipes.bench_attention`` times both on the testbed target's
-shapes (docs/results.md has the numbers).
+shapes (numbers: docs/benchmarks.md).
 
 Invariants:
 

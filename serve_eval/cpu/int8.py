@@ -18,9 +18,8 @@ Kernels, the first that serves here:
   not multiplied. On AVX-512 VNNI (``vpdpbusd``, 64 products an instruction) it computes exactly the
   bits ``torch._int_mm`` computes from the same codes. On AVX2 alone the activations are 7-bit
   (``/ 63``, as fbgemm's AVX2 kernels take them): ``vpmaddubsw``'s 16-bit pair sums then cannot
-  saturate, where 8 bits would need the sign moved onto the weights row by row (measured 1.5x the
-  time: the six products of a draft 449 against 296 µs); the rounding error doubles (0.8% -> 1.5% of
-  the output's norm on random rows). The report's ``drafter_int8.kernel`` names the instruction set;
+  saturate, where 8 bits would need the sign moved onto the weights row by row (half again the
+  time); the rounding error doubles (0.8% -> 1.5% of the output's norm on random rows). The report's ``drafter_int8.kernel`` names the instruction set;
 * ``torch._int_mm`` (codes stored transposed, in x out) where it cannot be built (no compiler, not x86).
 
 Losslessness does not depend on any of it: the loop verifies with the full-precision target, and the
@@ -30,15 +29,9 @@ and the drafting time can move, and the report measures both.
 
 Why here: a drafter's cost on a CPU is reading its weights (the 4,096 x 320 LM head of the testbed
 is 5.2 MB in fp32, most of the drafter) and int8 codes are a quarter of that. The weights come from
-memory at every draft (the target's forward, 45 MB on the testbed, has streamed through the caches
-in between), so the kernel prefetches them ahead of the products. Measured on a Zen 4 core (1 thread,
-the shipped DFlash drafter's six products of one draft; ``/tmp`` scripts, see docs/results.md): ours
-175-180 µs warm, 349-401 after a target forward; fbgemm's dynamic int8 GEMM (``quantized::linear_dynamic``,
-served here before; 7-bit activations, reached through a C++ operator that named its packed weight by
-a key) 281-409 warm with its row scaling, 439-493 after a target forward; ``torch._int_mm`` 380 warm. Before that: torchao's ``Int8DynamicActivationIntxWeightConfig`` took 5.6 ms for the
-head alone and ``Int8DynamicActivationInt8WeightConfig`` 0.79 ms (a tensor subclass dispatched from
-Python at every call, with no fused CPU kernel for these shapes); oneDNN's ``qlinear_pointwise`` was
-slower than fbgemm's.
+memory at every draft (the target's forward has streamed through the caches in between), so the
+kernel prefetches them ahead of the products. The kernels' times against fbgemm's dynamic int8 GEMM,
+``torch._int_mm`` and torchao's int8 configurations are on the benchmarks page (docs/benchmarks.md).
 
 The operator takes plain tensors, so a compiled draft (:mod:`serve_eval.cpu.compiled`) holds it in its
 graph like any ATen operator (a shape function is registered). On a GPU the drafter runs in the

@@ -16,13 +16,10 @@ this machine has:
   Where the target's weights exceed the last-level cache (the testbed's 45 MB against a 32 MB L3),
   one- and two-row products (plain decoding's) prefetch them non-temporally, a few lines ahead, so
   that streaming them evicts nothing: the KV cache and the step's small tensors stay cached from one
-  forward to the next (plain decoding 3-18% faster on a Zen 4 core, though the products alone stream
-  3% slower; taller tiles lost more than they kept that way and keep their L2 prefetch).
+  forward to the next (taller tiles keep their L2 prefetch).
   A weight whose every value is an fp16 one (a checkpoint saved in fp16 and served in fp32, as the
   testbed target is) is packed in fp16 and widened to fp32 in registers: the same products and bits
-  from half the bytes. The testbed target's 45 MB become 22.5, which stay in the 32 MB L3 from one
-  forward to the next (they no longer need streaming past it): alternated prompt by prompt with fp32
-  panels, plain decoding 13% and speculative decoding 20% faster.
+  from half the bytes (the testbed target's 45 MB become 22.5, which stay in a 32 MB L3).
   Every output is the same FMA chain over the inputs in
   order, so a row's result does not depend on how many rows share the call: a token verified among
   eight gets the bits it gets decoded alone. For more than ``PANEL_ROWS`` rows (a long prompt's
@@ -34,15 +31,8 @@ this machine has:
   freezing pass) emits for a frozen fp32 Linear. ``F.linear`` (MKL ``sgemm``) repacks ``W`` into its
   panel layout on every call for more than one row, so the weight crosses the memory bus about twice.
 
-Measured on this CPU (1 thread, the testbed target's 57 Linears in turn, medians of 11 passes, one
-run): at 1 row ``F.linear`` 8.7 ms, oneDNN 7.4-9.2, panels 3.4-4.4 (10-13 GB/s, what ``x.sum()`` over
-45 MB streams); at 8 rows 14.4 / 11.4-13.4 / 4.6-4.7 (6.0-7.3 before the weight was prefetched); at 64
-rows oneDNN 25.4, panels 20.1; at 256, 73.5 against 65.7. On the Zen 4 core of the seventeenth session
-(the same 57 Linears streamed from memory, the variants alternated in one process, medians of 15):
-every tile prefetching non-temporally, 1 / 5 / 6 / 8 rows took 2.13-2.30 / 2.39-2.53 / 2.58-2.88 /
-3.28-3.47 ms; as now, 1.69-2.07 / 1.82-2.19 / 1.82-1.96 / 2.32 (docs/results.md). Alone on a 4,096 x 320 weight held in cache, 8 rows: 85 GFLOP/s (torch's own
-2,048^3 fp32 matmul: ~67). Whole decoding loops: ``python -m recipes.cli run recipes/configs/eval_testbed.yaml``
-(docs/results.md).
+``python -m recipes.bench_linears`` times the kernels on the testbed target's Linears; the numbers are on
+[the benchmarks page](docs/benchmarks.md).
 
 Invariants:
 

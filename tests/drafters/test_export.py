@@ -139,7 +139,7 @@ def speculators_or_skip():
     try:
         import speculators  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"the speculators library is not installed ({e}); `make install` installs it (see docs/export.md)")
+        pytest.skip(f"the speculators library is not installed ({e}); `make install` installs it (see docs/guides/publishing.md)")
     return speculators
 
 
