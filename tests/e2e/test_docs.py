@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PACKAGES = ("distill", "drafters", "parcae", "serve_eval", "recipes")
 TOP_DIRS = (*PACKAGES, "tests", "docs", "accelerate_configs", ".ci")
