@@ -90,8 +90,8 @@ def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_dra
     assert measured.verify_seconds(4, 3) == pytest.approx(dearer[3])  # drafted steps: the table x the measured ratio
     assert measured.verify_seconds(2, 3) == pytest.approx(1.5 * proxy.verify_seconds(6))
     assert measured.verify_seconds(2, 1) == proxy.verify_seconds(2)  # no plain step timed: the table's cost
-    # the machine ran 3x slower while the batched steps were timed than while the one-row table was:
-    # drafted and plain steps, timed in the same rounds, scale alike, and so does the prediction
+    # batched steps timed 3x slower than the one-row table (a machine slower while they ran): drafted
+    # and plain steps, timed in the same rounds, scale alike, and so does the prediction
     slow = BatchScheduler(proxy, K, step_seconds={n: 3 * t for n, t in {**dearer, 0: 1.2 * proxy.verify_seconds(4)}.items()}, rows=4)
     assert slow.verify_seconds(4, 1) == pytest.approx(3 * 1.2 * proxy.verify_seconds(4))
     assert slow.verify_seconds(2, 1) == pytest.approx(3 * 1.2 * proxy.verify_seconds(2))
