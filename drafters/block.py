@@ -21,7 +21,7 @@ The blocks' attention mask is :mod:`drafters.masks`'s; decoding's context cache 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .base import DrafterBase, argmax_choice
 from .cache import ContextCache
@@ -56,7 +56,7 @@ class BlockDrafter(DrafterBase):
     def build_heads(self, config) -> None:
         """Subclasses add their own modules here, before weights are initialised."""
 
-    def fuse_projections(self) -> "BlockDrafter":
+    def fuse_projections(self) -> BlockDrafter:
         """Serve :meth:`decode_hidden` from fused products (:meth:`InjectedLayer.fuse_projections`): per
         layer one for queries, keys and values and one for the MLP's gate and up, three fewer calls a
         layer. Copies of the weights, made once for serving; returns the drafter."""

@@ -25,8 +25,8 @@ where it is low keeps decoding lossless. Loss, with ``w_k = exp(-(k-1)/gamma)``:
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from .base import DrafterConfig, DrafterOutput, argmax_choice
 from .block import BlockDrafter

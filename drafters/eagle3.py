@@ -19,7 +19,7 @@ makes the simulated acceptance of both families directly comparable.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .base import DrafterBase, DrafterConfig, DrafterOutput, argmax_choice
 from .cache import ContextCache

@@ -13,12 +13,18 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward, rotate_half
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
 
 RMSNorm = LlamaRMSNorm
 
@@ -219,7 +225,7 @@ def fused_linear(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flex_attention(device_type: str):
     """flex_attention compiled (its fused kernel) on a GPU; eager elsewhere (the reference math: what the
     tests compare against SDPA with the dense mask)."""

@@ -66,7 +66,13 @@ def test_a_drafter_trains_over_a_draft_vocabulary(tmp_path, tiny_target_dir, kin
     prompt = tok("def main(argv):\n    parser = ", return_tensors="pt")["input_ids"][0]
     drafted, proposer = [], make_proposer(drafter)
     inner = proposer.propose
-    proposer.propose = lambda *a, **k: (lambda got: drafted.append(got[0]) or got)(inner(*a, **k))
+
+    def propose(*args, **kwargs):
+        got = inner(*args, **kwargs)
+        drafted.append(got[0])
+        return got
+
+    proposer.propose = propose
     assert speculative_generate(target, drafter, prompt, 24, proposer=proposer)[0] == plain_generate(target, prompt, 24)[0]
     assert bool(torch.isin(torch.cat(drafted), drafter.draft_vocab).all())
 
@@ -112,7 +118,7 @@ def test_shipped_drafter_loads_its_embeddings_and_head_from_the_target(tmp_path,
 
     with safe_open(str(tmp_path / "d" / "model.safetensors"), framework="pt") as f:
         assert not {"embed_tokens.weight", "lm_head.weight"} & set(f.keys())
-        assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
+        assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())  # noqa: SIM118 safe_open is not iterable
     loaded = load_drafter(str(tmp_path / "d"), target, "cpu")
     assert torch.equal(loaded.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(loaded.lm_head.weight, target.get_output_embeddings().weight)
@@ -251,7 +257,7 @@ def test_offline_cache_trains_like_online_and_refuses_a_mismatch(tmp_path, tiny_
         raw["features"] = {"max_windows": 40, **features}
         raw["drafter"].update(drafter)
         summary = train_drafter.main(parse_recipe(raw))
-        return summary, [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+        return summary, list(map(json.loads, (out / "metrics.jsonl").read_text().splitlines()))
 
     cache = tmp_path / "cache"
     online, online_log = run(tmp_path / "online", {"mode": "online"})
