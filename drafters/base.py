@@ -132,6 +132,10 @@ class DrafterBase(PreTrainedModel):
     _keys_to_ignore_on_load_missing = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]  # shipped without them
     _supports_sdpa = True  # config._attn_implementation: sdpa by default, eager on request (see DraftAttention)
     _supports_flex_attn = True
+    # set by the subclasses and _make_target_io (nn.Module's __getattr__ would type them Tensor | Module)
+    fc: nn.Linear  # the target's concatenated features -> the drafter's width
+    lm_head: nn.Linear  # the target's head, or a draft-vocabulary head (drafters.vocab: Linear subclasses)
+    draft_vocab: torch.Tensor  # a buffer, when config.draft_vocab_size is set
 
     def _init_weights(self, module):
         std = self.config.initializer_range

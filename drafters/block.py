@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from .base import DrafterBase, argmax_choice
 from .cache import ContextCache
@@ -89,6 +90,7 @@ class BlockDrafter(DrafterBase):
         ctx_len = ctx_kv[0][0].shape[2]
         impl = getattr(cfg, "mask_implementation", "auto")
         # auto: flex for training-sized batches of blocks on a GPU; decoding's few blocks keep the dense mask
+        mask: torch.Tensor | BlockMask
         if impl == "flex" or (impl == "auto" and anchors.device.type == "cuda" and N * K > 128):
             mask = flex_block_mask(anchors, ctx_len, K, self.causal_blocks)
         else:

@@ -49,8 +49,9 @@ class ContextCache:
         masked, and a masked NaN would still reach the output (0 * NaN)."""
         if not self.keys or end > self.keys[0].shape[2]:
             shape = (like.shape[0], like.shape[1], self.capacity if end <= self.capacity else max(2 * end, 64), like.shape[3])
-            self.keys = [self._grown(old, shape, like) for old in self.keys or [None] * layers]
-            self.values = [self._grown(old, shape, like) for old in self.values or [None] * layers]
+            none: list[torch.Tensor | None] = [None] * layers
+            self.keys = [self._grown(old, shape, like) for old in self.keys or none]
+            self.values = [self._grown(old, shape, like) for old in self.values or none]
 
     def _grown(self, old: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         new = like.new_zeros(shape)
