@@ -195,6 +195,21 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
             m.decode_hidden(torch.tensor(5), done + 1, cache)
 
 
+def test_the_fused_projection_path_needs_fused_projections():
+    """project_qkv reads the product fuse_projections makes: without it, an error that says what to call."""
+    from drafters import DFlashConfig, DFlashDrafter
+
+    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                       target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4, num_hidden_layers=1,
+                       max_position_embeddings=64)
+    attn = DFlashDrafter(cfg).layers[0].attn
+    with pytest.raises(RuntimeError, match=r"fuse_projections\(\) first"):
+        attn.project_qkv(torch.zeros(1, 2, 32), torch.arange(2)[None], queries=1)
+    attn.fuse_projections()
+    q, k, v = attn.project_qkv(torch.zeros(1, 2, 32), torch.arange(2)[None], queries=1)
+    assert q.shape == (1, 4, 1, 8) and k.shape == v.shape == (1, 2, 2, 8)
+
+
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_static_decoding_block_equals_the_cached_one(attention, fused):
