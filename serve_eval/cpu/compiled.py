@@ -19,11 +19,8 @@ more features wait than a graph reads (``K``: a prompt's, or those of steps that
 loop appends them to the context in one product first and drafts through the graph.
 
 Each drafter gets graphs of its own, compiled without Dynamo's guards on its modules
-(``torch.compiler.skip_guard_on_all_nn_modules_unsafe``) and called with the guards that tell its
-graphs apart only (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): a drafter is compiled
-once it is ready to serve (fused products, int8 codes) and changes no more, and what the remaining
-guards would check, :meth:`CompiledDraft.fits` and the graph's key (rows, greedy proposal or not)
-check. A graph returns the blocks' hidden states and the drafter's greedy proposal over them (DFlash's
+(``torch.compiler.skip_guard_on_all_nn_modules_unsafe``): a drafter is compiled once it is ready to
+serve (fused products, int8 codes) and changes no more; the guards on the inputs stay. A graph returns the blocks' hidden states and the drafter's greedy proposal over them (DFlash's
 head and argmax, DSpark's Markov chain position after position); at T > 0 DFlash draws from the
 graph's logits, and a sampled DSpark chain, which conditions on its own draws, runs eagerly over the
 graph's block (:func:`proposal`).
@@ -97,7 +94,6 @@ class CompiledDraft:
         self.block_size = drafter.config.block_size
         self.positions = positions + self.block_size + 1  # the last block's slots and the padding slot
         self.rows: set[int] = set()
-        self.warmed: set[tuple[int, bool]] = set()  # (rows, propose) of the graphs compiled up front
         # the greedy proposal inside the graph too (DFlash's head; DSpark's Markov chain, position after
         # position); not a per-step vocabulary, which chooses its rows from the data
         self.proposes = not isinstance(drafter.lm_head, CandidateHead)
@@ -131,7 +127,6 @@ class CompiledDraft:
             self.run(zeros, torch.stack([zeros, zeros + 1], dim=1), like.new_zeros(rows, 1, drafter.fc.in_features),
                      buffers[::2], buffers[1::2], propose)
         self.rows.add(rows)
-        self.warmed.add((rows, propose))
         self.calls = 0
 
     def proposes_for(self, greedy: bool) -> bool:
@@ -153,24 +148,12 @@ class CompiledDraft:
         the number of the ``arriving`` features [R, m, F] (``m <= K``) that are its own; returns the
         hidden states [R, 1, K, H] and, with ``propose``, the greedy proposal over them, as
         :meth:`~drafters.BlockDrafter.propose` gives it. The buffers then hold the arrived positions.
-        A graph warmed up front, called in inference mode as the loop drafts, runs with only the guards
-        that tell the graphs apart; any other call, or inputs those guards would not have told apart from
-        the warm-up's, run guarded (and compile a graph of their own where they must)."""
+        Inputs unlike the warm-up's (e.g. caches made outside inference mode) compile a graph of their own."""
         # padded with zero rows (not multiplied) into a fresh buffer: the graphs were compiled for its strides (a
         # view's, even one torch calls contiguous, would not match them)
         features = arriving.new_zeros(arriving.shape[0], self.block_size, arriving.shape[2])
         features[:, :arriving.shape[1]] = arriving
-        args = (self._drafter(), anchors, counts, features, keys, values, propose)
-        out = None
-        if (len(anchors), propose) in self.warmed and torch.is_inference_mode_enabled():
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    out = self.graph(*args)
-            except RuntimeError as error:  # inputs unlike the warm-up's (e.g. caches made outside inference mode)
-                if "Recompilation triggered" not in str(error):
-                    raise
-        if out is None:  # guarded: such inputs get a graph of their own
-            out = self.graph(*args)
+        out = self.graph(self._drafter(), anchors, counts, features, keys, values, propose)
         self.calls += 1
         return out
 
