@@ -1,10 +1,11 @@
 """Where device-specific acceleration plugs into the decoding loop (``decoding.backend``).
 
-The loop asks its backend for three things and nothing else:
+The loop asks its backend for four things and nothing else:
 
 * :meth:`Backend.target_forward`: the target's step (:class:`~serve_eval.forward.TargetForward`);
 * :meth:`Backend.draft_graph`: a block drafter's compiled draft, or None (the drafter's eager forward);
-* :meth:`Backend.skip_rows`: a context in which the target's Linears may skip a batch's padding rows.
+* :meth:`Backend.skip_rows`: a context in which the target's Linears may skip a batch's padding rows;
+* :meth:`Backend.top_tokens`: greedy tokens and their probability (``torch.argmax``'s tokens, always).
 
 and a recipe asks it once, before a run, to :meth:`~Backend.prepare` both models (in place) and say what
 it did. :class:`Backend` is the generic backend: plain torch and transformers, what a GPU runs, and
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .forward import TargetForward
+from .sampling import top_tokens
 
 if TYPE_CHECKING:
     from .cpu.compiled import CompiledDraft
@@ -47,6 +49,11 @@ class Backend:
         """The compiled draft :meth:`prepare` built for ``drafter`` (a
         :class:`~serve_eval.cpu.compiled.CompiledDraft`), or None: the drafter drafts eagerly."""
         return None
+
+    def top_tokens(self, logits: torch.Tensor, with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's greedy token over ``logits`` [..., V] and, ``with_prob``, its softmax probability
+        (:func:`serve_eval.sampling.top_tokens`; a backend may compute them faster, never differently)."""
+        return top_tokens(logits, with_prob)
 
     def skip_rows(self, rows: torch.Tensor, total: int):
         """A context within which a forward over ``total`` flattened rows need compute only ``rows``

@@ -21,7 +21,7 @@ import torch
 
 from ..backend import Backend
 from ..forward import TargetForward
-from .attention import use_attention
+from .attention import top_tokens, use_attention
 from .compiled import CompiledDraft
 from .compiled import resolve as resolve_compile
 from .int8 import int8_drafter
@@ -90,6 +90,9 @@ class CpuBackend(Backend):
             return self.graphs.get(drafter)
         except TypeError:  # not weak-referenceable: never compiled
             return None
+
+    def top_tokens(self, logits: torch.Tensor, with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return top_tokens(logits, with_prob)
 
     def skip_rows(self, rows: torch.Tensor, total: int):
         return only_rows(rows, total) if self.prepack == "panels" else contextlib.nullcontext()

@@ -101,3 +101,13 @@ def use_attention(model) -> dict:
     if model.config._attn_implementation != NAME:
         return {"kernel": before, "why": f"{type(model).__name__} does not take an attention function"}
     return {"kernel": NAME, "max_queries": MAX_QUERIES}
+
+
+def top_tokens(logits: torch.Tensor, with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`serve_eval.sampling.top_tokens` from ``draftsmith_attn::top`` where it serves (float32 on the
+    CPU): the same tokens as ``torch.argmax`` (ties to the first maximum, a NaN counting as the maximum),
+    the probability within ~1e-6 of torch's softmax, in one pass over each row."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel() and available():
+        tokens, probs = torch.ops.draftsmith_attn.top(logits, with_prob)
+        return tokens, probs if with_prob else None
+    return logits.argmax(-1), logits.float().softmax(-1).amax(-1) if with_prob else None

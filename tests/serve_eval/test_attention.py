@@ -180,3 +180,23 @@ def test_a_model_that_takes_no_attention_function_keeps_its_own():
     module.config = type("Config", (), {"_attn_implementation": "eager"})()
     record = attn.use_attention(module)
     assert record["kernel"] == "eager" and "Linear" in record["why"]
+
+
+def test_top_is_torch_argmax_and_the_softmax_top():
+    """``draftsmith_attn::top`` (the CPU backend's greedy tokens and their probability,
+    :func:`serve_eval.cpu.attention.top_tokens`): exactly torch's argmax, ties to the first maximum and a NaN
+    counting as the maximum, as there (plain and speculative decoding emit the same tokens on either
+    backend); the probability within rounding of torch's softmax, NaN where that is NaN; a length not a
+    multiple of 8; without the probability, none."""
+    gen = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 4, (7, 4096), generator=gen).float()  # many ties: the first maximum wins
+    ties[1, 100] = float("nan")
+    ties[2, 5] = ties[2, 9] = float("nan")
+    ties[3] = float("-inf")
+    ties[4, 17] = float("inf")
+    for logits in (torch.randn(4, 8, 4096, generator=gen) * 3, torch.randn(3, 13, generator=gen) * 10, ties):
+        tokens, probs = torch.ops.draftsmith_attn.top(logits, True)
+        assert torch.equal(tokens, logits.argmax(-1))
+        torch.testing.assert_close(probs, logits.softmax(-1).amax(-1), rtol=2e-6, atol=1e-7, equal_nan=True)
+        assert torch.equal(attn.top_tokens(logits)[0], tokens) and attn.top_tokens(logits)[1] is None
+        torch.testing.assert_close(attn.top_tokens(logits, with_prob=True)[1], probs, rtol=0, atol=0, equal_nan=True)
