@@ -10,7 +10,7 @@ Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus incl
 (with ``decoding.adaptive``: the measured verify costs, the mean tokens verified per step and the
 acceptance calibration, the cost model's predicted tau / step time / tokens per second beside the
 measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batch_sizes``: batched
-speculative vs batched plain decoding per batch size, :mod:`serve_eval.batch`),
+speculative vs batched plain decoding per batch size, :mod:`serve_eval.measure`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
 per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve. ``record_served``
@@ -45,17 +45,18 @@ from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from recipes.plots import saved_figure
 from serve_eval.attention import use_attention
-from serve_eval.batch import measure_batches
-from serve_eval.budget import Budget
+from serve_eval.budget import Calibration
 from serve_eval.compiled import compile_drafts, for_drafter
 from serve_eval.compiled import resolve as resolve_compile
-from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
 from serve_eval.int8 import int8_drafter
 from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
 from serve_eval.lean import lean_forward
+from serve_eval.loop import plain_generate, speculative_generate
+from serve_eval.measure import measure, measure_batches
 from serve_eval.prepack import prepack_linears
 from serve_eval.prepack import resolve as resolve_prepack
+from serve_eval.proposers import make_proposer
 from serve_eval.sampling import Sampler
 
 
@@ -191,9 +192,6 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
                           f"{device} set ssd_concurrent: false (inline)")
     if dec.batch_sizes:
-        if not drafters.is_block_drafter(drafter) or dec.mode != "chain":
-            raise RecipeError(f"decoding.batch_sizes: batched decoding runs block drafters (dflash, dspark) in chain "
-                              f"mode; this drafter is {drafter.config.model_type!r} in {dec.mode!r} mode")
         if max(dec.batch_sizes) > len(encoded):
             raise RecipeError(f"decoding.batch_sizes: {max(dec.batch_sizes)} rows need at least as many prompts, "
                               f"the recipe has {len(encoded)}")
@@ -222,7 +220,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         return Sampler(dec.temperature, dec.top_k, dec.top_p, gen)
 
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
-    calibration = Budget({1: 1.0}) if dec.batch_sizes and dec.adaptive else None  # the chain's, lent to the batches
+    calibration = Calibration() if dec.batch_sizes and dec.adaptive else None  # the chain's, lent to the batches
     served = [] if recipe.record_served else None  # what the first configuration served (online adaptation)
     runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None)
             for i, budget in enumerate(budgets)]

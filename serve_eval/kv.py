@@ -199,6 +199,14 @@ class InPlaceLayer(DynamicLayer):
         for buffer in self._buffers:
             buffer[:, :, start:start + len(source)] = buffer.index_select(2, source)
 
+    def move_rows(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Row ``rows[i]``'s entries at slots ``source[i]`` go to slots ``dest[i]`` (each row's tree path
+        moving down over its rejected siblings; ``rows`` [M, 1], ``source`` / ``dest`` [M, W])."""
+        rows, source, dest = rows.to(self.device), source.to(self.device), dest.to(self.device)
+        for buffer in self._buffers:
+            data = _bytes(buffer)
+            data[rows, :, dest] = data[rows, :, source]
+
     def put_rows(self, rows: torch.Tensor, other: "InPlaceLayer", which: torch.Tensor) -> None:
         """Rows ``rows`` of this layer start over with the entries of ``other``'s rows ``which`` (prompts
         prefilled apart taking the places of a batch's finished rows, :mod:`serve_eval.batch`). What
