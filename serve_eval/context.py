@@ -23,15 +23,24 @@ class ContextCache:
         self.capacity = capacity  # buffers of exactly this many slots while the contexts fit them
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.lengths = torch.zeros(1, dtype=torch.long)
+        self._lengths = [0]  # python ints: one row's are read and written every step
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each row's length [R]."""
+        return torch.tensor(self._lengths, dtype=torch.long)
+
+    @lengths.setter
+    def lengths(self, value) -> None:
+        self._lengths = value.tolist() if isinstance(value, torch.Tensor) else list(value)
 
     @property
     def length(self) -> int:
-        return int(self.lengths[0])
+        return self._lengths[0]
 
     @length.setter
     def length(self, value: int) -> None:
-        self.lengths = torch.tensor([value])
+        self._lengths = [int(value)]
 
     # -- one row ---------------------------------------------------------------------------------
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -64,7 +73,7 @@ class ContextCache:
         if not self.keys or end > self.keys[0].shape[2]:
             size = self.capacity if end <= self.capacity else max(2 * end, 64)
             shape = (like.shape[0], like.shape[1], size, like.shape[3])
-            filled = int(self.lengths.max()) if len(self.lengths) else 0
+            filled = max(self._lengths, default=0)
             self.keys = [_grown(old, shape, like, filled) for old in self.keys or [None] * layers]
             self.values = [_grown(old, shape, like, filled) for old in self.values or [None] * layers]
 
@@ -72,13 +81,13 @@ class ContextCache:
     def start(self, rows: int) -> None:
         """Begin anew with ``rows`` empty rows."""
         self.keys, self.values = [], []
-        self.lengths = torch.zeros(rows, dtype=torch.long)
+        self._lengths = [0] * rows
 
     def append_rows(self, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
         """Every row writes the ``m`` entries of per-layer ``(keys, values)`` [R, heads, m, head_dim] after
         its length, and counts the first ``counts[r]`` of them."""
         R, m = kv[0][0].shape[0], kv[0][0].shape[2]
-        self.ensure(int(self.lengths.max()) + m, kv[0][0], len(kv))
+        self.ensure(max(self._lengths) + m, kv[0][0], len(kv))
         rows, slots = torch.arange(R)[:, None], self.lengths[:, None] + torch.arange(m)
         for (k, v), keys, values in zip(kv, self.keys, self.values):
             keys[rows, :, slots] = k.transpose(1, 2)
@@ -89,7 +98,7 @@ class ContextCache:
         """Rows ``rows`` start over with the first ``lengths[i]`` positions of per-layer ``(keys, values)``
         [len(rows), heads, m, head_dim]."""
         m = kv[0][0].shape[2]
-        self.ensure(m, kv[0][0][:1].expand(len(self.lengths), -1, -1, -1), len(kv))
+        self.ensure(m, kv[0][0][:1].expand(len(self._lengths), -1, -1, -1), len(kv))
         at = rows.to(kv[0][0].device)
         for (k, v), keys, values in zip(kv, self.keys, self.values):
             keys[at, :, :m] = k
@@ -104,7 +113,7 @@ class ContextCache:
 
     def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The per-layer keys and values up to the longest row, [R, heads, C, head_dim]."""
-        C = int(self.lengths.max())
+        C = max(self._lengths)
         return [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
 
 

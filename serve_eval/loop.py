@@ -251,7 +251,7 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
         stats.row_steps += R
         if proposer is None:  # plain decoding
             logits, _ = session.step(rows.bonus[:, None])
-            session.keep(torch.ones(R, dtype=torch.long))
+            session.keep([1] * R)
             rows.bonus = choose_rows(row_samplers, logits[:, 0])
             for i, t in zip(live, rows.bonus.tolist()):
                 outs[i].append(t)
@@ -261,7 +261,7 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
         drafting = budget is None or mode != "chain" or budget.should_draft(R)
         stopper = Stopper(budget, row_samplers[0], K - 1, t0, now) \
             if drafting and budget is not None and mode == "chain" and proposer.incremental and R == 1 else None
-        starts = session.lengths.tolist()  # each row's bonus position
+        starts = session.row_lengths()  # each row's bonus position
         proposal = proposer.propose(rows.bonus, starts, row_samplers, stopper) if drafting else None
         copies = copier.copies() if copier is not None and drafting else None
         t1 = now()
@@ -309,16 +309,15 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
             counts = None if len(set(reads)) == 1 else torch.tensor(reads)
             logits, feats = session.step(ids, counts)
             kept, new_bonus = verify_chains(row_samplers, ids, reads, [plan.draft_logits for plan in plans], logits)
-            session.keep(torch.tensor(kept) + 1)
+            session.keep([k + 1 for k in kept])
             paths = [list(range(k + 1)) for k in kept]
             accepted = [ids[r, 1:1 + k] for r, k in enumerate(kept)]
             kept_feats = None if feats is None else feats.aux[:, :kept[0] + 1] if R == 1 else feats.aux
         rows.bonus = new_bonus
-        bonus_list = new_bonus.tolist()  # one host read for the step's tokens
         emitted = [torch.cat([a, new_bonus[r:r + 1]]) for r, a in enumerate(accepted)]
-        emitted_lists = [e.tolist() for e in emitted]
+        emitted_lists = [e.tolist() for e in emitted]  # one host read a row for the step's tokens
         if budget is not None:
-            _record(budget, plans, row_samplers, logits, paths, emitted_lists, bonus_list, mode)
+            _record(budget, plans, row_samplers, logits, paths, emitted_lists, mode)
         for r, i in enumerate(live):
             outs[i].extend(emitted_lists[r])
             stats.prompts[i].count_step(len(plans[r].drafts), len(accepted[r]))
@@ -457,7 +456,7 @@ def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None, row
     return grafted.prefix(len(tree) + sum(new for _, new in extra[:keep])), nodes[:keep]
 
 
-def _record(budget: Budget, plans: list[_Row], samplers, logits, paths, emitted, bonus, mode) -> None:
+def _record(budget: Budget, plans: list[_Row], samplers, logits, paths, emitted, mode) -> None:
     """What the step's rows teach the calibration: each verified position up to the first miss, and
     beyond the verified ones what the target's logits say would have been kept; the copies' own."""
     calibration = budget.calibration
@@ -470,8 +469,7 @@ def _record(budget: Budget, plans: list[_Row], samplers, logits, paths, emitted,
                 calibration.record_tree(plan.node_q, plan.parents, plan.depths, path, plan.drafter_nodes, unverified)
         elif plan.top_q is not None:
             n = sum(node <= len(plan.drafts) for node in path[1:])  # drafts kept: a copied node's children are copied
-            accepted = emitted[r][:-1]
-            following = bonus[r] if len(accepted) == n else accepted[n]  # past the drafts: a copied token
+            following = emitted[r][n]  # the target's choice after the kept drafts (or a copied token it kept)
             outcome = next_outcome(samplers[r], plan.all_drafts, plan.q, logits[r], plan.keep, n, following)
             calibration.record_chain(plan.top_q, plan.keep, n, outcome)
         if plan.copied:

@@ -30,17 +30,30 @@ class TargetSession:
         self.target = target
         self.run = TargetForward(target, capture)
         self.cache = inplace_cache(target.config, kv)
-        self.lengths = torch.zeros(0, dtype=torch.long)
+        self._lengths: list[int] = []  # python ints: one row's are read and written every step
         self._row_writes = False  # whether the cache's layers write per row (several rows, or were)
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """Each row's length [R]."""
+        return torch.tensor(self._lengths, dtype=torch.long)
+
+    @lengths.setter
+    def lengths(self, value) -> None:
+        self._lengths = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+
+    def row_lengths(self) -> list[int]:
+        """Each row's length, as Python ints."""
+        return list(self._lengths)
+
+    @property
     def rows(self) -> int:
-        return len(self.lengths)
+        return len(self._lengths)
 
     @property
     def length(self) -> int:
         """One row's length."""
-        return int(self.lengths[0])
+        return self._lengths[0]
 
     # -- one row: a contiguous cache, the model's own causal mask ----------------------------------
     def _contiguous(self) -> None:
@@ -152,9 +165,10 @@ class TargetSession:
                 return self._forward_rows(ids, positions.to(device), mask.to(device), keys=keys.to(device))
         return self._forward_rows(ids, positions.to(device), mask.to(device), keys=keys.to(device))
 
-    def keep(self, counts: torch.Tensor) -> None:
-        """After :meth:`step`: row ``r`` keeps the first ``counts[r]`` tokens it read."""
-        self.lengths = self.lengths + counts
+    def keep(self, counts) -> None:
+        """After :meth:`step`: row ``r`` keeps the first ``counts[r]`` tokens it read (a tensor or a list)."""
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        self._lengths = [length + count for length, count in zip(self._lengths, counts)]
         if self.rows == 1 and not self._row_writes:
             excess = self.cache.get_seq_length() - self.length
             if excess > 0:
@@ -167,7 +181,7 @@ class TargetSession:
         if self.rows == 1 and not self._row_writes:
             prefix = self.length
             keep_entries(self.cache, prefix, [prefix + i for i in paths[0]])
-            self.lengths = self.lengths + len(paths[0])
+            self._lengths = [prefix + len(paths[0])]
             return
         moved = [r for r, path in enumerate(paths) if path != list(range(len(path)))]
         if moved:
@@ -178,7 +192,7 @@ class TargetSession:
             start = self.lengths[rows]
             for layer in self.cache.layers:
                 layer.move_rows(rows, start + source, start + steps)
-        self.lengths = self.lengths + torch.tensor([len(path) for path in paths])
+        self._lengths = [length + len(path) for length, path in zip(self._lengths, paths)]
 
     @torch.inference_mode()
     def put(self, rows: torch.Tensor, other: "TargetSession", which: torch.Tensor) -> None:
