@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # vLLM's drafter library, only to check exports in the tests. --no-deps: it pins transformers<=5.19 and
 # datasets<=5.1 but loads drafters fine beside the versions here; its import-time deps come from the
-# export-check extra (see docs/export.md). `pip check` reports those two pins.
+# export-check extra (see docs/guides/publishing.md). `pip check` reports those two pins.
 SPECULATORS_SPEC ?= speculators==0.9.0
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1

@@ -2,7 +2,7 @@
 
 Evaluation runs the frozen target over fixed held-out windows, drafts with fixed anchors (a generator
 seeded per batch, so every evaluation of every drafter sees the same blocks), and accumulates
-:func:`drafters.core.acceptance_stats` (per-position acceptance, ``block_tau``). The *simulated tau*
+:func:`drafters.metrics.acceptance_stats` (per-position acceptance, ``block_tau``). The *simulated tau*
 replays greedy decoding over every held-out answer (:func:`replay_decoding`): on the target's own
 greedy answers (a ``regenerate:`` recipe's held-out set) that is what the decoding loop measures. For DSpark it also scores the confidence head against the
 event it should predict (the drafted token equals the target's argmax): expected calibration error
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from drafters import DRAFTERS, is_block_drafter, unwrapped
-from drafters.core import acceptance_stats, accepted_lengths, decode_walk, sample_anchors, summarize_acceptance
+from drafters.masks import sample_anchors
+from drafters.metrics import acceptance_stats, accepted_lengths, decode_walk, summarize_acceptance
 
 from .base.features import FeatureCapture, default_layer_ids, final_norm
 from .base.lm import rank_batches
@@ -86,7 +87,7 @@ def answer_span(loss_mask: torch.Tensor | None, row: int, length: int) -> tuple[
 
 @torch.no_grad()
 def replay_decoding(model, cfg, ids, aux, last, loss_mask, out, chunk: int = 64) -> tuple[int, int]:
-    """Greedy decoding replayed over each window's answer (:func:`drafters.core.decode_walk`):
+    """Greedy decoding replayed over each window's answer (:func:`drafters.metrics.decode_walk`):
     ``(tokens, target forwards)`` summed over the batch. Block drafters draft a block at every anchor
     of the window (in chunks of ``chunk`` anchors: how many forwards depends on the window's length
     alone, never on its data, so every rank of a sharded model runs as many); EAGLE-3's forward

@@ -9,10 +9,12 @@ only effect at import. :data:`DRAFTERS` is the one registry of drafter kinds: a 
 import torch
 from transformers import AutoConfig, AutoModel
 
-from .core import BlockDrafter, DrafterConfig, DrafterOutput, save_without_target_io, shares_target_io  # noqa: F401  (public API)
+from .base import DrafterConfig, DrafterOutput  # noqa: F401  (public API)
+from .block import BlockDrafter
 from .dflash import DFlashConfig, DFlashDrafter
 from .dspark import DSparkConfig, DSparkDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
+from .target_io import save_without_target_io, shares_target_io  # noqa: F401  (public API)
 
 DRAFTERS = {"dflash": (DFlashConfig, DFlashDrafter), "dspark": (DSparkConfig, DSparkDrafter),
             "eagle3": (Eagle3Config, Eagle3Drafter)}

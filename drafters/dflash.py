@@ -1,6 +1,6 @@
 """DFlash: a block-diffusion drafter. One forward drafts a whole block in parallel.
 
-On the shared core (:mod:`drafters.core`): a block ``[x[a], MASK x (K-1)]`` attends bidirectionally
+On the shared block backbone (:mod:`drafters.block`): a block ``[x[a], MASK x (K-1)]`` attends bidirectionally
 inside itself and to the target's features before the anchor; position ``k`` predicts ``x[a+k]``.
 The loss is any mix of :mod:`drafters.losses` terms over block positions ``k = 1..K-1``,
 
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .core import BlockDrafter, DrafterConfig, DrafterOutput, gather_positions
+from .base import DrafterConfig, DrafterOutput
+from .block import BlockDrafter
+from .masks import gather_positions
 
 
 class DFlashConfig(DrafterConfig):

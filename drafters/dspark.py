@@ -28,8 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import BlockDrafter, DrafterConfig, DrafterOutput, argmax_choice, gather_positions
+from .base import DrafterConfig, DrafterOutput, argmax_choice
+from .block import BlockDrafter
 from .losses import weighted_mean
+from .masks import gather_positions
 from .vocab import CandidateHead
 
 

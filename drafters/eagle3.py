@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .core import MLP, ContextCache, DraftAttention, DrafterBase, DrafterConfig, DrafterOutput, RMSNorm, argmax_choice, rms
+from .base import DrafterBase, DrafterConfig, DrafterOutput, argmax_choice
+from .cache import ContextCache
+from .layers import MLP, DraftAttention, RMSNorm, rms
 from .losses import block_scores
 
 
@@ -47,7 +49,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(cfg)
 
     def layer_input(self, emb, hidden, lean: bool = False):
-        """``[embed_norm(emb) ; hidden_norm(hidden)]``; ``lean``: decoding's fused norms (drafters.core.rms)."""
+        """``[embed_norm(emb) ; hidden_norm(hidden)]``; ``lean``: decoding's fused norms (drafters.layers.rms)."""
         return torch.cat([rms(self.embed_norm, emb, lean), rms(self.hidden_norm, hidden, lean)], dim=-1)
 
 
@@ -132,7 +134,7 @@ class Eagle3Drafter(DrafterBase):
     # Decoding: keys/values of step-0 entries (one per position the target has verified) in a
     # ContextCache, written in place, and the layer output at the newest position; drafts write their
     # entries after the context as scratch space, overwritten by the next append. The lean operations
-    # of the block drafters' decode path (drafters.core: fused norms, a rotary table, SDPA called directly).
+    # of the block drafters' decode path (drafters.layers: fused norms, a rotary table, SDPA called directly).
 
     def _decode_step(self, emb, hidden, pos, cache: ContextCache, mask):
         """The layer over ``[emb ; hidden]`` at ``pos`` [B, n] whose keys/values are written at

@@ -152,7 +152,7 @@ def speculate_vocab(drafter, static: torch.Tensor | None, candidates: int, rank:
 def restrict_vocab(drafter, ids: torch.Tensor):
     """Restrict a loaded drafter's decoding heads to the draft vocabulary ``ids`` (in place; returns it)
     and record it: ``config.draft_vocab_size`` and the buffer ``draft_vocab`` go with the drafter
-    when it is saved, and loading restricts it again (:class:`drafters.core.DrafterBase`). Only its
+    when it is saved, and loading restricts it again (:class:`drafters.base.DrafterBase`). Only its
     proposals change; its weights do not. Call it again after the heads' weights change."""
     ids = ids.to(torch.long).sort().values
     for name, fill in VOCAB_HEADS.items():

@@ -18,7 +18,7 @@ the copy kept the function.
 
 Per factor the recipe's eval runs with ``target.path`` at the copy (1 thread, plain decoding measured
 back to back): speedup, tau, their ratio, tokens/s, the verify cost table ``t(n) / t(1)`` and the
-draft's cost in plain steps, and with ``decoding.batch_sizes`` each batch size's speedup over batched plain
+draft's cost in plain steps, and with ``decoding.batches.sizes`` each batch size's speedup over batched plain
 decoding. Writes ``scale.json`` and ``scale.png``. A benchmark: run it on an
 otherwise idle core (``taskset -c 1``); each factor is one eval (~30-60 s on the testbed).
 """
@@ -94,7 +94,7 @@ def row_of(factor: int, report: dict, same: bool, checkpoint_bytes: int) -> dict
             "plain_step_ms": one, "verify_over_plain": {n: round(ms / one, 3) for n, ms in sorted(verify.items())} if one else {},
             "draft_over_plain": round(adaptive["draft_ms"] / one, 3) if one and adaptive.get("draft_ms") else None,
             "mean_verified": adaptive.get("mean_verified"),
-            "batches": {row["batch"]: row["speedup"] for row in report.get("by_batch") or []}}  # with decoding.batch_sizes
+            "batches": {row["batch"]: row["speedup"] for row in report.get("by_batch") or []}}  # with decoding.batches.sizes
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.exit(2, f"error: {e}\n")
     if base.recipe != "eval":
         parser.exit(2, f"error: --recipe {args.recipe} is a {base.recipe!r} recipe; bench_scale runs an eval recipe\n")
-    if not base.decoding.adaptive:
-        parser.exit(2, "error: decoding.adaptive = false: bench_scale reads the eval's verify cost table, which the budgets measure\n")
+    if not base.decoding.budget.adaptive:
+        parser.exit(2, "error: decoding.budget.adaptive = false: bench_scale reads the eval's verify cost table, which the budgets measure\n")
     source = resolve_target_path(base.target.path)
     _, tokenizer = load_target(base.target, "cpu", weights=False)
     prompts = encoded_prompts(base.prompts, base.data, base.seed, tokenizer, "cpu")[:2]

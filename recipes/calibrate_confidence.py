@@ -36,7 +36,7 @@ def confidence_samples(drafter, capture, windows, batch_size: int):
     """Per scored draft of every held-out window: the confidence logit, its block position (0-based),
     whether greedy verification keeps it, and the window index."""
     from distill.feature_cache import batch_features
-    from drafters.core import sample_anchors
+    from drafters.masks import sample_anchors
 
     cfg = drafter.config
     logits, positions, kept, window = [], [], [], []

@@ -3,7 +3,7 @@
     draftsmith ls                                         the shipped recipes, one line each
     draftsmith run RECIPE [section.key=value ...] [--dry-run]
     draftsmith validate RECIPE [section.key=value ...]
-    draftsmith eval --drafter DIR [--target testbed] [--mode chain|tree] [--temperature T] ...
+    draftsmith eval --drafter DIR [--target testbed] [--mode chain|tree] [--kv-format int8] ... [section.key=value ...]
     draftsmith export --drafter DIR --output-dir OUT [--formats ...] [--push-to-hub OWNER/NAME]
 
 RECIPE is a YAML path or the name of a shipped recipe (``draftsmith run dflash_testbed`` from any
@@ -14,12 +14,21 @@ training recipe prints its memory per GPU (:mod:`recipes.dry_run`) for ``--num-p
 ``--zero-stage`` (default 8, ZeRO-2); a hub target the hub cache lacks is built from its shipped config
 (``recipes/configs/targets/``), so real-target recipes dry-run offline. The same command runs under
 ``accelerate launch ... -m recipes.cli run RECIPE``.
+
+``eval`` builds an eval recipe from its flags and validates it as ``run`` does. Its flags come from the
+schema (:func:`eval_flags`, :mod:`distill.config.flags`): one per leaf of ``decoding`` named by its key
+below ``decoding.`` (``decoding.kv.format`` -> ``--kv-format``, ``decoding.budget.adaptive`` ->
+``--budget-adaptive`` / ``--no-budget-adaptive``) and one per top-level option (``--output-dir``,
+``--record-served``), each with the schema's description, type, choices and default; ``--target``,
+``--prompts`` and ``--prompts-from-corpus`` fill ``target.path`` and ``prompts``. Trailing
+``section.key=value`` overrides apply last.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 
@@ -36,20 +45,24 @@ EXAMPLES = {
   accelerate launch --config_file accelerate_configs/zero3.yaml -m recipes.cli run dflash_qwen3_8b""",
     "validate": """examples:
   draftsmith validate dspark_testbed
-  draftsmith validate my_recipe.yaml train.lr=1e-3 'decoding.tree_budgets=[8, 16]'""",
+  draftsmith validate my_recipe.yaml optim.lr=1e-3 'decoding.tree_budgets=[8, 16]'""",
     "eval": """examples:
   draftsmith eval --drafter distill/assets/testbed_dflash
   draftsmith eval --drafter distill/assets/testbed_dflash --mode tree --tree-budgets 8 16 32
   draftsmith eval --drafter distill/assets/testbed_dspark --temperature 1.0
-  draftsmith eval --drafter distill/assets/testbed_dflash --lookup 10        # prompt-lookup copies grafted onto each draft
-  draftsmith eval --drafter distill/assets/testbed_dflash --lookup 7 --batch-sizes 4   # and batches of 4 rows
-  draftsmith eval --drafter distill/assets/testbed_eagle3 --draft-vocab 1024      # a reduced draft vocabulary
-  draftsmith eval --drafter distill/assets/testbed_dflash --draft-vocab 768 --draft-candidates 64 --temperature 1
+  draftsmith eval --drafter distill/assets/testbed_dflash --lookup-tokens 10   # prompt-lookup copies grafted onto each draft
+  draftsmith eval --drafter distill/assets/testbed_dflash --lookup-tokens 7 --batches-sizes 4   # and batches of 4 rows
+  draftsmith eval --drafter distill/assets/testbed_eagle3 --vocab-size 1024      # a reduced draft vocabulary
+  draftsmith eval --drafter distill/assets/testbed_dflash --vocab-size 768 --vocab-candidates 64 --temperature 1
                                                                                   # ... chosen per step
-  draftsmith eval --drafter distill/assets/testbed_dflash --kv-cache int4 --kv-rotate   # a quantized target KV cache
-  draftsmith eval --drafter distill/assets/testbed_dflash --drafter-int8 off      # the drafter in fp32 (CPU default: int8)
-  draftsmith eval --drafter runs/student/model --draft-length 4       # a causal-LM drafter
-  draftsmith eval --drafter runs/pard_testbed/model                    # a PARD drafter: its block in one forward""",
+  draftsmith eval --drafter distill/assets/testbed_dflash --kv-format int4 --kv-rotate   # a quantized target KV cache
+  draftsmith eval --drafter distill/assets/testbed_dflash --cpu-int8 off         # the drafter in fp32 (CPU default: int8)
+  draftsmith eval --drafter distill/assets/testbed_dflash --backend torch        # plain torch modules, no CPU kernels
+  draftsmith eval --drafter distill/assets/testbed_dflash decoding.kv.format=int8   # any recipe key, as with run
+  draftsmith eval --drafter runs/student/model --drafter-draft-length 4         # a causal-LM drafter
+  draftsmith eval --drafter runs/pard_testbed/model                             # a PARD drafter: its block in one forward
+  draftsmith eval --drafter runs/pard_testbed/model --no-drafter-parallel-drafts --ssd-enabled --no-budget-adaptive
+                                                                                  # speculative speculative decoding""",
     "export": """examples:
   draftsmith export --drafter distill/assets/testbed_dflash --output-dir runs/export
   draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter
@@ -58,7 +71,36 @@ EXAMPLES = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+# what `draftsmith eval` supplies that the eval schema does not default
+EVAL_DEFAULTS = {"output_dir": "runs/eval"}
+# eval recipe sections with flags of their own making (--target, --prompts, --prompts-from-corpus) or none
+# (set them with KEY=VALUE overrides); the recipe's other fields and every leaf of `decoding` get a flag each
+EVAL_SECTIONS_WITHOUT_FLAGS = ("target", "prompts", "data")
+
+
+@functools.cache
+def eval_flags() -> tuple:
+    """One flag per leaf of the eval recipe's schema (:class:`distill.config.EvalRecipe`) but ``recipe``
+    and :data:`EVAL_SECTIONS_WITHOUT_FLAGS`: a top-level field's flag is its name (``--output-dir``), a
+    section's leaf its key below the section (``decoding.kv.format`` -> ``--kv-format``;
+    :mod:`distill.config.flags`)."""
+    from distill.config import EvalRecipe
+    from distill.config.flags import Flag, flag_name, flags, section_of
+
+    wanted = []
+    for name, field in EvalRecipe.model_fields.items():
+        if name == "recipe" or name in EVAL_SECTIONS_WITHOUT_FLAGS:
+            continue
+        section = section_of(field.annotation)
+        wanted += flags(section, f"{name}.", strip=f"{name}.") if section else [Flag(name, flag_name(name), field)]
+    names = [f.flag for f in wanted]
+    assert len(set(names)) == len(names), f"eval flags collide: {sorted(n for n in names if names.count(n) > 1)}"
+    return tuple(wanted)
+
+
+def _parser(eval_flags_too: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``eval_flags_too=False`` leaves out ``eval``'s schema flags (what every other
+    command parses without importing the schema)."""
     parser = argparse.ArgumentParser(prog="draftsmith", description="Train speculative-decoding drafters and compact models from a target LLM, "
                                      "and prove them in a lossless decoding loop.",
                                      epilog="`draftsmith COMMAND --help` shows each command's options and examples.")
@@ -86,59 +128,21 @@ def _parser() -> argparse.ArgumentParser:
                            help="with --dry-run: the DeepSpeed ZeRO stage the memory estimate assumes; 0 = no DeepSpeed "
                                 "(DDP or one process) (default: 2)")
     ev = command("eval", "speculative vs plain decoding of a target with a drafter (writes OUTPUT_DIR/report.json)")
-    ev.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (DFlash, DSpark, EAGLE-3 or any causal LM)")
-    ev.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
-    ev.add_argument("--prompts", metavar="FILE", help='JSONL file, one {"prompt": ...} per line (default: held-out corpus snippets)')
-    ev.add_argument("--prompts-from-corpus", type=int, default=16, metavar="N", help="held-out snippets when --prompts is not given (default: 16)")
-    ev.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens generated per prompt (default: 128)")
-    ev.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
-    ev.add_argument("--mode", default="chain", choices=["chain", "tree"], help="chain verification, or DDTree trees (default: chain)")
-    ev.add_argument("--tree-budgets", type=int, nargs="+", default=[16], metavar="N", help="tree nodes per step, tree mode (default: 16)")
-    ev.add_argument("--top-k", type=int, default=0, metavar="K", help="sampling: keep the K likeliest tokens (0 = off)")
-    ev.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sampling: nucleus mass (1 = off)")
-    ev.add_argument("--draft-length", type=int, default=7, metavar="N", help="tokens per draft for a causal-LM drafter (student, Parcae)")
-    ev.add_argument("--autoregressive", action="store_true",
-                    help="a PARD-trained LM drafts one token a forward (--draft-length tokens) instead of its block in one")
-    ev.add_argument("--draft-recurrence", type=int, metavar="T", help="Parcae drafter: recurrences while drafting")
-    ev.add_argument("--lookup", type=int, default=0, metavar="N",
-                    help="graft a prompt-lookup continuation of up to N tokens onto every draft (serve_eval.lookup; in "
-                         "batches a row verifies its copy or its drafts); 0 = off")
-    ev.add_argument("--batch-sizes", type=int, nargs="+", default=[], metavar="B",
-                    help="also decode all prompts B rows at a time, speculatively and plainly (block drafters, chain; "
-                         "serve_eval.batch)")
-    ev.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                    help="draft from the N tokens the target emits most only (drafters.vocab); 0 = the whole vocabulary")
-    ev.add_argument("--draft-candidates", type=int, default=0, metavar="K",
-                    help="choose the draft vocabulary per step: the --draft-vocab tokens plus the K likeliest in any "
-                         "drafted row under a low-rank approximation of the head (drafters.vocab.CandidateHead); 0 = off")
-    ev.add_argument("--draft-rank", type=int, default=64, metavar="R", help="--draft-candidates: the approximation's rank")
-    ev.add_argument("--drafter-int8", default="auto", choices=["auto", "off", "head", "all"],
-                    help="all the drafter's Linears (or its head only) in int8, a CPU kernel; auto (default): all on "
-                         "the CPU, off on a GPU. The target stays as it is")
-    ev.add_argument("--prepack", default="auto", choices=["auto", "on", "panels", "onednn", "off"],
-                    help="the target's Linears from weights prepacked once (serve_eval.prepack: on = AVX2 panels, else oneDNN), both loops; "
-                         "auto (default): on on the CPU, off on a GPU")
-    ev.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                    help="a block drafter's draft as one torch.compile graph (serve_eval.compiled); auto (default): on "
-                         "for block drafters on the CPU where a C++ compiler is found")
-    ev.add_argument("--kv-cache", default="full", choices=["full", "int8", "fp8", "int4"],
-                    help="the target's KV cache in both loops (serve_eval.kv); the report compares it with full precision")
-    ev.add_argument("--kv-rotate", action="store_true", help="quantize keys and values after a fixed random rotation")
-    ev.add_argument("--ssd", action="store_true",
-                    help="speculative speculative decoding (causal-LM / PARD drafters): draft the next step during the "
-                         "verification, in a worker process on the second core; implies --fixed-budget")
-    ev.add_argument("--ssd-branches", type=int, default=8, metavar="B", help="with --ssd: outcomes drafted after per step")
-    ev.add_argument("--ssd-backup", default="none", choices=["none", "draft"],
-                    help="with --ssd, on a miss: verify the bonus alone (none, default) or draft just in time")
-    ev.add_argument("--ssd-inline", action="store_true",
-                    help="with --ssd: no worker; build the speculation between verifications (no overlap; the report "
-                         "models a drafter on a device of its own from the costs)")
-    ev.add_argument("--record-served", action="store_true",
-                    help="write served.jsonl: each prompt and the answer served, for a drafter recipe to train on")
-    ev.add_argument("--fixed-budget", action="store_true",
-                    help="verify every draft (the whole tree) each step, not what measured costs say pays")
-    ev.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: 1, see README on benchmarks)")
-    ev.add_argument("--output-dir", default="runs/eval", metavar="DIR", help="where report.json goes (default: runs/eval)")
+    ev.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id: target.path (default: testbed)")
+    ev.add_argument("--prompts", metavar="FILE", help='JSONL file, one {"prompt": ...} per line: prompts.file (default: '
+                                                      "held-out corpus snippets)")
+    ev.add_argument("--prompts-from-corpus", type=int, default=16, metavar="N",
+                    help="held-out snippets when --prompts is not given: prompts.from_corpus, split val (default: 16)")
+    if eval_flags_too:
+        from distill.runtime import quiet_third_party
+
+        quiet_third_party()  # before the schema's imports (torch, transformers)
+        from distill.config.flags import add_flags
+
+        add_flags(ev, list(eval_flags()), EVAL_DEFAULTS)
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="dotted overrides of the eval recipe, applied after the flags, values parsed as YAML scalars "
+                         "(decoding.kv.format=int8, data.source=stdlib, 'decoding.tree_budgets=[8, 16]')")
     ex = command("export", "export a drafter (transformers, vLLM speculators, SGLang EAGLE-3) behind the parity gate")
     ex.add_argument("--drafter", required=True, metavar="DIR", help="trained drafter folder")
     ex.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
@@ -178,7 +182,8 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser(eval_flags_too=argv[:1] == ["eval"])
     args = parser.parse_args(argv)
     dry_run = args.command == "run" and args.dry_run
     if args.command == "run" and not dry_run and (args.num_processes or args.zero_stage is not None):
@@ -187,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     from distill.runtime import quiet_third_party
 
     quiet_third_party()
-    from distill.config import RecipeError
+    from distill.config import RecipeError, apply_overrides, set_key
+    from distill.config.flags import given
     from distill.config.targets import allow_shipped_target_configs
     from recipes.registry import load_recipe, parse_recipe, run_recipe
 
@@ -197,20 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "eval":
             prompts = {"file": args.prompts} if args.prompts else {"from_corpus": args.prompts_from_corpus, "split": "val"}
-            recipe = parse_recipe({"recipe": "eval", "output_dir": args.output_dir, "target": {"path": args.target},
-                                   "drafter": args.drafter, "prompts": prompts, "record_served": args.record_served,
-                                   "decoding": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                                                "top_k": args.top_k, "top_p": args.top_p, "mode": args.mode,
-                                                "tree_budgets": args.tree_budgets, "torch_threads": args.threads,
-                                                "draft_length": args.draft_length, "draft_recurrence": args.draft_recurrence,
-                                                "adaptive": not (args.fixed_budget or args.ssd), "draft_vocab": args.draft_vocab,
-                                                "draft_vocab_candidates": args.draft_candidates, "draft_vocab_rank": args.draft_rank,
-                                                "lookup": args.lookup, "batch_sizes": args.batch_sizes, "drafter_int8": args.drafter_int8,
-                                                "prepack": args.prepack, "compile": args.compile, "ssd": args.ssd, "ssd_branches": args.ssd_branches,
-                                                "ssd_backup": args.ssd_backup, "ssd_concurrent": not args.ssd_inline,
-                                                "kv_cache": args.kv_cache, "kv_rotate": args.kv_rotate,
-                                                "parallel_drafts": not args.autoregressive}},
-                                  source="draftsmith eval")
+            raw = {"recipe": "eval", "target": {"path": args.target}, "prompts": prompts}
+            flag = {f.key: f.flag for f in eval_flags()}
+            for key, value in {**EVAL_DEFAULTS, **given(args, eval_flags())}.items():
+                set_key(raw, key, value, flag[key])
+            recipe = parse_recipe(apply_overrides(raw, args.overrides), source="draftsmith eval")
             run_recipe(recipe)
             return 0
         if args.command == "export":

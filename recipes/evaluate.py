@@ -7,9 +7,9 @@ for token; at temperature > 0 outputs differ draw by draw (``lossless`` is null)
 distribution test in ``tests/test_sampling.py``.
 
 Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus included), ``adaptive``
-(with ``decoding.adaptive``: the measured verify costs, the mean tokens verified per step and the
+(with ``decoding.budget.adaptive``: the measured verify costs, the mean tokens verified per step and the
 acceptance calibration, the cost model's predicted tau / step time / tokens per second beside the
-measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batch_sizes``: batched
+measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batches.sizes``: batched
 speculative vs batched plain decoding per batch size, :mod:`serve_eval.measure`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
@@ -17,12 +17,12 @@ per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve. `
 writes ``served.jsonl``: every prompt with the answer the loop served (the target's own, since the loop
 is lossless) in the records a drafter recipe trains on, so a drafter can keep learning from what it
 served (online adaptation, ``recipes/configs/adapt_testbed.yaml``). With a quantized KV
-cache (``decoding.kv_cache``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
+cache (``decoding.kv.format``) both loops use it, so ``speedup`` and ``lossless`` compare like with like,
 and ``kv_quality`` measures the quantized target against the full-precision one: cache bytes per
 token, NLL of the held-out prompts, how long greedy outputs agree, plain decoding tokens/s. How the
-models were served: ``drafter_int8``, ``draft_attention``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
-(the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off,
-and ``target_forward`` (``lean``: :mod:`serve_eval.lean`'s walk, else the model's own).
+models were served: ``backend`` (``torch`` or ``cpu``, :mod:`serve_eval.backend`), ``target_forward``, and on the
+CPU backend ``drafter_int8``, ``draft_attention``, ``target_prepack``, ``target_attention`` and ``draft_compiled``
+(the graph, the cache length it was built for, and ``graph_drafts``: the drafts it made), ``off`` where off.
 
     draftsmith eval --drafter runs/quickstart/drafter/checkpoints/best --target testbed --prompts-from-corpus 16
     draftsmith run recipes/configs/eval_testbed.yaml drafter=runs/dflash_testbed/checkpoints/best
@@ -44,18 +44,11 @@ from distill.provenance import write_json_atomic, write_jsonl_atomic, write_run_
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from recipes.plots import saved_figure
-from serve_eval.attention import use_attention
+from serve_eval.backend import backend_for
 from serve_eval.budget import Calibration
-from serve_eval.compiled import compile_drafts, for_drafter
-from serve_eval.compiled import resolve as resolve_compile
-from serve_eval.int8 import int8_drafter
-from serve_eval.int8 import resolve as resolve_int8
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
-from serve_eval.lean import lean_forward
 from serve_eval.loop import plain_generate, speculative_generate
 from serve_eval.measure import measure, measure_batches
-from serve_eval.prepack import prepack_linears
-from serve_eval.prepack import resolve as resolve_prepack
 from serve_eval.proposers import make_proposer
 from serve_eval.sampling import Sampler
 
@@ -76,28 +69,6 @@ def load_drafter(folder: str, target, device):
     shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head
     drafter = AutoModel.from_pretrained(folder, dtype=dtype).to(device).eval()
     return drafter.share_target_io(target) if shared else drafter
-
-
-def serve(target, drafter, int8: str, prepack: str, compile: str = "off", prompts=(), max_new_tokens: int = 0,
-          sampled: bool = False, rows: tuple[int, ...] = ()) -> dict:
-    """Ready both models for decoding, as settled by :func:`serve_eval.int8.resolve`,
-    :func:`serve_eval.prepack.resolve` and :func:`serve_eval.compiled.resolve`: a block drafter's fused
-    products, then int8 codes of the drafter's Linears, its draft compiled over them (for ``prompts``
-    and ``max_new_tokens`` new tokens, greedy or ``sampled``, one row and batches of ``rows``), and the
-    target's Linears prepacked and, with them, its attention on our C++ kernel
-    (:mod:`serve_eval.attention`; a block drafter's too, before its draft is compiled). Returns the
-    report's records of each (off where off), and which forward the target steps with
-    (:mod:`serve_eval.lean`'s walk where it applies)."""
-    block = drafters.is_block_drafter(drafter)
-    if block:
-        drafter.fuse_projections()
-    positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
-    return {"drafter_int8": int8_drafter(drafter, int8) if int8 != "off" else "off",  # before the compile: it traces them
-            "draft_attention": use_attention(drafter) if prepack != "off" and block else "off",  # so does the attention
-            "draft_compiled": compile_drafts(drafter, positions, sampled, rows) if compile == "on" else "off",
-            "target_prepack": prepack_linears(target, prepack) if prepack != "off" else "off",
-            "target_attention": use_attention(target) if prepack != "off" else "off",
-            "target_forward": "lean" if lean_forward(target) is not None else "the model's own"}
 
 
 def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
@@ -166,63 +137,58 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
     same = same_folder(recipe.drafter, recipe.target.path)
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
     encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
-    vocab_keys = [f"{k} = {v}" for k, v in (("draft_vocab", dec.draft_vocab),
-                                             ("draft_vocab_candidates", dec.draft_vocab_candidates)) if v]
-    if vocab_keys and (same or not isinstance(getattr(drafter, "lm_head", None), torch.nn.Linear)):
-        raise RecipeError(f"decoding.{vocab_keys[0]}: a draft vocabulary restricts a drafter's own output head "
-                          + ("(here the drafter is the target: restricting it would change the target)" if same else
-                             f"(an lm_head Linear); this drafter, {drafter.config.model_type!r}, has none"))
-    if dec.draft_vocab > len(tokenizer):
-        raise RecipeError(f"decoding.draft_vocab = {dec.draft_vocab} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
-    if dec.draft_vocab_candidates:
+    vocab = dec.vocab
+    if (vocab.size or vocab.candidates) and not isinstance(getattr(drafter, "lm_head", None), torch.nn.Linear):
+        key = f"decoding.vocab.{'size' if vocab.size else 'candidates'}"  # the target drafting for itself: refused with the recipe
+        raise RecipeError(f"{key}: a draft vocabulary restricts a drafter's own output head (an lm_head Linear); this "
+                          f"drafter, {drafter.config.model_type!r}, has none")
+    if vocab.size > len(tokenizer):
+        raise RecipeError(f"decoding.vocab.size = {vocab.size} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
+    if vocab.candidates:
         head = drafter.lm_head.weight.shape
-        if dec.draft_vocab_candidates > head[0] or dec.draft_vocab_rank > min(head):
-            raise RecipeError(f"decoding.draft_vocab_candidates = {dec.draft_vocab_candidates} / draft_vocab_rank = "
-                              f"{dec.draft_vocab_rank} do not fit the drafter's {head[0]} x {head[1]} output head")
-        if dec.drafter_int8 == "head":
-            raise RecipeError("decoding.drafter_int8 = 'head' with draft_vocab_candidates: the per-step vocabulary "
-                              "computes its own rows (auto and all serve the rest in int8 and leave the head to it)")
-    try:  # a target drafting for itself with head / all was refused with the recipe
-        int8 = resolve_int8(dec.drafter_int8, device, same)
-        prepack = resolve_prepack(dec.prepack, device)
-        compiled = resolve_compile(dec.compile, device, drafter)
+        if vocab.candidates > head[0] or vocab.rank > min(head):
+            raise RecipeError(f"decoding.vocab.candidates = {vocab.candidates} / decoding.vocab.rank = {vocab.rank} do "
+                              f"not fit the drafter's {head[0]} x {head[1]} output head")
+    try:  # what a device or a drafter cannot serve; a target drafting for itself with head / all was refused with the recipe
+        backend = backend_for(dec.backend, device, drafter, same, int8=dec.cpu.int8, prepack=dec.cpu.prepack,
+                              compile=dec.cpu.compile)
     except ValueError as e:
         raise RecipeError(str(e)) from None
-    if dec.ssd and dec.ssd_concurrent and device != "cpu":
-        raise RecipeError("decoding.ssd_concurrent runs the drafter in a CPU worker process on a core of its own; on "
-                          f"{device} set ssd_concurrent: false (inline)")
-    if dec.batch_sizes:
-        if max(dec.batch_sizes) > len(encoded):
-            raise RecipeError(f"decoding.batch_sizes: {max(dec.batch_sizes)} rows need at least as many prompts, "
-                              f"the recipe has {len(encoded)}")
+    if dec.ssd.enabled and dec.ssd.concurrent and device != "cpu":
+        raise RecipeError("decoding.ssd.concurrent runs the drafter in a CPU worker process on a core of its own; on "
+                          f"{device} set decoding.ssd.concurrent: false (inline)")
+    if dec.batches.sizes and max(dec.batches.sizes) > len(encoded):
+        raise RecipeError(f"decoding.batches.sizes: {max(dec.batches.sizes)} rows need at least as many prompts, "
+                          f"the recipe has {len(encoded)}")
     if dry_run:
         return {"prompts": len(encoded), "drafter": drafter.config.model_type}
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
     vocab_record = draft_vocabulary(
-        drafter, target, tokenizer, dec.draft_vocab, dec.draft_vocab_prompts, recipe.data, recipe.seed,
+        drafter, target, tokenizer, vocab.size, vocab.prompts, recipe.data, recipe.seed,
         recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k,
-        dec.draft_vocab_candidates, dec.draft_vocab_rank) if dec.draft_vocab or dec.draft_vocab_candidates else None
+        vocab.candidates, vocab.rank) if vocab.size or vocab.candidates else None
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
         vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
                         "source": "the drafter's own (saved with it)"}
-    records = serve(target, drafter, int8, prepack, compiled, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batch_sizes))
+    records = backend.prepare(target, drafter, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batches.sizes))
 
     # warm-up: first calls pay for allocations and lazy initialisation
-    plain_generate(target, encoded[0], 4, eos)
-    speculative_generate(target, drafter, encoded[0], 4, eos,
-                         proposer=make_proposer(drafter, draft_length=dec.draft_length, draft_recurrence=dec.draft_recurrence,
-                                                parallel=dec.parallel_drafts))
+    plain_generate(target, encoded[0], 4, eos, backend=backend)
+    speculative_generate(target, drafter, encoded[0], 4, eos, backend=backend,
+                         proposer=make_proposer(drafter, draft_length=dec.drafter.draft_length,
+                                                draft_recurrence=dec.drafter.draft_recurrence,
+                                                parallel=dec.drafter.parallel_drafts, backend=backend))
 
     def sampler(prompt_index: int) -> Sampler:  # the same seeds for both loops
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)
         return Sampler(dec.temperature, dec.top_k, dec.top_p, gen)
 
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
-    calibration = Calibration() if dec.batch_sizes and dec.adaptive else None  # the chain's, lent to the batches
+    calibration = Calibration() if dec.batches.sizes and dec.budget.adaptive else None  # the chain's, lent to the batches
     served = [] if recipe.record_served else None  # what the first configuration served (online adaptation)
-    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None)
+    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None, backend)
             for i, budget in enumerate(budgets)]
     if served is not None:  # with the texts, as regenerate writes them (the token ids are what training reads)
         write_jsonl_atomic(out / "served.jsonl", [{**row, "prompt": tokenizer.decode(row["prompt_ids"]),
@@ -233,7 +199,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         "drafter": recipe.drafter,
         "drafter_kind": drafter.config.model_type.removeprefix("draftsmith_"),
         "mode": dec.mode,
-        **({"verify_drafts": dec.verify_drafts} if dec.verify_drafts else {}),
+        **({"verify_drafts": dec.budget.verify_drafts} if dec.budget.verify_drafts else {}),
         "temperature": dec.temperature,
         "prompts": len(encoded),
         "max_new_tokens": dec.max_new_tokens,
@@ -243,14 +209,15 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
         **({"draft_vocab": vocab_record} if vocab_record else {}),
         **records,
     }
-    if compiled == "on":  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
-        report["draft_compiled"]["graph_drafts"] = for_drafter(drafter).calls
-    if dec.kv_cache != "full":
-        report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler)
+    graph = backend.draft_graph(drafter)
+    if graph is not None:  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
+        report["draft_compiled"]["graph_drafts"] = graph.calls
+    if dec.kv.format != "full":
+        report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler, backend)
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
-    if dec.batch_sizes:
-        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batch_sizes, calibration)
+    if dec.batches.sizes:
+        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batches.sizes, calibration, backend)
     if recipe.peer_assistant and dec.temperature == 0:
         report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
     if recipe.peer_prompt_lookup and dec.temperature == 0:  # drafter-free: n-grams of the prompt and output so far
@@ -315,13 +282,13 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
 
 
 @torch.no_grad()
-def measure_kv_quality(target, encoded, dec, eos, sampler) -> dict:
+def measure_kv_quality(target, encoded, dec, eos, sampler, backend) -> dict:
     """The target with ``dec``'s quantized KV cache against itself in full precision (a quantized
     cache changes the target): bytes the cache holds per token; mean NLL of the held-out prompts'
     tokens, teacher-forced (every position attends through the cache, :mod:`serve_eval.kv`); the
     share of new tokens before each prompt's first divergence from the full-precision output (same
     sampler seeds), and of prompts with identical outputs; plain decoding tokens/s of both."""
-    kv = kv_quant(dec.kv_cache, dec.kv_rotate)
+    kv = kv_quant(dec.kv.format, dec.kv.rotate)
     nll, nbytes, positions = {"full": 0.0, "quantized": 0.0}, {"full": 0, "quantized": 0}, 0
     for prompt in encoded:
         for name, spec in (("full", None), ("quantized", kv)):
@@ -335,14 +302,14 @@ def measure_kv_quality(target, encoded, dec, eos, sampler) -> dict:
     for i, prompt in enumerate(encoded):
         outs = {}
         for name, spec in (("full", None), ("quantized", kv)):
-            outs[name], stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), spec)
+            outs[name], stats = plain_generate(target, prompt, dec.max_new_tokens, eos, sampler(i), spec, backend)
             seconds[name] += stats.total_seconds
             counts[name] += stats.tokens
         full, quantized = outs["full"], outs["quantized"]
         agree = next((j for j, (a, b) in enumerate(zip(full, quantized)) if a != b), min(len(full), len(quantized)))
         same, tokens, identical = same + agree, tokens + len(full), identical + (full == quantized)
     scored = positions - len(encoded)
-    return {"format": dec.kv_cache, "rotate": dec.kv_rotate,
+    return {"format": dec.kv.format, "rotate": dec.kv.rotate,
             "bytes_per_token": {k: round(v / positions, 1) for k, v in nbytes.items()},
             "nll": {k: round(v / scored, 4) for k, v in nll.items()},
             "same_tokens_share": round(same / max(1, tokens), 4), "identical_outputs": f"{identical}/{len(encoded)}",

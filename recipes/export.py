@@ -102,7 +102,6 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
     import drafters  # noqa: F401
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
-    from drafters.core import own_target_io
     from drafters.export import (
         FORMATS,
         check_expressible,
@@ -113,6 +112,7 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:
         write_sglang_eagle3,
         write_speculators,
     )
+    from drafters.target_io import own_target_io
     from recipes.evaluate import draft_vocabulary, load_drafter
     from serve_eval.parity import describe_failure, run_gate
 

@@ -57,14 +57,12 @@ def lossless(out: Path, quick: bool) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     prompts, tokens = (2, 12) if quick else (8, 64)
     modes = {"chain": [], "tree": ["decoding.mode=tree", "decoding.tree_budgets=[8]"],
-             "tree_lookup": ["decoding.mode=tree", "decoding.tree_budgets=[8]", "decoding.lookup=10"],
-             "batch4": [f"decoding.batch_sizes=[{min(4, prompts)}]", "decoding.lookup=7"],  # copies: chain and batch
+             "tree_lookup": ["decoding.mode=tree", "decoding.tree_budgets=[8]", "decoding.lookup.tokens=10"],
+             "batch4": [f"decoding.batches.sizes=[{min(4, prompts)}]", "decoding.lookup.tokens=7"],  # copies: chain and batch
              "chain_t1": ["decoding.temperature=1.0"]}
     rows = {}
     for kind, folder in SHIPPED_DRAFTERS.items():
         for mode, extra in modes.items():
-            if mode == "batch4" and kind == "eagle3":
-                continue  # batched decoding runs block drafters
             if quick and kind != "dflash" and mode not in ("chain", "tree"):
                 continue  # a rehearsal: every mode once, every drafter twice
             report = _eval(out / f"{kind}_{mode}", str(folder), prompts, tokens, *extra)

@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: each piece of the loop timed over held-out prompts.
 
-    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--drafter-int8 auto|off|head|all] [--prepack auto|on|panels|onednn|off] [--compile auto|on|off] [--attention kernel|sdpa|both] [--forward lean|module|both]
+    python -m recipes.profile_step --drafter distill/assets/testbed_dflash [--temperature 1] [--prompts 8] [--cpu-int8 auto|off|head|all] [--cpu-prepack auto|on|panels|onednn|off] [--cpu-compile auto|on|off] [--attention kernel|sdpa|both] [--forward lean|module|both]
     python -m recipes.profile_step --drafter distill/assets/testbed_dflash --batch 4
 
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
@@ -11,9 +11,9 @@ budget's bookkeeping, beside the plain step and the step as a whole. The timers 
 they run, so what is printed is what the loop spends (the target's ``verify`` and ``rollback`` in
 speculative decoding only; its prefill spread over the steps); the first prompt warms up and is not
 counted. ``--attention both`` decodes each prompt with the target's and the drafter's attention on our
-kernel and on torch's sdpa in turn (:mod:`serve_eval.attention`; two copies of the drafter, each
+kernel and on torch's sdpa in turn (:mod:`serve_eval.cpu.attention`; two copies of the drafter, each
 compiled over its own), each with its own cost table: an A/B in one process. ``--forward both`` does
-the same for the target's forward: :mod:`serve_eval.lean`'s walk and the model's own forward.
+the same for the target's forward: :mod:`serve_eval.cpu.lean`'s walk and the model's own forward.
 ``--batch B`` profiles batched decoding instead (all the recipe's prompts through ``B`` slots, as the eval
 runs them): each loop's prefills and target steps, the draft and the scheduler per speculative step,
 and the speculative steps by the rows they ran with. A benchmark: run it on an otherwise idle core (``taskset -c 1``).
@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import time
 
 import torch
+
+from distill.base.decoding import CpuSection
+from distill.config.flags import add_flags, flags, given
+
+CPU_FLAGS = flags(CpuSection, "decoding.cpu.", strip="decoding.")  # the eval's own: --cpu-int8, --cpu-prepack, --cpu-compile
 
 
 def _timed(obj, name: str, label, totals: dict, calls: collections.Counter, undo: list, active=lambda: True) -> None:
@@ -74,12 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts, the first a warm-up")
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
-    parser.add_argument("--drafter-int8", choices=["auto", "off", "head", "all"],
-                        help="the drafter's head / all its Linears in int8, or off (default: the recipe's, auto)")
-    parser.add_argument("--prepack", choices=["auto", "on", "panels", "onednn", "off"],
-                        help="the target's Linears prepacked (AVX2 panels, else oneDNN), or off (default: the recipe's, auto)")
-    parser.add_argument("--compile", choices=["auto", "on", "off"],
-                        help="a block drafter's draft as one compiled graph, or eager (default: the recipe's, auto)")
+    add_flags(parser, CPU_FLAGS, {f.key: "the recipe's" for f in CPU_FLAGS})  # decoding.cpu.*: --cpu-int8, ...
     parser.add_argument("--attention", choices=["kernel", "sdpa", "both"], default="kernel",
                         help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
                              "alternated prompt by prompt in this process (default: kernel)")
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="profile batched decoding instead: all the recipe's prompts through this many slots "
                              "(plain, speculative, speculative, plain, as the eval runs them)")
     parser.add_argument("--forward", choices=["lean", "module", "both"], default="lean",
-                        help="the target's forward: as served (serve_eval.lean's walk where it applies), the model's own, "
+                        help="the target's forward: as served (serve_eval.cpu.lean's walk where it applies), the model's own, "
                              "or both, alternated prompt by prompt in this process (default: lean)")
     args = parser.parse_args(argv)
     if args.attention == "both" and args.forward == "both":
@@ -107,35 +106,33 @@ def _profile(args, undo: list) -> dict:
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
     from distill.runtime import set_threads
-    from recipes.evaluate import load_drafter, serve
+    from recipes.evaluate import load_drafter
     from recipes.registry import load_recipe
-    from serve_eval import lean, loop, proposers, timing
+    from serve_eval import loop, proposers, timing
     from serve_eval.budget import Budget, Calibration
-    from serve_eval.compiled import resolve as resolve_compile
-    from serve_eval.int8 import resolve as resolve_int8
-    from serve_eval.prepack import resolve as resolve_prepack
+    from serve_eval.cpu import CpuBackend
     from serve_eval.sampling import Sampler
     from serve_eval.session import TargetSession
 
-    overrides = [f"decoding.{key}={value}" for key, value in (("drafter_int8", args.drafter_int8), ("prepack", args.prepack),
-                                                                           ("compile", args.compile)) if value]
+    overrides = [f"{key}={value}" for key, value in given(args, CPU_FLAGS).items()]
     recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", *overrides])
     max_new = args.max_new_tokens or recipe.decoding.max_new_tokens
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
     prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:None if args.batch else args.prompts]
-    compiled = resolve_compile(recipe.decoding.compile, "cpu", drafter)
-    int8 = resolve_int8(recipe.decoding.drafter_int8, "cpu", drafter_is_target=False)
-    serve(target, drafter, int8, resolve_prepack(recipe.decoding.prepack, "cpu"), compiled, prompts, max_new,
-          sampled=args.temperature > 0, rows=(args.batch,) if args.batch else ())
+    dec = recipe.decoding
+    backend = CpuBackend(drafter, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile)
+    backend.prepare(target, drafter, prompts, max_new, sampled=args.temperature > 0, rows=(args.batch,) if args.batch else ())
+    compiled = backend.compile
     if args.batch:
-        return _profile_batch(args, target, drafter, prompts, recipe.decoding.model_copy(update={"max_new_tokens": max_new}), undo)
-    served = target.config._attn_implementation  # the served attention (serve_eval.attention where it builds)
-    drafters = {served: drafter}
+        return _profile_batch(args, target, drafter, prompts, dec.model_copy(update={"max_new_tokens": max_new}), undo, backend)
+    served = target.config._attn_implementation  # the served attention (serve_eval.cpu.attention where it builds)
+    drafters = {served: (drafter, backend)}
     if args.attention != "kernel" and served != "sdpa":  # the same drafter on sdpa (its graph traces what it calls)
-        drafters["sdpa"] = load_drafter(recipe.drafter, target, "cpu")
-        serve(target, drafters["sdpa"], int8, "off", compiled, prompts, max_new, sampled=args.temperature > 0)
+        sdpa = load_drafter(recipe.drafter, target, "cpu")
+        drafters["sdpa"] = sdpa, CpuBackend(sdpa, int8=dec.cpu.int8, prepack="off", compile=dec.cpu.compile)
+        drafters["sdpa"][1].prepare(target, sdpa, prompts, max_new, sampled=args.temperature > 0)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     proposer_class = type(proposers.make_proposer(drafter))
@@ -143,7 +140,7 @@ def _profile(args, undo: list) -> dict:
         _timed(proposer_class, name, f"proposer.{name}", totals, calls, undo)
     if proposer_class is proposers.BlockProposer and compiled == "off":  # compiled, the draft is one graph: timed as a whole
         for name in ("decode_hidden", "propose"):
-            for each in drafters.values():
+            for each, _ in drafters.values():
                 _timed(each, name, f"  drafter.{name}", totals, calls, undo)
     for name in ("chain_length", "causal_length"):
         _timed(Budget, name, f"budget.{name}", totals, calls, undo)
@@ -161,26 +158,28 @@ def _profile(args, undo: list) -> dict:
         variants = {attention: (attention, forwards[0]) for attention in attentions}
     settings = list(variants)
 
-    def setting(label):  # the target as this setting serves it: its attention, and its forward for sessions made within
+    def setting(label):  # the target as this setting serves it: its attention; the drafter and the backend it runs on
         target.config._attn_implementation = variants[label][0]
-        return lean.off() if variants[label][1] == "module" else contextlib.nullcontext()
+        each, served_by = drafters[variants[label][0]]
+        return each, served_by if variants[label][1] == "lean" else served_by.with_lean(False)
 
     runs = {}
     for label in settings:  # each setting its own cost table
-        with setting(label):
-            budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture), loop_offset=True)
+        _, served_by = setting(label)
+        budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture,
+                                                    backend=served_by), loop_offset=True)
         runs[label] = {"budget": budget, "totals": collections.defaultdict(float), "calls": collections.Counter(),
                        "plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "steps": 0}
     for i, prompt in enumerate(prompts):
         for label in settings[::1 if i % 2 else -1]:  # alternated, so that a drifting machine moves both alike
             run = runs[label]
             sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
-            with setting(label):
-                _, plain = loop.plain_generate(target, prompt, max_new, None, sampler())
-                speculating[0] = True
-                _, spec = loop.speculative_generate(target, drafters[variants[label][0]], prompt, max_new, None, sampler(),  # the warm-up
-                                                      budget=run["budget"] if i else None)  # without the budget: first calls are slow
-                speculating[0] = False
+            each, served_by = setting(label)
+            _, plain = loop.plain_generate(target, prompt, max_new, None, sampler(), backend=served_by)
+            speculating[0] = True
+            _, spec = loop.speculative_generate(target, each, prompt, max_new, None, sampler(), backend=served_by,  # the warm-up
+                                                  budget=run["budget"] if i else None)  # without the budget: first calls are slow
+            speculating[0] = False
             if i:  # after the warm-up
                 for key, value in totals.items():
                     run["totals"][key] += value
@@ -204,7 +203,7 @@ def _profile(args, undo: list) -> dict:
     return report
 
 
-def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
+def _profile_batch(args, target, drafter, prompts, dec, undo: list, backend) -> dict:
     """``--batch B``: where batched decoding's time goes, as the eval measures it (:func:`serve_eval.measure.
     measure_batches`, with a calibration lent by one-row runs of the same prompts first, untimed): each
     loop's prefills (the waiting prompts' groups), its target steps, the draft and the scheduler's
@@ -220,9 +219,10 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
     sampler = lambda i: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731
     calibration = Calibration()  # lent to the batches, as the eval lends its one-row run's
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
-    budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture), calibration=calibration)
+    budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture, backend=backend),
+                    calibration=calibration)
     for i, prompt in enumerate(prompts):
-        loop.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget)
+        loop.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget, backend=backend)
     running = [None]  # "plain" or "speculative" while a timed run decodes
     totals: dict[tuple[str, str], float] = collections.defaultdict(float)  # (loop, part) -> seconds
     calls: collections.Counter = collections.Counter()
@@ -256,7 +256,7 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list) -> dict:
         return record(self, rows, drafted, kept, seconds)
     Budget.record_step = counted
 
-    row = measure.measure_batches(target, drafter, prompts, dec, None, sampler, [args.batch], calibration)[0]
+    row = measure.measure_batches(target, drafter, prompts, dec, None, sampler, [args.batch], calibration, backend)[0]
     def per(kind, part, count="run"):  # seconds of `part` per run (or per call of `count`) of one loop
         return totals[kind, part] / max(1, calls[kind, count])
 

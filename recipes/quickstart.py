@@ -148,7 +148,7 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
 
 def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict:
     """The shipped drafter measured now: as a chain and as a tree (at its best shipped budget), each with
-    per-step budgets (``decoding.adaptive``), as a chain verifying every draft, to set beside the
+    per-step budgets (``decoding.budget.adaptive``), as a chain verifying every draft, to set beside the
     simulated tau recorded when it was trained, and as the chain and the tree with prompt-lookup drafts
     grafted on."""
     from recipes import evaluate
@@ -166,9 +166,9 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
     # chain and tree with per-step budgets (the default); the chain once more verifying every draft, the
     # decoding the simulated tau replays, so the two compare
     tree = ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"]
-    runs = [("chain", []), ("tree", tree), ("chain_full_draft", ["decoding.adaptive=false"])]
+    runs = [("chain", []), ("tree", tree), ("chain_full_draft", ["decoding.budget.adaptive=false"])]
     if stage.lookup:  # the chain and the tree again, with prompt-lookup continuations grafted on (serve_eval.lookup)
-        lookup = f"decoding.lookup={stage.lookup}"
+        lookup = f"decoding.lookup.tokens={stage.lookup}"
         runs += [("chain_lookup", [lookup]), ("tree_lookup", [*tree, lookup])]
     for mode, extra in runs:
         overrides = [f"output_dir={out / 'shipped_drafter' / mode}", f"drafter={folder}", f"target.path={target_dir}",

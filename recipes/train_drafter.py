@@ -37,7 +37,7 @@ from distill.regenerate import training_splits
 from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from drafters import DRAFTERS
-from drafters.core import sample_anchors
+from drafters.masks import sample_anchors
 from drafters.vocab import coverage, frequent_tokens, restrict_vocab
 from recipes.dry_run import (
     Launch,

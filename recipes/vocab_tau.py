@@ -6,7 +6,7 @@ and per-step vocabularies, on the same prompts and seeds.
 
 Each ``--vocab`` entry is ``full``, ``N`` (the N tokens the target's answers use most,
 :func:`recipes.evaluate.draft_vocabulary`) or ``N:K[:R]`` (a per-step vocabulary: those N
-plus the K likeliest under a rank-R approximation, R = ``decoding.draft_vocab_rank``'s default,
+plus the K likeliest under a rank-R approximation, R = ``decoding.vocab.rank``'s default,
 :class:`drafters.vocab.CandidateHead`).
 Every draft is verified (no budget: tau depends on acceptance only, not on timing), over the eval
 recipe's held-out prompts (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``) times ``--seeds``
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 
-from distill.base.decoding import DecodingSection
+from distill.base.decoding import VocabSection
 
-DEFAULT_RANK = DecodingSection.model_fields["draft_vocab_rank"].default
+DEFAULT_RANK = VocabSection.model_fields["rank"].default
 
 
 def parse_vocab(entry: str) -> tuple[int, int, int] | None:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         drafter = load_drafter(recipe.drafter, target, "cpu")  # afresh: each entry changes its head
         record = {}
         if vocab is not None:
-            record = draft_vocabulary(drafter, target, tokenizer, vocab[0], dec.draft_vocab_prompts, recipe.data,
+            record = draft_vocabulary(drafter, target, tokenizer, vocab[0], dec.vocab.prompts, recipe.data,
                                       recipe.seed, recipe.prompts.prompt_tokens, dec.max_new_tokens,
                                       dec.temperature, dec.top_p, dec.top_k, vocab[1], vocab[2])
         tokens = forwards = 0

@@ -32,6 +32,7 @@ import torch
 
 from distill.base.features import FeatureCapture
 
+from .backend import TORCH, Backend
 from .budget import COPY_Q, Budget, CausalChain
 from .kv import KVQuant
 from .lookup import graft
@@ -114,9 +115,9 @@ class _Rows:
     slot, prefilled a group of ``slots`` at a time ahead of the rows they will take (one prompt prefilled
     alone as each row finishes costs about twice as much as in a group)."""
 
-    def __init__(self, target, capture, kv, prompts, samplers, slots: int, outs, proposers: list[Proposer],
+    def __init__(self, target, capture, kv, backend, prompts, samplers, slots: int, outs, proposers: list[Proposer],
                  max_new: int, eos: int | None):
-        self.target, self.capture, self.kv, self.max_new, self.eos = target, capture, kv, max_new, eos
+        self.target, self.capture, self.kv, self.backend, self.max_new, self.eos = target, capture, kv, backend, max_new, eos
         self.prompts, self.samplers, self.slots, self.outs, self.proposers = prompts, samplers, slots, outs, proposers
         self.queue = list(range(len(prompts)))
         self.session: TargetSession | None = None
@@ -135,7 +136,7 @@ class _Rows:
         if not self.ready:
             joining = self.queue[:self.slots]
             del self.queue[:len(joining)]
-            self.group = TargetSession(self.target, self.capture, self.kv)
+            self.group = TargetSession(self.target, self.capture, self.kv, self.backend)
             logits, feats = self.group.prefill([self.prompts[i] for i in joining])
             self.aux = None if feats is None else feats.aux
             self.first = choose_rows([self.samplers[i] for i in joining], logits)
@@ -217,10 +218,10 @@ class _Row:
 def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
              samplers: list[Sampler] | None = None, proposer: Proposer | None = None, *, budget: Budget | None = None,
              mode: str = "chain", tree_budget: int = 16, lookup: int = 0, kv: KVQuant | None = None,
-             verify_drafts: int = 0, slots: int | None = None) -> tuple[list[list[int]], BatchStats]:
+             verify_drafts: int = 0, slots: int | None = None, backend: Backend = TORCH) -> tuple[list[list[int]], BatchStats]:
     """Decode ``prompts`` (1-D token tensors), at most ``slots`` rows at a time (default: all), each with its
     own sampler (``samplers``: the same temperature for all), with ``kv`` the target's KV cache format
-    (:mod:`serve_eval.kv`). Without a ``proposer``: plain decoding. With one: speculative decoding (see the
+    (:mod:`serve_eval.kv`), the target stepped as ``backend`` serves it (:mod:`serve_eval.backend`). Without a ``proposer``: plain decoding. With one: speculative decoding (see the
     module doc) in ``mode`` chain or tree (``tree_budget`` nodes a row), with a ``budget`` choosing each
     step, ``lookup`` grafting prompt-lookup copies of up to that many tokens, ``verify_drafts`` (without a
     budget, chains) verifying that many drafts a step. Returns each prompt's tokens and the run's stats."""
@@ -238,7 +239,7 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
     capture = FeatureCapture(target, proposer.target_layer_ids) if proposer is not None and proposer.needs_features else None
     copier = LookupProposer(lookup) if lookup and proposer is not None else None
     outs: list[list[int]] = [[] for _ in prompts]
-    rows = _Rows(target, capture, kv, prompts, samplers, slots or len(prompts), outs,
+    rows = _Rows(target, capture, kv, backend, prompts, samplers, slots or len(prompts), outs,
                  [p for p in (proposer, copier) if p is not None], max_new_tokens, eos_token_id)
     causal = proposer is not None and (proposer.incremental or (proposer.conditional and not greedy))
     done: list[int] = []
@@ -480,18 +481,22 @@ def _record(budget: Budget, plans: list[_Row], samplers, logits, paths, emitted,
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          sampler: Sampler | None = None, proposer: Proposer | None = None, confidence_threshold: float = 0.0,
                          mode: str = "chain", tree_budget: int = 16, budget: Budget | None = None, lookup: int = 0,
-                         kv: KVQuant | None = None, verify_drafts: int = 0) -> tuple[list[int], GenerationStats]:
+                         kv: KVQuant | None = None, verify_drafts: int = 0,
+                         backend: Backend = TORCH) -> tuple[list[int], GenerationStats]:
     """Speculative decoding of one prompt (:func:`generate` over one row) with ``drafter``'s proposer
     (:func:`~serve_eval.proposers.make_proposer`, or ``proposer``)."""
-    proposer = proposer or make_proposer(drafter, confidence_threshold)
+    proposer = proposer or make_proposer(drafter, confidence_threshold, backend=backend)
     outs, stats = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler or Sampler()], proposer,
-                           budget=budget, mode=mode, tree_budget=tree_budget, lookup=lookup, kv=kv, verify_drafts=verify_drafts)
+                           budget=budget, mode=mode, tree_budget=tree_budget, lookup=lookup, kv=kv, verify_drafts=verify_drafts,
+                           backend=backend)
     return outs[0], stats.prompts[0]
 
 
 def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                   sampler: Sampler | None = None, kv: KVQuant | None = None) -> tuple[list[int], GenerationStats]:
+                   sampler: Sampler | None = None, kv: KVQuant | None = None,
+                   backend: Backend = TORCH) -> tuple[list[int], GenerationStats]:
     """Plain decoding of one prompt (:func:`generate` without a proposer): the baseline, with the same
-    sampler and KV cache as the speculative loop."""
-    outs, stats = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler or Sampler()], kv=kv)
+    sampler, KV cache and backend as the speculative loop."""
+    outs, stats = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler or Sampler()], kv=kv,
+                           backend=backend)
     return outs[0], stats.prompts[0]

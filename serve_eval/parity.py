@@ -36,7 +36,7 @@ import torch
 from distill.base.decoding import GateSettings
 from distill.base.features import FeatureCapture, decoder_layers, final_norm
 from drafters import is_block_drafter
-from drafters.core import sample_anchors
+from drafters.masks import sample_anchors
 
 
 @contextmanager
@@ -162,7 +162,7 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simula
     speculative_generate(target, reloaded, prompts[0], 4, eos_token_id)  # warm-up, as every benchmark here
     # every draft verified: the simulated tau replays exactly that (a budget, or the draft switch, would
     # make the measured tau a property of this machine's costs rather than of the drafter)
-    run = measure(target, reloaded, prompts, DecodingSection(max_new_tokens=max_new_tokens, adaptive=False), eos_token_id,
+    run = measure(target, reloaded, prompts, DecodingSection(max_new_tokens=max_new_tokens, budget={"adaptive": False}), eos_token_id,
                   lambda i: Sampler(), None)
     measured, lossless = run["tau"], run["lossless"]
     acceptance = {"measured_tau": measured, "simulated_tau": None if simulated_tau is None else round(simulated_tau, 4),

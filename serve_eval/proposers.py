@@ -25,10 +25,9 @@ import torch
 from transformers import DynamicCache
 
 from drafters import Eagle3Drafter, is_block_drafter
+from drafters.cache import ContextCache
 
-from .compiled import for_drafter
-from .compiled import proposal as compiled_proposal
-from .context import ContextCache
+from .backend import TORCH, Backend
 from .lookup import NgramIndex
 from .sampling import Sampler
 from .verify import choose_rows
@@ -99,13 +98,13 @@ class BlockProposer(Proposer):
     graph, which reads up to ``K`` of them; several rows: the graph compiled for that many, else the
     features appended first and :meth:`~drafters.core.BlockDrafter.block_hidden`)."""
 
-    def __init__(self, drafter, confidence_threshold: float = 0.0):
+    def __init__(self, drafter, confidence_threshold: float = 0.0, backend: Backend = TORCH):
         self.drafter = drafter
         self.target_layer_ids = drafter.config.target_layer_ids
         self.block_size = drafter.config.block_size
         self.conditional = drafter.conditional_drafts
         self.confidence_threshold = confidence_threshold
-        self.compiled = for_drafter(drafter)  # serve_eval.compiled: the draft as one graph, where it was set up
+        self.compiled = backend.draft_graph(drafter)  # the draft as one graph, where the backend built one
         self.context = self._new_context()
         self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (features [R, m, F], counts [R]; None: all m)
 
@@ -194,7 +193,7 @@ class BlockProposer(Proposer):
             hidden, proposal = compiled(anchor, context, arrived, compiled.proposes_for(sampler.greedy))
         else:
             hidden, proposal = self.drafter.decode_hidden(anchor, anchor_pos, context, arrived), None
-        tokens, logits, confidence = compiled_proposal(self.drafter, hidden, proposal, anchor.view(1, 1), sampler.choose, sampler.greedy)
+        tokens, logits, confidence = _proposal(self.drafter, hidden, proposal, anchor.view(1, 1), sampler.choose, sampler.greedy)
         lengths = None
         if confidence is not None and self.confidence_threshold > 0:
             low = (confidence[0, 0] < self.confidence_threshold).nonzero()
@@ -223,7 +222,7 @@ class BlockProposer(Proposer):
         else:
             self._flush()
             hidden = self.drafter.block_hidden(None, anchors[:, None], context.lengths.to(anchors.device)[:, None], context.view())
-        tokens, logits, confidence = compiled_proposal(self.drafter, hidden, proposal, anchors[:, None],
+        tokens, logits, confidence = _proposal(self.drafter, hidden, proposal, anchors[:, None],
                                                        lambda x: choose_rows(samplers, x), greedy)
         lengths = None
         if confidence is not None and self.confidence_threshold > 0:
@@ -444,15 +443,24 @@ class LookupProposer(Proposer):
         return Proposal(tokens, None, [len(c) for c in copies])
 
 
+def _proposal(drafter, hidden: torch.Tensor, graphs: tuple | None, anchors: torch.Tensor, choose, greedy: bool):
+    """The drafter's proposal (tokens, logits, confidence) over a block's ``hidden`` states: a compiled
+    graph's own where it gave one (``graphs``; its tokens drawn from its logits when sampling), else the
+    drafter's ``propose`` with ``choose``."""
+    if graphs is None:
+        return drafter.propose(hidden, anchors, choose)
+    return graphs if greedy else (choose(graphs[1]), *graphs[1:])
+
+
 def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None,
-                  parallel: bool = True) -> Proposer:
+                  parallel: bool = True, backend: Backend = TORCH) -> Proposer:
     """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`PardProposer` for a
     PARD-trained LM (``config.pard``; ``parallel=False`` drafts with it autoregressively), :class:`LMProposer`
     for any other causal LM (``draft_length`` tokens a step; ``draft_recurrence`` for Parcae)."""
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter)
     if is_block_drafter(drafter):
-        return BlockProposer(drafter, confidence_threshold)
+        return BlockProposer(drafter, confidence_threshold, backend)
     pard = getattr(drafter.config, "pard", None)
     if pard and parallel:
         return PardProposer(drafter, pard["draft_tokens"], pard["mask_token_id"])

@@ -18,19 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention
-
 
 def top_tokens(logits: torch.Tensor, with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's greedy token over ``logits`` [..., V] (``torch.argmax``'s choice: the first maximum)
     and, ``with_prob``, its softmax probability (the drafter's top probability, which calibrates the
-    acceptance: :mod:`serve_eval.budget`). float32 on the CPU takes the C++ kernel where it serves
-    (``draftsmith_attn::top``: the same tokens, the probability within ~1e-6 of torch's softmax;
-    torch's argmax over the last dimension costs ~110 us for a batch's 32 rows of 4,096, the kernel
-    ~15); anything else, torch. Plain and speculative decoding choose greedy tokens here alike."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel() and attention.available():
-        tokens, probs = torch.ops.draftsmith_attn.top(logits, with_prob)
-        return tokens, probs if with_prob else None
+    acceptance: :mod:`serve_eval.budget`). Plain and speculative decoding choose greedy tokens here alike."""
     return logits.argmax(-1), logits.float().softmax(-1).amax(-1) if with_prob else None
 
 

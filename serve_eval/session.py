@@ -17,18 +17,19 @@ import torch
 
 from distill.base.features import FeatureCapture, TargetFeatures
 
+from .backend import TORCH, Backend
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, keep_entries
-from .lean import TargetForward
-from .prepack import only_rows
 
 
 class TargetSession:
-    """``target`` over R rows with a KV cache (quantized as ``kv`` says, :mod:`serve_eval.kv`) and, with
-    ``capture``, the features a drafter reads. ``lengths`` [R]: each row's verified tokens."""
+    """``target`` over R rows with a KV cache (quantized as ``kv`` says, :mod:`serve_eval.kv`), stepped as
+    ``backend`` serves it (:mod:`serve_eval.backend`) and, with ``capture``, the features a drafter reads.
+    ``lengths`` [R]: each row's verified tokens."""
 
-    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None):
-        self.target = target
-        self.run = TargetForward(target, capture)
+    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None,
+                 backend: Backend = TORCH):
+        self.target, self.backend = target, backend
+        self.run = backend.target_forward(target, capture)
         self.cache = inplace_cache(target.config, kv)
         self._lengths: list[int] = []  # python ints: one row's are read and written every step
         self._row_writes = False  # whether the cache's layers write per row (several rows, or were)
@@ -117,8 +118,8 @@ class TargetSession:
     def step(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
         """Read ``ids`` [R, n] after each row's tokens: logits [R, n, V] and features. With ``counts`` [R],
         row ``r`` reads its first ``counts[r]`` tokens only: the rest is padding, whose logits and
-        features mean nothing (the target's Linears skip it where they can, :func:`~serve_eval.prepack.
-        only_rows`; it attends to its row's first slot, so every number it leaves is finite)."""
+        features mean nothing (the backend may skip it, :meth:`~serve_eval.backend.Backend.skip_rows`; it
+        attends to its row's first slot, so every number it leaves is finite)."""
         if self.rows == 1:
             self._contiguous()
             return self._forward_one(ids)
@@ -130,7 +131,7 @@ class TargetSession:
         real = torch.arange(n)[None] < counts[:, None]  # [R, n]
         mask &= real[:, :, None]
         mask[:, :, 0] |= ~real
-        with only_rows(real.flatten().nonzero().flatten().to(ids.device), R * n):
+        with self.backend.skip_rows(real.flatten().nonzero().flatten().to(ids.device), R * n):
             return self._forward_rows(ids, positions.to(ids.device), mask.to(ids.device))
 
     @torch.inference_mode()
@@ -161,7 +162,7 @@ class TargetSession:
             real = torch.arange(n)[None] < counts[:, None]
             mask &= real[:, :, None]
             mask[:, :, 0] |= ~real
-            with only_rows(real.flatten().nonzero().flatten().to(device), R * n):
+            with self.backend.skip_rows(real.flatten().nonzero().flatten().to(device), R * n):
                 return self._forward_rows(ids, positions.to(device), mask.to(device), keys=keys.to(device))
         return self._forward_rows(ids, positions.to(device), mask.to(device), keys=keys.to(device))
 

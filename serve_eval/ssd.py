@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+from .backend import TORCH, Backend
 from .kv import KVQuant, keep_entries
 from .loop import generate
 from .proposers import PardProposer, Proposal, Proposer
@@ -434,7 +435,7 @@ class SpeculationProposer(Proposer):
 
 def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | None = None, sampler: Sampler | None = None, seed: int = 0,
-                 kv: KVQuant | None = None):
+                 kv: KVQuant | None = None, backend: Backend = TORCH):
     """Speculative speculative decoding of one prompt (module docstring) in the decoding loop
     (:func:`~serve_eval.loop.generate`, chains verified whole): the speculation builds the next drafts while
     the target verifies (concurrent), or between verifications (inline). ``seed`` seeds the drafter's own
@@ -442,7 +443,7 @@ def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, m
     (``draft_seconds``: time the loop waited for drafts) and the verification times per resolved step (ms)."""
     sampler = sampler or Sampler()
     proposer = SpeculationProposer(speculation, sampler, seed)
-    outs, run = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler], proposer, kv=kv)
+    outs, run = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler], proposer, kv=kv, backend=backend)
     return outs[0], run.prompts[0], proposer.verify_ms
 
 

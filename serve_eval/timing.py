@@ -15,6 +15,7 @@ import torch
 
 from distill.base.features import FeatureCapture
 
+from .backend import TORCH, Backend
 from .kv import KVQuant
 from .proposers import BlockProposer
 from .sampling import Sampler
@@ -64,7 +65,8 @@ def verify_sizes(largest: int) -> list[int]:
 
 @torch.inference_mode()
 def measure_verify_costs(target, sizes, capture: FeatureCapture | None = None, context: int = 128, repeats: int = 5,
-                         kv: KVQuant | None = None, rows: int = 1, plain: bool = False) -> dict[int, float]:
+                         kv: KVQuant | None = None, rows: int = 1, plain: bool = False,
+                         backend: Backend = TORCH) -> dict[int, float]:
     """Seconds of a target step over ``rows`` rows of ``context`` cached tokens reading ``n`` tokens each,
     for each ``n`` in ``sizes``, with ``capture``'s features and the loop's KV cache (``kv``); with
     ``plain``, at key 0 also a plain step (one token a row, no features). The fastest of ``repeats``
@@ -76,7 +78,7 @@ def measure_verify_costs(target, sizes, capture: FeatureCapture | None = None, c
     prompts = [torch.randint(0, vocab, (context,), generator=gen).to(device) for _ in range(rows)]
     runs = {}
     for features, steps in ([(None, [0])] if plain else []) + [(capture, sorted(set(sizes)))]:
-        session = TargetSession(target, features, kv)
+        session = TargetSession(target, features, kv, backend)
         session.prefill(prompts)
         undo = functools.partial(session.keep, torch.zeros(rows, dtype=torch.long))
         for n in steps:
@@ -86,14 +88,14 @@ def measure_verify_costs(target, sizes, capture: FeatureCapture | None = None, c
 
 
 @torch.inference_mode()
-def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5) -> float:
+def measure_draft_seconds(drafter, rows: int, context: int = 128, repeats: int = 5, backend: Backend = TORCH) -> float:
     """Seconds of one greedy block draft over ``rows`` rows of ``context`` cached positions, one more
     feature arriving per row, as the loop drafts (:class:`~serve_eval.proposers.BlockProposer`: compiled
     where it fits), the fastest of ``repeats`` after a warm-up, on random features from a private generator."""
     device = next(drafter.parameters()).device
     gen = torch.Generator().manual_seed(0)
     aux = torch.randn(rows, context + 1, drafter.fc.in_features, generator=gen).to(device)
-    proposer = BlockProposer(drafter)
+    proposer = BlockProposer(drafter, backend=backend)
     proposer.context.start(rows)
     proposer._append(aux[:, :context], torch.full((rows,), context))
     lengths = proposer.context.lengths

@@ -1,4 +1,4 @@
-"""serve_eval.attention: the C++ attention for few queries computes torch's attention (bool, float and
+"""serve_eval.cpu.attention: the C++ attention for few queries computes torch's attention (bool, float and
 causal masks, grouped heads, batches, strided cache views), gives a query the same bits whatever
 queries share the call, zeros where a query may attend nowhere, falls back to sdpa where it does not
 serve; a model switched to it decodes what it decoded before, and the loop on it is lossless."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve_eval import attention as attn
+from serve_eval.cpu import attention as attn
 
 pytestmark = pytest.mark.skipif(not attn.available(), reason="no AVX2 or no compiler")
 
@@ -150,8 +150,8 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
     the drafter's own on sdpa, for causal and bidirectional blocks."""
     import copy
 
-    from drafters.core import ContextCache
-    from serve_eval import compiled
+    from drafters.cache import ContextCache
+    from serve_eval.cpu import CpuBackend
 
     from .conftest import tiny_dflash
 
@@ -161,8 +161,9 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
         reference = tiny_dflash(blocks, num_key_value_heads=2)  # grouped heads
         drafter = copy.deepcopy(reference)
         assert attn.use_attention(drafter)["kernel"] == attn.NAME and reference.config._attn_implementation != attn.NAME
-        compiled.compile_drafts(drafter, 32)
-        graph = compiled.for_drafter(drafter)
+        backend = CpuBackend(prepack="off", int8="off", compile="off")
+        backend.compile_draft(drafter, 32)
+        graph = backend.draft_graph(drafter)
         cache = ContextCache(spare=4, capacity=graph.positions)
         with torch.inference_mode():
             drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
@@ -179,24 +180,3 @@ def test_a_model_that_takes_no_attention_function_keeps_its_own():
     module.config = type("Config", (), {"_attn_implementation": "eager"})()
     record = attn.use_attention(module)
     assert record["kernel"] == "eager" and "Linear" in record["why"]
-
-
-def test_top_is_torch_argmax_and_the_softmax_top():
-    """``draftsmith_attn::top`` (greedy tokens and their probability, :func:`serve_eval.sampling.top_tokens`):
-    exactly torch's argmax, ties to the first maximum and a NaN counting as the maximum, as there (plain
-    and speculative decoding emit the same tokens either way); the probability within rounding of
-    torch's softmax, NaN where that is NaN; a length not a multiple of 8; without the probability, none."""
-    from serve_eval.sampling import top_tokens
-
-    gen = torch.Generator().manual_seed(0)
-    ties = torch.randint(0, 4, (7, 4096), generator=gen).float()  # many ties: the first maximum wins
-    ties[1, 100] = float("nan")
-    ties[2, 5] = ties[2, 9] = float("nan")
-    ties[3] = float("-inf")
-    ties[4, 17] = float("inf")
-    for logits in (torch.randn(4, 8, 4096, generator=gen) * 3, torch.randn(3, 13, generator=gen) * 10, ties):
-        tokens, probs = torch.ops.draftsmith_attn.top(logits, True)
-        assert torch.equal(tokens, logits.argmax(-1))
-        torch.testing.assert_close(probs, logits.softmax(-1).amax(-1), rtol=2e-6, atol=1e-7, equal_nan=True)
-        assert torch.equal(top_tokens(logits)[0], tokens) and top_tokens(logits)[1] is None
-        torch.testing.assert_close(top_tokens(logits, with_prob=True)[1], probs, rtol=0, atol=0, equal_nan=True)

@@ -63,3 +63,112 @@ def test_every_subcommand_has_help_and_examples(command, capsys):
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     undocumented = [a.dest for a in sub._actions if a.dest != "help" and not a.help]
     assert not undocumented, f"{command}: flags without help: {undocumented}"
+
+
+def _decoding_leaves(model, prefix=()):
+    """Every leaf of a section, walked here on its own (not with distill.config.flags): (path, field)."""
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        section = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+                        if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        yield from _decoding_leaves(section, (*prefix, name)) if section else [((*prefix, name), field)]
+
+
+def _eval_options() -> dict:
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["eval"]
+    return {option: action for action in sub._actions for option in action.option_strings}
+
+
+def test_every_decoding_option_has_an_eval_flag_named_by_its_key():
+    """``decoding.kv.format`` -> ``--kv-format``: one flag per leaf of DecodingSection, its help the
+    field's description, its choices the Literal's, and no default of its own (the schema's holds)."""
+    from distill.base.decoding import DecodingSection
+
+    options = _eval_options()
+    leaves = list(_decoding_leaves(DecodingSection))
+    assert len(leaves) >= 30
+    for path, field in leaves:
+        flag = "--" + "-".join(path).replace("_", "-")
+        assert flag in options, f"decoding.{'.'.join(path)} has no flag {flag}"
+        action = options[flag]
+        assert action.dest == "decoding." + ".".join(path) and action.default is None
+        assert field.description and action.help.startswith(field.description.replace("%", "%%"))
+        if typing.get_origin(field.annotation) is typing.Literal:
+            assert list(action.choices) == list(typing.get_args(field.annotation))
+    for flag in ("--kv-format", "--batches-sizes", "--vocab-size", "--ssd-enabled", "--no-ssd-enabled", "--cpu-int8",
+                 "--lookup-tokens", "--no-budget-adaptive", "--output-dir", "--record-served", "--drafter"):
+        assert flag in options, flag
+    assert options["--drafter"].required  # the one key the eval recipe needs that the command does not supply
+
+
+def _another_value(field):
+    """A value of the field's type other than its default, and the command-line words for it."""
+    annotation = next((a for a in (field.annotation, *typing.get_args(field.annotation)) if a is not type(None)))
+    default = field.get_default(call_default_factory=True)
+    if typing.get_origin(annotation) is typing.Literal:
+        value = next(v for v in typing.get_args(annotation) if v != default)
+        return value, [value]
+    if annotation is bool:
+        return not default, []
+    if typing.get_origin(annotation) is list:
+        return [2, 3], ["2", "3"]
+    if annotation is float:
+        return 0.5, ["0.5"]
+    return (default or 1) + 1, [str((default or 1) + 1)]
+
+
+# what a leaf set alone needs beside it to make a valid recipe (checks across keys)
+COMPANIONS = {"ssd.enabled": ["--drafter", str(CONFIGS.parent.parent / "distill/assets/testbed_pard"), "--no-budget-adaptive"],
+              "budget.verify_drafts": ["--no-budget-adaptive"], "kv.rotate": ["--kv-format", "int8"]}
+
+
+def test_each_eval_flag_reaches_the_validated_recipe(tmp_path, monkeypatch):
+    """Every decoding flag, one at a time, with a value other than its default, and the top-level
+    flags and trailing KEY=VALUE overrides: each lands at its key of the recipe that run_recipe gets."""
+    import recipes.registry
+    from distill.base.decoding import DecodingSection
+
+    got = []
+    monkeypatch.setattr(recipes.registry, "run_recipe", lambda recipe, dry_run=False: got.append(recipe))
+    drafter = str(CONFIGS.parent.parent / "distill/assets/testbed_dflash")
+    for path, field in _decoding_leaves(DecodingSection):
+        key = ".".join(path)
+        value, words = _another_value(field)
+        flag = "--" + ("" if value is not False else "no-") + key.replace(".", "-").replace("_", "-")
+        argv = ["eval", "--drafter", drafter, "--output-dir", str(tmp_path), flag, *words, *COMPANIONS.get(key, [])]
+        assert cli.main(argv) == 0, argv
+        section = got.pop().decoding
+        for part in path:
+            section = getattr(section, part)
+        assert section == value, (key, section, value)
+    assert cli.main(["eval", "--drafter", drafter, "--output-dir", str(tmp_path / "x"), "--seed", "3", "--record-served",
+                     "--kv-format", "int4", "decoding.kv.rotate=true", "prompts.prompt_tokens=32", "--mode", "tree"]) == 0
+    recipe = got.pop()
+    assert (recipe.output_dir, recipe.seed, recipe.record_served) == (str(tmp_path / "x"), 3, True)
+    assert (recipe.decoding.kv.format, recipe.decoding.kv.rotate, recipe.decoding.mode) == ("int4", True, "tree")
+    assert recipe.prompts.prompt_tokens == 32 and recipe.prompts.from_corpus == 16 and recipe.target.path == "testbed"
+    assert cli.main(["eval", "--drafter", drafter]) == 0  # nothing given: the schema's defaults, the command's output_dir
+    recipe = got.pop()
+    assert recipe.decoding == DecodingSection() and recipe.output_dir == cli.EVAL_DEFAULTS["output_dir"]
+    assert cli.main(["eval", "--drafter", drafter, "--kv-format", "int8", "decoding.kv.format=fp8"]) == 0
+    assert got.pop().decoding.kv.format == "fp8"  # the overrides apply after the flags
+
+
+def test_an_old_eval_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "--drafter", "distill/assets/testbed_dflash", "--kv-cache", "int8"])
+    assert e.value.code == 2 and "--kv-cache" in capsys.readouterr().err
+
+
+def test_the_eval_examples_parse():
+    """Every ``draftsmith eval`` line of the examples names only flags the command has."""
+    import shlex
+
+    options = _eval_options()
+    lines = [line.split("#")[0] for line in cli.EXAMPLES["eval"].splitlines() if line.strip().startswith("draftsmith eval")]
+    assert len(lines) > 5
+    for line in lines:
+        flags = [w for w in shlex.split(line) if w.startswith("--")]
+        assert all(f in options for f in flags), (line, [f for f in flags if f not in options])

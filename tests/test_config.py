@@ -93,10 +93,12 @@ def test_lookup_drafts_serve_chains_trees_and_batches_not_ssd():
 
     from distill.base.decoding import DecodingSection
 
-    for ok in ({"mode": "tree", "lookup": 8}, {"lookup": 8}, {"lookup": 8, "temperature": 1.0}, {"lookup": 8, "batch_sizes": [4]}):
-        assert DecodingSection(**ok).lookup == 8
-    with pytest.raises(ValidationError, match="lookup: 0"):
-        DecodingSection(lookup=8, ssd=True, adaptive=False)
+    lookup = {"tokens": 8}
+    for ok in ({"mode": "tree", "lookup": lookup}, {"lookup": lookup}, {"lookup": lookup, "temperature": 1.0},
+               {"lookup": lookup, "batches": {"sizes": [4]}}):
+        assert DecodingSection(**ok).lookup.tokens == 8
+    with pytest.raises(ValidationError, match="lookup.tokens: 0"):
+        DecodingSection(lookup=lookup, ssd={"enabled": True}, budget={"adaptive": False})
 
 
 def test_kv_cache_formats_are_checked(tmp_path):
@@ -104,8 +106,8 @@ def test_kv_cache_formats_are_checked(tmp_path):
 
     from distill.base.decoding import DecodingSection
 
-    assert DecodingSection(kv_cache="int4", kv_rotate=True).kv_rotate
-    with pytest.raises(ValidationError, match="kv_rotate rotates keys and values before quantizing"):
-        DecodingSection(kv_rotate=True)
-    with pytest.raises(ValidationError, match="kv_cache"):
-        DecodingSection(kv_cache="int3")
+    assert DecodingSection(kv={"format": "int4", "rotate": True}).kv.rotate
+    with pytest.raises(ValidationError, match="decoding.kv.rotate rotates keys and values before quantizing"):
+        DecodingSection(kv={"rotate": True})
+    with pytest.raises(ValidationError, match="kv.format"):
+        DecodingSection(kv={"format": "int3"})

@@ -130,7 +130,7 @@ def test_shipped_drafter_loads_its_embeddings_and_head_from_the_target(tmp_path,
     loaded = load_drafter(str(tmp_path / "d"), target, "cpu")
     assert torch.equal(loaded.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(loaded.lm_head.weight, target.get_output_embeddings().weight)
-    own = {k: v for k, v in drafter.state_dict().items() if k not in drafters.core.TARGET_IO}
+    own = {k: v for k, v in drafter.state_dict().items() if k not in drafters.target_io.TARGET_IO}
     assert all(torch.equal(loaded.state_dict()[k], v.half().float()) for k, v in own.items())  # fp16 rounding only
 
 
@@ -169,7 +169,7 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
     Qwen3's query/key norms, grouped keys/values and YaRN scaling. A rotary scaling that changes with
     the length seen (dynamic NTK) gets no table."""
     from drafters import DFlashConfig, DFlashDrafter
-    from drafters.core import ContextCache
+    from drafters.cache import ContextCache
 
     torch.manual_seed(0)
     rope_parameters = {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}
@@ -211,7 +211,7 @@ def test_static_decoding_block_equals_the_cached_one(attention, fused):
     once whose contexts drift apart (0..K features arriving per row and step), gives each row
     decode_hidden's block for that row alone and leaves the same context in its buffers."""
     from drafters import DFlashConfig, DFlashDrafter
-    from drafters.core import ContextCache
+    from drafters.cache import ContextCache
 
     torch.manual_seed(0)
     cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
@@ -437,7 +437,7 @@ def test_attention_kernel_is_chosen_the_transformers_way(tmp_path, tiny_target_d
     default, transformers' eager attention on request, with the same drafts; a flex-attention BlockMask
     (training-sized batches on a GPU) gives the dense mask's logits too."""
     from distill.drafter_eval import build_drafter
-    from drafters.core import DraftAttention
+    from drafters.layers import DraftAttention
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     drafter = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, kind).drafter, target, str(tiny_target_dir),
@@ -465,7 +465,7 @@ def test_rope_parameters_come_from_the_target(tmp_path, tiny_target_dir):
     from transformers import AutoModel, AutoModelForCausalLM
 
     from distill.drafter_eval import build_drafter
-    from drafters.core import DraftAttention
+    from drafters.layers import DraftAttention
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     scaled = AutoModelForCausalLM.from_config(type(target.config)(**{

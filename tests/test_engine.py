@@ -11,9 +11,9 @@ import torch
 from distill.config import DataConfig, TargetConfig
 from distill.data import load_text_splits
 from distill.models import load_target
-from serve_eval import prepack
-from serve_eval.attention import available as attention_builds
 from serve_eval.budget import Budget
+from serve_eval.cpu import CpuBackend, prepack
+from serve_eval.cpu.attention import available as attention_builds
 from serve_eval.engine import Proposer, TargetSession, make_proposer, plain_generate, speculative_generate
 
 from .conftest import reset_accelerate
@@ -188,7 +188,7 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     recipe.write_text(yaml.safe_dump({
         "recipe": "eval", "output_dir": str(tmp_path / "unused"), "target": {"path": str(tiny_target_dir)},
         "drafter": str(trained_drafters["dflash"].folder), "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
-        "decoding": {"max_new_tokens": 16, "compile": "off", "batch_sizes": [2]},
+        "decoding": {"max_new_tokens": 16, "cpu": {"compile": "off"}, "batches": {"sizes": [2]}},
         "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}))
     out = tmp_path / "out"
     rows = main(["--recipe", str(recipe), "--factors", "2", "1", "--output", str(out)])
@@ -206,16 +206,15 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     made = (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns
     assert pad_mlp(tiny_target_dir, out / "targets" / "x2", 2) == out / "targets" / "x2"  # made once
     assert (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns == made
-    for bad in (["--recipe", "recipes/configs/dflash_testbed.yaml"], ["--recipe", str(recipe), "decoding.adaptive=false"]):
+    for bad in (["--recipe", "recipes/configs/dflash_testbed.yaml"], ["--recipe", str(recipe), "decoding.budget.adaptive=false"]):
         with pytest.raises(SystemExit) as exit_:
             main([*bad, "--output", str(out)])
         assert exit_.value.code == 2
 
 
-@pytest.mark.parametrize("decoding", [{"adaptive": False}, {"mode": "tree", "tree_budgets": [2, 8]},
-                                      {"draft_vocab": 128, "draft_vocab_prompts": 4, "drafter_int8": "head"},
-                                      {"draft_vocab": 96, "draft_vocab_prompts": 4, "draft_vocab_candidates": 8,
-                                       "draft_vocab_rank": 16}])
+@pytest.mark.parametrize("decoding", [{"budget": {"adaptive": False}}, {"mode": "tree", "tree_budgets": [2, 8]},
+                                      {"vocab": {"size": 128, "prompts": 4}, "cpu": {"int8": "head"}},
+                                      {"vocab": {"size": 96, "prompts": 4, "candidates": 8, "rank": 16}}])
 def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_dir, trained_drafters, decoding):
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -232,7 +231,7 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
         peer = report[key]
         assert peer["same_as_greedy"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
         assert peer["ours_over_peer"] == pytest.approx(report["tokens_per_s"] / peer["tokens_per_s"], rel=1e-3)
-    if decoding.get("adaptive", True):  # the budget's cost table and its choices are reported
+    if decoding.get("budget", {}).get("adaptive", True):  # the budget's cost table and its choices are reported
         adaptive = report["adaptive"]
         assert set(adaptive["verify_ms"]) >= {"1", "3"} and 1 <= adaptive["mean_verified"] <= 9
         histogram = {int(n): c for n, c in adaptive["verified_histogram"].items()}
@@ -259,20 +258,21 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
     assert report["target_prepack"]["kernel"] == ("panels" if prepack.panels_available() else "onednn")
     assert report["target_attention"]["kernel"] == ("draftsmith_fp32" if attention_builds() else "sdpa")  # and its attention,
     assert report["draft_attention"] == report["target_attention"]  # and the block drafter's
-    assert report["target_forward"] == "lean"  # a Llama target: serve_eval.lean's walk
-    assert report["drafter_int8"]["which"] == decoding.get("drafter_int8", "all") and report["drafter_int8"]["kernel"] in ("avx512-vnni", "avx2")
+    assert report["target_forward"] == "lean"  # a Llama target: serve_eval.cpu.lean's walk
+    assert report["drafter_int8"]["which"] == decoding.get("cpu", {}).get("int8", "all") and report["drafter_int8"]["kernel"] in ("avx512-vnni", "avx2")
     graph = report["draft_compiled"]  # and the draft compiled as one graph, over caches for 16 + 24 positions and a block
-    assert graph["graph"] == "decode_static" + ("" if "draft_vocab_candidates" in decoding else " + propose")
+    vocab = decoding.get("vocab", {})
+    assert graph["graph"] == "decode_static" + ("" if "candidates" in vocab else " + propose")
     assert graph["cache_positions"] == 16 + 24 + 4 + 1 and graph["graph_drafts"] > 10
-    if "draft_vocab" in decoding:  # the heads restricted to the 128 tokens the target's answers use most
-        vocab = report["draft_vocab"]
-        assert vocab["size"] == decoding["draft_vocab"] and vocab["counted_tokens"] == 4 * 24 and 0.5 < vocab["coverage"] <= 1
-    if "draft_vocab_candidates" in decoding:  # 96 static tokens and each row's 8 best by a rank-16 head
+    if "size" in vocab:  # the heads restricted to the 128 tokens the target's answers use most
+        record = report["draft_vocab"]
+        assert record["size"] == vocab["size"] and record["counted_tokens"] == 4 * 24 and 0.5 < record["coverage"] <= 1
+    if "candidates" in vocab:  # 96 static tokens and each row's 8 best by a rank-16 head
         per_step = report["draft_vocab"]["per_step"]
         assert per_step == {"static": 96, "candidates": 8, "rank": 16, "size": 104}
         assert report["drafter_int8"]["which"] == "all"  # every Linear but the per-step head, which keeps its rows
         assert type(trained_drafters["dflash"].lm_head).__name__ != "CandidateHead"  # the eval's own copy changed
-    elif "drafter_int8" in decoding:  # the restricted head, served from int8 codes of its 128 rows
+    elif "cpu" in decoding:  # the restricted head, served from int8 codes of its 128 rows
         int8 = report["drafter_int8"]
         assert int8["which"] == "head" and int8["linears"] == 1 and int8["int8_bytes"] < int8["weight_bytes"] / 3
 
@@ -585,14 +585,14 @@ def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, t
                              "decoding": {"max_new_tokens": 8, **decoding},
                              "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
 
-    with pytest.raises(RecipeError, match="decoding.batch_sizes: batched decoding runs block drafters"):
-        evaluate.main(recipe("eagle3", batch_sizes=[2]))
-    with pytest.raises(RecipeError, match="need at least as many prompts"):
-        evaluate.main(recipe("dflash", batch_sizes=[4]))
-    with pytest.raises(RecipeError, match="decoding.compile = 'on' compiles a block drafter's draft.*Eagle3Drafter"):
-        evaluate.main(recipe("eagle3", compile="on"))  # a compiled draft is a block drafter's; off / auto: eager
+    with pytest.raises(RecipeError, match="decoding.batches.sizes: batched decoding runs block drafters"):
+        recipe("eagle3", batches={"sizes": [2]})  # refused with the recipe
+    with pytest.raises(RecipeError, match="decoding.batches.sizes: 4 rows need at least as many prompts"):
+        evaluate.main(recipe("dflash", batches={"sizes": [4]}))
+    with pytest.raises(RecipeError, match="decoding.cpu.compile = 'on' compiles a block drafter's draft.*Eagle3Drafter"):
+        evaluate.main(recipe("eagle3", cpu={"compile": "on"}))  # a compiled draft is a block drafter's; off / auto: eager
     assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
-    assert evaluate.main(recipe("eagle3", compile=False))["draft_compiled"] == "off"  # a bare YAML off
+    assert evaluate.main(recipe("eagle3", cpu={"compile": False}))["draft_compiled"] == "off"  # a bare YAML off
 
 
 def test_the_up_front_margin_is_strict_for_short_runs_and_sampled_rows():
@@ -604,8 +604,8 @@ def test_the_up_front_margin_is_strict_for_short_runs_and_sampled_rows():
 
 
 def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tmp_path, tiny_target_dir, trained_drafters):
-    """``decoding.batch_sizes``: each size decodes every prompt plainly, speculatively, speculatively
-    again and plainly again (drift cancels), ``batch_rounds`` times; the row's speedup pools every
+    """``decoding.batches.sizes``: each size decodes every prompt plainly, speculatively, speculatively
+    again and plainly again (drift cancels), ``batches.rounds`` times; the row's speedup pools every
     pair, each half is reported, and all eight outputs are the same greedy tokens."""
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -613,7 +613,7 @@ def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tm
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir)},
                            "drafter": str(trained_drafters["dflash"].folder),
                            "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 16},
-                           "decoding": {"max_new_tokens": 12, "batch_sizes": [2], "batch_rounds": 2},
+                           "decoding": {"max_new_tokens": 12, "batches": {"sizes": [2], "rounds": 2}},
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     [row] = evaluate.main(recipe)["by_batch"]
     assert row["batch"] == 2 and row["prompts"] == 3 and row["rounds"] == 2 and row["lossless"] is True
@@ -636,15 +636,15 @@ def test_draft_vocabularies_refuse_what_they_cannot_restrict(tmp_path, tiny_targ
                              "decoding": {"max_new_tokens": 8, **decoding},
                              "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
 
-    with pytest.raises(RecipeError, match="decoding.draft_vocab = 64: .*the drafter is the target"):
-        evaluate.main(recipe(tiny_target_dir, draft_vocab=64, drafter_int8="off"))
-    with pytest.raises(RecipeError, match="decoding.draft_vocab_candidates = 64: .*the drafter is the target"):
-        evaluate.main(recipe(tiny_target_dir, draft_vocab_candidates=64, drafter_int8="off"))
+    with pytest.raises(RecipeError, match="decoding.vocab.size = 64: .*the drafter .* is the target"):
+        recipe(tiny_target_dir, vocab={"size": 64}, cpu={"int8": "off"})  # refused with the recipe
+    with pytest.raises(RecipeError, match="decoding.vocab.candidates = 64: .*the drafter .* is the target"):
+        recipe(tiny_target_dir, vocab={"candidates": 64}, cpu={"int8": "off"})
     dflash = trained_drafters["dflash"].folder
-    with pytest.raises(RecipeError, match="drafter_int8 = 'head' with draft_vocab_candidates"):
-        evaluate.main(recipe(dflash, draft_vocab_candidates=64, drafter_int8="head"))
-    with pytest.raises(RecipeError, match="do not fit the drafter's 512 x"):
-        evaluate.main(recipe(dflash, draft_vocab_candidates=600))
+    with pytest.raises(RecipeError, match="decoding.cpu.int8 = 'head' with decoding.vocab.candidates"):
+        recipe(dflash, vocab={"candidates": 64}, cpu={"int8": "head"})
+    with pytest.raises(RecipeError, match="decoding.vocab.candidates = 600 .* do not fit the drafter's 512 x"):
+        evaluate.main(recipe(dflash, vocab={"candidates": 600}))
     assert not (tmp_path / "report.json").exists()
 
 
@@ -779,7 +779,7 @@ def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_p
     recipe = parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / "serve"), "target": {"path": str(tiny_target_dir)},
                            "drafter": str(folder), "record_served": True,
                            "prompts": {"from_corpus": 4, "split": "train", "prompt_tokens": 16},
-                           "decoding": {"max_new_tokens": 24, "kv_cache": "int8"},
+                           "decoding": {"max_new_tokens": 24, "kv": {"format": "int8"}},
                            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
     report = evaluate.main(recipe)
     quality = report["kv_quality"]
@@ -804,14 +804,14 @@ def test_served_records_feed_the_drafter_recipe_and_kv_quality_is_reported(tmp_p
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters, kind):
-    """A target served from weights prepacked once (serve_eval.prepack: the AVX2 panel kernel where it
+    """A target served from weights prepacked once (serve_eval.cpu.prepack: the AVX2 panel kernel where it
     builds, else oneDNN's) is the target both loops decode with: its logits are the float Linears' up to summation order, and greedy chains, trees and
     batches still equal its own plain decoding."""
     import copy
 
     from drafters import is_block_drafter
     from serve_eval.batch import BatchScheduler, batched_speculative_generate
-    from serve_eval.prepack import prepack_linears
+    from serve_eval.cpu.prepack import prepack_linears
 
     target, tok, prompts = target_and_prompts
     packed = copy.deepcopy(target)
@@ -842,11 +842,11 @@ def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters,
 
 @pytest.mark.parametrize("kind", [*KINDS, "causal_lm"])
 def test_int8_drafters_stay_lossless(target_and_prompts, trained_drafters, kind):
-    """A drafter served with int8 weights (serve_eval.int8; a causal LM: the target itself, its head in
+    """A drafter served with int8 weights (serve_eval.cpu.int8; a causal LM: the target itself, its head in
     int8; block drafters with fused products) is another drafter: greedy chains and trees still equal plain decoding."""
     import copy
 
-    from serve_eval.int8 import Int8Linear, int8_drafter
+    from serve_eval.cpu.int8 import Int8Linear, int8_drafter
 
     target, tok, prompts = target_and_prompts
     drafter = copy.deepcopy(target if kind == "causal_lm" else trained_drafters[kind])
@@ -875,19 +875,20 @@ def close_to_rounding_or_an_int8_step(actual, expected, tight: list) -> None:
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
-    """A block drafter's draft compiled as one graph (serve_eval.compiled, over the fused int8 drafter
+    """A block drafter's draft compiled as one graph (serve_eval.cpu.compiled, over the fused int8 drafter
     the eval serves) gives each step the eager draft's block and greedy proposal (DSpark's chain after
     the graph's own drafts), to rounding; greedy chains and trees still equal plain decoding, and a
     sequence longer than the graph's caches drafts eagerly past them."""
     import copy
 
-    from serve_eval import compiled
-    from serve_eval.int8 import int8_drafter
+    from serve_eval.cpu import compiled
+    from serve_eval.cpu.int8 import int8_drafter
 
     target, tok, prompts = target_and_prompts
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
-    record = compiled.compile_drafts(drafter, max(len(p) for p in prompts) + MAX_NEW)
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    record = backend.compile_draft(drafter, max(len(p) for p in prompts) + MAX_NEW)
     assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
     graph_call, counts, tight = compiled.CompiledDraft.__call__, [], []
 
@@ -909,13 +910,14 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     monkeypatch.setattr(compiled.CompiledDraft, "__call__", checked)
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
-        assert speculative_generate(target, drafter, prompt, MAX_NEW)[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}))[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, backend=backend)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}), backend=backend)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}),
+                                    backend=backend)[0] == reference
     assert len(counts) > 20 and len(set(counts)) > 2  # the graph drafted, after steps that kept various counts
     assert sum(tight) >= 0.95 * len(tight)
     longer, before = torch.cat([prompts[0]] * 3), len(counts)  # past the graph's caches: eager, still lossless
-    assert speculative_generate(target, drafter, longer, MAX_NEW)[0] == plain_generate(target, longer, MAX_NEW)[0]
+    assert speculative_generate(target, drafter, longer, MAX_NEW, backend=backend)[0] == plain_generate(target, longer, MAX_NEW)[0]
     assert len(counts) == before
 
 
@@ -927,17 +929,18 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     to the eager decode_static on the same buffers, and every row equals plain decoding."""
     import copy
 
-    from serve_eval import compiled
     from serve_eval.batch import BatchScheduler, batched_speculative_generate
-    from serve_eval.int8 import int8_drafter
+    from serve_eval.cpu import compiled
+    from serve_eval.cpu.int8 import int8_drafter
 
     target, _, prompts = target_and_prompts
     prompts = [prompts[0], prompts[1][:17], prompts[2][:9], prompts[0][:20]]
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
     int8_drafter(drafter, "all")
     # 3 rows, and 2 as the tail of 3 (rows finish apart): every count below the smallest batch gets a graph
-    assert compiled.compile_drafts(drafter, max(map(len, prompts)) + MAX_NEW, rows=(3,))["rows"] == [1, 2, 3]
-    assert set(compiled.for_drafter(drafter).unguarded) == {(1, True), (2, True), (3, True)}  # each graph's code, unguarded
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    assert backend.compile_draft(drafter, max(map(len, prompts)) + MAX_NEW, rows=(3,))["rows"] == [1, 2, 3]
+    assert backend.draft_graph(drafter).warmed == {(1, True), (2, True), (3, True)}  # each graph compiled up front
     graph_run, rows_seen, tight = compiled.CompiledDraft.run, [], []
 
     def checked(self, anchors, counts, arriving, keys, values, propose):
@@ -946,7 +949,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
         features[:, :arriving.shape[1]] = arriving
         reference = drafter.decode_static(anchors, counts, features, copies[:len(keys)], copies[len(keys):])
         guarded = self.graph(drafter, anchors, counts, features, guarded_copies[:len(keys)], guarded_copies[len(keys):], propose)
-        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)  # unguarded: the same bits
+        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)  # its graph's guards only: the same bits
         assert torch.equal(hidden, guarded[0]) and all(torch.equal(a, b) for a, b in zip(keys + values, guarded_copies))
         close_to_rounding_or_an_int8_step(hidden, reference, tight)
         rows_seen.append(len(anchors))
@@ -956,7 +959,8 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
     K = drafter.config.block_size
     for slots, scheduler in ((3, None), (2, None), (3, BatchScheduler(Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}), K))):
-        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler)[0] == reference
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler,
+                                            backend=backend)[0] == reference
     assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
     assert sum(tight) >= 0.95 * len(tight)
 
@@ -967,12 +971,13 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     the drafts the eager path gives from the same context (rows of different lengths)."""
     import copy
 
-    from serve_eval import compiled
     from serve_eval.batch import BatchContext
+    from serve_eval.cpu import compiled
 
     drafter = copy.deepcopy(trained_drafters["dflash"]).fuse_projections()  # as the loops serve it
     eager = copy.deepcopy(drafter)  # never compiled: its context drafts eagerly
-    compiled.compile_drafts(drafter, 48, rows=(2,))
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    backend.compile_draft(drafter, 48, rows=(2,))
     calls, run = [], compiled.CompiledDraft.run
     monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(len(args[0])) or run(self, *args))
     torch.manual_seed(0)
@@ -980,7 +985,7 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     start, steps, anchors = torch.randn(2, 12, width), [torch.randn(2, 1, width) for _ in range(5)], torch.tensor([[3], [7]])
     drafts = []
     for d in (drafter, eager):
-        context = BatchContext(d)
+        context = BatchContext(d, backend)
         context.start(start, torch.tensor([12, 9]))
         for features in steps:
             context.defer(features, torch.ones(2, dtype=torch.long))
@@ -998,13 +1003,14 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
     of the eager path from the same features (its one forward over them all), the same context length."""
     import copy
 
-    from serve_eval import compiled
+    from serve_eval.cpu import compiled
     from serve_eval.engine import BlockProposer
     from serve_eval.sampling import Sampler
 
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()  # as the loops serve it
     eager = copy.deepcopy(drafter)
-    compiled.compile_drafts(drafter, 48)
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    backend.compile_draft(drafter, 48)
     calls, run = [], compiled.CompiledDraft.run
     monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(args[2].shape[1]) or run(self, *args))
     torch.manual_seed(0)
@@ -1012,7 +1018,7 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
     features = [torch.randn(1, 3 * K + 2, drafter.fc.in_features), torch.randn(1, K + 1, drafter.fc.in_features)]
     drafts = []
     for d in (drafter, eager):
-        proposer, out, position = BlockProposer(d), [], 0
+        proposer, out, position = BlockProposer(d, backend=backend), [], 0
         for chunk, anchor in zip(features, (5, 9)):  # a prompt's features, then a step's too many
             proposer.observe(chunk, position, None)
             position += chunk.shape[1]
@@ -1027,12 +1033,11 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
 
 def test_each_compiled_drafter_has_a_graph_of_its_own():
     """Two drafters alike in every shape, one with causal blocks and one with bidirectional ones, each
-    compiled (serve_eval.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
+    compiled (serve_eval.cpu.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
     them would give one the other's mask): each draft equals its own drafter's eager one."""
     import copy
 
-    from drafters.core import ContextCache
-    from serve_eval import compiled
+    from drafters.cache import ContextCache
 
     from .conftest import tiny_dflash
 
@@ -1040,8 +1045,9 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
     aux = torch.randn(1, 40, 32)
     for attention in ("causal", "bidirectional"):
         drafter = tiny_dflash(attention)
-        compiled.compile_drafts(drafter, 32)
-        graph = compiled.for_drafter(drafter)
+        backend = CpuBackend(prepack="off", int8="off", compile="off")
+        backend.compile_draft(drafter, 32)
+        graph = backend.draft_graph(drafter)
         cache = ContextCache(spare=4, capacity=graph.positions)
         with torch.inference_mode():
             drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])

@@ -139,7 +139,7 @@ def speculators_or_skip():
     try:
         import speculators  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"the speculators library is not installed ({e}); `make install` installs it (see docs/export.md)")
+        pytest.skip(f"the speculators library is not installed ({e}); `make install` installs it (see docs/guides/publishing.md)")
     return speculators
 
 
@@ -424,7 +424,7 @@ def test_a_drafter_shipped_without_the_targets_weights_exports(tmp_path, target,
     """A shipped drafter (saved without the target's embeddings and head: they load from the target)
     shares them with a target that ties the two, one tensor under two names, which saving refuses;
     the export gives it copies of its own, and the gate passes."""
-    from drafters.core import save_without_target_io, shares_target_io
+    from drafters.target_io import save_without_target_io, shares_target_io
     from recipes.export import export_drafter
 
     assert target[0].config.tie_word_embeddings

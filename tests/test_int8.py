@@ -1,4 +1,4 @@
-"""serve_eval.int8: a Linear served from int8 weight codes and int8 activations computes what its
+"""serve_eval.cpu.int8: a Linear served from int8 weight codes and int8 activations computes what its
 codes say (the int32 sum is exact), stays close to the full-precision Linear, and converts a drafter's
 heads (restricted or not) or all its Linears."""
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from drafters.vocab import RestrictedHead
-from serve_eval import int8 as int8_module
-from serve_eval.int8 import Int8Linear, Int8RestrictedHead, int8_drafter
+from serve_eval.cpu import int8 as int8_module
+from serve_eval.cpu.int8 import Int8Linear, Int8RestrictedHead, int8_drafter
 
 
 def _torch_arithmetic(int8: Int8Linear, x: torch.Tensor, levels: int = 127) -> torch.Tensor:
@@ -77,7 +77,7 @@ def test_a_row_of_the_operator_is_its_own_and_a_row_of_zeros_is_the_bias(isa):
 
 
 def test_a_compiled_graph_holds_the_operator_and_bad_shapes_are_refused():
-    from serve_eval.compiled import available
+    from serve_eval.cpu.compiled import available
 
     torch.manual_seed(0)
     int8 = Int8Linear.from_linear(nn.Linear(48, 40))
@@ -125,5 +125,5 @@ def test_int8_drafter_converts_heads_or_everything():
 def test_the_recipe_setting_reads_a_bare_yaml_off():
     from recipes.registry import load_recipe
 
-    assert load_recipe("eval_testbed", ["decoding.drafter_int8=off"]).decoding.drafter_int8 == "off"
-    assert load_recipe("eval_testbed", []).decoding.drafter_int8 == "auto"
+    assert load_recipe("eval_testbed", ["decoding.cpu.int8=off"]).decoding.cpu.int8 == "off"
+    assert load_recipe("eval_testbed", []).decoding.cpu.int8 == "auto"

@@ -1,4 +1,4 @@
-"""The lean target forward (serve_eval.lean) computes bitwise what the model's own forward computes:
+"""The lean target forward (serve_eval.cpu.lean) computes bitwise what the model's own forward computes:
 logits and features, one row and batches, chains and tree masks, full and quantized caches, on
 Llama and Qwen3 targets; it steps aside wherever it would not."""
 
@@ -11,11 +11,12 @@ from transformers import DynamicCache
 from distill.base.features import FeatureCapture
 from distill.config import ModelConfig
 from distill.models import build_causal_lm
-from serve_eval import attention, prepack
 from serve_eval.batch import BatchTarget
+from serve_eval.cpu import CpuBackend, attention, prepack
+from serve_eval.cpu.lean import LeanForward, lean_forward
 from serve_eval.engine import TargetSession
+from serve_eval.forward import TargetForward
 from serve_eval.kv import kv_quant
-from serve_eval.lean import LeanForward, TargetForward, lean_forward
 
 
 def _target(arch: str, **changes):
@@ -25,11 +26,13 @@ def _target(arch: str, **changes):
     return build_causal_lm(cfg, 300).eval()
 
 
+LEAN = CpuBackend(prepack="off", int8="off", compile="off")
+
+
 def _pair(make):
-    """The same session twice: the lean forward, and the model's forward (its lean walk switched off)."""
-    lean, module = make(), make()
-    assert isinstance(lean.run.lean, LeanForward)
-    module.run.lean = None
+    """The same session twice: the CPU backend's lean walk, and the model's forward (the walk switched off)."""
+    lean, module = make(LEAN), make(LEAN.with_lean(False))
+    assert isinstance(lean.run.walk, LeanForward) and module.run.walk is None
     return lean, module
 
 
@@ -54,7 +57,7 @@ def test_one_row_steps_equal_the_models_forward(arch, kv, served):
         prepack.prepack_linears(target, "on")
         attention.use_attention(target)
     capture = FeatureCapture(target, [0, 2])
-    lean, module = _pair(lambda: TargetSession(target, capture, kv_quant(kv)))
+    lean, module = _pair(lambda backend: TargetSession(target, capture, kv_quant(kv), backend))
     gen = torch.Generator().manual_seed(1)
     for n in (13, 1, 1, 6, 3):  # a prefill, then steps
         ids = torch.randint(0, 300, (1, n), generator=gen)
@@ -66,7 +69,7 @@ def test_one_row_steps_equal_the_models_forward(arch, kv, served):
     ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     _same(lean.forward_tree(ids, depths, ancestors), module.forward_tree(ids, depths, ancestors))
     prompt = torch.randint(0, 300, (1, 11), generator=gen)  # a prefill that reads the last position's logits only
-    lean, module = _pair(lambda: TargetSession(target, capture, kv_quant(kv)))
+    lean, module = _pair(lambda backend: TargetSession(target, capture, kv_quant(kv), backend))
     last = lean.forward(prompt, last=True)
     _same(last, module.forward(prompt, last=True))
     assert last[0].shape == (1, 300)
@@ -79,7 +82,7 @@ def test_batch_steps_equal_the_models_forward(arch):
     """Ragged rows, padded steps where rows read different counts, rows keeping different counts."""
     target = _target(arch)
     capture = FeatureCapture(target, [1])
-    lean, module = _pair(lambda: BatchTarget(target, capture))
+    lean, module = _pair(lambda backend: BatchTarget(target, capture, backend=backend))
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 300, (length,), generator=gen) for length in (9, 4, 12)]
     _same(lean.prefill(prompts), module.prefill(prompts))
@@ -108,7 +111,7 @@ def test_a_model_without_logits_to_keep_gives_each_rows_own_logits():
     ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(7)[None].expand(2, 7)
     run = TargetForward(Plain())
-    assert run.lean is None and not run.keeps
+    assert run.walk is None and not run.keeps
     with torch.inference_mode():
         full, _ = run(ids, positions, None, DynamicCache(config=target.config))
         last, _ = run(ids, positions, None, DynamicCache(config=target.config), torch.tensor([6, 3]))

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafters.core import sample_anchors
 from drafters.losses import (
     acceptance_probability,
     block_loss,
@@ -16,6 +15,7 @@ from drafters.losses import (
     position_weights,
     weighted_mean,
 )
+from drafters.masks import sample_anchors
 
 
 def _logits(seed, shape=(2, 3, 5, 11)):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 
-import drafters.core as core
+import drafters.layers as layers
 from distill.base.features import FeatureCapture
 from distill.config.sections import DrafterSection, ModelConfig
 from distill.drafter_eval import build_drafter
@@ -90,7 +90,7 @@ def kernel_dtypes(monkeypatch):
         return call
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy(F.scaled_dot_product_attention))
-    monkeypatch.setattr(core, "flex_attention", spy(core.flex_attention))
+    monkeypatch.setattr(layers, "flex_attention", spy(layers.flex_attention))
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     return seen
 

@@ -1,4 +1,4 @@
-"""serve_eval.prepack: a Linear served from a weight repacked once (our AVX2 panels, oneDNN's layout)
+"""serve_eval.cpu.prepack: a Linear served from a weight repacked once (our AVX2 panels, oneDNN's layout)
 computes the float Linear (up to summation order), the panel kernel gives a row the same bits whatever
 rows share the call, the original Parameters stay, gradients fall back to F.linear, every fp32 Linear
 of a target converts; the setting resolves per device and reads bare YAML on / off."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from serve_eval import prepack
-from serve_eval.prepack import PANEL_ROWS, PrepackedLinear, available, prepack_linears, resolve
+from serve_eval.cpu import prepack
+from serve_eval.cpu.prepack import PANEL_ROWS, PrepackedLinear, available, prepack_linears, resolve
 
 KERNELS = [pytest.param("panels", marks=pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")),
            pytest.param("onednn", marks=pytest.mark.skipif(not prepack.onednn_available(), reason="no oneDNN Linear ops"))]
@@ -161,26 +161,26 @@ def test_the_setting_resolves_per_device_to_a_kernel():
     best = "panels" if prepack.panels_available() else "onednn"
     assert resolve("auto", "cpu") == resolve("on", "cpu") == best
     assert resolve("auto", "cuda") == "off" and resolve("off", "cpu") == "off"
-    with pytest.raises(ValueError, match="decoding.prepack = 'on'.*cuda"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'on'.*cuda"):
         resolve("on", "cuda")
-    with pytest.raises(ValueError, match="decoding.prepack = 'onednn'.*cuda"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'onednn'.*cuda"):
         resolve("onednn", "cuda")
 
 
 def test_a_kernel_that_does_not_serve_here_is_refused(monkeypatch):
     monkeypatch.setattr(prepack, "panels_available", lambda: False)
-    with pytest.raises(ValueError, match="decoding.prepack = 'panels'.*AVX2"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'panels'.*AVX2"):
         resolve("panels", "cpu")
     monkeypatch.setattr(prepack, "onednn_available", lambda: False)
     assert resolve("auto", "cpu") == "off"
-    with pytest.raises(ValueError, match="decoding.prepack = 'on': neither"):
+    with pytest.raises(ValueError, match="decoding.cpu.prepack = 'on': neither"):
         resolve("on", "cpu")
 
 
 def test_the_recipe_setting_reads_bare_yaml_on_and_off():
     from recipes.registry import load_recipe
 
-    assert load_recipe("eval_testbed", []).decoding.prepack == "auto"
-    assert load_recipe("eval_testbed", ["decoding.prepack=off"]).decoding.prepack == "off"
-    assert load_recipe("eval_testbed", ["decoding.prepack=on"]).decoding.prepack == "on"
-    assert load_recipe("eval_testbed", ["decoding.prepack=onednn"]).decoding.prepack == "onednn"
+    assert load_recipe("eval_testbed", []).decoding.cpu.prepack == "auto"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=off"]).decoding.cpu.prepack == "off"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=on"]).decoding.cpu.prepack == "on"
+    assert load_recipe("eval_testbed", ["decoding.cpu.prepack=onednn"]).decoding.cpu.prepack == "onednn"

@@ -100,11 +100,12 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     it wraps was timed, and the parts fit inside the step they belong to; ``--attention both`` prints
     both settings' profiles and their ratios; the timers come off afterwards."""
     from recipes.profile_step import main
-    from serve_eval import attention, engine
+    from serve_eval import engine
     from serve_eval.budget import Budget
+    from serve_eval.cpu import attention
 
     originals = (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length)
-    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--compile", "off",
+    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--cpu-compile", "off",
                    "--attention", "both"])
     parts = report["ms_per_step"]  # (eager: a compiled draft is one graph, timed as proposer.propose)
     assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length", "target.verify",
@@ -122,9 +123,9 @@ def test_the_step_profiler_compares_the_lean_forward_with_the_models(capsys):
     again; two A/Bs at once are refused."""
     from distill.models import build_causal_lm, tiny_target
     from recipes.profile_step import main
-    from serve_eval.lean import lean_forward
+    from serve_eval.cpu.lean import lean_forward
 
-    main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--compile", "off",
+    main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--cpu-compile", "off",
           "--forward", "both"])
     out = capsys.readouterr().out
     assert out.count("plain steps)") == 2 and "forward lean" in out and "forward module" in out
@@ -142,7 +143,7 @@ def test_the_step_profiler_splits_a_batched_run(capsys):
     from serve_eval import batch
 
     originals = (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate)
-    report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--compile", "off"])
+    report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--cpu-compile", "off"])
     assert report["batch"] == 2 and report["prompts"] == 16 and report["speedup"] > 0
     assert 0 < report["prefills_s"]["plain"] < report["plain_s"] and 0 < report["prefills_s"]["speculative"] < report["spec_s"]
     parts = report["ms_per_spec_step"]
@@ -159,7 +160,7 @@ def test_the_attention_benchmark_times_both_kernels(capsys):
     """``python -m recipes.bench_attention``, briefly: a row per query count and cache state, both
     kernels timed and their ratio printed."""
     from recipes.bench_attention import main
-    from serve_eval import attention
+    from serve_eval.cpu import attention
 
     if not attention.available():
         pytest.skip("no AVX2 or no compiler")
@@ -175,7 +176,7 @@ def test_the_linear_benchmark_frames_the_kernel_by_both_limits(capsys):
     FLOP/s and weight bytes/s each consistent with the time and with its fraction of the limit; bad
     arguments exit."""
     from recipes.bench_linears import main
-    from serve_eval import prepack
+    from serve_eval.cpu import prepack
 
     if not prepack.panels_available():
         pytest.skip("no AVX2 or no compiler")

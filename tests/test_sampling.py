@@ -114,9 +114,9 @@ def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, 
 
 
 def test_an_int8_drafter_samples_the_target_distribution(toy_target):
-    """A DFlash drafter served from int8 codes (serve_eval.int8, every Linear) proposes its own q, which
+    """A DFlash drafter served from int8 codes (serve_eval.cpu.int8, every Linear) proposes its own q, which
     drafting and the acceptance test both read: chains and trees sample the target's distribution."""
-    from serve_eval.int8 import int8_drafter
+    from serve_eval.cpu.int8 import int8_drafter
 
     torch.manual_seed(4)
     section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
@@ -130,12 +130,13 @@ def test_an_int8_drafter_samples_the_target_distribution(toy_target):
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_a_compiled_drafter_samples_the_target_distribution(toy_target, kind, monkeypatch):
-    """A block drafter whose drafts come from its compiled graph (serve_eval.compiled, over fused int8
+    """A block drafter whose drafts come from its compiled graph (serve_eval.cpu.compiled, over fused int8
     products) draws them from the logits the graph returns, which the acceptance test reads: batches of
     two rows, chains (a per-step budget, drafts skipped now and then) and trees sample the target's
     distribution."""
-    from serve_eval import batch, compiled
-    from serve_eval.int8 import int8_drafter
+    from serve_eval import batch
+    from serve_eval.cpu import CpuBackend
+    from serve_eval.cpu.int8 import int8_drafter
 
     torch.manual_seed(5)
     section = DrafterSection(kind=kind, block_size=3, target_layer_ids=[0, 1, 2])
@@ -143,24 +144,26 @@ def test_a_compiled_drafter_samples_the_target_distribution(toy_target, kind, mo
     with torch.no_grad():  # flat drafts (small logits), so that drafting the argmax instead of a draw would show
         drafter.norm.weight.mul_(0.1)
     int8_drafter(drafter.fuse_projections(), "all")
-    compiled.compile_drafts(drafter, len(PROMPT) + 3, sampled=True, rows=(2,))
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    backend.compile_draft(drafter, len(PROMPT) + 3, sampled=True, rows=(2,))
+    graph = backend.draft_graph(drafter)
     args = {"temperature": 1.0, "top_k": 4} if kind == "dspark" else {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
     counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
     for _ in range(SAMPLES // 2):  # batches of two rows, drafted by the two-row graph
         outs, _ = batch.batched_speculative_generate(toy_target, drafter, [PROMPT, PROMPT], 3,
-                                                     samplers=[Sampler(**args, generator=g) for g in gens])
+                                                     samplers=[Sampler(**args, generator=g) for g in gens], backend=backend)
         for out in outs:
             counts[out[1], out[2]] += 1
     assert chi_square_pvalue(counts, exact) > ALPHA
-    batched = compiled.for_drafter(drafter).calls
+    batched = graph.calls
     calls = itertools.count()
     monkeypatch.setattr(DraftSwitch, "should_draft", lambda self: next(calls) % 4 != 0)
-    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, budget=Budget(VARIED_COSTS)), exact) > ALPHA
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, budget=Budget(VARIED_COSTS), backend=backend), exact) > ALPHA
     monkeypatch.undo()
-    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5), exact) > ALPHA
+    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, backend=backend), exact) > ALPHA
     assert batched > SAMPLES // 4  # the graphs drafted (a sequence's first draft is eager; 3 tokens)
-    assert compiled.for_drafter(drafter).calls - batched > SAMPLES // 10
+    assert graph.calls - batched > SAMPLES // 10
 
 
 @pytest.mark.parametrize("args", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 2}])

@@ -127,13 +127,14 @@ def test_an_eval_measures_ssd_beside_plain_speculative_decoding():
 
     target = lm(0)
     prompts = [torch.randint(4, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 9)]
-    dec = DecodingSection(max_new_tokens=24, adaptive=False, draft_length=3, ssd=True, ssd_branches=4, ssd_concurrent=False)
+    dec = DecodingSection(max_new_tokens=24, budget={"adaptive": False}, drafter={"draft_length": 3},
+                          ssd={"enabled": True, "branches": 4, "concurrent": False})
     report = measure(target, target, prompts, dec, None, lambda i: Sampler(), None)
     ssd = report["ssd"]
     assert report["lossless"] is True and ssd["speculative_decoding"]["tau"] > 1 and ssd["hit_rate"] > 0.5
     assert ssd["modeled_separate_device_speedup"] > 0 and ssd["over_speculative_decoding"] > 0
     with pytest.raises(ValueError, match="ssd verifies every draft of a chain"):
-        DecodingSection(ssd=True)  # per-step budgets are on by default
+        DecodingSection(ssd={"enabled": True})  # per-step budgets are on by default
 
 
 def test_the_shipped_pard_drafter_speculates_losslessly_for_the_testbed_target():

@@ -113,11 +113,11 @@ def test_eval_recipe_runs_a_student_and_parcae_self_speculation(students, tmp_pa
               "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}
     report = evaluate.main(parse_recipe({**common, "output_dir": str(tmp_path / "student"), "target": {"path": str(tiny_target_dir)},
                                          "drafter": str(student_folder),
-                                         "decoding": {"max_new_tokens": 16, "draft_length": 3}}))
+                                         "decoding": {"max_new_tokens": 16, "drafter": {"draft_length": 3}}}))
     assert report["lossless"] is True and len(report["acceptance_by_position"]) == 3
     report = evaluate.main(parse_recipe({**common, "output_dir": str(tmp_path / "self"), "target": {"path": str(parcae_folder)},
                                          "drafter": str(parcae_folder),
-                                         "decoding": {"max_new_tokens": 16, "draft_length": 3, "draft_recurrence": 1}}))
+                                         "decoding": {"max_new_tokens": 16, "drafter": {"draft_length": 3, "draft_recurrence": 1}}}))
     assert report["lossless"] is True and report["drafter_kind"] == "parcae"
 
 

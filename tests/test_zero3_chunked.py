@@ -2,7 +2,7 @@
 
 With ``drafter.loss_chunk`` the block loss runs per chunk of positions under ``torch.utils.checkpoint``
 and is recomputed in the backward. Both heads read the frozen LM head there: the drafter's through a
-module call, the target's logits from ``lm_head.weight`` itself (:meth:`drafters.core.DrafterBase.target_logits`).
+module call, the target's logits from ``lm_head.weight`` itself (:meth:`drafters.base.DrafterBase.target_logits`).
 ZeRO-3 partitions every parameter, frozen ones included, and gathers a partition around the forward of
 the module that owns it, or, for a parameter read in another module's forward, registers it with that
 module and gathers it with that module's own parameters (forward and backward): the recomputation, which
@@ -62,7 +62,7 @@ def zero3(deepspeed_env):  # noqa: F811
 @pytest.fixture
 def head_reads(monkeypatch):
     """Each read of the head by ``target_logits``: (inside a backward, a ZeRO-3 parameter, elements present)."""
-    from drafters.core import DrafterBase
+    from drafters.base import DrafterBase
 
     reads, original = [], DrafterBase.target_logits
 

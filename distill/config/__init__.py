@@ -22,6 +22,7 @@ The package's modules, each one seam:
     sections  the typed sections recipes share (model, data, training, target, drafter, prompts, ...)
     recipes   each recipe's schema (which module runs which name: recipes.registry)
     loading   YAML files, dotted overrides, validation with errors that name the key
+    flags     command-line flags derived from a schema, one per leaf field
     targets   shipped configs of real hub targets, which dry runs build from without the hub
 
 Every public name is importable from ``distill.config`` itself.
@@ -33,6 +34,7 @@ from .errors import (  # noqa: F401
 from .loading import (  # noqa: F401
     apply_overrides,
     read_yaml_mapping,
+    set_key,
     validate_recipe,
 )
 from .paths import (  # noqa: F401
@@ -138,5 +140,6 @@ __all__ = [
     "TrainingRecipe",
     "apply_overrides",
     "read_yaml_mapping",
+    "set_key",
     "validate_recipe",
 ]

@@ -21,14 +21,22 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise RecipeError(f"override '{item}' is not of the form section.key=value")
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise RecipeError(f"override '{item}': '{part}' is a value, not a section")
-            node = child
-        node[parts[-1]] = _scalar(value)
+        set_key(raw, key, _scalar(value), f"override '{item}'")
+    return raw
+
+
+def set_key(raw: dict[str, Any], key: str, value: Any, what: str = "") -> dict[str, Any]:
+    """Set the dotted ``key`` (``decoding.kv.format``) of a nested dict to ``value``, making the sections
+    on its way; ``what`` (the override or flag) names it in the :class:`RecipeError` where a section on
+    the way is a value."""
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{what or key}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
     return raw
 
 
@@ -75,8 +83,12 @@ def _format_error(cls: type[BaseModel], err: dict, source: str) -> str:
         return f"{source}: unknown key '{key}'; {hint}"
     if err["type"] == "missing":
         return f"{source}: missing required key '{key}'"
+    if err["type"] == "moved_key":  # the message names the old key and the new one
+        return f"{source}: {err['msg']}"
     msg = err["msg"].removeprefix("Value error, ")
     where = f"key '{key}'" if key else "recipe"
+    if isinstance(err.get("input"), dict):  # a section's own check
+        return f"{source}: {msg}" if msg.startswith(f"{key}.") or not key else f"{source}: {where}: {msg}"
     return f"{source}: {where} = {err.get('input')!r}: {msg}"
 
 

@@ -37,8 +37,8 @@ from .sections import (
 
 class RecipeBase(Strict):
     recipe: str
-    output_dir: str
-    seed: int = 0
+    output_dir: str = Field(..., description="the folder everything the run writes goes to")
+    seed: int = Field(0, description="seeds every random choice of the run (data, sampling, initialisation)")
 
     @model_validator(mode="after")
     def _device_map_for_drafters(self):
@@ -117,7 +117,7 @@ class QuickstartShippedDrafterStage(QuickstartEvalStage):
     tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
                                                                "shipped with (results.json)")
     lookup: int = Field(10, ge=0, description="also measure the chain and the tree with prompt-lookup continuations of up "
-                                              "to this many tokens grafted on (decoding.lookup); 0 = not")
+                                              "to this many tokens grafted on (decoding.lookup.tokens); 0 = not")
 
     @model_validator(mode="after")
     def _shipped(self) -> "QuickstartShippedDrafterStage":
@@ -264,17 +264,24 @@ class EvalRecipe(RecipeBase):
 
         from ..checks import read_config
 
-        kind = kind_of(read_config(self.drafter, "drafter folder")) if self.decoding.ssd else None
+        kind = kind_of(read_config(self.drafter, "drafter folder")) if self.decoding.ssd.enabled else None
         if kind is not None:
-            raise ValueError(f"decoding.ssd drafts ahead of the target's features, so it needs a drafter that reads "
-                             f"tokens only (a causal LM or a PARD drafter); {self.drafter} is a {kind} drafter")
+            raise ValueError(f"decoding.ssd.enabled drafts ahead of the target's features, so it needs a drafter that "
+                             f"reads tokens only (a causal LM or a PARD drafter); {self.drafter} is a {kind} drafter")
         return self
 
     @model_validator(mode="after")
-    def _int8_drafter_is_not_the_target(self) -> "EvalRecipe":
-        if self.decoding.drafter_int8 in ("head", "all") and same_folder(self.drafter, self.target.path):
-            raise ValueError(f"decoding.drafter_int8 = {self.decoding.drafter_int8!r}: the drafter {self.drafter} is the "
+    def _target_drafting_for_itself_stays_as_it_is(self) -> "EvalRecipe":
+        if not same_folder(self.drafter, self.target.path):
+            return self
+        dec = self.decoding
+        if dec.cpu.int8 in ("head", "all"):
+            raise ValueError(f"decoding.cpu.int8 = {dec.cpu.int8!r}: the drafter {self.drafter} is the "
                              "target itself, which must stay as it is (auto or off)")
+        vocab = [f"decoding.vocab.{k} = {v}" for k, v in (("size", dec.vocab.size), ("candidates", dec.vocab.candidates)) if v]
+        if vocab:
+            raise ValueError(f"{vocab[0]}: a draft vocabulary restricts a drafter's own output head; the drafter "
+                             f"{self.drafter} is the target: restricting it would change the target")
         return self
 
 

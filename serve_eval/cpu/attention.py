@@ -1,4 +1,4 @@
-"""The target's attention for the few queries of a decode or verify step, on the CPU (``decoding.prepack``).
+"""The target's attention for the few queries of a decode or verify step, on the CPU (``decoding.cpu.prepack``).
 
 A step of ``n`` queries (1 decoding, a handful verifying) attends over the ``L`` cached positions:
 ``softmax(q k^T / sqrt(D) + mask) v``, a few hundred thousand multiply-adds a layer, so its time is
@@ -7,13 +7,13 @@ cache by the weights' stream in between) and the kernel's own overhead. torch's 
 CPU is built for long query blocks; :file:`attention_op.cpp` (``draftsmith_attn::attention``) reads
 each key and value row once per head (the values prefetched while the scores are computed), eight
 keys' scores at a time. ``python -m recipes.bench_attention`` times both on the testbed target's
-shapes (docs/results.md has the numbers).
+shapes (numbers: docs/benchmarks.md).
 
 Invariants:
 
 * Every number in a query's output is computed by the same operations in the same order whatever the
   other queries of the call are: a token verified among eight gets the bits it gets decoded alone
-  (the prepacked Linears have the same property, :mod:`serve_eval.prepack`). A masked position adds
+  (the prepacked Linears have the same property, :mod:`serve_eval.cpu.prepack`). A masked position adds
   exactly zero, and positions past the last one a query's mask shows are not read for that query (a
   batch's padding, which sees one slot, costs next to nothing).
 * Outputs differ from torch's kernel by rounding only (its exp is coarser; within 1e-5 relative and
@@ -48,7 +48,7 @@ _SOURCE = Path(__file__).with_name("attention_op.cpp")
 def available() -> bool:
     """Whether ``draftsmith_attn`` runs here: an x86 CPU with AVX2 and FMA, and the operator built
     (with its shape function, so that a compiled graph can hold it: a drafter's draft)."""
-    if not native.avx2_operator(_SOURCE, "serve_eval.attention: the C++ attention operator", "sdpa"):
+    if not native.avx2_operator(_SOURCE, "serve_eval.cpu.attention: the C++ attention operator", "sdpa"):
         return False
     torch.library.register_fake("draftsmith_attn::attention", _fake)
     return True
@@ -89,7 +89,7 @@ AttentionMaskInterface.register(NAME, sdpa_mask)
 def use_attention(model) -> dict:
     """Serve ``model``'s attention from :func:`attention` (in place; a model whose attention does not
     follow transformers' interface keeps its own): the target, or a block drafter (whose layers
-    read ``config._attn_implementation``, :class:`drafters.core.DraftAttention`; before its draft is
+    read ``config._attn_implementation``, :class:`drafters.layers.DraftAttention`; before its draft is
     compiled, which traces what it calls). Returns what the report records."""
     if not available():
         return {"kernel": "sdpa", "why": "the C++ attention operator does not serve here"}

@@ -19,7 +19,7 @@
 //   four rows on, non-temporally (L1) for three. Measured on Zen 4 (the testbed target's 57 Linears
 //   streamed from memory, 1 thread, variants alternated in one process): 5-6 rows with the L2 hint
 //   cost what one row costs (1.82-2.19 ms against 2.39-2.88 with every tile non-temporal), one row
-//   without a prefetch 1.69-2.07 against 2.13-2.30 (docs/results.md, seventeenth session).
+//   without a prefetch 1.69-2.07 against 2.13-2.30.
 //   `stream` (a model whose Linears' weights together exceed the last-level cache, which every
 //   forward then streams through it for nothing): one- and two-row tiles prefetch 4 k steps (256 B)
 //   ahead non-temporally, so that the weights pass through L1 without being installed in L2 / L3 and
@@ -27,7 +27,7 @@
 //   to the next. Zen 4, the testbed target (45 MB against a 32 MB L3), plain and speculative decoding
 //   alternated prompt by prompt: plain decoding 3-18% faster (six A/Bs, median 7%; whole evals 11%)
 //   though the 57 Linears alone stream 3% slower; taller tiles stay as they are (non-temporal at 256 B
-//   to 16 KB ahead, speculative decoding ran 5-14% slower; docs/results.md, twenty-second session).
+//   to 16 KB ahead, speculative decoding ran 5-14% slower).
 //   Past the full tiles, the last one or two rows of a taller call (7, 8, 13 rows ...) run across four
 //   or two panels at once (`tile_across`), so that they too keep eight FMA chains busy.
 //   Where the CPU has AVX-512, calls of 7 rows or more run taller tiles of 16-wide registers instead

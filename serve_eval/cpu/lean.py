@@ -3,8 +3,8 @@
 A decode or verify step of a small target spends much of its time outside the model's arithmetic.
 Going through transformers' modules, one step of the 8-layer testbed target makes ~110 module calls
 (``nn.Module.__call__``'s hook checks), runs keyword-argument decorators on every layer and attention,
-reads the config through a wrapper ~60 times and wraps its outputs; on the twenty-first session's
-CPU that was ~0.7 ms of a 4.9 ms one-row step (the Linears, at the memory bus's pace, take ~2.1).
+reads the config through a wrapper ~60 times and wraps its outputs: a sizeable share of a one-row step
+on a CPU (docs/benchmarks.md).
 :class:`LeanForward` walks the same modules itself: for each layer the norm, the projections, RoPE,
 the cache update, the attention function transformers would pick, the output projection and the
 MLP, calling each module's own ``forward`` (so the prepacked Linears and our attention kernel serve
@@ -28,31 +28,14 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import inspect
 import sys
 
 import torch
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from distill.base.features import FeatureCapture, TargetFeatures
-from distill.base.masks import LayerMasks
-
 #: model classes whose forward :class:`LeanForward` reproduces, and their decoder layer's class
 SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen3ForCausalLM": "Qwen3DecoderLayer"}
-_OFF = contextvars.ContextVar("lean_forward_off", default=False)
-
-
-@contextlib.contextmanager
-def off():
-    """Within: sessions made run the model's own forward (an A/B of the two: ``recipes.profile_step``)."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
 
 
 class _Layer:
@@ -136,52 +119,13 @@ def _hooked(module: torch.nn.Module) -> bool:
 
 
 def lean_forward(target) -> LeanForward | None:
-    """A :class:`LeanForward` of ``target`` where it reproduces the model's forward exactly, else None
-    (and within :func:`off`)."""
+    """A :class:`LeanForward` of ``target`` where it reproduces the model's forward exactly, else None."""
     layer_class = SUPPORTED.get(type(target).__name__)
     layers = getattr(getattr(target, "model", None), "layers", None)
-    if _OFF.get() or layer_class is None or layers is None or target.training or _hooked(target):
+    if layer_class is None or layers is None or target.training or _hooked(target):
         return None
     if any(type(layer).__name__ != layer_class for layer in layers):
         return None
     if any(kind != "full_attention" for kind in getattr(target.config, "layer_types", None) or ()):
         return None  # sliding-window layers take a mask of their own
     return LeanForward(target)
-
-
-class TargetForward:
-    """A step of the target as the decoding loops run it: :class:`LeanForward` where it serves, else the
-    model's forward with ``capture``'s hooks. ``(input_ids, position_ids, attention_mask, cache)`` ->
-    logits [B, n, V] and the features ``capture`` names (None without one); with ``logits_at`` [B] the
-    logits at that position of each row only, [B, 1, V] (a prefill reads the last prompt token's: the
-    head's product over the other positions, 12% of the testbed target's arithmetic, is skipped)."""
-
-    def __init__(self, target, capture: FeatureCapture | None = None):
-        self.target, self.capture, self.lean = target, capture, lean_forward(target)
-        self.keeps = "logits_to_keep" in inspect.signature(target.forward).parameters
-        self.masks = LayerMasks(target)  # a caller's mask, per layer (sliding windows, eager attention's form)
-
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, logits_at: torch.Tensor | None = None,
-                 key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
-        """``attention_mask``: None (causal over the cache) or a boolean [B, 1, n, slots] visibility mask;
-        ``key_positions`` [B, slots]: each slot's position where it is not the slot's index (a tree's
-        nodes), for windowed layers (:mod:`distill.base.masks`)."""
-        capture = self.capture
-        if self.lean is not None:
-            mask = None if attention_mask is None else self.masks.prepare(attention_mask)
-            logits, captured = self.lean(input_ids, position_ids, mask, cache, None if capture is None else capture.layer_ids, logits_at)
-            return logits, None if capture is None else capture.features(captured)
-        with self.masks.applied(attention_mask, position_ids, key_positions) as mask:
-            kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True)
-            if logits_at is not None and self.keeps:  # each row's own position (transformers' slice_logits_to_keep)
-                kwargs["logits_to_keep"], logits_at = logits_at.to(input_ids.device)[:, None], None
-            if capture is None:
-                logits, features = self.target(**kwargs).logits, None
-            else:
-                with capture.hooks() as captured:
-                    logits = self.target(**kwargs).logits
-                features = capture.features(captured)
-        if logits_at is not None:  # a model that computes every position's logits: read the rows' own
-            logits = torch.take_along_dim(logits, logits_at.to(logits.device)[:, None, None], dim=1)
-        return logits, features

@@ -1,12 +1,14 @@
-"""A drafter's context cache over R rows: per drafter layer, the keys and values of each row's verified
-context in buffers [R, heads, S, head_dim], row ``r`` holding its first ``lengths[r]`` positions.
+"""Decode-time context cache over R rows: per drafter layer, the keys and values of each row's verified
+context in buffers [R, heads, S, head_dim], row ``r`` holding its first ``lengths[r]`` positions, which
+:class:`drafters.layers.InjectedLayer`'s decode paths (one row) and the decoding loop's batched drafts
+read and write in place.
 
 Buffers grow by doubling (a write in place instead of a copy of the whole context every step), hold
-``capacity`` slots from the start where a compiled draft is built for one length
-(:mod:`serve_eval.compiled`), and are zero where nothing was written: a compiled draft attends over
-whole buffers with the unwritten slots masked, and a masked NaN would still reach the output (0 * NaN).
-A row writes past its length freely (a draft's own entries, positions not yet counted): those slots
-are never attended before the row's next write covers them.
+``capacity`` slots from the start where a compiled draft is built for one length, and are zero where
+nothing was written: a compiled draft attends over whole buffers with the unwritten slots masked, and a
+masked NaN would still reach the output (0 * NaN). A row writes past its length freely (a draft's own
+entries, positions not yet counted): those slots are never attended before the row's next write covers
+them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The target's Linears served from weights prepacked once, on the CPU (``decoding.prepack``).
+"""The target's Linears served from weights prepacked once, on the CPU (``decoding.cpu.prepack``).
 
 A Linear ``y = x W^T + b`` computes the same fp32 products whichever kernel runs it; what changes is how
 fast. A decode step of the testbed target reads its 45 MB of weights (more than the 32 MB L3) once per
@@ -16,33 +16,23 @@ this machine has:
   Where the target's weights exceed the last-level cache (the testbed's 45 MB against a 32 MB L3),
   one- and two-row products (plain decoding's) prefetch them non-temporally, a few lines ahead, so
   that streaming them evicts nothing: the KV cache and the step's small tensors stay cached from one
-  forward to the next (plain decoding 3-18% faster on a Zen 4 core, though the products alone stream
-  3% slower; taller tiles lost more than they kept that way and keep their L2 prefetch).
+  forward to the next (taller tiles keep their L2 prefetch).
   A weight whose every value is an fp16 one (a checkpoint saved in fp16 and served in fp32, as the
   testbed target is) is packed in fp16 and widened to fp32 in registers: the same products and bits
-  from half the bytes. The testbed target's 45 MB become 22.5, which stay in the 32 MB L3 from one
-  forward to the next (they no longer need streaming past it): alternated prompt by prompt with fp32
-  panels, plain decoding 13% and speculative decoding 20% faster.
+  from half the bytes (the testbed target's 45 MB become 22.5, which stay in a 32 MB L3).
   Every output is the same FMA chain over the inputs in
   order, so a row's result does not depend on how many rows share the call: a token verified among
   eight gets the bits it gets decoded alone. For more than ``PANEL_ROWS`` rows (a long prompt's
   prefill) ``F.linear``'s blocked GEMM, which reads each input row once per block, serves instead.
-  Built once per machine (:mod:`serve_eval.native`, ~20 s) where the CPU has AVX2 and FMA and a C++
+  Built once per machine (:mod:`serve_eval.cpu.native`, ~20 s) where the CPU has AVX2 and FMA and a C++
   compiler is at hand.
 * ``onednn``: oneDNN's weight reorder (``torch.ops.mkldnn._reorder_linear_weight``, once) and its
   kernel (``torch.ops.mkldnn._linear_pointwise``), the private ops torch's own compiler (inductor's CPU
   freezing pass) emits for a frozen fp32 Linear. ``F.linear`` (MKL ``sgemm``) repacks ``W`` into its
   panel layout on every call for more than one row, so the weight crosses the memory bus about twice.
 
-Measured on this CPU (1 thread, the testbed target's 57 Linears in turn, medians of 11 passes, one
-run): at 1 row ``F.linear`` 8.7 ms, oneDNN 7.4-9.2, panels 3.4-4.4 (10-13 GB/s, what ``x.sum()`` over
-45 MB streams); at 8 rows 14.4 / 11.4-13.4 / 4.6-4.7 (6.0-7.3 before the weight was prefetched); at 64
-rows oneDNN 25.4, panels 20.1; at 256, 73.5 against 65.7. On the Zen 4 core of the seventeenth session
-(the same 57 Linears streamed from memory, the variants alternated in one process, medians of 15):
-every tile prefetching non-temporally, 1 / 5 / 6 / 8 rows took 2.13-2.30 / 2.39-2.53 / 2.58-2.88 /
-3.28-3.47 ms; as now, 1.69-2.07 / 1.82-2.19 / 1.82-1.96 / 2.32 (docs/results.md). Alone on a 4,096 x 320 weight held in cache, 8 rows: 85 GFLOP/s (torch's own
-2,048^3 fp32 matmul: ~67). Whole decoding loops: ``python -m recipes.cli run recipes/configs/eval_testbed.yaml``
-(docs/results.md).
+``python -m recipes.bench_linears`` times the kernels on the testbed target's Linears; the numbers are on
+[the benchmarks page](docs/benchmarks.md).
 
 Invariants:
 
@@ -94,7 +84,7 @@ def only_rows(rows: torch.Tensor, total: int):
 @functools.cache
 def panels_available() -> bool:
     """Whether ``draftsmith_fp32`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
-    return native.avx2_operator(_SOURCE, "serve_eval.prepack: the C++ fp32 operator", "oneDNN's kernel", ("-mf16c",))
+    return native.avx2_operator(_SOURCE, "serve_eval.cpu.prepack: the C++ fp32 operator", "oneDNN's kernel", ("-mf16c",))
 
 
 def onednn_available() -> bool:
@@ -138,7 +128,7 @@ class PrepackedLinear(nn.Module):
             exact = torch.equal(weight.half().float(), weight)
             self.packed = (torch.ops.draftsmith_fp32.pack_half if exact else torch.ops.draftsmith_fp32.pack)(weight)
         else:
-            raise RuntimeError(f"serve_eval.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}")
+            raise RuntimeError(f"serve_eval.cpu.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}")
 
     def __getstate__(self):  # derived from the weight (oneDNN's blocked tensor has no storage to pickle): rebuilt
         return {k: v for k, v in self.__dict__.items() if k != "packed"}
@@ -161,7 +151,7 @@ class PrepackedLinear(nn.Module):
 
 
 def resolve(setting: str, device: str) -> str:
-    """The kernel ``decoding.prepack`` names here (``panels``, ``onednn``) or ``off``: ``auto`` is ``on``
+    """The kernel ``decoding.cpu.prepack`` names here (``panels``, ``onednn``) or ``off``: ``auto`` is ``on``
     on the CPU and ``off`` elsewhere; ``on`` the first kernel that serves (``off`` under ``auto`` where
     none does). A kernel on a GPU, or one that does not serve here, is a ValueError."""
     if setting == "auto":
@@ -171,13 +161,13 @@ def resolve(setting: str, device: str) -> str:
     if setting == "off":
         return "off"
     if device != "cpu":
-        raise ValueError(f"decoding.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
+        raise ValueError(f"decoding.cpu.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
                          f"the target keeps its own kernels (auto or off)")
     kernels = list(_NEEDS) if setting == "on" else [setting]
     for kernel in kernels:
         if _serves(kernel):
             return kernel
-    raise ValueError(f"decoding.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
+    raise ValueError(f"decoding.cpu.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
                      + " / ".join(_NEEDS[k] for k in kernels) + "; use auto or off")
 
 

@@ -1,4 +1,4 @@
-"""Int8 weights for the drafter while it drafts, on the CPU (``decoding.drafter_int8``).
+"""Int8 weights for the drafter while it drafts, on the CPU (``decoding.cpu.int8``).
 
 A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 
@@ -12,15 +12,14 @@ A Linear ``y = x W^T + b`` (``W``: out x in) is served from integer codes:
 
 Kernels, the first that serves here:
 
-* ``draftsmith_int8::linear`` (:file:`int8_op.cpp`, built once per machine by :mod:`serve_eval.native`,
+* ``draftsmith_int8::linear`` (:file:`int8_op.cpp`, built once per machine by :mod:`serve_eval.cpu.native`,
   ~20 s): the codes in panels of 16 outputs x 4 inputs, prefetched into L2 as they stream, rows in tiles whose
   sums stay in registers; a row of zeros (the padding rows of a compiled draft's arriving features) is
   not multiplied. On AVX-512 VNNI (``vpdpbusd``, 64 products an instruction) it computes exactly the
   bits ``torch._int_mm`` computes from the same codes. On AVX2 alone the activations are 7-bit
   (``/ 63``, as fbgemm's AVX2 kernels take them): ``vpmaddubsw``'s 16-bit pair sums then cannot
-  saturate, where 8 bits would need the sign moved onto the weights row by row (measured 1.5x the
-  time: the six products of a draft 449 against 296 µs); the rounding error doubles (0.8% -> 1.5% of
-  the output's norm on random rows). The report's ``drafter_int8.kernel`` names the instruction set;
+  saturate, where 8 bits would need the sign moved onto the weights row by row (half again the
+  time); the rounding error doubles (0.8% -> 1.5% of the output's norm on random rows). The report's ``drafter_int8.kernel`` names the instruction set;
 * ``torch._int_mm`` (codes stored transposed, in x out) where it cannot be built (no compiler, not x86).
 
 Losslessness does not depend on any of it: the loop verifies with the full-precision target, and the
@@ -30,17 +29,11 @@ and the drafting time can move, and the report measures both.
 
 Why here: a drafter's cost on a CPU is reading its weights (the 4,096 x 320 LM head of the testbed
 is 5.2 MB in fp32, most of the drafter) and int8 codes are a quarter of that. The weights come from
-memory at every draft (the target's forward, 45 MB on the testbed, has streamed through the caches
-in between), so the kernel prefetches them ahead of the products. Measured on a Zen 4 core (1 thread,
-the shipped DFlash drafter's six products of one draft; ``/tmp`` scripts, see docs/results.md): ours
-175-180 µs warm, 349-401 after a target forward; fbgemm's dynamic int8 GEMM (``quantized::linear_dynamic``,
-served here before; 7-bit activations, reached through a C++ operator that named its packed weight by
-a key) 281-409 warm with its row scaling, 439-493 after a target forward; ``torch._int_mm`` 380 warm. Before that: torchao's ``Int8DynamicActivationIntxWeightConfig`` took 5.6 ms for the
-head alone and ``Int8DynamicActivationInt8WeightConfig`` 0.79 ms (a tensor subclass dispatched from
-Python at every call, with no fused CPU kernel for these shapes); oneDNN's ``qlinear_pointwise`` was
-slower than fbgemm's.
+memory at every draft (the target's forward has streamed through the caches in between), so the
+kernel prefetches them ahead of the products. The kernels' times against fbgemm's dynamic int8 GEMM,
+``torch._int_mm`` and torchao's int8 configurations are on the benchmarks page (docs/benchmarks.md).
 
-The operator takes plain tensors, so a compiled draft (:mod:`serve_eval.compiled`) holds it in its
+The operator takes plain tensors, so a compiled draft (:mod:`serve_eval.cpu.compiled`) holds it in its
 graph like any ATen operator (a shape function is registered). On a GPU the drafter runs in the
 target's bf16 and this is refused.
 
@@ -75,7 +68,7 @@ _SOURCE = Path(__file__).with_name("int8_op.cpp")
 def native_op() -> str | None:
     """The instruction set ``draftsmith_int8::linear`` (:file:`int8_op.cpp`) runs on here (``avx512-vnni``,
     ``avx2``), or None where it cannot be built (not an x86 CPU with AVX2, no compiler: ``torch._int_mm`` serves)."""
-    if not native.avx2_operator(_SOURCE, "serve_eval.int8: the C++ int8 operator", "torch._int_mm",
+    if not native.avx2_operator(_SOURCE, "serve_eval.cpu.int8: the C++ int8 operator", "torch._int_mm",
                                 ("-ffp-contract=off",)):  # its scalings rounded one by one, as torch's
         return None
     torch.library.register_fake("draftsmith_int8::linear", _fake)
@@ -135,13 +128,13 @@ class Int8RestrictedHead(Int8Linear):
 
 
 def resolve(setting: str, device: str, drafter_is_target: bool) -> str:
-    """What ``decoding.drafter_int8`` means here: ``auto`` is ``all`` on the CPU, ``off`` on a GPU or for a
+    """What ``decoding.cpu.int8`` means here: ``auto`` is ``all`` on the CPU, ``off`` on a GPU or for a
     target drafting for itself; ``head`` / ``all`` on a GPU are a ValueError (the kernels are the CPU's)."""
     if setting == "auto":
         return "all" if device == "cpu" and not drafter_is_target else "off"
     if setting != "off" and device != "cpu":
-        raise ValueError(f"decoding.drafter_int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
-                         f"(serve_eval.int8); on {device} the drafter runs in the target's dtype (auto or off)")
+        raise ValueError(f"decoding.cpu.int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
+                         f"(serve_eval.cpu.int8); on {device} the drafter runs in the target's dtype (auto or off)")
     return setting
 
 

@@ -1,6 +1,5 @@
 // draftsmith_attn: softmax(q k^T * scale + mask) v for the few queries of a decode or verify step, fp32,
-// AVX2 + FMA (serve_eval/attention.py builds this file once per machine and loads it; see its docstring);
-// and `top`, a row of logits' greedy token and its softmax probability (serve_eval/sampling.py, at the end).
+// AVX2 + FMA (serve_eval/cpu/attention.py builds this file once per machine and loads it; see its docstring).
 //
 // attention(q [B, H, n, D], k [B, Hk, L, D], v [B, Hk, L, D], mask?, scale, causal) -> [B, n, H, D]
 //   (the layout attention hands back to the model's output projection). Head h reads key/value head
@@ -241,80 +240,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-// The first position of the row's largest value in p[0 .. V), torch.argmax's choice (a NaN counts as
-// the largest), and that value (NaN for a row with one). One pass for the maximum, one that stops at it.
-inline std::pair<int64_t, float> row_argmax(const float* p, int64_t V) {
-  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= V; j += 8) {
-    const __m256 x = _mm256_loadu_ps(p + j);
-    m = _mm256_max_ps(m, x);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  }
-  float best = hmax(m);
-  bool has_nan = _mm256_movemask_ps(nan) != 0;
-  for (; j < V; ++j) {
-    has_nan = has_nan || std::isnan(p[j]);
-    best = std::max(best, p[j]);
-  }
-  if (has_nan) {
-    int64_t at = 0;
-    while (!std::isnan(p[at])) ++at;
-    return {at, p[at]};
-  }
-  const __m256 b = _mm256_set1_ps(best);
-  for (j = 0; j + 8 <= V; j += 8) {
-    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), b, _CMP_EQ_OQ));
-    if (hits) return {j + __builtin_ctz(hits), best};
-  }
-  while (p[j] != best) ++j;
-  return {j, best};
-}
-
-// top(logits [.., V], with_prob) -> (index [..] int64, prob [..] float32, empty without with_prob):
-// each row's greedy token, as torch.argmax gives it, and its softmax probability 1 / sum_j exp(x_j - max)
-// (exp as above; NaN where the maximum is not finite, as torch's softmax gives). torch's argmax over the
-// last dimension runs one element at a time (~110 us for 32 rows of 4,096 here); this, a few us.
-std::tuple<at::Tensor, at::Tensor> top(const at::Tensor& logits, bool with_prob) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 1 && logits.size(-1) > 0,
-              "draftsmith_attn::top: float32 logits [.., V], V > 0");
-  const at::Tensor x = logits.contiguous();
-  const int64_t V = x.size(-1), rows = x.numel() / V;
-  auto shape = x.sizes().vec();
-  shape.pop_back();
-  at::Tensor index = at::empty(shape, x.options().dtype(at::kLong));
-  at::Tensor prob = at::empty(with_prob ? shape : std::vector<int64_t>{0}, x.options());
-  const float* base = x.data_ptr<float>();
-  int64_t* idx = index.data_ptr<int64_t>();
-  float* pr = prob.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* p = base + r * V;
-    const auto [at, best] = row_argmax(p, V);
-    idx[r] = at;
-    if (!with_prob) continue;
-    if (!std::isfinite(best)) {
-      pr[r] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    const __m256 b = _mm256_set1_ps(best);
-    __m256 sum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= V; j += 8) sum = _mm256_add_ps(sum, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), b)));
-    float total = hsum(sum);
-    for (; j < V; ++j) total += std::exp(p[j] - best);
-    pr[r] = 1.0f / total;
-  }
-  return {index, prob};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(draftsmith_attn, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal=False) -> Tensor");
-  m.def("top(Tensor logits, bool with_prob) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_attn, CPU, m) {
   m.impl("attention", attention);
-  m.impl("top", top);
 }

@@ -1,0 +1,70 @@
+"""Where device-specific acceleration plugs into the decoding loop (``decoding.backend``).
+
+The loop asks its backend for three things and nothing else:
+
+* :meth:`Backend.target_forward`: the target's step (:class:`~serve_eval.forward.TargetForward`);
+* :meth:`Backend.draft_graph`: a block drafter's compiled draft, or None (the drafter's eager forward);
+* :meth:`Backend.skip_rows`: a context in which the target's Linears may skip a batch's padding rows.
+
+and a recipe asks it once, before a run, to :meth:`~Backend.prepare` both models (in place) and say what
+it did. :class:`Backend` is the generic backend: plain torch and transformers, what a GPU runs, and
+tested lossless on the CPU too. :class:`serve_eval.cpu.CpuBackend` serves the same loop from the CPU
+kernels. Whatever the backend, plain and speculative decoding run the same target forward, so a
+speedup compares like with like, and every choice a backend makes changes rounding at most: the loop
+verifies against the target as it is served, so it stays lossless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .forward import TargetForward
+
+BACKENDS = ("auto", "torch", "cpu")
+
+
+class Backend:
+    """The generic backend: the model's own forward, eager drafts, every padding row computed."""
+
+    name = "torch"
+
+    def prepare(self, target, drafter, prompts=(), max_new_tokens: int = 0, sampled: bool = False,
+                rows: tuple[int, ...] = ()) -> dict:
+        """Ready ``target`` and ``drafter`` for decoding ``prompts`` with ``max_new_tokens`` new tokens
+        (greedy or ``sampled``, one row and batches of ``rows``). Returns what a report records."""
+        return {"backend": self.name, "target_forward": "the model's own"}
+
+    def target_forward(self, target, capture=None) -> TargetForward:
+        return TargetForward(target, capture)
+
+    def draft_graph(self, drafter):
+        """The compiled draft :meth:`prepare` built for ``drafter`` (a
+        :class:`~serve_eval.cpu.compiled.CompiledDraft`), or None: the drafter drafts eagerly."""
+        return None
+
+    def skip_rows(self, rows: torch.Tensor, total: int):
+        """A context within which a forward over ``total`` flattened rows need compute only ``rows``
+        (the others are a batch's padding, whose outputs nothing reads; they must stay finite)."""
+        return contextlib.nullcontext()
+
+
+TORCH = Backend()
+
+
+def backend_for(setting: str, device, drafter=None, drafter_is_target: bool = False, **cpu) -> Backend:
+    """The backend ``decoding.backend`` names on ``device``: ``auto`` is ``cpu`` on a CPU device and
+    ``torch`` elsewhere; ``cpu`` on another device is a ValueError naming the key. ``cpu``: the CPU
+    backend's settings (``decoding.cpu``: ``int8``, ``prepack``, ``compile``), resolved for ``drafter``."""
+    if setting not in BACKENDS:
+        raise ValueError(f"decoding.backend = {setting!r}: expected one of {', '.join(BACKENDS)}")
+    device = torch.device(device).type
+    if setting == "cpu" and device != "cpu":
+        raise ValueError(f"decoding.backend = 'cpu' serves the loop from CPU kernels; the models are on {device} "
+                         "(use auto or torch)")
+    if setting == "torch" or (setting == "auto" and device != "cpu"):
+        return TORCH
+    from .cpu import CpuBackend
+
+    return CpuBackend(drafter, drafter_is_target, **cpu)
