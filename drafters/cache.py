@@ -73,11 +73,9 @@ class ContextCache:
         """Buffers for ``layers`` layers with room for ``end`` slots, shaped and typed like ``like``
         [R, heads, *, head_dim] (grown by doubling, the contexts moving along)."""
         if not self.keys or end > self.keys[0].shape[2]:
-            size = self.capacity if end <= self.capacity else max(2 * end, 64)
-            shape = (like.shape[0], like.shape[1], size, like.shape[3])
             filled = max(self._lengths, default=0)
-            self.keys = [_grown(old, shape, like, filled) for old in self.keys or [None] * layers]
-            self.values = [_grown(old, shape, like, filled) for old in self.values or [None] * layers]
+            self.keys = [grown(old, like, end, filled, self.capacity) for old in self.keys or [None] * layers]
+            self.values = [grown(old, like, end, filled, self.capacity) for old in self.values or [None] * layers]
 
     # -- rows --------------------------------------------------------------------------------------
     def start(self, rows: int) -> None:
@@ -119,8 +117,12 @@ class ContextCache:
         return [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
 
 
-def _grown(old: torch.Tensor | None, shape: tuple, like: torch.Tensor, filled: int) -> torch.Tensor:
-    new = like.new_zeros(shape)
+def grown(old: torch.Tensor | None, like: torch.Tensor, needed: int, filled: int, capacity: int = 0) -> torch.Tensor:
+    """A zero buffer shaped like ``like`` [B, H, *, ...] with room for ``needed`` slots (``capacity`` where that
+    holds them, else twice ``needed`` and at least 64: amortised O(1) copies a slot) and ``old``'s first
+    ``filled`` slots copied in: the one rule by which the loop's caches grow."""
+    size = capacity if needed <= capacity else max(2 * needed, 64)
+    new = like.new_zeros(*like.shape[:2], size, *like.shape[3:])
     if old is not None:
         new[:, :, :filled] = old[:, :, :filled]
     return new
