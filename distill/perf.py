@@ -45,8 +45,8 @@ def measured_matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32
 def probe_size(seconds, largest: int, smallest: int = 256, enough: float = 0.05) -> tuple[int, float]:
     """The matmul size to measure the peak at: doubled from ``smallest`` while one product takes under
     ``enough`` seconds, at most ``largest``. Large enough to run at the kernel's pace, small enough that a
-    dtype without fast kernels here (bf16 on a CPU: ~1 GFLOP/s, where 2048^3 takes a quarter hour of
-    timing) costs a second, not minutes. ``seconds(n)`` times one product of size ``n``; returns the size
+    dtype without fast kernels here (bf16 on a CPU, where timing 2048^3 products would take minutes)
+    costs a second. ``seconds(n)`` times one product of size ``n``; returns the size
     and its time."""
     n, took = smallest, seconds(smallest)
     while n < largest and took < enough:

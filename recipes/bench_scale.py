@@ -3,7 +3,7 @@
     python -m recipes.bench_scale [--recipe recipes/configs/eval_testbed.yaml] [--factors 1 2 4 8] [--output runs/bench_scale] [KEY=VALUE ...]
 
 A speculative step costs ``t_verify(n) + t_draft + bookkeeping`` against a plain step's ``t_verify(1)``,
-so ``speedup / tau`` (the issue's efficiency ratio) reads how those costs compare, and whether they
+so ``speedup / tau`` (the efficiency ratio) reads how those costs compare, and whether they
 compare differently on a larger target is a question about the hardware's limits, not the drafter.
 To ask it without training anything, each factor ``f`` pads every layer's MLP of the recipe's target
 with ``(f - 1) x intermediate_size`` channels whose ``gate`` / ``up`` rows and ``down`` columns are

@@ -79,7 +79,7 @@ def train(out: Path, quick: bool, compile: bool = False) -> dict:
     from recipes import train_drafter
 
     steps = 3 if quick else (150 if compile else 300)
-    mixed = "bf16" if torch.cuda.is_available() else "no"  # bf16 on a CPU is the 30x-slow path: rehearse in fp32
+    mixed = "bf16" if torch.cuda.is_available() else "no"  # bf16 on a CPU is the slow path: rehearse in fp32
     recipe = load_recipe(TRAIN, [f"output_dir={out}", "regenerate=null", "features.mode=online", "features.cache_dir=null",
                                  f"train.mixed_precision='{mixed}'", f"train.max_steps={steps}", f"train.eval_every={steps}",
                                  f"train.save_every={steps}", "train.eval_batches=2", "train.resume=false",

@@ -9,7 +9,7 @@ reaches (nested sections, ``Optional[...]``, ``list[...]`` and ``dict[str, ...]`
 section added or nested later appears without a change here. Each model class is documented once,
 under the dotted paths where recipes use it. The CLI page walks the argparse parser of
 :mod:`recipes.cli` (its subcommands, their arguments and examples). Both outputs depend only on the
-code, never on the machine (no absolute paths, no terminal width), so ``tests/test_docs.py`` can hold
+code, never on the machine (no absolute paths, no terminal width), so ``tests/e2e/test_docs.py`` can hold
 the committed pages equal to what this module writes.
 """
 

@@ -1,8 +1,11 @@
-"""Shared fixtures: offline switches, a per-session cache, and a tiny train_lm recipe that runs in seconds."""
+"""Shared fixtures and helpers: offline switches, a per-session cache, tiny recipes that run in seconds (a
+train_lm, a drafter, a student), a tiny trained target and three drafters trained on it (built once per
+process: once per pytest-xdist worker that asks for them), and accelerate's launch environments."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +55,47 @@ def tiny_lm_recipe(output_dir: Path, **sections) -> dict:
     return recipe
 
 
+#: the drafter kinds trained by ``trained_drafters`` and parametrised over by the tests
+KINDS = ["dflash", "dspark", "eagle3"]
+#: tokens each decoding test generates from each of ``target_and_prompts``'s prompts
+MAX_NEW = 40
+
+
+def drafter_recipe(out, target_dir, kind, drafter=None, **train):
+    """A train_drafter recipe: a one-layer ``kind`` drafter of block 4 on ``target_dir``, 150 steps of the stdlib corpus."""
+    from recipes.registry import parse_recipe
+
+    return parse_recipe({
+        "recipe": "train_drafter", "output_dir": str(out), "seed": 0,
+        "target": {"path": str(target_dir)},
+        "drafter": {"kind": kind, "num_layers": 1, "block_size": 4, "num_anchors": 8, "markov_rank": 16, **(drafter or {})},
+        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
+        "train": {"max_steps": 150, "micro_batch_size": 4, "eval_every": 50, "eval_batches": 4, "save_every": 40,
+                  "log_every": 5, "torch_threads": 1, **train},
+    })
+
+
+def student_recipe(out, target_dir, arch="llama", **train):
+    """A distill_student recipe: a 2-layer student (3 for Parcae) of ``target_dir``, 60 steps of the stdlib corpus."""
+    from recipes.registry import parse_recipe
+
+    student = {"arch": arch, "hidden_size": 48, "num_layers": 2, "num_heads": 4, "intermediate_size": 96,
+               "max_position_embeddings": 128}
+    if arch == "parcae":
+        student["num_layers"] = 3
+        student["parcae"] = {"prelude_layers": 1, "core_layers": 1, "coda_layers": 1, "mean_recurrence": 2,
+                             "backprop_depth": 1, "eval_recurrences": [1]}
+    return parse_recipe({
+        "recipe": "distill_student", "output_dir": str(out), "seed": 0, "target": {"path": str(target_dir)},
+        "student": student, "distill": {"divergence": "forward_kl", "ce_weight": 0.1},
+        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.05},
+        "optim": {"lr": 3e-3, "warmup_steps": 5},
+        "train": {"max_steps": 60, "micro_batch_size": 8, "eval_every": 60, "eval_batches": 4, "save_every": 60,
+                  "log_every": 10, "torch_threads": 1, **train},
+    })
+
+
 def tiny_dflash(block_attention: str = "causal", num_key_value_heads: int = 4):
     """A one-layer DFlash drafter of 32 channels over a 32-channel target, random, fused for decoding."""
     from drafters import DFlashConfig, DFlashDrafter
@@ -72,6 +116,24 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, launcher: l
     full_env = {**os.environ, **OFFLINE, **(env or {})}
     cmd = (launcher or [sys.executable]) + ["-m", "recipes.cli", *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_env(config: Path) -> tuple[object, dict]:
+    """Run accelerate's launcher argument handling on ``config`` and return (args, the env it would set)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), "-m", "recipes.cli", "run", "r.yaml"])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = prepare_deepspeed_cmd_env(args)
+    elif args.use_fsdp or args.multi_gpu:
+        env = prepare_multi_gpu_env(args)
+    else:
+        _, env = prepare_simple_launcher_cmd_env(args)
+    return args, env
 
 
 def reset_accelerate() -> None:
@@ -103,3 +165,58 @@ def tiny_target_dir(tmp_path_factory, _session_env):
     train_lm.main(parse_recipe(recipe))
     reset_accelerate()
     return out / "model"
+
+
+@pytest.fixture(scope="session")
+def target_and_prompts(tiny_target_dir):
+    """The tiny target, its tokenizer and three 24-token prompts from the held-out stdlib files."""
+    import torch
+
+    from distill.config import DataConfig, TargetConfig
+    from distill.data import load_text_splits
+    from distill.models import load_target
+
+    target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
+    docs = load_text_splits(DataConfig(source="stdlib", max_documents=40, val_fraction=0.1)).val
+    prompts = [torch.tensor(tok(doc[i * 300:i * 300 + 200])["input_ids"][:24]) for i, doc in enumerate(docs[:3])]
+    return target, tok, prompts
+
+
+@pytest.fixture(scope="session")
+def trained_drafters(tmp_path_factory, tiny_target_dir):
+    """One drafter of each of ``KINDS`` trained 250 steps on the tiny target, in eval mode, each with its
+    saved ``folder``. Tests copy a drafter before changing it (they share it for the whole session)."""
+    from transformers import AutoModel
+
+    from recipes import train_drafter
+
+    out = {}
+    for kind in KINDS:
+        reset_accelerate()
+        folder = tmp_path_factory.mktemp(kind)
+        train_drafter.main(drafter_recipe(folder, tiny_target_dir, kind, max_steps=250, eval_every=250))
+        out[kind] = AutoModel.from_pretrained(folder / "model").eval()
+        out[kind].folder = folder / "model"
+    return out
+
+
+@pytest.fixture
+def deepspeed_env(monkeypatch):
+    """``enter(stage)`` puts this process in the environment of a one-process ``accelerate launch`` with
+    ``cpu_zero{stage}.yaml`` (a gloo world of one rank on a free port); the world is torn down afterwards."""
+
+    def enter(stage: int) -> None:
+        _, env = launch_env(REPO / f"accelerate_configs/cpu_zero{stage}.yaml")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    yield enter
+    import deepspeed.comm
+
+    if deepspeed.comm.is_initialized():  # DeepSpeed's own teardown also forgets the groups it cached
+        deepspeed.comm.destroy_process_group()
+    reset_accelerate()

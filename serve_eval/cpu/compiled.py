@@ -35,7 +35,6 @@ Losslessness does not depend on any of it: a compiled drafter is another drafter
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import types
 import weakref
@@ -155,15 +154,23 @@ class CompiledDraft:
         hidden states [R, 1, K, H] and, with ``propose``, the greedy proposal over them, as
         :meth:`~drafters.BlockDrafter.propose` gives it. The buffers then hold the arrived positions.
         A graph warmed up front, called in inference mode as the loop drafts, runs with only the guards
-        that tell the graphs apart; any other call is guarded (and compiles where it must)."""
+        that tell the graphs apart; any other call, or inputs those guards would not have told apart from
+        the warm-up's, run guarded (and compile a graph of their own where they must)."""
         # padded with zero rows (not multiplied) into a fresh buffer: the graphs were compiled for its strides (a
         # view's, even one torch calls contiguous, would not match them)
         features = arriving.new_zeros(arriving.shape[0], self.block_size, arriving.shape[2])
         features[:, :arriving.shape[1]] = arriving
-        warmed = (len(anchors), propose) in self.warmed and torch.is_inference_mode_enabled()
-        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if warmed else contextlib.nullcontext()
-        with stance:
-            out = self.graph(self._drafter(), anchors, counts, features, keys, values, propose)
+        args = (self._drafter(), anchors, counts, features, keys, values, propose)
+        out = None
+        if (len(anchors), propose) in self.warmed and torch.is_inference_mode_enabled():
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    out = self.graph(*args)
+            except RuntimeError as error:  # inputs unlike the warm-up's (e.g. caches made outside inference mode)
+                if "Recompilation triggered" not in str(error):
+                    raise
+        if out is None:  # guarded: such inputs get a graph of their own
+            out = self.graph(*args)
         self.calls += 1
         return out
 

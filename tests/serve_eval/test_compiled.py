@@ -1,0 +1,211 @@
+"""The compiled draft (serve_eval.compiled): each graph draft equals the eager one to rounding (one row or
+a batch, after steps that did not draft), each drafter has a graph of its own, and decoding through the
+graphs stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_eval.budget import Budget
+from serve_eval.cpu import CpuBackend
+from serve_eval.engine import plain_generate, speculative_generate
+
+from ..conftest import MAX_NEW
+
+
+def close_to_rounding_or_an_int8_step(actual, expected, tight: list) -> None:
+    """A compiled draft against the eager one: equal to rounding, except where a rounding moved an
+    activation across an int8 code boundary, which moves that product by about one quantization step
+    (~1e-3 here; a wrong slot or position would move values by ~1). Every element within 1% of the
+    largest magnitude; ``tight`` records whether all were within 1e-4 (the tests want that of 95% of
+    the drafts)."""
+    if expected is None:
+        assert actual is None
+        return
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-2 * max(1.0, float(expected.abs().max())))
+    tight.append(torch.allclose(actual, expected, rtol=1e-4, atol=1e-4))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
+    """A block drafter's draft compiled as one graph (serve_eval.cpu.compiled, over the fused int8 drafter
+    the eval serves) gives each step the eager draft's block and greedy proposal (DSpark's chain after
+    the graph's own drafts), to rounding; greedy chains and trees still equal plain decoding, and a
+    sequence longer than the graph's caches drafts eagerly past them."""
+    import copy
+
+    from serve_eval.cpu import compiled
+    from serve_eval.cpu.int8 import int8_drafter
+
+    target, tok, prompts = target_and_prompts
+    drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
+    int8_drafter(drafter, "all")
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    record = backend.compile_draft(drafter, max(len(p) for p in prompts) + MAX_NEW)
+    assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
+    graph_call, counts, tight = compiled.CompiledDraft.__call__, [], []
+
+    def checked(self, anchor, cache, arrived, propose):  # the eager block from a copy of the same cache, beside the graph's
+        eager_cache = copy.deepcopy(cache)
+        reference = drafter.decode_hidden(anchor, cache.length + arrived.shape[1], eager_cache, arrived)
+        hidden, proposal = graph_call(self, anchor, cache, arrived, propose)
+        close_to_rounding_or_an_int8_step(hidden, reference, tight)
+        assert cache.length == eager_cache.length and propose
+        tokens, logits, confidence = proposal  # greedy: each position's logits after the graph's own drafts
+        drafts = iter(tokens.unbind(-1))  # the eager proposal over the graph's block, fed the graph's drafts
+        _, expected, expected_confidence = drafter.propose(hidden, anchor.view(1, 1), lambda _: next(drafts))
+        close_to_rounding_or_an_int8_step(logits, expected, tight)
+        close_to_rounding_or_an_int8_step(confidence, expected_confidence, tight)  # DFlash: None, None
+        assert torch.equal(tokens, logits.argmax(-1))
+        counts.append(arrived.shape[1])
+        return hidden, proposal
+
+    monkeypatch.setattr(compiled.CompiledDraft, "__call__", checked)
+    for prompt in prompts:
+        reference, _ = plain_generate(target, prompt, MAX_NEW)
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, backend=backend)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}), backend=backend)[0] == reference
+        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}),
+                                    backend=backend)[0] == reference
+    assert len(counts) > 20 and len(set(counts)) > 2  # the graph drafted, after steps that kept various counts
+    assert sum(tight) >= 0.95 * len(tight)
+    longer, before = torch.cat([prompts[0]] * 3), len(counts)  # past the graph's caches: eager, still lossless
+    assert speculative_generate(target, drafter, longer, MAX_NEW, backend=backend)[0] == plain_generate(target, longer, MAX_NEW)[0]
+    assert len(counts) == before
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
+    """A drafter compiled for batches of two and three rows: batched greedy decoding (every draft
+    verified or a scheduler's choice, rows of different lengths, fewer slots than prompts, rows leaving
+    and joining) drafts from the graph whenever the batch has a compiled size, each graph draft equal
+    to the eager decode_static on the same buffers, and every row equals plain decoding."""
+    import copy
+
+    from serve_eval.batch import BatchScheduler, batched_speculative_generate
+    from serve_eval.cpu import compiled
+    from serve_eval.cpu.int8 import int8_drafter
+
+    target, _, prompts = target_and_prompts
+    prompts = [prompts[0], prompts[1][:17], prompts[2][:9], prompts[0][:20]]
+    drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()
+    int8_drafter(drafter, "all")
+    # 3 rows, and 2 as the tail of 3 (rows finish apart): every count below the smallest batch gets a graph
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    assert backend.compile_draft(drafter, max(map(len, prompts)) + MAX_NEW, rows=(3,))["rows"] == [1, 2, 3]
+    assert backend.draft_graph(drafter).warmed == {(1, True), (2, True), (3, True)}  # each graph compiled up front
+    graph_run, rows_seen, tight = compiled.CompiledDraft.run, [], []
+
+    def checked(self, anchors, counts, arriving, keys, values, propose):
+        copies, guarded_copies = [b.clone() for b in keys + values], [b.clone() for b in keys + values]
+        features = arriving.new_zeros(len(anchors), self.block_size, arriving.shape[2])
+        features[:, :arriving.shape[1]] = arriving
+        reference = drafter.decode_static(anchors, counts, features, copies[:len(keys)], copies[len(keys):])
+        guarded = self.graph(drafter, anchors, counts, features, guarded_copies[:len(keys)], guarded_copies[len(keys):], propose)
+        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)  # its graph's guards only: the same bits
+        assert torch.equal(hidden, guarded[0]) and all(torch.equal(a, b) for a, b in zip(keys + values, guarded_copies))
+        close_to_rounding_or_an_int8_step(hidden, reference, tight)
+        rows_seen.append(len(anchors))
+        return hidden, proposal
+
+    monkeypatch.setattr(compiled.CompiledDraft, "run", checked)
+    reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
+    K = drafter.config.block_size
+    for slots, scheduler in ((3, None), (2, None), (3, BatchScheduler(Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}), K))):
+        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler,
+                                            backend=backend)[0] == reference
+    assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
+    assert sum(tight) >= 0.95 * len(tight)
+
+
+def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained_drafters, monkeypatch):
+    """Steps that do not draft (a batch decoding plainly between the off switch's probes) queue a feature
+    a row each; the next draft appends them in one product and drafts through the compiled graph, giving
+    the drafts the eager path gives from the same context (rows of different lengths)."""
+    import copy
+
+    from serve_eval.batch import BatchContext
+    from serve_eval.cpu import compiled
+
+    drafter = copy.deepcopy(trained_drafters["dflash"]).fuse_projections()  # as the loops serve it
+    eager = copy.deepcopy(drafter)  # never compiled: its context drafts eagerly
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    backend.compile_draft(drafter, 48, rows=(2,))
+    calls, run = [], compiled.CompiledDraft.run
+    monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(len(args[0])) or run(self, *args))
+    torch.manual_seed(0)
+    width = drafter.fc.in_features
+    start, steps, anchors = torch.randn(2, 12, width), [torch.randn(2, 1, width) for _ in range(5)], torch.tensor([[3], [7]])
+    drafts = []
+    for d in (drafter, eager):
+        context = BatchContext(d, backend)
+        context.start(start, torch.tensor([12, 9]))
+        for features in steps:
+            context.defer(features, torch.ones(2, dtype=torch.long))
+        drafts.append(context.draft(anchors, lambda x: x.argmax(-1), greedy=True))
+        assert context.lengths.tolist() == [17, 14] and not context.pending
+    assert calls == [2]  # the compiled drafter's one draft, through the graph
+    torch.testing.assert_close(drafts[0][1], drafts[1][1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(drafts[0][0], drafts[1][0])
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(trained_drafters, kind, monkeypatch):
+    """One row's draft after more than K verified features (a prompt's, or steps that did not draft)
+    reads all but the last K into the context first and drafts through the compiled graph: the drafts
+    of the eager path from the same features (its one forward over them all), the same context length."""
+    import copy
+
+    from serve_eval.cpu import compiled
+    from serve_eval.engine import BlockProposer
+    from serve_eval.sampling import Sampler
+
+    drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()  # as the loops serve it
+    eager = copy.deepcopy(drafter)
+    backend = CpuBackend(prepack="off", int8="off", compile="off")
+    backend.compile_draft(drafter, 48)
+    calls, run = [], compiled.CompiledDraft.run
+    monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(args[2].shape[1]) or run(self, *args))
+    torch.manual_seed(0)
+    K = drafter.config.block_size
+    features = [torch.randn(1, 3 * K + 2, drafter.fc.in_features), torch.randn(1, K + 1, drafter.fc.in_features)]
+    drafts = []
+    for d in (drafter, eager):
+        proposer, out, position = BlockProposer(d, backend=backend), [], 0
+        for chunk, anchor in zip(features, (5, 9)):  # a prompt's features, then a step's too many
+            proposer.observe(chunk, position, None)
+            position += chunk.shape[1]
+            out.append(proposer.propose(torch.tensor(anchor), position, Sampler()))
+            assert proposer.context.length == position
+        drafts.append(out)
+    assert calls == [K, K]  # both drafts through the graph, each reading the last K features
+    for (tokens, logits), (eager_tokens, eager_logits) in zip(*drafts):
+        torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(tokens, eager_tokens)
+
+
+def test_each_compiled_drafter_has_a_graph_of_its_own():
+    """Two drafters alike in every shape, one with causal blocks and one with bidirectional ones, each
+    compiled (serve_eval.cpu.compiled drops Dynamo's guards on a drafter's modules, so a graph shared between
+    them would give one the other's mask): each draft equals its own drafter's eager one."""
+    import copy
+
+    from drafters.cache import ContextCache
+
+    from ..conftest import tiny_dflash
+
+    torch.manual_seed(0)
+    aux = torch.randn(1, 40, 32)
+    for attention in ("causal", "bidirectional"):
+        drafter = tiny_dflash(attention)
+        backend = CpuBackend(prepack="off", int8="off", compile="off")
+        backend.compile_draft(drafter, 32)
+        graph = backend.draft_graph(drafter)
+        cache = ContextCache(spare=4, capacity=graph.positions)
+        with torch.inference_mode():
+            drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
+            eager = copy.deepcopy(cache)
+            assert graph.fits(cache.keys, cache.length + 3, 3)
+            hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
+            torch.testing.assert_close(hidden, drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4)
