@@ -241,7 +241,10 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
     outs: list[list[int]] = [[] for _ in prompts]
     rows = _Rows(target, capture, kv, backend, prompts, samplers, slots or len(prompts), outs,
                  [p for p in (proposer, copier) if p is not None], max_new_tokens, eos_token_id)
-    causal = proposer is not None and (proposer.incremental or (proposer.conditional and not greedy))
+    # which choices must be causal (serve_eval.budget): sampled drafts drawn one after another, and one row's
+    # autoregressive drafts, which stop where the choice says (several rows draft in full, then choose)
+    conditional = proposer is not None and proposer.conditional and not greedy
+    causal = (conditional or proposer.incremental, conditional) if proposer is not None else (False, False)
     done: list[int] = []
     while rows.refill(done):
         session, live, R = rows.session, rows.live, len(rows.live)
@@ -349,7 +352,8 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
 
 
 def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stopper, K, R) -> list[_Row]:
-    """Each row's chain: the drafts a budget (or ``verify_drafts``) keeps, and its prompt-lookup copy grafted on."""
+    """Each row's chain: the drafts a budget (or ``verify_drafts``) keeps, and its prompt-lookup copy grafted on.
+    ``causal``: whether one row's choice, and several rows', must be causal."""
     if proposal is None:  # a plain step: the bonus alone (the drafter catches up in observe / its next draft)
         if budget is not None:
             budget.record_plain() if R == 1 else budget.record_rows_plain(R)
@@ -369,7 +373,7 @@ def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stop
             else:
                 plan.top_q = (top_tokens(plan.draft_logits.float(), with_prob=True)[1] if plan.q is None
                               else plan.q.amax(-1)).tolist()
-                keep = budget.causal_length(plan.top_q, K - 1) if causal else budget.chain_length(plan.top_q)
+                keep = budget.causal_length(plan.top_q, K - 1) if causal[0] else budget.chain_length(plan.top_q)
             keeps = [keep]
         else:
             top_q = top_tokens(logits.float(), with_prob=True)[1] if greedy else \
@@ -377,7 +381,7 @@ def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stop
             top_rows = top_q.tolist()
             for r, plan in enumerate(plans):
                 plan.top_q = top_rows[r][:lengths[r]]
-            if causal:
+            if causal[1]:
                 counts = budget.choose_rows_causal(top_q[:, :min(lengths)])
             else:
                 counts = budget.choose_rows([budget.calibration.chain_reach(plan.top_q) for plan in plans], top_q)

@@ -11,7 +11,7 @@ from distill.config import TargetConfig
 from distill.models import load_target
 from serve_eval.cpu import prepack
 from serve_eval.cpu.attention import available as attention_builds
-from serve_eval.engine import plain_generate
+from serve_eval.loop import plain_generate
 
 from ..conftest import drafter_recipe, reset_accelerate
 

@@ -105,22 +105,23 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     it wraps was timed, and the parts fit inside the step they belong to; ``--attention both`` prints
     both settings' profiles and their ratios; the timers come off afterwards."""
     from recipes.profile_step import main
-    from serve_eval import engine
     from serve_eval.budget import Budget
     from serve_eval.cpu import attention
+    from serve_eval.proposers import BlockProposer
+    from serve_eval.session import TargetSession
 
-    originals = (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length)
+    originals = (TargetSession.step, BlockProposer.propose, Budget.chain_length)
     report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--cpu-compile", "off",
                    "--attention", "both"])
     parts = report["ms_per_step"]  # (eager: a compiled draft is one graph, timed as proposer.propose)
     assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length", "target.verify",
-            "target.rollback", "target.prefill"} <= set(parts)
+            "target.keep", "target.prefill"} <= set(parts)
     assert 0 < parts["  drafter.decode_hidden"] < parts["proposer.propose"] < report["spec_step_ms"]
     assert parts["proposer.propose"] + parts["target.verify"] < report["spec_step_ms"]
     out, both = capsys.readouterr().out, attention.available()  # (sdpa alone where the kernel does not build)
     assert out.count("plain steps)") == (2 if both else 1) and "attention sdpa" in out
     assert ("speedup draftsmith_fp32 / sdpa" in out) == both
-    assert (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length) == originals  # timers off
+    assert (TargetSession.step, BlockProposer.propose, Budget.chain_length) == originals  # timers off
 
 
 def test_the_step_profiler_compares_the_lean_forward_with_the_models(capsys):
