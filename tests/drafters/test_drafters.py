@@ -67,7 +67,7 @@ def test_a_drafter_trains_over_a_draft_vocabulary(tmp_path, tiny_target_dir, kin
     prompt = tok("def main(argv):\n    parser = ", return_tensors="pt")["input_ids"][0]
     drafted, proposer = [], make_proposer(drafter)
     inner = proposer.propose
-    proposer.propose = lambda *a, **k: (lambda got: drafted.append(got[0]) or got)(inner(*a, **k))
+    proposer.propose = lambda *a, **k: (lambda got: drafted.append(got.tokens[0]) or got)(inner(*a, **k))
     assert speculative_generate(target, drafter, prompt, 24, proposer=proposer)[0] == plain_generate(target, prompt, 24)[0]
     assert bool(torch.isin(torch.cat(drafted), drafter.draft_vocab).all())
 
