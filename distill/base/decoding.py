@@ -194,7 +194,7 @@ class DecodingSection(Strict):
     def _fixed_length(self):
         if self.budget.verify_drafts and (self.budget.adaptive or self.mode != "chain"):
             raise ValueError(f"decoding.budget.verify_drafts {self.budget.verify_drafts}: a fixed draft length is a chain's "
-                             f"without a budget: it needs mode: chain and budget.adaptive: false (got mode {self.mode!r}, "
+                             f"without a budget: it needs mode: chain, budget.adaptive: false (got mode {self.mode!r}, "
                              f"budget.adaptive {self.budget.adaptive})")
         return self
 

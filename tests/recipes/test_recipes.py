@@ -146,9 +146,12 @@ def test_the_step_profiler_splits_a_batched_run(capsys):
     them, each loop's prefills and steps, the speculative step's parts, the steps by rows (at most B,
     fewer in the tail); the timers come off; a batch below 1, or with an A/B, is refused."""
     from recipes.profile_step import main
-    from serve_eval import batch
+    from serve_eval import measure
+    from serve_eval.budget import Budget
+    from serve_eval.proposers import BlockProposer
+    from serve_eval.session import TargetSession
 
-    originals = (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate)
+    originals = (TargetSession.step, BlockProposer.propose, Budget.record_step, measure.generate)
     report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--cpu-compile", "off"])
     assert report["batch"] == 2 and report["prompts"] == 16 and report["speedup"] > 0
     assert 0 < report["prefills_s"]["plain"] < report["plain_s"] and 0 < report["prefills_s"]["speculative"] < report["spec_s"]
@@ -156,7 +159,7 @@ def test_the_step_profiler_splits_a_batched_run(capsys):
     assert parts["target steps"] > 0 and parts["draft"] > 0 and parts["scheduler.choose"] > 0
     assert set(report["by_rows"]) <= {1, 2} and 2 in report["by_rows"]
     assert "speculative steps of 2 rows" in capsys.readouterr().out
-    assert (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate) == originals
+    assert (TargetSession.step, BlockProposer.propose, Budget.record_step, measure.generate) == originals
     for bad in (["--batch", "-1"], ["--batch", "2", "--attention", "both"]):
         with pytest.raises(SystemExit):
             main(["--drafter", "distill/assets/testbed_dflash", *bad])
