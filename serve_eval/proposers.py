@@ -4,7 +4,8 @@ A row's newest token, its *bonus* ``b``, sits at position ``a`` (the row's verif
 been read by the target yet. A proposer drafts the tokens after it, for every row at once:
 
 * :class:`BlockProposer` (DFlash, DSpark): one block forward over every row's context cache of target
-  features (:class:`~serve_eval.context.ContextCache`), compiled where set up (:mod:`serve_eval.compiled`);
+  features (:class:`~drafters.cache.ContextCache`), through a compiled draft where the backend built one
+  (:meth:`~serve_eval.backend.Backend.draft_graph`);
 * :class:`Eagle3Proposer`, :class:`LMProposer` (any causal LM: a distilled student, a Parcae model at
   fewer recurrences), :class:`PardProposer` (a PARD-trained LM, its block in one forward): one state
   per row (:class:`PerRow`), each drafting its row alone;
@@ -94,9 +95,9 @@ class Proposer:
 class BlockProposer(Proposer):
     """DFlash / DSpark over R rows: each row's context keys and values in one :class:`ContextCache`, its
     newly verified features queued until the next draft, whose forward reads them with the block (one
-    row: :meth:`~drafters.core.BlockDrafter.decode_hidden`'s one product per layer, or the compiled
+    row: :meth:`~drafters.block.BlockDrafter.decode_hidden`'s one product per layer, or the compiled
     graph, which reads up to ``K`` of them; several rows: the graph compiled for that many, else the
-    features appended first and :meth:`~drafters.core.BlockDrafter.block_hidden`)."""
+    features appended first and :meth:`~drafters.block.BlockDrafter.block_hidden`)."""
 
     def __init__(self, drafter, confidence_threshold: float = 0.0, backend: Backend = TORCH):
         self.drafter = drafter
@@ -180,7 +181,7 @@ class BlockProposer(Proposer):
 
     def _propose_one(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> Proposal:
         """One row: compiled, a draft reads up to ``K`` arriving features in its graph (more are read into the
-        context first); eager, :meth:`~drafters.core.BlockDrafter.decode_hidden` reads them all."""
+        context first); eager, :meth:`~drafters.block.BlockDrafter.decode_hidden` reads them all."""
         pending, self.pending = [aux if counts is None else aux[:, :int(counts[0])] for aux, counts in self.pending], []
         arrived = None if not pending else pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)
         arriving = None if arrived is None else arrived.shape[1]

@@ -23,8 +23,8 @@ outcomes seen so far (add-one smoothed); ``r`` is a setting, and the summary's h
 (the rank of each real bonus among its outcome's candidates) measures it.
 
 **Building the cache** (a causal LM with its own KV cache of the tokens it has read; no target
-features, so this serves :class:`~serve_eval.engine.LMProposer` and
-:class:`~serve_eval.engine.PardProposer`; DFlash, DSpark and EAGLE-3 draft from the target's features
+features, so this serves :class:`~serve_eval.proposers.LMProposer` and
+:class:`~serve_eval.proposers.PardProposer`; DFlash, DSpark and EAGLE-3 draft from the target's features
 of the very positions being verified, which exist only after the verification):
 
 1. one forward reads ``d_1 .. d_m`` after the bonus: ``r_1 .. r_m``;
@@ -44,6 +44,11 @@ branch. The drafts verified next are therefore distributed as a just-in-time dra
 prefix, independently of the target's draws, and chain verification against the distributions they
 were drawn from is exact at any temperature; at temperature 0 the output is the target's greedy
 decoding token for token. Tested for both drafter kinds, hits and misses, inline and in a worker.
+
+**In the loop.** SSD is a :class:`~serve_eval.proposers.Proposer` of one row (:class:`SpeculationProposer`):
+the loop (:func:`~serve_eval.loop.generate`) asks it for drafts, which starts the next build and hands out
+the drafts the last outcome resolved to, and tells it each step's verified tokens, which resolve the
+outcome; chains are verified whole.
 
 **Concurrency** (``concurrent``): the drafter lives in a worker process pinned to a core of its own;
 the loop verifies while the worker builds, and they exchange token ids over a pipe. ``inline`` builds
