@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from serve_eval.budget import Budget
+from serve_eval.kv import InPlaceLayer, KVQuant, QuantizedLayer, RowWrites, dequantize, quantize, rotation
 from serve_eval.loop import generate, plain_generate, speculative_generate
 from serve_eval.proposers import make_proposer
 from serve_eval.session import TargetSession
-from serve_eval.kv import InPlaceLayer, KVQuant, QuantizedLayer, RowWrites, dequantize, quantize, rotation
 
 from ..conftest import KINDS, MAX_NEW
 

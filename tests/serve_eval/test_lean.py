@@ -14,8 +14,8 @@ from distill.models import build_causal_lm
 from serve_eval.cpu import CpuBackend, attention, prepack
 from serve_eval.cpu.lean import LeanForward, lean_forward
 from serve_eval.forward import TargetForward
-from serve_eval.session import TargetSession
 from serve_eval.kv import kv_quant
+from serve_eval.session import TargetSession
 
 
 def _target(arch: str, **changes):

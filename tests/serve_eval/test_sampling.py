@@ -16,11 +16,11 @@ import torch
 from distill.config import DrafterSection, ModelConfig
 from distill.drafter_eval import build_drafter
 from distill.models import build_causal_lm
-from serve_eval.budget import Budget, DraftSwitch
 from serve_eval import verify as verification
+from serve_eval.budget import Budget, DraftSwitch
+from serve_eval.kv import KVQuant, inplace_cache
 from serve_eval.loop import generate, plain_generate, speculative_generate
 from serve_eval.proposers import LMProposer, make_proposer
-from serve_eval.kv import KVQuant, inplace_cache
 from serve_eval.sampling import Sampler
 from serve_eval.tree import walk_tree
 from serve_eval.verify import verify_chain
