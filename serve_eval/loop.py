@@ -220,11 +220,12 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
              mode: str = "chain", tree_budget: int = 16, lookup: int = 0, kv: KVQuant | None = None,
              verify_drafts: int = 0, slots: int | None = None, backend: Backend = TORCH) -> tuple[list[list[int]], BatchStats]:
     """Decode ``prompts`` (1-D token tensors), at most ``slots`` rows at a time (default: all), each with its
-    own sampler (``samplers``: the same temperature for all), with ``kv`` the target's KV cache format
-    (:mod:`serve_eval.kv`), the target stepped as ``backend`` serves it (:mod:`serve_eval.backend`). Without a ``proposer``: plain decoding. With one: speculative decoding (see the
-    module doc) in ``mode`` chain or tree (``tree_budget`` nodes a row), with a ``budget`` choosing each
-    step, ``lookup`` grafting prompt-lookup copies of up to that many tokens, ``verify_drafts`` (without a
-    budget, chains) verifying that many drafts a step. Returns each prompt's tokens and the run's stats."""
+    own sampler (``samplers``: the same temperature for all), the target's KV cache as ``kv`` says
+    (:mod:`serve_eval.kv`) and the target stepped as ``backend`` serves it (:mod:`serve_eval.backend`).
+    Without a ``proposer``: plain decoding. With one: speculative decoding (see the module doc) in ``mode``
+    chain or tree (``tree_budget`` nodes a row), a ``budget`` choosing each step, ``lookup`` grafting
+    prompt-lookup copies of up to that many tokens, ``verify_drafts`` (chains without a budget) verifying
+    that many drafts a step. Returns each prompt's tokens and the run's stats."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     samplers = samplers or [Sampler() for _ in prompts]
@@ -273,50 +274,8 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
             plans = _plan_trees(proposal, copies, row_samplers, budget, tree_budget)
         else:
             plans = _plan_chains(proposal, copies, row_samplers, budget, causal, verify_drafts, stopper, K, R)
-        if any(plan.tree is not None for plan in plans):
-            trees = [plan.tree if plan.tree is not None else DraftTree.chain(plan.drafts) for plan in plans]
-            n = max(len(tree) for tree in trees) + 1
-            ids = torch.zeros(R, n, dtype=torch.long, device=rows.bonus.device)
-            depths, ancestors = torch.zeros(R, n, dtype=torch.long), torch.zeros(R, n, n, dtype=torch.bool)
-            ids[:, 0] = rows.bonus
-            for r, tree in enumerate(trees):
-                ids[r, 1:len(tree) + 1] = tree.tokens.to(ids.device)
-                depths[r, 1:len(tree) + 1] = tree.depths
-                ancestors[r, :len(tree) + 1, :len(tree) + 1] = tree.ancestor_mask()
-            reads = [len(tree) + 1 for tree in trees]
-            counts = None if len(set(reads)) == 1 else torch.tensor(reads)
-            logits, feats = session.step_tree(ids, depths, ancestors, counts)
-            probs = [plan.probs if plan.tree is not None else
-                     (None if greedy or plan.draft_logits is None else row_samplers[r].probs(plan.draft_logits))
-                     for r, plan in enumerate(plans)]
-            paths, new_bonus = walk_trees(row_samplers, trees, logits, probs)
-            session.keep_paths(paths)
-            accepted = [ids[r, path[1:]] for r, path in enumerate(paths)]
-            if feats is None:
-                kept_feats = None
-            elif R == 1:
-                kept_feats = feats.aux[:, paths[0]]
-            else:
-                width = max(map(len, paths))
-                index = torch.tensor([p + [0] * (width - len(p)) for p in paths], device=feats.aux.device)
-                kept_feats = feats.aux[torch.arange(R, device=index.device)[:, None], index]
-        else:
-            reads = [1 + len(plan.drafts) for plan in plans]
-            n = max(reads)
-            if R == 1:
-                ids = torch.cat([rows.bonus, plans[0].drafts.to(rows.bonus.device)])[None]
-            else:
-                ids = torch.zeros(R, n, dtype=torch.long, device=rows.bonus.device)
-                ids[:, 0] = rows.bonus
-                for r, plan in enumerate(plans):
-                    ids[r, 1:1 + len(plan.drafts)] = plan.drafts.to(ids.device)
-            counts = None if len(set(reads)) == 1 else torch.tensor(reads)
-            logits, feats = session.step(ids, counts)
-            kept, new_bonus = verify_chains(row_samplers, ids, reads, [plan.draft_logits for plan in plans], logits)
-            session.keep([k + 1 for k in kept])
-            paths = [list(range(k + 1)) for k in kept]
-            accepted = [ids[r, 1:1 + k] for r, k in enumerate(kept)]
-            kept_feats = None if feats is None else feats.aux[:, :kept[0] + 1] if R == 1 else feats.aux
+        step = _tree_step if any(plan.tree is not None for plan in plans) else _chain_step
+        reads, logits, paths, new_bonus, accepted, kept_feats = step(session, rows.bonus, plans, row_samplers)
         rows.bonus = new_bonus
         emitted = [torch.cat([a, new_bonus[r:r + 1]]) for r, a in enumerate(accepted)]
         emitted_lists = [e.tolist() for e in emitted]  # one host read a row for the step's tokens
@@ -349,6 +308,62 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
         stats.prompts[i].total_seconds = seconds
     stats.tokens, stats.seconds = sum(map(len, outs)), seconds
     return outs, stats
+
+
+
+def _chain_step(session: TargetSession, bonus: torch.Tensor, plans: list[_Row], samplers: list[Sampler]):
+    """Every row reads its bonus and its chain (rows padded to the longest), verifies it and keeps what it
+    accepted. Returns the tokens each row read, the logits, each row's path, the new bonus [R], each row's
+    accepted drafts and the features of the kept positions (one row: exactly those; several: the step's)."""
+    R = len(plans)
+    reads = [1 + len(plan.drafts) for plan in plans]
+    if R == 1:
+        ids = torch.cat([bonus, plans[0].drafts.to(bonus.device)])[None]
+    else:
+        ids = torch.zeros(R, max(reads), dtype=torch.long, device=bonus.device)
+        ids[:, 0] = bonus
+        for r, plan in enumerate(plans):
+            ids[r, 1:1 + len(plan.drafts)] = plan.drafts.to(ids.device)
+    logits, feats = session.step(ids, None if len(set(reads)) == 1 else torch.tensor(reads))
+    kept, new_bonus = verify_chains(samplers, ids, reads, [plan.draft_logits for plan in plans], logits)
+    session.keep([k + 1 for k in kept])
+    paths = [list(range(k + 1)) for k in kept]
+    accepted = [ids[r, 1:1 + k] for r, k in enumerate(kept)]
+    kept_feats = None if feats is None else feats.aux[:, :kept[0] + 1] if R == 1 else feats.aux
+    return reads, logits, paths, new_bonus, accepted, kept_feats
+
+
+def _tree_step(session: TargetSession, bonus: torch.Tensor, plans: list[_Row], samplers: list[Sampler]):
+    """Every row reads its bonus and its tree (a chain's as a tree of one branch; padded to the step's
+    largest, masked to its own ancestors), walks it and keeps its accepted path. Returns as :func:`_chain_step`."""
+    R = len(plans)
+    trees = [plan.tree if plan.tree is not None else DraftTree.chain(plan.drafts) for plan in plans]
+    n = max(len(tree) for tree in trees) + 1
+    ids = torch.zeros(R, n, dtype=torch.long, device=bonus.device)
+    depths, ancestors = torch.zeros(R, n, dtype=torch.long), torch.zeros(R, n, n, dtype=torch.bool)
+    ids[:, 0] = bonus
+    for r, tree in enumerate(trees):
+        ids[r, 1:len(tree) + 1] = tree.tokens.to(ids.device)
+        depths[r, 1:len(tree) + 1] = tree.depths
+        ancestors[r, :len(tree) + 1, :len(tree) + 1] = tree.ancestor_mask()
+    reads = [len(tree) + 1 for tree in trees]
+    logits, feats = session.step_tree(ids, depths, ancestors, None if len(set(reads)) == 1 else torch.tensor(reads))
+    greedy = samplers[0].greedy
+    probs = [plan.probs if plan.tree is not None else
+             (None if greedy or plan.draft_logits is None else samplers[r].probs(plan.draft_logits))
+             for r, plan in enumerate(plans)]
+    paths, new_bonus = walk_trees(samplers, trees, logits, probs)
+    session.keep_paths(paths)
+    accepted = [ids[r, path[1:]] for r, path in enumerate(paths)]
+    if feats is None:
+        kept_feats = None
+    elif R == 1:
+        kept_feats = feats.aux[:, paths[0]]
+    else:
+        width = max(map(len, paths))
+        index = torch.tensor([p + [0] * (width - len(p)) for p in paths], device=feats.aux.device)
+        kept_feats = feats.aux[torch.arange(R, device=index.device)[:, None], index]
+    return reads, logits, paths, new_bonus, accepted, kept_feats
 
 
 def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stopper, K, R) -> list[_Row]:
