@@ -1,9 +1,8 @@
 """The target's KV cache: written in place, optionally quantized.
 
 transformers' ``DynamicLayer`` appends each forward's keys and values with ``torch.cat``, which copies
-the whole cache every step: at batch 16 and 200 cached positions that is ~65 MB a step on the 11M
-testbed target. :class:`InPlaceLayer` keeps each layer's keys and values in a buffer that grows by
-doubling (amortised O(1) copies per token), writes new entries in place and hands attention a view
+the whole cache every step. :class:`InPlaceLayer` keeps each layer's keys and values in a buffer that
+grows by doubling (:func:`drafters.cache.grown`: amortised O(1) copies per token), writes new entries in place and hands attention a view
 of the filled part; ``crop`` only moves the length. Everything else (masks, ``get_seq_length``, row
 selection) is ``DynamicLayer``'s contract, so it drops into any transformers model that builds a
 ``DynamicCache``.
