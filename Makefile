@@ -30,8 +30,10 @@ QUICKSTART_ARGS ?=
 quickstart: install
 	$(VENV)/bin/draftsmith run recipes/configs/quickstart.yaml $(QUICKSTART_ARGS)
 
+# ruff and mypy read their settings (rules, the typed files) from pyproject.toml
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process); tests in the group "distributed"
 # share a worker. --durations: the slowest tests, so the suite's time stays visible.
@@ -55,4 +57,4 @@ testbed-target: install
 	$(PY) -m recipes.ship_testbed runs/testbed_target
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

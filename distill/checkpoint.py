@@ -24,9 +24,9 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 #: test hook: "kill_after_step:N" or "kill_during_save:N" sends SIGKILL to this process
 FAULT_ENV = "DRAFTSMITH_FAULT"
@@ -105,7 +105,7 @@ class Ranks:
         return self.rank == 0
 
     @classmethod
-    def of(cls, state) -> "Ranks":
+    def of(cls, state) -> Ranks:
         """The ranks of an ``accelerate`` ``Accelerator`` or ``PartialState`` (None: a world of one)."""
         if state is None or state.num_processes == 1:
             return cls()

@@ -46,7 +46,15 @@ import torch
 from .checkpoint import Ranks, fsync_path, run_sharded, shard_bounds, write_file_atomically
 from .checks import jsonl_records
 from .config import DATA_SUFFIXES, DataConfig, RecipeError, TokenizerConfig
-from .testbed import Document, atomic_dir, cache_dir, fingerprint_texts, split_documents, stdlib_documents, train_bpe_tokenizer
+from .testbed import (
+    Document,
+    atomic_dir,
+    cache_dir,
+    fingerprint_texts,
+    split_documents,
+    stdlib_documents,
+    train_bpe_tokenizer,
+)
 
 
 class DatasetColumn(Sequence):
@@ -70,7 +78,7 @@ class DatasetColumn(Sequence):
     def __iter__(self):
         for batch in self.dataset.iter(batch_size=1024):
             rows = zip(*(batch[c] for c in self.columns))
-            yield from (r[0] for r in rows) if self.text else ({c: v for c, v in zip(self.columns, r)} for r in rows)
+            yield from (r[0] for r in rows) if self.text else (dict(zip(self.columns, r)) for r in rows)
 
     @property
     def fingerprint(self) -> str:
@@ -106,7 +114,8 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             raise RecipeError(f"data files mix whole documents with datasets: {cfg.train_files + cfg.val_files}")
         read = lambda files: [Document(f, Path(f).read_text(encoding="utf-8", errors="replace")) for f in files]  # noqa: E731
         train, val = (read(cfg.train_files), read(cfg.val_files)) if cfg.val_files else split_documents(read(cfg.train_files), cfg.val_fraction)
-        train, val = train[:cfg.max_documents] if cfg.max_documents else train, val
+        if cfg.max_documents:
+            train = train[:cfg.max_documents]
         train_r, val_r = [d.text for d in train], [d.text for d in val]
         desc = f"files (one document each): {len(train)} train / {len(val)} held-out files"
     else:
@@ -285,7 +294,7 @@ class Batch:
     last: torch.Tensor | None = None
     first_sample: int | None = None
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         move = lambda t, f=False: None if t is None else (t.to(device).float() if f else t.to(device))  # noqa: E731
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux, True), move(self.last, True),
                      self.first_sample)

@@ -197,5 +197,5 @@ class CachedFeatureWindows(PackedWindows):
 
     def collate(self, indices: list[int]) -> Batch:
         rows = lambda key: torch.stack([self._row(key, i) for i in indices])  # noqa: E731
-        has_mask = "loss_mask" in self._locate(indices[0])[0].keys()
+        has_mask = "loss_mask" in self._locate(indices[0])[0].keys()  # noqa: SIM118 safe_open is not iterable
         return Batch(rows("input_ids").long(), rows("loss_mask") if has_mask else None, rows("aux"), rows("last"))

@@ -118,8 +118,7 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None 
     else:
         hf_cfg = Qwen3Config(**common, rope_parameters=rope, attention_bias=False)
     hf_cfg._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
-    return model
+    return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
 
 
 def special_token_ids(tokenizer) -> dict:

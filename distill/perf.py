@@ -20,7 +20,7 @@ import time
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured_matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None) -> float:
     """Best achieved FLOP/s of an ``n x n @ n x n`` matmul on ``device`` (``threads`` is a cache key), at the
     size :func:`probe_size` settles on."""

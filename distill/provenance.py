@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def git_state() -> dict:
     def git(*args):
-        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=False)
         return done.stdout.strip() if done.returncode == 0 else ""
 
     try:

@@ -27,9 +27,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -39,7 +39,13 @@ from .config import OptimConfig, TrainConfig
 from .data import PackedWindows
 from .perf import Throughput, measured_matmul_peak
 from .provenance import update_json_atomic
-from .runtime import deepspeed_grad_clip, log_acceptance, log_checkpoint_artifact, restore_functional_linear, run_strategy
+from .runtime import (
+    deepspeed_grad_clip,
+    log_acceptance,
+    log_checkpoint_artifact,
+    restore_functional_linear,
+    run_strategy,
+)
 
 
 @dataclass
@@ -73,7 +79,11 @@ def build_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
 
 
 def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int):
-    from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_wsd_schedule,
+    )
 
     warmup = min(cfg.warmup_steps, max_steps)
     if cfg.schedule == "cosine":
@@ -211,8 +221,8 @@ class Trainer:
             )
         metrics = self.out / "metrics.jsonl"
         if self.acc.is_main_process and metrics.exists():  # drop what the killed run logged past the checkpoint
-            kept = [l for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= self.state.step]
-            metrics.write_text("".join(l + "\n" for l in kept))
+            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= self.state.step]
+            metrics.write_text("".join(line + "\n" for line in kept))
         self.acc.print(f"resumed from {folder} at step {self.state.step}")
         return True
 

@@ -6,17 +6,19 @@ only effect at import. :data:`DRAFTERS` is the one registry of drafter kinds: a 
 ``drafter.kind``, a config's ``model_type`` (``draftsmith_<kind>``) and :func:`kind_of` all read it.
 """
 
+from typing import Any
+
 import torch
 from transformers import AutoConfig, AutoModel
 
-from .base import DrafterConfig, DrafterOutput  # noqa: F401  (public API)
+from .base import DrafterBase, DrafterConfig, DrafterOutput  # noqa: F401  (public API)
 from .block import BlockDrafter
 from .dflash import DFlashConfig, DFlashDrafter
 from .dspark import DSparkConfig, DSparkDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .target_io import save_without_target_io, shares_target_io  # noqa: F401  (public API)
 
-DRAFTERS = {"dflash": (DFlashConfig, DFlashDrafter), "dspark": (DSparkConfig, DSparkDrafter),
+DRAFTERS: dict[str, tuple[type[DrafterConfig], type[DrafterBase]]] = {"dflash": (DFlashConfig, DFlashDrafter), "dspark": (DSparkConfig, DSparkDrafter),
             "eagle3": (Eagle3Config, Eagle3Drafter)}
 
 for _config, _model in DRAFTERS.values():
@@ -43,7 +45,7 @@ def unwrapped(model):
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-    wrappers = (DistributedDataParallel, DataParallel, FullyShardedDataParallel)
+    wrappers: tuple[type[Any], ...] = (DistributedDataParallel, DataParallel, FullyShardedDataParallel)
     if "deepspeed" in sys.modules:
         wrappers += (sys.modules["deepspeed"].DeepSpeedEngine,)
     while True:

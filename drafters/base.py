@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
@@ -132,12 +132,14 @@ class DrafterBase(PreTrainedModel):
     _keys_to_ignore_on_load_missing = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]  # shipped without them
     _supports_sdpa = True  # config._attn_implementation: sdpa by default, eager on request (see DraftAttention)
     _supports_flex_attn = True
+    # set by the subclasses and _make_target_io (nn.Module's __getattr__ would type them Tensor | Module)
+    fc: nn.Linear  # the target's concatenated features -> the drafter's width
+    lm_head: nn.Linear  # the target's head, or a draft-vocabulary head (drafters.vocab: Linear subclasses)
+    draft_vocab: torch.Tensor  # a buffer, when config.draft_vocab_size is set
 
     def _init_weights(self, module):
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, nn.Embedding):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
@@ -171,7 +173,7 @@ class DrafterBase(PreTrainedModel):
         """The draft vocabulary's target ids, or None for the whole vocabulary."""
         return self.draft_vocab if getattr(self.config, "draft_vocab_size", None) else None
 
-    def _restrict_to_draft_vocab(self) -> "DrafterBase":
+    def _restrict_to_draft_vocab(self) -> DrafterBase:
         """Re-restrict the heads to the saved draft vocabulary (if any) after their weights changed."""
         if getattr(self.config, "draft_vocab_size", None):
             restrict_vocab(self, self.draft_vocab)
@@ -196,7 +198,7 @@ class DrafterBase(PreTrainedModel):
         return emb, head
 
     @torch.no_grad()
-    def load_own_weights(self, folder: str | Path) -> "DrafterBase":
+    def load_own_weights(self, folder: str | Path) -> DrafterBase:
         """This drafter's weights (all but the target's embeddings and head, which stay as they are)
         from a saved drafter folder; every one must be there, with its shape."""
         from safetensors.torch import load_file
@@ -214,14 +216,14 @@ class DrafterBase(PreTrainedModel):
         return self
 
     @torch.no_grad()
-    def copy_target_io(self, target) -> "DrafterBase":
+    def copy_target_io(self, target) -> DrafterBase:
         """Copy (and keep frozen) the target's token embeddings and LM head."""
         emb, head = self._target_io(target)
         self.embed_tokens.weight.copy_(emb)
         self.lm_head.weight.copy_(head)
         return self._restrict_to_draft_vocab()
 
-    def share_target_io(self, target) -> "DrafterBase":
+    def share_target_io(self, target) -> DrafterBase:
         """Use the target's own embedding and LM head tensors (no copy), as serving engines do: the
         drafter reads the very bytes the target's head just read, still in cache, and holds no second
         copy. Falls back to :meth:`copy_target_io` when dtype or device differ."""

@@ -21,7 +21,8 @@ The blocks' attention mask is :mod:`drafters.masks`'s; decoding's context cache 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from .base import DrafterBase, argmax_choice
 from .cache import ContextCache
@@ -56,7 +57,7 @@ class BlockDrafter(DrafterBase):
     def build_heads(self, config) -> None:
         """Subclasses add their own modules here, before weights are initialised."""
 
-    def fuse_projections(self) -> "BlockDrafter":
+    def fuse_projections(self) -> BlockDrafter:
         """Serve :meth:`decode_hidden` from fused products (:meth:`InjectedLayer.fuse_projections`): per
         layer one for queries, keys and values and one for the MLP's gate and up, three fewer calls a
         layer. Copies of the weights, made once for serving; returns the drafter."""
@@ -89,6 +90,7 @@ class BlockDrafter(DrafterBase):
         ctx_len = ctx_kv[0][0].shape[2]
         impl = getattr(cfg, "mask_implementation", "auto")
         # auto: flex for training-sized batches of blocks on a GPU; decoding's few blocks keep the dense mask
+        mask: torch.Tensor | BlockMask
         if impl == "flex" or (impl == "auto" and anchors.device.type == "cuda" and N * K > 128):
             mask = flex_block_mask(anchors, ctx_len, K, self.causal_blocks)
         else:

@@ -74,8 +74,9 @@ class ContextCache:
         [R, heads, *, head_dim] (grown by doubling, the contexts moving along)."""
         if not self.keys or end > self.keys[0].shape[2]:
             filled = max(self._lengths, default=0)
-            self.keys = [grown(old, like, end, filled, self.capacity) for old in self.keys or [None] * layers]
-            self.values = [grown(old, like, end, filled, self.capacity) for old in self.values or [None] * layers]
+            none: list[torch.Tensor | None] = [None] * layers
+            self.keys = [grown(old, like, end, filled, self.capacity) for old in self.keys or none]
+            self.values = [grown(old, like, end, filled, self.capacity) for old in self.values or none]
 
     # -- rows --------------------------------------------------------------------------------------
     def start(self, rows: int) -> None:

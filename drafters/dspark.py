@@ -25,8 +25,8 @@ where it is low keeps decoding lossless. Loss, with ``w_k = exp(-(k-1)/gamma)``:
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from .base import DrafterConfig, DrafterOutput, argmax_choice
 from .block import BlockDrafter
@@ -62,8 +62,9 @@ class DSparkDrafter(BlockDrafter):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if module is getattr(self, "markov_out", None):
-            nn.init.zeros_(module.weight)  # start as plain DFlash
+        markov_out = getattr(self, "markov_out", None)
+        if markov_out is not None and module is markov_out:
+            nn.init.zeros_(markov_out.weight)  # start as plain DFlash
 
     def markov_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """Logits for block positions with hidden ``hidden`` after ``prev_tokens``."""
@@ -91,7 +92,7 @@ class DSparkDrafter(BlockDrafter):
         for k in range(1, hidden.shape[2]):  # only the Markov code of the previous draft is sequential
             code = self.markov_in(prev)
             term = self.markov_out(code)
-            logits = self.lm_head(hidden[:, :, k], shift=term) if per_step else base[:, :, k - 1] + term
+            logits = self.lm_head(hidden[:, :, k], shift=term) if base is None else base[:, :, k - 1] + term
             prev = choose(logits)
             tokens.append(prev)
             all_logits.append(logits)
@@ -104,11 +105,10 @@ class DSparkDrafter(BlockDrafter):
         the per-position temperatures (and offsets) fitted on held-out blocks, or ``sigmoid(z_k)``
         before any are fitted. A monotone map per position: lossless wherever used."""
         cfg = self.config
-        like = dict(dtype=conf_logits.dtype, device=conf_logits.device)
         if cfg.confidence_temperature is not None:
-            conf_logits = conf_logits / torch.tensor(cfg.confidence_temperature, **like)
+            conf_logits = conf_logits / conf_logits.new_tensor(cfg.confidence_temperature)
         if cfg.confidence_offset is not None:
-            conf_logits = conf_logits + torch.tensor(cfg.confidence_offset, **like)
+            conf_logits = conf_logits + conf_logits.new_tensor(cfg.confidence_offset)
         return conf_logits.sigmoid()
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,

@@ -19,7 +19,7 @@ makes the simulated acceptance of both families directly comparable.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .base import DrafterBase, DrafterConfig, DrafterOutput, argmax_choice
 from .cache import ContextCache
@@ -122,6 +122,7 @@ class Eagle3Drafter(DrafterBase):
             losses.append(sc.loss)
             steps.append({k: getattr(sc, k)[:, starts + s, 0] for k in ("draft_tokens", "target_tokens", "accept")})
             if chunk is None:
+                assert sc.draft_logits is not None and sc.target_logits is not None  # unchunked: returned
                 steps[-1].update(draft_logits=sc.draft_logits[:, starts + s, 0], target_logits=sc.target_logits[:, starts + s, 0])
             steps[-1]["scored"] = scored_next[:, starts + s]
             hidden_in = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # own output, one position on

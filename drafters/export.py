@@ -115,9 +115,8 @@ def speculators_name(kind: str, key: str) -> str | None:
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
         if m:
             return f"layers.{m[1]}.{_rename_layer_key(m[2], _LAYER)}"
-    elif kind == "eagle3":
-        if key.startswith("layer."):
-            return f"layers.0.{_rename_layer_key(key[len('layer.'):], _EAGLE_LAYER)}"
+    elif kind == "eagle3" and key.startswith("layer."):
+        return f"layers.0.{_rename_layer_key(key[len('layer.'):], _EAGLE_LAYER)}"
     if key in _TOP:
         return key
     raise ExportError(f"no speculators name for {kind} parameter '{key}'")

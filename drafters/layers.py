@@ -11,14 +11,22 @@ variant (``lean``, fused projections, static shapes) computes the same values as
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward, rotate_half
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
 
 RMSNorm = LlamaRMSNorm
 
@@ -106,7 +114,7 @@ class DraftAttention(nn.Module):
     @property
     def static_rope(self) -> bool:
         """Whether cos/sin depend on the position alone; dynamic NTK and LongRoPE rescale with the length seen."""
-        kind = self.rotary.rope_type
+        kind = str(self.rotary.rope_type)
         return "dynamic" not in kind and kind != "longrope"
 
     def rope_table(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None,
@@ -145,7 +153,7 @@ class DraftAttention(nn.Module):
         """Give decoding one product for queries, keys and values: ``qkv_proj`` holds ``[W_q; W_k; W_v]``,
         a copy (training and batched drafting read the separate Linears; call again after they change)."""
         self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
-        if self.q_norm is not None and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
+        if self.q_norm is not None and self.k_norm is not None and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
             self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.heads, -1),
                                              self.k_norm.weight.detach().expand(self.kv_heads, -1)])
 
@@ -157,9 +165,11 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         H, D = self.heads, self.head_dim
         k_end = (H + self.kv_heads) * D
+        if self.qkv_proj is None:
+            raise RuntimeError("project_qkv reads qkv_proj: call fuse_projections() first")
         qkv = self.qkv_proj(x)
         qk = qkv[..., :k_end].view(B, L, H + self.kv_heads, D)  # queries of every row (the context's: unused)
-        if self.q_norm is not None:  # both norms in one: normalised, then each head scaled by its norm's weight
+        if self.q_norm is not None and self.k_norm is not None:  # both norms in one: normalised, then each head scaled by its norm's weight
             if self.qk_norm_weight is None or qk.dtype != torch.float32:  # (transformers' norm computes in fp32)
                 qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
             else:
@@ -196,7 +206,8 @@ class DraftAttention(nn.Module):
         else:
             if impl == "eager" and mask is not None and mask.dtype == torch.bool:  # eager adds its mask to the scores
                 mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
-            attention = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+            attention: Callable[..., tuple[torch.Tensor, Any]] = (
+                eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl])
             scaling = None if impl == "sdpa" else self.scaling  # SDPA's own default scale: the same, computed by it
             out, _ = attention(self, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False)
         return self.o_proj(out.reshape(B, Q, -1))
@@ -219,7 +230,7 @@ def fused_linear(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flex_attention(device_type: str):
     """flex_attention compiled (its fused kernel) on a GPU; eager elsewhere (the reference math: what the
     tests compare against SDPA with the dense mask)."""

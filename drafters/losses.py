@@ -36,8 +36,8 @@ vocabulary-sized: the drafter's and the target's argmax and ``alpha``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -171,15 +171,18 @@ def block_scores(terms: dict[str, float], weighting: str, gamma: float,
         return _block_sums(active, weighting, gamma, q, p, y, sc, vocab), q, p
 
     M = flat[0].shape[0]
-    if chunk is None or M * S <= chunk:
+    if chunk is None or chunk >= M * S:
         sums, q, p = part(*flat)
         logits = (q.view(*lead, S, -1), p.view(*lead, S, -1))
     else:
         step = max(1, chunk // S)
         pieces = []
+
+        def run(*r):
+            return part(*r)[0]
+
         for i in range(0, M, step):
             rows = [x[i:i + step] for x in flat]
-            run = (lambda *r: part(*r)[0])
             pieces.append(checkpoint(run, *rows, use_reentrant=False) if torch.is_grad_enabled() else run(*rows))
         sums = tuple(torch.cat(z) for z in zip(*pieces))
         logits = (None, None)

@@ -70,7 +70,7 @@ def mask_blocks(inputs: torch.Tensor, scored: torch.Tensor, mask_token_id: int, 
         block = torch.cat([torch.full((int(n),), k) for k, n in enumerate(lengths.tolist())]) if len(chosen) else source
         keepable = source <= L - 1
         rows.append((source[keepable], block[keepable]))
-    M = max(1, max(len(s) for s, _ in rows))
+    M = max([1] + [len(s) for s, _ in rows])
     ids = torch.full((B, L + M), mask_token_id, dtype=inputs.dtype, device=device)
     ids[:, :L] = inputs
     pos = torch.zeros(B, L + M, dtype=torch.long)

@@ -10,7 +10,7 @@ target, as serving engines do.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 #: the weights a drafter shares with its target; a shipped drafter leaves them out (:func:`save_without_target_io`)
 TARGET_IO = ("embed_tokens.weight", "lm_head.weight")

@@ -28,8 +28,8 @@ those same logits.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 # a drafter's heads onto the vocabulary -> their logits outside a draft vocabulary: -inf for the head
 # whose softmax is the drafter's distribution, 0 for a term added to it (DSpark's Markov head)

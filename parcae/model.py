@@ -40,9 +40,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub.dataclasses import strict
+from torch import nn
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask
@@ -254,7 +254,7 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         block.self_attn.layer_idx = slot  # each application of a shared block owns a KV-cache slot
         return block(h, **kw)
 
-    def forward(
+    def forward(  # noqa: PLR0912, PLR0915 prelude, recurrence, coda and head, in order
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,

@@ -181,7 +181,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status per command
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser(eval_flags_too=argv[:1] == ["eval"])
     args = parser.parse_args(argv)

@@ -33,7 +33,14 @@ from distill.checkpoint import Ranks
 from distill.config import DistillStudentRecipe, RecipeError
 from distill.data import make_windows
 from distill.kd import evaluate_pard, evaluate_student, kd_loss_fn
-from distill.models import build_causal_lm, init_from_target_layers, load_target, model_summary, special_token_ids, target_family_lm
+from distill.models import (
+    build_causal_lm,
+    init_from_target_layers,
+    load_target,
+    model_summary,
+    special_token_ids,
+    target_family_lm,
+)
 from distill.provenance import write_run_header
 from distill.regenerate import training_splits
 from distill.runtime import init_tracking, make_accelerator, set_threads

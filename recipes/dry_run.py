@@ -30,9 +30,9 @@ allocator fragmentation. Leave 10-15% headroom.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
 
 GiB = 2 ** 30
 

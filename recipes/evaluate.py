@@ -129,7 +129,7 @@ SCHEMA = EvalRecipe
 
 
 @torch.no_grad()
-def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:
+def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, PLR0915 the recipe's steps, in order
     dec = recipe.decoding
     set_threads(dec.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

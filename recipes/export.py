@@ -97,7 +97,7 @@ def push_to_hub(plan: dict, commit_message: str, api=None) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def export_drafter(recipe, target=None, tokenizer=None) -> dict:
+def export_drafter(recipe, target=None, tokenizer=None) -> dict:  # noqa: PLR0915 the export's steps, in order
     """Write, gate and publish the export folder of ``recipe.drafter``; returns the manifest."""
     import drafters  # noqa: F401
     from distill.models import load_target

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             put_back()
 
 
-def _profile(args, undo: list) -> dict:
+def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's steps, in order
     from distill.base.features import FeatureCapture
     from distill.models import load_target
     from distill.regenerate import encoded_prompts
@@ -199,8 +199,7 @@ def _profile(args, undo: list) -> dict:
         a, b = reports.values()
         print(f"speedup {' / '.join(settings)}: {a['speedup']:.3f} / {b['speedup']:.3f}; plain step {' / '.join(settings)}: "
               f"{a['plain_step_ms'] / b['plain_step_ms']:.3f}, speculative step {a['spec_step_ms'] / b['spec_step_ms']:.3f}")
-    report = reports[settings[0]]
-    return report
+    return reports[settings[0]]
 
 
 def _profile_batch(args, target, drafter, prompts, dec, undo: list, backend) -> dict:

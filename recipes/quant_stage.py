@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from distill.config import QuantSection
 from distill.quantize import (

@@ -175,7 +175,7 @@ class Subject:
 SCHEMA = QuantizeRecipe
 
 
-def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:
+def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0915 the recipe's steps, in order
     set_threads(recipe.train.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     subject = Subject(recipe, device)

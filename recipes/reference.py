@@ -16,6 +16,7 @@ the committed pages equal to what this module writes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import sys
 import types
@@ -71,7 +72,7 @@ def models_in(tp: Any) -> list[tuple[str, type[BaseModel]]]:
     return []
 
 
-def type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:  # noqa: PLR0911 one return per kind of type
     """A field's type as a reader writes it in YAML terms."""
     tp, meta = _strip_annotated(tp)
     if meta and tp is str:
@@ -123,7 +124,7 @@ def constraints(info: FieldInfo) -> str:
 # -------------------------------------------------------------------------------------- defaults
 
 
-def _yaml(value: Any) -> str:
+def _yaml(value: Any) -> str:  # noqa: PLR0911 one return per kind of value
     """A value as YAML flow style writes it."""
     if value is None:
         return "null"
@@ -257,10 +258,8 @@ def _help(action: argparse.Action) -> str:
     text = action.help or ""
     if "%(" in text:
         fields = {**vars(action), "prog": "", "default": action.default}
-        try:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
             text = text % fields
-        except (KeyError, TypeError, ValueError):
-            pass
     return text
 
 
@@ -282,7 +281,7 @@ def _argument_table(parser: argparse.ArgumentParser) -> list[str]:
         positional = not action.option_strings
         if positional and action.nargs not in ("?", "*") or not positional and action.required:
             shown = "*required*"
-        elif default is None or default is False or default == [] or default == argparse.SUPPRESS or action.nargs == 0:
+        elif default is None or default is False or default in ([], argparse.SUPPRESS) or action.nargs == 0:
             shown = ""
         else:
             shown = f"`{_yaml(default) if not isinstance(default, list) else ' '.join(map(str, default))}`"

@@ -30,7 +30,15 @@ from distill.provenance import write_json_atomic, write_run_header
 from distill.runtime import end_run, init_tracking, make_accelerator, set_threads
 from distill.trainer import Trainer
 from parcae.training import curve_rows, parcae_lm_loss, recurrence_curve
-from recipes.dry_run import Launch, activation_bytes, current_launch, loss_bytes, memory_table, trained_layers, training_state
+from recipes.dry_run import (
+    Launch,
+    activation_bytes,
+    current_launch,
+    loss_bytes,
+    memory_table,
+    trained_layers,
+    training_state,
+)
 from recipes.plots import plot_recurrence_curve
 from recipes.quant_stage import QuantStage
 

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tau = tokens / forwards
         rows.append({"vocab": name, "tau": round(tau, 4), "share": round(tau / rows[0]["tau"], 4) if rows else 1.0,
                      **{k: record[k] for k in ("coverage", "per_step") if k in record}})
-        print(f"{name:>10s}  tau {tau:.3f}  ({rows[-1]['share']:.1%} of {entries[0][0]})"
-              f"{'  static coverage %.3f' % record['coverage'] if 'coverage' in record else ''}", flush=True)
+        coverage = f"  static coverage {record['coverage']:.3f}" if "coverage" in record else ""
+        print(f"{name:>10s}  tau {tau:.3f}  ({rows[-1]['share']:.1%} of {entries[0][0]}){coverage}", flush=True)
     return rows
 
 

@@ -17,10 +17,14 @@ verifies against the target as it is served, so it stays lossless.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from .forward import TargetForward
+
+if TYPE_CHECKING:
+    from .cpu.compiled import CompiledDraft
 
 BACKENDS = ("auto", "torch", "cpu")
 
@@ -39,7 +43,7 @@ class Backend:
     def target_forward(self, target, capture=None) -> TargetForward:
         return TargetForward(target, capture)
 
-    def draft_graph(self, drafter):
+    def draft_graph(self, drafter) -> CompiledDraft | None:
         """The compiled draft :meth:`prepare` built for ``drafter`` (a
         :class:`~serve_eval.cpu.compiled.CompiledDraft`), or None: the drafter drafts eagerly."""
         return None

@@ -115,7 +115,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, launcher: l
     """Run ``draftsmith`` in a fresh process (optionally under a launcher such as torchrun)."""
     full_env = {**os.environ, **OFFLINE, **(env or {})}
     cmd = (launcher or [sys.executable]) + ["-m", "recipes.cli", *args]
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def launch_env(config: Path) -> tuple[object, dict]:

@@ -10,7 +10,7 @@ on a GPU, a draft vocabulary larger than the drafter's head) are made where thos
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -42,7 +42,7 @@ class DrafterOptions(Strict):
     draft_length: int = Field(7, gt=0, description="causal-LM drafters (students, Parcae, PARD): tokens drafted per step")
     parallel_drafts: bool = Field(True, description="a PARD-trained LM (drafters.pard) drafts its block in one forward; "
                                                     "false: one token a forward, drafter.draft_length tokens")
-    draft_recurrence: Optional[int] = Field(
+    draft_recurrence: int | None = Field(
         None, gt=0, description="Parcae drafter: recurrences while drafting (self-speculation: the drafter is the target "
                                 "folder); unset = the model's own")
 

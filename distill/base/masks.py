@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class LayerMasks:
     converted to the additive form where the model attends eagerly (eager attention adds its mask)."""
 
     def __init__(self, target):
-        self.windowed = []  # (attention module, window) of each windowed layer; no window: no layer lookup (any model)
+        self.windowed: list[tuple[Any, int]] = []  # (attention module, window) of each windowed layer; no window: no layer lookup (any model)
         if getattr(target.config, "sliding_window", None) is not None:
             self.windowed = [(layer.self_attn, w) for layer, w in zip(decoder_layers(target), layer_windows(target)) if w is not None]
         self.eager = target.config._attn_implementation == "eager"

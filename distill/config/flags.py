@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo

@@ -6,7 +6,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -51,7 +51,7 @@ def _scalar(text: str) -> Any:
     return float(value) if isinstance(value, str) and _FLOAT.match(value) else value
 
 
-def _model_at(root: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class that owns the field at ``loc`` (for key suggestions)."""
     model: Any = root
     for part in loc:

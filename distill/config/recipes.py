@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -67,7 +67,7 @@ class TrainLMRecipe(TrainingRecipe):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
 
     @model_validator(mode="after")
-    def _fits_context(self) -> "TrainLMRecipe":
+    def _fits_context(self) -> TrainLMRecipe:
         if self.data.seq_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
@@ -81,7 +81,7 @@ class QuickstartTargetStage(Strict):
 
     source: Literal["shipped", "train"] = "shipped"
     train_recipe: RecipePath = Field("recipes/configs/testbed_target_quick.yaml", description="used when source=train")
-    eval_batches: Optional[int] = Field(None, gt=0, description="held-out batches to evaluate; None = all")
+    eval_batches: int | None = Field(None, gt=0, description="held-out batches to evaluate; None = all")
 
 
 class QuickstartStage(Strict):
@@ -114,13 +114,13 @@ class QuickstartShippedDrafterStage(QuickstartEvalStage):
     """The drafter shipped for the testbed target (trained once by its recipe), measured in the loop."""
 
     kind: DrafterKind = "dflash"
-    tree_budget: Optional[int] = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
+    tree_budget: int | None = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
                                                                "shipped with (results.json)")
     lookup: int = Field(10, ge=0, description="also measure the chain and the tree with prompt-lookup continuations of up "
                                               "to this many tokens grafted on (decoding.lookup.tokens); 0 = not")
 
     @model_validator(mode="after")
-    def _shipped(self) -> "QuickstartShippedDrafterStage":
+    def _shipped(self) -> QuickstartShippedDrafterStage:
         from ..testbed import SHIPPED_DRAFTERS
 
         if self.enabled and not (SHIPPED_DRAFTERS[self.kind] / "config.json").exists():
@@ -140,13 +140,13 @@ class QuickstartRecipe(RecipeBase):
     drafter: QuickstartDrafterStage = Field(default_factory=QuickstartDrafterStage)
     eval: QuickstartEvalStage = Field(default_factory=QuickstartEvalStage)
     export: QuickstartExportStage = Field(default_factory=QuickstartExportStage)
-    torch_threads: Optional[int] = Field(None, gt=0)
+    torch_threads: int | None = Field(None, gt=0)
 
 
 class RegeneratesAnswers(TrainingRecipe):
     """A training recipe that can train on the target's own answers (:mod:`distill.regenerate`)."""
 
-    regenerate: Optional[RegenerateStage] = Field(
+    regenerate: RegenerateStage | None = Field(
         None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)")
 
     @model_validator(mode="after")
@@ -169,13 +169,13 @@ class DistillStudentRecipe(RegeneratesAnswers):
     student: ModelConfig = Field(default_factory=lambda: ModelConfig(hidden_size=192, num_layers=4, num_heads=3,
                                                                      intermediate_size=512))
     distill: DistillSection = Field(default_factory=DistillSection)
-    pard: Optional[PardSection] = Field(None, description="also train PARD's parallel drafting (drafters.pard); None = off")
-    init_from_target_layers: Optional[list[int]] = Field(
+    pard: PardSection | None = Field(None, description="also train PARD's parallel drafting (drafters.pard); None = off")
+    init_from_target_layers: list[int] | None = Field(
         None, min_length=1, description="start the student from the target's embeddings, head and these decoder layers "
                                         "(layer dropping; the student needs the target's architecture and as many layers)")
 
     @model_validator(mode="after")
-    def _layers_for_the_student(self) -> "DistillStudentRecipe":
+    def _layers_for_the_student(self) -> DistillStudentRecipe:
         ids = self.init_from_target_layers
         if ids is not None and (len(ids) != self.student.num_layers or self.student.arch == "parcae"):
             raise ValueError(f"init_from_target_layers {ids}: the student needs {len(ids)} transformer layers "
@@ -183,13 +183,13 @@ class DistillStudentRecipe(RegeneratesAnswers):
         return self
 
     @model_validator(mode="after")
-    def _pard_on_transformers(self) -> "DistillStudentRecipe":
+    def _pard_on_transformers(self) -> DistillStudentRecipe:
         if self.pard is not None and self.student.arch == "parcae":
             raise ValueError("pard: PARD's mask blocks need a transformer student (student.arch: llama or qwen3), got 'parcae'")
         return self
 
     @model_validator(mode="after")
-    def _fits_context(self) -> "DistillStudentRecipe":
+    def _fits_context(self) -> DistillStudentRecipe:
         if self.data.seq_len > self.student.max_position_embeddings:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds student.max_position_embeddings "
                              f"({self.student.max_position_embeddings})")
@@ -205,7 +205,7 @@ class TrainDrafterRecipe(RegeneratesAnswers):
     features: FeaturesSection = Field(default_factory=FeaturesSection)
 
     @model_validator(mode="after")
-    def _blocks_fit(self) -> "TrainDrafterRecipe":
+    def _blocks_fit(self) -> TrainDrafterRecipe:
         if self.data.seq_len < 2 * self.drafter.block_size:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) must be at least twice drafter.block_size "
                              f"({self.drafter.block_size})")
@@ -219,10 +219,10 @@ class RegenerateRecipe(RecipeBase):
     target: TargetConfig = Field(default_factory=TargetConfig)
     prompts: PromptsSection
     generation: GenerationSection = Field(default_factory=GenerationSection)
-    server: Optional[ServerSection] = Field(None, description="answer through this endpoint (the target's weights "
+    server: ServerSection | None = Field(None, description="answer through this endpoint (the target's weights "
                                                                "are not loaded; its tokenizer is); None = in-process")
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
-    torch_threads: Optional[int] = Field(None, gt=0)
+    torch_threads: int | None = Field(None, gt=0)
 
 
 class EvalRecipe(RecipeBase):
@@ -232,7 +232,7 @@ class EvalRecipe(RecipeBase):
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: str = Field(..., description="a drafter folder (save_pretrained output), or any causal LM folder "
                                           "with the target's vocabulary (a student; the target itself for Parcae self-speculation)")
-    peer_assistant: Optional[str] = Field(
+    peer_assistant: str | None = Field(
         None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)")
     peer_prompt_lookup: int = Field(0, ge=0, description="tokens per draft of transformers' prompt-lookup decoding, "
                                                          "measured as a drafter-free peer (greedy); 0 = off")
@@ -250,16 +250,16 @@ class EvalRecipe(RecipeBase):
 
     @field_validator("peer_assistant")
     @classmethod
-    def _assistant_exists(cls, v: Optional[str]) -> Optional[str]:
+    def _assistant_exists(cls, v: str | None) -> str | None:
         return None if v is None else local_or_hub(v, "peer assistant", "config.json")
 
     @model_validator(mode="after")
-    def _drafter_fits_target(self) -> "EvalRecipe":
+    def _drafter_fits_target(self) -> EvalRecipe:
         _check_fit(self.drafter, self.target.path)
         return self
 
     @model_validator(mode="after")
-    def _ssd_reads_tokens_only(self) -> "EvalRecipe":
+    def _ssd_reads_tokens_only(self) -> EvalRecipe:
         from drafters import kind_of
 
         from ..checks import read_config
@@ -271,7 +271,7 @@ class EvalRecipe(RecipeBase):
         return self
 
     @model_validator(mode="after")
-    def _target_drafting_for_itself_stays_as_it_is(self) -> "EvalRecipe":
+    def _target_drafting_for_itself_stays_as_it_is(self) -> EvalRecipe:
         if not same_folder(self.drafter, self.target.path):
             return self
         dec = self.decoding
@@ -314,7 +314,7 @@ class QuantizeRecipe(RecipeBase):
     variants: dict[str, QuantSchemeSpec] = Field(..., min_length=1, description="name -> scheme, group_size, layers")
     compute_matched: bool = Field(True, description="also fine-tune full precision for the same steps and PTQ that")
     fake_quant_after_steps: int = Field(0, ge=0, description="QAT fine-tunes in full precision for this many steps first")
-    min_gap: Optional[float] = Field(None, ge=0, description="report recovered only where |full - PTQ| >= this (tau "
+    min_gap: float | None = Field(None, ge=0, description="report recovered only where |full - PTQ| >= this (tau "
                                      "or nats); None = 0.01; below it the ratio divides noise by noise")
     measure: QuantMeasureSection = Field(default_factory=QuantMeasureSection)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -336,7 +336,7 @@ class QuantizeRecipe(RecipeBase):
         return variants
 
 
-def _default_export_prompts() -> "PromptsSection":
+def _default_export_prompts() -> PromptsSection:
     return PromptsSection(from_corpus=8, split="val", prompt_tokens=64)
 
 
@@ -346,9 +346,9 @@ class ExportRecipe(RecipeBase):
     recipe: Literal["export"]
     drafter: str = Field(..., description="a trained drafter folder (checkpoints/best or model)")
     target: TargetConfig = Field(default_factory=TargetConfig)
-    formats: Optional[list[Literal["transformers", "speculators", "sglang_eagle3"]]] = Field(
+    formats: list[Literal["transformers", "speculators", "sglang_eagle3"]] | None = Field(
         None, description="None = every format that can express the drafter; naming one that cannot is an error")
-    verifier_name_or_path: Optional[str] = Field(None, description="the verifier recorded for serving; None = the drafter's target")
+    verifier_name_or_path: str | None = Field(None, description="the verifier recorded for serving; None = the drafter's target")
     prompts: PromptsSection = Field(default_factory=_default_export_prompts, description="the gate's evaluation prompts")
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
     gate: ExportGateSection = Field(default_factory=ExportGateSection)
@@ -372,6 +372,6 @@ class ExportRecipe(RecipeBase):
         return [existing_path(r, "eval report") for r in reports]
 
     @model_validator(mode="after")
-    def _drafter_fits_target(self) -> "ExportRecipe":
+    def _drafter_fits_target(self) -> ExportRecipe:
         _check_fit(self.drafter, self.target.path)
         return self

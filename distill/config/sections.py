@@ -6,7 +6,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -55,17 +55,17 @@ class ModelConfig(Strict):
     hidden_size: int = Field(320, gt=0)
     num_layers: int = Field(8, gt=0)
     num_heads: int = Field(5, gt=0)
-    num_kv_heads: Optional[int] = Field(None, gt=0, description="defaults to num_heads (no GQA)")
-    head_dim: Optional[int] = Field(None, gt=0, description="defaults to hidden_size // num_heads")
+    num_kv_heads: int | None = Field(None, gt=0, description="defaults to num_heads (no GQA)")
+    head_dim: int | None = Field(None, gt=0, description="defaults to hidden_size // num_heads")
     intermediate_size: int = Field(864, gt=0)
     max_position_embeddings: int = Field(1024, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     tie_word_embeddings: bool = True
     initializer_range: float = Field(0.02, gt=0)
-    parcae: Optional[ParcaeSection] = Field(None, description="the loop, when arch = parcae (defaults apply)")
+    parcae: ParcaeSection | None = Field(None, description="the loop, when arch = parcae (defaults apply)")
 
     @model_validator(mode="after")
-    def _parcae_loop(self) -> "ModelConfig":
+    def _parcae_loop(self) -> ModelConfig:
         if self.arch != "parcae":
             if self.parcae is not None:
                 raise ValueError(f"model.parcae is only read when model.arch = parcae (arch is {self.arch!r})")
@@ -79,14 +79,14 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _target_shape(self) -> "ModelConfig":
+    def _target_shape(self) -> ModelConfig:
         shaped = sorted(self.model_fields_set - {"arch", "num_layers", "initializer_range"})
         if self.arch == "target" and shaped:
             raise ValueError(f"arch = target takes the target's sizes; {', '.join(shaped)} cannot be set with it")
         return self
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})")
@@ -101,12 +101,12 @@ class ModelConfig(Strict):
 class TokenizerConfig(Strict):
     """Either an existing tokenizer (``path``: local folder or hub id) or the testbed BPE."""
 
-    path: Optional[str] = Field(None, description="tokenizer folder or hub id; None = train the testbed BPE")
+    path: str | None = Field(None, description="tokenizer folder or hub id; None = train the testbed BPE")
     vocab_size: int = Field(4096, ge=300, description="size of the testbed BPE when it is trained")
 
     @field_validator("path")
     @classmethod
-    def _path_exists(cls, v: Optional[str]) -> Optional[str]:
+    def _path_exists(cls, v: str | None) -> str | None:
         return None if v is None else local_or_hub(v, "tokenizer", "tokenizer_config.json")
 
 
@@ -126,8 +126,8 @@ class DataConfig(Strict):
     source: Literal["stdlib", "files", "hub"] = "stdlib"
     train_files: list[str] = Field(default_factory=list)
     val_files: list[str] = Field(default_factory=list)
-    hub_name: Optional[str] = None
-    hub_config: Optional[str] = None
+    hub_name: str | None = None
+    hub_config: str | None = None
     hub_split: str = "train"
     format: Literal["text", "prompt_response", "messages"] = Field(
         "text", description="text: documents packed into windows; prompt_response / messages: one example per "
@@ -138,7 +138,7 @@ class DataConfig(Strict):
     messages_field: str = "messages"
     seq_len: int = Field(256, gt=1)
     val_fraction: float = Field(0.02, gt=0, lt=0.5, description="held-out share when no val_files")
-    max_documents: Optional[int] = Field(None, gt=0, description="cap on documents read (tests)")
+    max_documents: int | None = Field(None, gt=0, description="cap on documents read (tests)")
 
     @field_validator("train_files", "val_files")
     @classmethod
@@ -158,7 +158,7 @@ class DataConfig(Strict):
         return expanded
 
     @model_validator(mode="after")
-    def _source_complete(self) -> "DataConfig":
+    def _source_complete(self) -> DataConfig:
         if self.source == "files" and not self.train_files:
             raise ValueError("source 'files' needs train_files (a list of .jsonl/.json/.parquet/.txt files)")
         if self.source == "hub" and not self.hub_name:
@@ -179,7 +179,7 @@ class OptimConfig(Strict):
     warmup_steps: int = Field(20, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr (cosine, wsd)")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="share of steps spent decaying (wsd)")
-    grad_clip: Optional[float] = Field(1.0, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
 
 
 class TrainConfig(Strict):
@@ -187,9 +187,9 @@ class TrainConfig(Strict):
     micro_batch_size: int = Field(8, gt=0, description="sequences per process per forward")
     grad_accum: int = Field(1, gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    torch_threads: Optional[int] = Field(None, gt=0, description="torch.set_num_threads; None = torch default")
+    torch_threads: int | None = Field(None, gt=0, description="torch.set_num_threads; None = torch default")
     eval_every: int = Field(50, gt=0)
-    eval_batches: Optional[int] = Field(20, gt=0, description="validation batches per evaluation; None = all")
+    eval_batches: int | None = Field(20, gt=0, description="validation batches per evaluation; None = all")
     save_every: int = Field(50, gt=0)
     log_every: int = Field(10, gt=0)
     resume: bool = Field(True, description="continue from output_dir's latest checkpoint when present")
@@ -200,8 +200,8 @@ class TrainConfig(Strict):
 class WandbConfig(Strict):
     enabled: bool = False
     project: str = "draftsmith"
-    entity: Optional[str] = None
-    name: Optional[str] = None
+    entity: str | None = None
+    name: str | None = None
     tags: list[str] = Field(default_factory=list)
 
 
@@ -212,7 +212,7 @@ class TargetConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto: transformers' choice for the model (SDPA where it supports it; gpt-oss: eager)")
-    device_map: Optional[Literal["auto", "cpu"]] = Field(
+    device_map: Literal["auto", "cpu"] | None = Field(
         None, description="train_drafter, one process: transformers' device_map for the target (auto: split by layers over "
                           "every visible GPU, e.g. to build an offline feature cache for a target one GPU cannot hold); "
                           "None = whole on each process's device")
@@ -261,7 +261,7 @@ class QuantSchemeSpec(Strict):
     head (kept unless named); Parcae's ``A_log``, ``dt_bias`` (Delta) and ``B`` are always kept."""
 
     scheme: str = Field("8da4w", description="default scheme of every Linear the layer map does not name")
-    group_size: Optional[int] = Field(32, gt=0, description="weights per scale; None = one scale per output channel")
+    group_size: int | None = Field(32, gt=0, description="weights per scale; None = one scale per output channel")
     layers: dict[str, str] = Field(default_factory=dict, description="ordered: module name | glob | re:<regex> -> scheme | keep")
 
     @field_validator("scheme")
@@ -287,7 +287,7 @@ class QuantSchemeSpec(Strict):
         return layers
 
     @model_validator(mode="after")
-    def _int4_groups(self) -> "QuantSchemeSpec":
+    def _int4_groups(self) -> QuantSchemeSpec:
         uses = {self.scheme, *self.layers.values()}
         if "int4_weight_only" in uses and self.group_size not in (32, 64, 128, 256):
             raise ValueError(f"int4_weight_only needs group_size 32, 64, 128 or 256 (got {self.group_size})")
@@ -307,44 +307,44 @@ class DrafterSection(Strict):
 
     kind: DrafterKind = "dflash"
     num_layers: int = Field(1, gt=0)
-    num_heads: Optional[int] = Field(None, gt=0, description="defaults to the target's")
-    intermediate_size: Optional[int] = Field(None, gt=0, description="defaults to the target's")
+    num_heads: int | None = Field(None, gt=0, description="defaults to the target's")
+    intermediate_size: int | None = Field(None, gt=0, description="defaults to the target's")
     block_size: int = Field(8, ge=2, description="tokens per block (anchor + K-1 drafts); EAGLE-3 drafts K-1 steps")
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
     qk_norm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3-style); vLLM's DFlash/DSpark "
                                             "layers have it, so block drafters need it to export to speculators")
-    target_layer_ids: Optional[list[int]] = Field(None, description="output of layer i; None = spread over the target")
+    target_layer_ids: list[int] | None = Field(None, description="output of layer i; None = spread over the target")
     num_target_layers: int = Field(3, gt=0, description="used when target_layer_ids is None")
     num_anchors: int = Field(16, gt=0, description="blocks per training sequence (block drafters)")
-    mask_token_id: Optional[int] = Field(None, ge=0, description="None = the tokenizer's mask token")
-    loss: Optional[dict[str, float]] = Field(
+    mask_token_id: int | None = Field(None, ge=0, description="None = the tokenizer's mask token")
+    loss: dict[str, float] | None = Field(
         None, description="block drafters: loss term -> weight, terms ce | kl | tv | lk (drafters.losses); "
                           "None = the kind's default (DFlash {ce: 1}, DSpark {ce: 0.1, tv: 0.9})")
     position_weighting: Literal["exp", "dpace"] = Field(
         "exp", description="block positions weighted exp(-(k-1)/gamma), or by the detached probability of reaching them")
     loss_gamma: float = Field(4.0, gt=0, description="position weights exp(-(k-1)/gamma)")
-    loss_chunk: Optional[int] = Field(
+    loss_chunk: int | None = Field(
         None, gt=0, description="positions whose vocabulary-sized logits the loss holds at once (whole blocks; "
                                 "recomputed in backward); None = the whole batch at once. Set it for large "
                                 "vocabularies: 8 x 512 anchors x 15 positions x 152k tokens is 37 GB of fp32 logits")
-    init_norm_scale: Optional[float] = Field(
+    init_norm_scale: float | None = Field(
         None, gt=0, description="start the output norm at this times the target's final norm (None: ones)")
     draft_vocab: int = Field(0, ge=0, description="draft from the N tokens the training answers use most (drafters.vocab; "
                                                   "the loss over them, saved and exported with the drafter); 0 = all")
     markov_rank: int = Field(64, gt=0, description="DSpark Markov head rank")
     confidence_weight: float = Field(1.0, ge=0, description="DSpark")
-    init_from: Optional[str] = Field(
+    init_from: str | None = Field(
         None, description="a saved drafter folder of the same kind and sizes whose weights start training (a second "
                           "schedule after a first; the optimizer and schedule start fresh); None = random init")
 
     @field_validator("init_from")
     @classmethod
-    def _init_folder(cls, v: Optional[str]) -> Optional[str]:
+    def _init_folder(cls, v: str | None) -> str | None:
         return v if v is None else pretrained_folder(v, "drafter.init_from")
 
     @field_validator("loss")
     @classmethod
-    def _loss_terms(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+    def _loss_terms(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         from drafters.losses import LOSS_TERMS
 
         if v is None:
@@ -357,14 +357,14 @@ class DrafterSection(Strict):
         return v
 
     @model_validator(mode="after")
-    def _fixed_layers(self) -> "DrafterSection":
+    def _fixed_layers(self) -> DrafterSection:
         fixed = DRAFTERS[self.kind][0].fixed_target_layers
         if fixed and (len(self.target_layer_ids or []) not in (0, fixed) or self.num_target_layers != fixed):
             raise ValueError(f"{self.kind} fuses exactly {fixed} target layers (low, mid, high)")
         return self
 
     @model_validator(mode="after")
-    def _init_matches(self) -> "DrafterSection":
+    def _init_matches(self) -> DrafterSection:
         if self.init_from is None:
             return self
         from ..checks import read_config
@@ -383,15 +383,15 @@ class FeaturesSection(Strict):
     """Where target features come from: the target running beside the drafter, or a cache on disk."""
 
     mode: Literal["online", "offline"] = "online"
-    cache_dir: Optional[str] = Field(None, description="offline cache folder; None = <output_dir>/feature_cache")
+    cache_dir: str | None = Field(None, description="offline cache folder; None = <output_dir>/feature_cache")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="storage dtype of cached features")
-    max_windows: Optional[int] = Field(None, gt=0, description="cap on training windows (both modes)")
+    max_windows: int | None = Field(None, gt=0, description="cap on training windows (both modes)")
     build_only: bool = Field(False, description="offline: build both splits' caches and stop (no training); training "
                                                 "from complete caches then reads none of the target's weights but what "
                                                 "the drafter copies")
 
     @model_validator(mode="after")
-    def _build_only_offline(self) -> "FeaturesSection":
+    def _build_only_offline(self) -> FeaturesSection:
         if self.build_only and self.mode != "offline":
             raise ValueError("features.build_only builds the offline feature cache: set features.mode: offline")
         return self
@@ -405,7 +405,7 @@ class DistillSection(Strict):
     beta: float = Field(0.5, gt=0, lt=1, description="generalized JSD interpolation (divergence = jsd)")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of both distributions")
     ce_weight: float = Field(0.0, ge=0, le=1, description="share of cross-entropy on the data's tokens")
-    loss_chunk: Optional[int] = Field(None, gt=0, description="scored positions per chunk of the KD loss, computed from the "
+    loss_chunk: int | None = Field(None, gt=0, description="scored positions per chunk of the KD loss, computed from the "
                                                               "last hidden states so no [B, T, V] logits exist; None = whole logits")
 
 
@@ -415,7 +415,7 @@ class PardSection(Strict):
     draft_tokens: int = Field(8, ge=2, description="K: tokens drafted per forward (K - 1 appended mask tokens)")
     anchors: int = Field(16, gt=0, description="mask blocks appended to each training window")
     keep: float = Field(0.5, gt=0, le=1, description="conditional drop: P(a block keeps mask i + 1 | it kept mask i)")
-    mask_token_id: Optional[int] = Field(None, ge=0, description="None = the tokenizer's mask token")
+    mask_token_id: int | None = Field(None, ge=0, description="None = the tokenizer's mask token")
 
 
 class ServerSection(Strict):
@@ -425,7 +425,7 @@ class ServerSection(Strict):
 
     base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1")
     model: str = Field(description="the served model's name, as GET /v1/models lists it")
-    api_key_env: Optional[str] = Field("OPENAI_API_KEY", description="environment variable holding the key; unset: 'EMPTY'")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="environment variable holding the key; unset: 'EMPTY'")
     concurrency: int = Field(32, gt=0, description="requests in flight (the server batches them)")
     timeout_s: float = Field(600.0, gt=0)
     extra_body: dict[str, Any] = Field(default_factory=dict, description="server-specific request fields")
@@ -451,7 +451,7 @@ class RegenerateStage(Strict):
     top_p: float = Field(0.95, gt=0, le=1, description="sampled temperatures only")
     top_k: int = Field(0, ge=0, description="0 = off")
     batch_size: int = Field(64, gt=0)
-    server: Optional[ServerSection] = Field(None, description="answer through this endpoint instead of in-process")
+    server: ServerSection | None = Field(None, description="answer through this endpoint instead of in-process")
 
     @field_validator("temperatures")
     @classmethod
@@ -464,7 +464,7 @@ class RegenerateStage(Strict):
 class PromptsSection(Strict):
     """Prompts to regenerate answers for: a JSONL file, or snippets cut from the data section's corpus."""
 
-    file: Optional[str] = Field(None, description="JSONL with one {prompt_field: ...} or {messages_field: [...]} per line")
+    file: str | None = Field(None, description="JSONL with one {prompt_field: ...} or {messages_field: [...]} per line")
     field: str = "prompt"
     from_corpus: int = Field(0, ge=0, description="number of prompts cut from the data section's corpus (file unset)")
     split: Literal["train", "val"] = Field("train", description="corpus split the prompts are cut from")
@@ -472,11 +472,11 @@ class PromptsSection(Strict):
 
     @field_validator("file")
     @classmethod
-    def _file_exists(cls, v: Optional[str]) -> Optional[str]:
+    def _file_exists(cls, v: str | None) -> str | None:
         return None if v is None else existing_path(v, "prompts file")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "PromptsSection":
+    def _one_source(self) -> PromptsSection:
         if (self.file is None) == (self.from_corpus == 0):
             raise ValueError("give exactly one of prompts.file or prompts.from_corpus")
         if self.file is not None:
@@ -510,29 +510,29 @@ class ExportGateSection(GateSettings):
 
     allow_failure: bool = Field(False, description="publish even when the gate fails (printed loudly, written into the card)")
     max_new_tokens: int = Field(64, gt=0, description="tokens generated per evaluation prompt")
-    simulated_tau: Optional[float] = Field(None, ge=1, description="when the checkpoint recorded none (else read from it)")
+    simulated_tau: float | None = Field(None, ge=1, description="when the checkpoint recorded none (else read from it)")
 
 
 class PushToHubSection(Strict):
     """Upload the export folder in one commit (huggingface_hub); only when enabled."""
 
     enabled: bool = False
-    repo_id: Optional[str] = Field(None, description="owner/name")
+    repo_id: str | None = Field(None, description="owner/name")
     private: bool = True
-    revision: Optional[str] = Field(None, description="branch to commit to (created if missing); None = main")
+    revision: str | None = Field(None, description="branch to commit to (created if missing); None = main")
     primary_format: Literal["speculators", "transformers", "sglang_eagle3"] = Field(
         "speculators", description="the format whose files go to the repository root")
     commit_message: str = "Upload drafter exported by draftsmith"
 
     @field_validator("repo_id")
     @classmethod
-    def _repo_id(cls, v: Optional[str]) -> Optional[str]:
+    def _repo_id(cls, v: str | None) -> str | None:
         if v is not None and not HUB_ID.match(v):
             raise ValueError(f"repo_id '{v}' is not of the form owner/name")
         return v
 
     @model_validator(mode="after")
-    def _needs_repo(self) -> "PushToHubSection":
+    def _needs_repo(self) -> PushToHubSection:
         if self.enabled and not self.repo_id:
             raise ValueError("push_to_hub.enabled needs push_to_hub.repo_id (owner/name)")
         return self

@@ -11,9 +11,9 @@ still needs the weights and is refused up front as before.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterator
 
 from .paths import HUB_ID, PROJECT_ROOT
 

@@ -2,17 +2,17 @@
 
 Schemes (recipe names -> torchao configs)
     ``8da<N>w`` (N = 2..8)   int8 dynamic per-token asymmetric activations + intN symmetric weights,
-                             one scale per ``group_size`` weights (``Int8DynamicActivationIntxWeightConfig``);
-                             the edge/CPU scheme (ExecuTorch, torchao's CPU kernels). ``8da8w`` is the
-                             "int8 attention" scheme.
+                      one scale per ``group_size`` weights (``Int8DynamicActivationIntxWeightConfig``);
+                      the edge/CPU scheme (ExecuTorch, torchao's CPU kernels). ``8da8w`` is the
+                      "int8 attention" scheme.
     ``w<N>``                 intN weight-only, per group (``IntxWeightOnlyConfig``); runs anywhere
-                             (weights dequantized on the fly); ``w2``/``w3`` are the aggressive ones.
+                      (weights dequantized on the fly); ``w2``/``w3`` are the aggressive ones.
     ``int4_weight_only``     torchao's GPU int4 (``Int4WeightOnlyConfig``, bf16 activations); convert
-                             needs CUDA and its kernel package: validated and QAT-prepared anywhere,
-                             converted on GPUs only.
+                      needs CUDA and its kernel package: validated and QAT-prepared anywhere,
+                      converted on GPUs only.
     ``float8``               float8 e4m3 dynamic activations and weights, per row
-                             (``Float8DynamicActivationFloat8WeightConfig``); needs compute capability
-                             >= 8.9 (Hopper, Ada): validated anywhere, refused on CPUs.
+                      (``Float8DynamicActivationFloat8WeightConfig``); needs compute capability
+                      >= 8.9 (Hopper, Ada): validated anywhere, refused on CPUs.
 
 Fake quantization (what QAT trains through)
     For a weight group with scale ``s`` (symmetric: ``s = max|w| / (2^(N-1) - 1)``, zero point 0) the
@@ -72,10 +72,26 @@ Modules: ``schemes`` (torchao configs, bits, hardware), ``plan`` (the per-layer 
 with the recipes that write and run them (:mod:`recipes.quant_report`, :mod:`recipes.quant_stage`).
 """
 
-from .apply import convert, fake_quant_enabled, fake_quant_hook, fake_quantized_modules, prepare_qat, ptq, quantized_layers, set_fake_quant
+from .apply import (
+    convert,
+    fake_quant_enabled,
+    fake_quant_hook,
+    fake_quantized_modules,
+    prepare_qat,
+    ptq,
+    quantized_layers,
+    set_fake_quant,
+)
 from .plan import LayerPlan, always_kept, check_hardware, linear_names, resolve_layer_map
 from .schemes import base_config, hardware_problem, scheme_bits, scheme_family
-from .storage import PLAN_FILE, QUANTIZED_FILE, load_quantized, model_bytes, save_quantized, transformers_quantization_config
+from .storage import (
+    PLAN_FILE,
+    QUANTIZED_FILE,
+    load_quantized,
+    model_bytes,
+    save_quantized,
+    transformers_quantization_config,
+)
 
 __all__ = ["convert", "fake_quant_enabled", "fake_quant_hook", "fake_quantized_modules", "prepare_qat", "ptq", "quantized_layers",
            "set_fake_quant", "LayerPlan", "always_kept", "check_hardware", "linear_names", "resolve_layer_map", "base_config",

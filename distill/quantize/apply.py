@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..config import QuantSchemeSpec
 from .plan import LayerPlan, always_kept, check_hardware, is_kept, resolve_layer_map

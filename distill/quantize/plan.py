@@ -7,7 +7,7 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-import torch.nn as nn
+from torch import nn
 
 from ..config import QuantSchemeSpec, RecipeError
 from .schemes import hardware_problem
@@ -82,7 +82,7 @@ def _head_is_tied(model: nn.Module, head_name: str | None) -> bool:
     return emb is not None and head.weight is emb.weight
 
 
-def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant") -> LayerPlan:
+def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant") -> LayerPlan:  # noqa: PLR0912 one check per error it names
     """The scheme of every Linear in ``model`` under ``spec``; :class:`RecipeError` naming ``key`` for a
     pattern that matches nothing, a group size that does not divide a layer, or a tied head."""
     names = linear_names(model)

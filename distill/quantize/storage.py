@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..checkpoint import write_atomically
 from .apply import fqn_config
@@ -82,8 +82,9 @@ def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra:
                 aliases[name] = seen[key]
                 continue
             seen[key] = name
-            t = t.contiguous()
-        state[name] = t
+            state[name] = t.contiguous()
+        else:
+            state[name] = t
     tensors, metadata = flatten_tensor_state_dict(state)
     metadata["draftsmith_aliases"] = json.dumps(aliases)
 
@@ -121,7 +122,7 @@ def load_quantized(folder: str | Path, device: str | torch.device = "cpu") -> nn
 
     with safe_open(folder / QUANTIZED_FILE, framework="pt", device=str(device)) as f:
         metadata = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 safe_open has keys(), not __iter__
     state, leftover = unflatten_tensor_state_dict(tensors, metadata)
     if leftover:
         raise ValueError(f"{folder / QUANTIZED_FILE}: tensors no metadata names: {sorted(leftover)[:5]}")

@@ -97,7 +97,7 @@ class Int8Linear(nn.Module):
             self.register_buffer("colsum", codes.sum(0, dtype=torch.int32))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> Int8Linear:
         return cls(linear.weight, linear.bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

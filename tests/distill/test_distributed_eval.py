@@ -3,6 +3,7 @@ is evaluated as what it is, and every rank runs as many forwards whatever its sh
 
 from __future__ import annotations
 
+import math
 import socket
 
 import pytest
@@ -134,7 +135,7 @@ def test_every_rank_runs_as_many_forwards_whatever_its_data(target, val_windows,
             calls.clear()
             metrics = evaluate_drafter(drafter, capture, windows, 4, max_batches=5, accelerator=_FakeRank(rank, 2))
             counts.append(len(calls))
-            assert all(v == v for v in metrics.values()), metrics  # no NaN from a padding batch
+            assert not any(math.isnan(v) for v in metrics.values()), metrics  # no NaN from a padding batch
     finally:
         handle.remove()
     assert len(val_windows) >= 20 and counts[0] == counts[1] > 0, counts

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from distill import quantize as Q
 from distill.config import ModelConfig, QuantSchemeSpec, QuantSection, RecipeError
@@ -48,7 +48,7 @@ def test_prepare_inserts_fake_quant_exactly_where_the_map_says():
     fq = Q.fake_quantized_modules(model)
     for name in Q.linear_names(model):
         module = model.get_submodule(name)
-        if name == "lm_head" or name == "model.layers.1.mlp.down_proj":
+        if name in ("lm_head", "model.layers.1.mlp.down_proj"):
             assert name not in fq and type(module) is nn.Linear, name  # kept: a plain Linear
         elif ".self_attn." in name:
             assert weight_bits(module) == 8 and module.activation_fake_quantizer is not None, name  # int8 + int8 acts
@@ -364,10 +364,10 @@ def test_train_lm_with_qat_writes_a_reloadable_quantized_model(tiny_trained_lm):
     assert set(rows) == {"qat_fake_quant", "qat"}
     assert rows["qat"]["val_loss"] == pytest.approx(rows["qat_fake_quant"]["val_loss"], abs=1e-4)
     assert rows["qat"]["packed_bytes"] < rows["qat_fake_quant"]["packed_bytes"]
-    losses = [json.loads(l)["train/loss"] for l in (out / "metrics.jsonl").read_text().splitlines() if "train/loss" in l]
+    losses = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
     assert losses[-1] < losses[0]
     loaded = Q.load_quantized(out / "model_quantized")
-    kinds = {n: w for n, w in Q.quantized_layers(loaded).items()}
+    kinds = dict(Q.quantized_layers(loaded))
     assert len(kinds) == 14 and "lm_head" not in kinds  # tied head kept
     assert loaded.get_submodule("model.layers.0.self_attn.q_proj").weight.target_dtype == torch.int8
     assert loaded.get_submodule("model.layers.0.mlp.up_proj").weight.target_dtype == torch.int2
@@ -396,7 +396,7 @@ def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
     kinds = [(r["variant"], r["model"]) for r in report["rows"]]
     assert kinds == [("-", "full"), ("-", "full_ft"), ("w2", "ptq"), ("w2", "ptq_ft"), ("w2", "qat"),
                      ("mixed", "ptq"), ("mixed", "ptq_ft"), ("mixed", "qat")]
-    rows = {k: r for k, r in zip(kinds, report["rows"])}
+    rows = dict(zip(kinds, report["rows"]))
     assert rows[("w2", "ptq")]["packed_bytes"] < rows[("-", "full")]["packed_bytes"]
     assert rows[("w2", "qat")]["packed_bytes"] == rows[("w2", "ptq")]["packed_bytes"]
     assert all(r["tokens_per_s"] > 0 and r["speed_vs_full"] > 0 for r in report["rows"])

@@ -4,6 +4,7 @@ and a drafter trained on it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +32,9 @@ def test_sampled_regeneration_resumes_to_the_same_data(tmp_path, tiny_target_dir
     full = tmp_path / "full"
     regenerate.main(regenerate_recipe(full, tiny_target_dir, temperature=1.0))
     lines = (full / "data.jsonl").read_text().splitlines()
-    assert len(lines) == 6 and [json.loads(l)["id"] for l in lines] == list(range(6))
-    assert all(json.loads(l)["prompt"] and "response" in json.loads(l) for l in lines)
+    records = [json.loads(line) for line in lines]
+    assert len(lines) == 6 and [r["id"] for r in records] == list(range(6))
+    assert all(r["prompt"] and "response" in r for r in records)
 
     crashed = tmp_path / "crashed"
     crashed.mkdir()
@@ -67,7 +69,7 @@ def test_drafter_recipe_regenerates_in_process_online_and_offline_alike(tmp_path
                              "temperatures": [0.0, 0.7], "batch_size": 4}
         raw["features"] = features or {"mode": "online"}
         summary = train_drafter.main(parse_recipe(raw))
-        log = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return summary, log
 
     online, online_log = run(tmp_path / "online")
@@ -144,7 +146,7 @@ def test_regenerated_records_keep_the_exact_tokens(tmp_path, tiny_target_dir):
     from recipes import regenerate
 
     regenerate.main(regenerate_recipe(tmp_path / "regen", tiny_target_dir))
-    records = [json.loads(l) for l in (tmp_path / "regen" / "data.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "regen" / "data.jsonl").read_text().splitlines()]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
@@ -170,9 +172,9 @@ def test_in_process_regeneration_is_cached_and_reused(tmp_path, tiny_target_dir,
     fps = (target_fingerprint(target), tokenizer_fingerprint(tok))
     first = regenerated_splits(stage, target, tok, splits, 0, *fps)
     assert not first["reused"] and len(first["train_files"]) == 2 and first["train_response_tokens"] > 0
-    rows = [json.loads(l) for f in first["train_files"] for l in open(f)]
+    rows = [json.loads(line) for f in first["train_files"] for line in Path(f).read_text().splitlines()]
     assert len(rows) == 6 and {r["temperature"] for r in rows} == {0.0, 1.0}
-    val = [json.loads(l) for l in open(first["val_files"][0])]
+    val = [json.loads(line) for line in Path(first["val_files"][0]).read_text().splitlines()]
     assert len(val) == 2 and all(r["temperature"] == 0.0 for r in val)
     assert all(f["tokens_per_s"] for f in first["files"].values())
 
@@ -225,8 +227,8 @@ def test_regeneration_through_a_server_matches_in_process_and_resumes(tmp_path, 
     recipe = regenerate_recipe(tmp_path / "served", tiny_target_dir).model_dump(mode="json")
     recipe["server"] = {**served_target, "concurrency": 4}
     regenerate.main(parse_recipe(recipe))
-    local = [json.loads(l) for l in (tmp_path / "local" / "data.jsonl").read_text().splitlines()]
-    served = [json.loads(l) for l in (tmp_path / "served" / "data.jsonl").read_text().splitlines()]
+    local = [json.loads(line) for line in (tmp_path / "local" / "data.jsonl").read_text().splitlines()]
+    served = [json.loads(line) for line in (tmp_path / "served" / "data.jsonl").read_text().splitlines()]
     assert len(served) == len(local) == 6
     from transformers import AutoTokenizer
 

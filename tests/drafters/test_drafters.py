@@ -67,7 +67,13 @@ def test_a_drafter_trains_over_a_draft_vocabulary(tmp_path, tiny_target_dir, kin
     prompt = tok("def main(argv):\n    parser = ", return_tensors="pt")["input_ids"][0]
     drafted, proposer = [], make_proposer(drafter)
     inner = proposer.propose
-    proposer.propose = lambda *a, **k: (lambda got: drafted.append(got.tokens[0]) or got)(inner(*a, **k))
+
+    def propose(*args, **kwargs):
+        got = inner(*args, **kwargs)
+        drafted.append(got.tokens[0])
+        return got
+
+    proposer.propose = propose
     assert speculative_generate(target, drafter, prompt, 24, proposer=proposer)[0] == plain_generate(target, prompt, 24)[0]
     assert bool(torch.isin(torch.cat(drafted), drafter.draft_vocab).all())
 
@@ -113,7 +119,7 @@ def test_shipped_drafter_loads_its_embeddings_and_head_from_the_target(tmp_path,
 
     with safe_open(str(tmp_path / "d" / "model.safetensors"), framework="pt") as f:
         assert not {"embed_tokens.weight", "lm_head.weight"} & set(f.keys())
-        assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
+        assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())  # noqa: SIM118 safe_open is not iterable
     loaded = load_drafter(str(tmp_path / "d"), target, "cpu")
     assert torch.equal(loaded.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(loaded.lm_head.weight, target.get_output_embeddings().weight)
@@ -190,6 +196,21 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
             m.decode_hidden(torch.tensor(5), done + 1, cache)
 
 
+def test_the_fused_projection_path_needs_fused_projections():
+    """project_qkv reads the product fuse_projections makes: without it, an error that says what to call."""
+    from drafters import DFlashConfig, DFlashDrafter
+
+    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                       target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4, num_hidden_layers=1,
+                       max_position_embeddings=64)
+    attn = DFlashDrafter(cfg).layers[0].attn
+    with pytest.raises(RuntimeError, match=r"fuse_projections\(\) first"):
+        attn.project_qkv(torch.zeros(1, 2, 32), torch.arange(2)[None], queries=1)
+    attn.fuse_projections()
+    q, k, v = attn.project_qkv(torch.zeros(1, 2, 32), torch.arange(2)[None], queries=1)
+    assert q.shape == (1, 4, 1, 8) and k.shape == v.shape == (1, 2, 2, 8)
+
+
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_static_decoding_block_equals_the_cached_one(attention, fused):
@@ -252,7 +273,7 @@ def test_offline_cache_trains_like_online_and_refuses_a_mismatch(tmp_path, tiny_
         raw["features"] = {"max_windows": 40, **features}
         raw["drafter"].update(drafter)
         summary = train_drafter.main(parse_recipe(raw))
-        return summary, [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+        return summary, list(map(json.loads, (out / "metrics.jsonl").read_text().splitlines()))
 
     cache = tmp_path / "cache"
     online, online_log = run(tmp_path / "online", {"mode": "online"})

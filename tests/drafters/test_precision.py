@@ -14,12 +14,11 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 
-import drafters.layers as layers
 from distill.base.features import FeatureCapture
 from distill.config.sections import DrafterSection, ModelConfig
 from distill.drafter_eval import build_drafter
 from distill.models import build_causal_lm
-from drafters import kind_of
+from drafters import kind_of, layers
 
 from ..conftest import reset_accelerate
 

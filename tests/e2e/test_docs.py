@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import pytest
@@ -25,8 +25,9 @@ TOP_DIRS = (*PACKAGES, "tests", "docs", "accelerate_configs", ".ci")
 FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "cpp", "safetensors", "npy", "txt"}
 SKIP_DIRS = {".venv", "runs", ".git", "tests", "__pycache__", ".pytest_cache"}
 
-_ORDINALS = ("first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth "
-             "fourteenth fifteenth sixteenth seventeenth eighteenth nineteenth twentieth").split()
+_ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth",
+             "eleventh", "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth", "seventeenth",
+             "eighteenth", "nineteenth", "twentieth"]
 _ORDINALS += [f"twenty-{o}" for o in _ORDINALS[:9]] + ["thirtieth"]
 _GAP = r"(?:\s|#|//|\*)+"  # words may wrap onto the next line of a comment
 HISTORY = [
@@ -78,7 +79,7 @@ def test_the_reference_walks_nested_sections():
 
     class Middle(BaseModel):
         inner: Inner = Field(default_factory=Inner)
-        maybe: Optional[Inner] = None
+        maybe: Inner | None = None
         named: dict[str, Inner] = Field(default_factory=dict)
 
     class Top(BaseModel):
@@ -88,7 +89,7 @@ def test_the_reference_walks_nested_sections():
     _walk(Top, "", "top", seen, order)
     assert order == [Middle, Inner]
     assert list(seen[Inner]) == ["middle.inner", "middle.maybe", "middle.named.<name>"]
-    assert type_name(Optional[Inner]) == "[Inner](#inner) | null"
+    assert type_name(Optional[Inner]) == type_name(Inner | None) == "[Inner](#inner) | null"  # noqa: UP045 both spellings
 
 
 # ------------------------------------------------------------------------------ sizes and history
@@ -164,7 +165,7 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _anchors(path: Path) -> frozenset[str]:
     anchors, counts = set(), {}
     fenced = False
@@ -249,7 +250,7 @@ def _key_exists(dotted: str) -> bool:
     parts = dotted.split(".")
     for key in keys:
         kparts = key.split(".")
-        if len(kparts) == len(parts) and all(k == p or k == "<name>" for k, p in zip(kparts, parts)):
+        if len(kparts) == len(parts) and all(k in (p, "<name>") for k, p in zip(kparts, parts)):
             return True
     return False
 
@@ -285,32 +286,45 @@ def _cited(path: Path) -> list[str]:
             missing.append(f"module {module}")
     _, tops = _recipe_keys()
     for span in spans:
-        span = span.split(" # ")[0]
-        for target in re.findall(r"\bmake ([a-z][\w-]*)", span):
-            if target not in _make_targets():
-                missing.append(f"make target {target}")
-        for name in re.findall(r"\bdraftsmith (?:run|validate) ([\w-]+)(?=\s|$)", span):
-            if not _PLACEHOLDER.search(name) and f"{name}.yaml" not in configs:
-                missing.append(f"shipped recipe {name}")
-        for name in re.findall(r"(?<![\w/.-])([\w-]+\.yaml)\b", span):
-            if not _PLACEHOLDER.search(name) and name not in configs | {"recipe.yaml", "my_recipe.yaml", "r.yaml"}:
-                missing.append(f"recipe file {name}")
-        for dotted in re.findall(rf"(?<![\w./-])((?:{'|'.join(PACKAGES)})(?:\.\w+)+)", span):
-            if not _module_exists(dotted) and not _key_exists(dotted):
-                missing.append(f"module {dotted}")
-        is_command = re.search(r"draftsmith (run|validate)|recipes\.cli run|QUICKSTART_ARGS=", span)
-        whole = re.fullmatch(r"'?([a-z_]\w*(?:\.[\w]+)+)(?:=.*|: .*)?'?", span.strip())
-        overrides = re.findall(r"(?:^|\s|')([a-z_]\w*(?:\.\w+)*)=", span) if is_command else []
-        for key in overrides + ([whole.group(1)] if whole else []):
-            first, last = key.split(".")[0], key.rsplit(".", 1)[-1]
-            if first in PACKAGES and _module_exists(key) or last in FILE_SUFFIXES:
-                continue
-            if first in tops and not _key_exists(key):
-                missing.append(f"recipe key {key}")
-        for command, rest in re.findall(r"\bdraftsmith (eval|export|run|validate|ls)\b([^|;&]*)", span):
-            for flag in re.findall(r"(?<![\w-])(--[\w-]+)", rest):
-                if flag not in _flags().get(command, ()):
-                    missing.append(f"flag draftsmith {command} {flag}")
+        code = span.split(" # ")[0]
+        missing += _cited_names(code, configs) + _cited_keys_and_flags(code, tops)
+    return missing
+
+
+def _cited_names(span: str, configs: set[str]) -> list[str]:
+    """The make targets, shipped recipes, recipe files and modules one code span cites that do not exist."""
+    missing = []
+    for target in re.findall(r"\bmake ([a-z][\w-]*)", span):
+        if target not in _make_targets():
+            missing.append(f"make target {target}")
+    for name in re.findall(r"\bdraftsmith (?:run|validate) ([\w-]+)(?=\s|$)", span):
+        if not _PLACEHOLDER.search(name) and f"{name}.yaml" not in configs:
+            missing.append(f"shipped recipe {name}")
+    for name in re.findall(r"(?<![\w/.-])([\w-]+\.yaml)\b", span):
+        if not _PLACEHOLDER.search(name) and name not in configs | {"recipe.yaml", "my_recipe.yaml", "r.yaml"}:
+            missing.append(f"recipe file {name}")
+    for dotted in re.findall(rf"(?<![\w./-])((?:{'|'.join(PACKAGES)})(?:\.\w+)+)", span):
+        if not _module_exists(dotted) and not _key_exists(dotted):
+            missing.append(f"module {dotted}")
+    return missing
+
+
+def _cited_keys_and_flags(span: str, tops) -> list[str]:
+    """The recipe keys and ``draftsmith`` flags one code span cites that do not exist."""
+    missing = []
+    is_command = re.search(r"draftsmith (run|validate)|recipes\.cli run|QUICKSTART_ARGS=", span)
+    whole = re.fullmatch(r"'?([a-z_]\w*(?:\.[\w]+)+)(?:=.*|: .*)?'?", span.strip())
+    overrides = re.findall(r"(?:^|\s|')([a-z_]\w*(?:\.\w+)*)=", span) if is_command else []
+    for key in overrides + ([whole.group(1)] if whole else []):
+        first, last = key.split(".")[0], key.rsplit(".", 1)[-1]
+        if first in PACKAGES and _module_exists(key) or last in FILE_SUFFIXES:
+            continue
+        if first in tops and not _key_exists(key):
+            missing.append(f"recipe key {key}")
+    for command, rest in re.findall(r"\bdraftsmith (eval|export|run|validate|ls)\b([^|;&]*)", span):
+        for flag in re.findall(r"(?<![\w-])(--[\w-]+)", rest):
+            if flag not in _flags().get(command, ()):
+                missing.append(f"flag draftsmith {command} {flag}")
     return missing
 
 

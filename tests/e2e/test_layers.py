@@ -22,7 +22,7 @@ PACKAGES = ("distill", "drafters", "parcae", "serve_eval", "recipes")
 
 
 def layer(module: str) -> str:
-    return "distill.base" if module == "distill.base" or module.startswith("distill.base.") else module.split(".")[0]
+    return "distill.base" if module == "distill.base" or module.startswith("distill.base.") else module.partition(".")[0]
 
 
 ALLOWED = {  # layer -> the project layers it may import
@@ -83,7 +83,7 @@ def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path, monk
     (pkg / "__init__.py").write_text("")
     (pkg / "x.py").write_text("def f():\n    from serve_eval.engine import measure\n\nfrom .core import y\nfrom distill import base\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    found = dict((n, line) for line, n in project_imports(pkg / "x.py"))
+    found = {n: line for line, n in project_imports(pkg / "x.py")}
     assert found == {"serve_eval.engine": 2, "drafters.core": 4, "distill.base": 5}
     assert imports_against_the_layers() == ["drafters/x.py:2 imports serve_eval.engine"]  # the loop, from a model
 

@@ -105,7 +105,7 @@ def test_every_decoding_option_has_an_eval_flag_named_by_its_key():
 
 def _another_value(field):
     """A value of the field's type other than its default, and the command-line words for it."""
-    annotation = next((a for a in (field.annotation, *typing.get_args(field.annotation)) if a is not type(None)))
+    annotation = next(a for a in (field.annotation, *typing.get_args(field.annotation)) if a is not type(None))
     default = field.get_default(call_default_factory=True)
     if typing.get_origin(annotation) is typing.Literal:
         value = next(v for v in typing.get_args(annotation) if v != default)

@@ -95,7 +95,10 @@ def test_training_state_follows_the_launch():
     gradients and moments (16 bytes a parameter); DeepSpeed bf16 holds 16-bit weights and gradients plus
     12 bytes of fp32 master and moments, sharded by stage."""
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Embedding(4, 10).requires_grad_(False))
-    state = lambda mp, gpus, stage: training_state(model, mp, Launch(gpus, stage))
+
+    def state(mp, gpus, stage):
+        return training_state(model, mp, Launch(gpus, stage))
+
     assert state("bf16", 4, 0) == {"frozen_weights": 160, "trainable_weights": 440, "gradients": 440, "adamw_states": 880}
     assert state("bf16", 4, 1) == {"frozen_weights": 80, "trainable_weights": 220, "gradients": 220, "adamw_states": 12 * 110 / 4}
     assert state("bf16", 4, 2) == {"frozen_weights": 80, "trainable_weights": 220, "gradients": 55, "adamw_states": 12 * 110 / 4}
