@@ -34,7 +34,8 @@ import collections
 import itertools
 import operator
 import statistics
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -128,13 +129,14 @@ class CostModel:
         measurement, so a machine running faster or slower than when the table was timed moves drafted
         and plain steps alike."""
         proxy = self.verify_seconds(tokens)
-        if self.step_seconds is None:
+        if self.step_seconds is None or self.rows is None:
             return proxy
         if self.scale is None:
-            ratios = sorted(t / self.verify_seconds(self.rows * m) for m, t in self.step_seconds.items() if m > 1)
+            measured = self.rows
+            ratios = sorted(t / self.verify_seconds(measured * m) for m, t in self.step_seconds.items() if m > 1)
             plain = self.step_seconds.get(0)
             self.scale = {True: ratios[len(ratios) // 2],
-                          False: 1.0 if plain is None else plain / self.verify_seconds(self.rows)}
+                          False: 1.0 if plain is None else plain / self.verify_seconds(measured)}
         return proxy * self.scale[tokens > rows]
 
     def step_costs(self, rows: int, most: int) -> dict[int, float]:
@@ -420,7 +422,7 @@ class CausalChain:
     alone. An autoregressive drafter asks after each distribution and stops drafting at the first no;
     several rows offer every row's ``q`` at once, with their batched ``cost``."""
 
-    def __init__(self, budget: "Budget", horizon: int, cost=None, rows: int = 1):
+    def __init__(self, budget: Budget, horizon: int, cost=None, rows: int = 1):
         self.budget, self.horizon = budget, horizon
         costs = budget.costs
         self.cost = cost or (lambda m: costs.verify_seconds(m + 1) + costs.draft_cost(m, horizon))
@@ -662,15 +664,16 @@ class Budget:
         """A batch size's report: its measured step table, prediction and margin, measured rates, and
         what its steps verified."""
         costs = self.costs
-        measured = {"step_ms": {n: round(t * 1e3, 2) for n, t in costs.step_seconds.items()}} if costs.step_seconds else {}
+        measured: dict[str, Any] = {}
+        if costs.step_seconds:
+            measured["step_ms"] = {n: round(t * 1e3, 2) for n, t in costs.step_seconds.items()}
         if self.predicted is not None:
             measured["predicted_speedup"] = round(self.predicted, 4)
         if self.margin is not None:
             measured["up_front_margin"] = self.margin
         switch = self.switches.get(rows)
         if switch is not None:
-            rates = {"drafted": switch.stats[True]} if switch.stats[True].seen else {}
-            rates = {k: round(v.rate, 2) for k, v in rates.items()}
+            rates = {"drafted": round(switch.stats[True].rate, 2)} if switch.stats[True].seen else {}
             if switch.plain:
                 rates["plain"] = round(switch.plain_rate, 2)
             if rates:

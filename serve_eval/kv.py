@@ -202,7 +202,7 @@ class InPlaceLayer(DynamicLayer):
             data = _bytes(buffer)
             data[rows, :, dest] = data[rows, :, source]
 
-    def put_rows(self, rows: torch.Tensor, other: "InPlaceLayer", which: torch.Tensor) -> None:
+    def put_rows(self, rows: torch.Tensor, other: InPlaceLayer, which: torch.Tensor) -> None:
         """Rows ``rows`` of this layer start over with the entries of ``other``'s rows ``which`` (prompts
         prefilled apart taking the places of a batch's finished rows, :mod:`serve_eval.session`). What
         the former occupants left past the new entries stays, and is never attended: a batch reads a

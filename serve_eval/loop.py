@@ -231,84 +231,103 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
     samplers = samplers or [Sampler() for _ in prompts]
     if len({s.greedy for s in samplers}) > 1:
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
-    greedy = samplers[0].greedy
-    now = device_clock(prompts[0].device)
-    start = now()
-    K = proposer.block_size if proposer is not None else 1
-    stats = BatchStats(prompts=[GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
-                                for _ in prompts])
+    run = _Run(samplers, proposer, budget, mode, tree_budget, verify_drafts, device_clock(prompts[0].device), len(prompts))
+    start = run.now()
     capture = FeatureCapture(target, proposer.target_layer_ids) if proposer is not None and proposer.needs_features else None
     copier = LookupProposer(lookup) if lookup and proposer is not None else None
-    outs: list[list[int]] = [[] for _ in prompts]
-    rows = _Rows(target, capture, kv, backend, prompts, samplers, slots or len(prompts), outs,
+    run.copier = copier
+    rows = _Rows(target, capture, kv, backend, prompts, samplers, slots or len(prompts), run.outs,
                  [p for p in (proposer, copier) if p is not None], max_new_tokens, eos_token_id)
-    # which choices must be causal (serve_eval.budget): sampled drafts drawn one after another, and one row's
-    # autoregressive drafts, which stop where the choice says (several rows draft in full, then choose)
-    conditional = proposer is not None and proposer.conditional and not greedy
-    causal = (conditional or proposer.incremental, conditional) if proposer is not None else (False, False)
     done: list[int] = []
     while rows.refill(done):
-        session, live, R = rows.session, rows.live, len(rows.live)
-        row_samplers = [samplers[i] for i in live]
-        for i in live:
+        stats = run.stats
+        for i in rows.live:
             stats.prompts[i].target_forwards += 1
         stats.steps += 1
-        stats.row_steps += R
-        if proposer is None:  # plain decoding
-            logits, _ = session.step(rows.bonus[:, None])
-            session.keep([1] * R)
-            rows.bonus = choose_rows(row_samplers, logits[:, 0])
-            for i, t in zip(live, rows.bonus.tolist()):
-                outs[i].append(t)
-            done = [r for r, i in enumerate(live) if rows.finished(i)]
-            continue
+        stats.row_steps += len(rows.live)
+        done = run.plain_step(rows) if proposer is None else run.speculative_step(rows)
+    seconds = run.now() - start
+    outs = run.outs
+    for i, out in enumerate(outs):
+        outs[i] = truncate(out, max_new_tokens, eos_token_id)
+        run.stats.prompts[i].tokens = len(outs[i])
+        run.stats.prompts[i].target_forwards += 1  # the prefill
+        run.stats.prompts[i].total_seconds = seconds
+    run.stats.tokens, run.stats.seconds = sum(map(len, outs)), seconds
+    return outs, run.stats
+
+
+class _Run:
+    """One :func:`generate` call's settings, outputs and stats, and its two kinds of step."""
+
+    def __init__(self, samplers, proposer, budget, mode, tree_budget, verify_drafts, now, prompts: int):
+        self.samplers, self.proposer, self.budget, self.mode = samplers, proposer, budget, mode
+        self.tree_budget, self.verify_drafts, self.now = tree_budget, verify_drafts, now
+        self.copier: LookupProposer | None = None
+        self.K = proposer.block_size if proposer is not None else 1
+        self.outs: list[list[int]] = [[] for _ in range(prompts)]
+        self.stats = BatchStats(prompts=[GenerationStats(accepted_by_position=[0] * (self.K - 1),
+                                                         drafted_by_position=[0] * (self.K - 1)) for _ in range(prompts)])
+        # which choices must be causal (serve_eval.budget): sampled drafts drawn one after another, and one row's
+        # autoregressive drafts, which stop where the choice says (several rows draft in full, then choose)
+        conditional = proposer is not None and proposer.conditional and not samplers[0].greedy
+        self.causal = (conditional or proposer.incremental, conditional) if proposer is not None else (False, False)
+
+    def plain_step(self, rows: _Rows) -> list[int]:
+        """Every row reads its bonus; the target's choice after it is the new one. Returns the finished rows."""
+        live, R = rows.live, len(rows.live)
+        logits, _ = rows.session.step(rows.bonus[:, None])
+        rows.session.keep([1] * R)
+        rows.bonus = choose_rows([self.samplers[i] for i in live], logits[:, 0])
+        for i, t in zip(live, rows.bonus.tolist()):
+            self.outs[i].append(t)
+        return [r for r, i in enumerate(live) if rows.finished(i)]
+
+    def speculative_step(self, rows: _Rows) -> list[int]:
+        """Draft, choose, verify and keep (the module doc), timing the parts for the budget. Returns the
+        finished rows."""
+        session, live, R, budget, now = rows.session, rows.live, len(rows.live), self.budget, self.now
+        samplers = [self.samplers[i] for i in live]
+        chain = self.mode == "chain"
         t0 = now()
-        drafting = budget is None or mode != "chain" or budget.should_draft(R)
-        stopper = Stopper(budget, row_samplers[0], K - 1, t0, now) \
-            if drafting and budget is not None and mode == "chain" and proposer.incremental and R == 1 else None
+        drafting = budget is None or not chain or budget.should_draft(R)
+        stopper = Stopper(budget, samplers[0], self.K - 1, t0, now) \
+            if drafting and budget is not None and chain and self.proposer.incremental and R == 1 else None
         starts = session.row_lengths()  # each row's bonus position
-        proposal = proposer.propose(rows.bonus, starts, row_samplers, stopper) if drafting else None
-        copies = copier.copies() if copier is not None and drafting else None
+        proposal = self.proposer.propose(rows.bonus, starts, samplers, stopper) if drafting else None
+        copies = self.copier.copies() if self.copier is not None and drafting else None
         t1 = now()
-        if mode == "tree":
-            plans = _plan_trees(proposal, copies, row_samplers, budget, tree_budget)
+        if chain:
+            plans = _plan_chains(proposal, copies, samplers, budget, self.causal, self.verify_drafts, stopper, self.K, R)
         else:
-            plans = _plan_chains(proposal, copies, row_samplers, budget, causal, verify_drafts, stopper, K, R)
+            plans = _plan_trees(proposal, copies, samplers, budget, self.tree_budget)
         step = _tree_step if any(plan.tree is not None for plan in plans) else _chain_step
-        reads, logits, paths, new_bonus, accepted, kept_feats = step(session, rows.bonus, plans, row_samplers)
+        reads, logits, paths, new_bonus, accepted, kept_feats = step(session, rows.bonus, plans, samplers)
         rows.bonus = new_bonus
         emitted = [torch.cat([a, new_bonus[r:r + 1]]) for r, a in enumerate(accepted)]
         emitted_lists = [e.tolist() for e in emitted]  # one host read a row for the step's tokens
         if budget is not None:
-            _record(budget, plans, row_samplers, logits, paths, emitted_lists, mode)
+            _record(budget, plans, samplers, logits, paths, emitted_lists, self.mode)
         for r, i in enumerate(live):
-            outs[i].extend(emitted_lists[r])
-            stats.prompts[i].count_step(len(plans[r].drafts), len(accepted[r]))
+            self.outs[i].extend(emitted_lists[r])
+            self.stats.prompts[i].count_step(len(plans[r].drafts), len(accepted[r]))
         done = [r for r, i in enumerate(live) if rows.finished(i)]
         t2 = now()
         if len(done) < R:
-            for p in rows.proposers:
-                p.observe(starts, emitted, kept_feats)
+            for proposer in rows.proposers:
+                proposer.observe(starts, emitted, kept_feats)
         draft_seconds = (t1 - t0) + (now() - t2)
         for i in live:
-            stats.prompts[i].draft_seconds += draft_seconds
-            stats.prompts[i].verify_seconds += t2 - t1
+            self.stats.prompts[i].draft_seconds += draft_seconds
+            self.stats.prompts[i].verify_seconds += t2 - t1
         if budget is not None:
             if R == 1:
                 budget.costs.observe_verify(reads[0], t2 - t1)
             if drafting:
                 budget.costs.observe_draft(draft_seconds, stopper.forward_seconds() if stopper is not None else (), rows=R)
-            if mode == "chain":
+            if chain:
                 budget.record_step(R, drafting, sum(map(len, accepted)), now() - t0)
-    seconds = now() - start
-    for i, out in enumerate(outs):
-        outs[i] = truncate(out, max_new_tokens, eos_token_id)
-        stats.prompts[i].tokens = len(outs[i])
-        stats.prompts[i].target_forwards += 1  # the prefill
-        stats.prompts[i].total_seconds = seconds
-    stats.tokens, stats.seconds = sum(map(len, outs)), seconds
-    return outs, stats
-
+        return done
 
 
 def _chain_step(session: TargetSession, bonus: torch.Tensor, plans: list[_Row], samplers: list[Sampler]):
@@ -378,32 +397,7 @@ def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stop
     lengths = [proposal.length(r) for r in range(R)]
     plans = [_Row(tokens[r, :lengths[r]], None if logits is None else logits[r, :lengths[r]]) for r in range(R)]
     if budget is not None:  # ranked by the top probability at each position, never the drawn token's
-        for r, plan in enumerate(plans):
-            plan.all_drafts = plan.drafts
-            plan.q = None if greedy else samplers[r].probs(plan.draft_logits)  # a greedy verify needs no distribution
-        if R == 1:
-            plan = plans[0]
-            if stopper is not None:  # the drafter stopped where its chain said: that choice is the step's
-                plan.top_q, keep = stopper.top_q, budget.record_causal(stopper.chain)
-            else:
-                plan.top_q = (top_tokens(plan.draft_logits.float(), with_prob=True)[1] if plan.q is None
-                              else plan.q.amax(-1)).tolist()
-                keep = budget.causal_length(plan.top_q, K - 1) if causal[0] else budget.chain_length(plan.top_q)
-            keeps = [keep]
-        else:
-            top_q = top_tokens(logits.float(), with_prob=True)[1] if greedy else \
-                torch.stack([s.probs(row) for s, row in zip(samplers, logits)]).amax(-1)
-            top_rows = top_q.tolist()
-            for r, plan in enumerate(plans):
-                plan.top_q = top_rows[r][:lengths[r]]
-            if causal[1]:
-                counts = budget.choose_rows_causal(top_q[:, :min(lengths)])
-            else:
-                counts = budget.choose_rows([budget.calibration.chain_reach(plan.top_q) for plan in plans], top_q)
-            keeps = [min(c - 1, length) for c, length in zip(counts, lengths)]
-        for plan, keep in zip(plans, keeps):
-            plan.keep = keep
-            plan.drafts, plan.draft_logits = plan.drafts[:keep], plan.draft_logits[:keep]
+        _choose_chains(plans, logits, lengths, samplers, budget, causal, stopper, K)
     elif verify_drafts:  # a fixed draft length
         for plan in plans:
             plan.drafts, plan.draft_logits = plan.drafts[:verify_drafts], plan.draft_logits[:verify_drafts]
@@ -417,6 +411,40 @@ def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stop
                 elif budget is not None:
                     plan.copied, plan.copied_nodes = copies[r], nodes
     return plans
+
+
+def _choose_chains(plans: list[_Row], logits, lengths: list[int], samplers, budget: Budget, causal, stopper, K: int) -> None:
+    """Each row's drafts cut to what the budget chooses, from the drafter's top probability at each position
+    (one row: its best prefix, causal where it must be, or where its drafter stopped; several rows: one
+    ranking of all their positions, or one causal length for all)."""
+    greedy = samplers[0].greedy
+    for r, plan in enumerate(plans):
+        plan.all_drafts = plan.drafts
+        plan.q = None if greedy else samplers[r].probs(plan.draft_logits)  # a greedy verify needs no distribution
+    if len(plans) == 1:
+        plan = plans[0]
+        if stopper is not None:  # the drafter stopped where its chain said: that choice is the step's
+            plan.top_q, keep = stopper.top_q, budget.record_causal(stopper.chain)
+        else:
+            plan.top_q = (top_tokens(plan.draft_logits.float(), with_prob=True)[1] if plan.q is None
+                          else plan.q.amax(-1)).tolist()
+            keep = budget.causal_length(plan.top_q, K - 1) if causal[0] else budget.chain_length(plan.top_q)
+        keeps = [keep]
+    else:
+        top_q = top_tokens(logits.float(), with_prob=True)[1] if greedy else \
+            torch.stack([plan.q for plan in plans]).amax(-1) if len(set(lengths)) == 1 else \
+            torch.stack([s.probs(row) for s, row in zip(samplers, logits)]).amax(-1)
+        top_rows = top_q.tolist()
+        for r, plan in enumerate(plans):
+            plan.top_q = top_rows[r][:lengths[r]]
+        if causal[1]:
+            counts = budget.choose_rows_causal(top_q[:, :min(lengths)])
+        else:
+            counts = budget.choose_rows([budget.calibration.chain_reach(plan.top_q) for plan in plans], top_q)
+        keeps = [min(c - 1, length) for c, length in zip(counts, lengths)]
+    for plan, keep in zip(plans, keeps):
+        plan.keep = keep
+        plan.drafts, plan.draft_logits = plan.drafts[:keep], plan.draft_logits[:keep]
 
 
 def _plan_trees(proposal, copies, samplers, budget, tree_budget) -> list[_Row]:
@@ -468,10 +496,7 @@ def _graft_lookup(tree: DraftTree, copied: list[int], budget: Budget | None, row
     for p, node in zip(reach, nodes):
         new = node >= len(tree)  # a node the drafter's tree already holds is already counted
         extra.append((p if new else 0.0, int(new)))
-    if rows == 1:
-        keep = budget.extend_last(extra)
-    else:
-        keep = next((i for i, p in enumerate(reach) if p < 0.5), len(reach))
+    keep = budget.extend_last(extra) if rows == 1 else next((i for i, p in enumerate(reach) if p < 0.5), len(reach))
     # the graft appends its new nodes in path order, so keeping the first copied tokens keeps a prefix
     return grafted.prefix(len(tree) + sum(new for _, new in extra[:keep])), nodes[:keep]
 

@@ -29,8 +29,8 @@ def _new_proposer(drafter, dec, backend: Backend):
     return make_proposer(drafter, d.confidence_threshold, d.draft_length, d.draft_recurrence, d.parallel_drafts, backend)
 
 
-def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes, calibration: Calibration | None = None,
-            served: list | None = None, backend: Backend = TORCH) -> dict:
+def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes,  # noqa: PLR0915 the report's parts, in order
+            calibration: Calibration | None = None, served: list | None = None, backend: Backend = TORCH) -> dict:
     """Plain and speculative decoding of every prompt, back to back, as ``dec`` (a
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same seeds
     for both loops). ``calibration``: the acceptance calibration the run's budget shares (and extends).

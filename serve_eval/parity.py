@@ -98,8 +98,9 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simulated_tau: float | None,
-             max_new_tokens: int, eos_token_id: int | None, settings: GateSettings | None = None) -> dict:
+def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noqa: PLR0915 the gate's checks, in order
+             simulated_tau: float | None, max_new_tokens: int, eos_token_id: int | None,
+             settings: GateSettings | None = None) -> dict:
     """Check every exported folder in ``folders`` (format -> path) against the ``trained`` drafter.
 
     ``prompts`` are encoded evaluation prompts (1-D token tensors on the target's device)."""

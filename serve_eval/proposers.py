@@ -116,6 +116,8 @@ class BlockProposer(Proposer):
     def start(self, prompts, features, firsts) -> None:
         self.context = self._new_context()
         self.context.start(len(prompts))
+        if features is None:
+            raise ValueError("a block drafter drafts from the target's features: start its rows with them")
         if len(prompts) == 1:  # read with the first draft
             self.pending = [(features, None)]
         else:
@@ -162,7 +164,7 @@ class BlockProposer(Proposer):
                 merged = torch.cat(run, dim=1)
                 self._append(merged, torch.full((merged.shape[0],), merged.shape[1], dtype=torch.long))
                 run = []
-            if aux is not None:
+            if aux is not None and counts is not None:
                 self._append(aux, counts)
         self.pending = []
 
@@ -186,10 +188,11 @@ class BlockProposer(Proposer):
         arrived = None if not pending else pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)
         arriving = None if arrived is None else arrived.shape[1]
         compiled, K, context = self.compiled, self.block_size, self.context
-        if compiled is not None and arriving and arriving > K:  # a prompt's, or undrafted steps'
+        if compiled is not None and arrived is not None and arrived.shape[1] > K:  # a prompt's, or undrafted steps'
             self._read(arrived[:, :-K])
             arrived, arriving = arrived[:, -K:], K
-        if compiled is not None and arriving and compiled.fits(context.keys, context.length + arriving, arriving):
+        if compiled is not None and arrived is not None and arriving and \
+                compiled.fits(context.keys, context.length + arriving, arriving):
             context.check_anchor(anchor_pos, arrived)
             hidden, proposal = compiled(anchor, context, arrived, compiled.proposes_for(sampler.greedy))
         else:
@@ -321,7 +324,7 @@ class LMDraft:
         self.model = model
         self.block_size = draft_length + 1
         self.forward_kwargs = forward_kwargs
-        self.cache = None  # made by begin()
+        self.cache = DynamicCache()  # begin() makes each sequence's
         self.sequence: list[int] = []
         self.read: list[int] = []
 

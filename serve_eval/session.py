@@ -31,6 +31,7 @@ class TargetSession:
         self.target, self.backend = target, backend
         self.run = backend.target_forward(target, capture)
         self.cache = inplace_cache(target.config, kv)
+        self._layers = [layer for layer in self.cache.layers if isinstance(layer, InPlaceLayer)]  # the loop's own
         self._lengths: list[int] = []  # python ints: one row's are read and written every step
         self._row_writes = False  # whether the cache's layers write per row (several rows, or were)
 
@@ -60,7 +61,7 @@ class TargetSession:
     def _contiguous(self) -> None:
         """Make a one-row cache contiguous: slots past the row's length forgotten, writes at its end."""
         if self._row_writes:
-            for layer in self.cache.layers:
+            for layer in self._layers:
                 layer.write_at = None
             self._row_writes = False
         excess = self.cache.get_seq_length() - self.length
@@ -77,7 +78,7 @@ class TargetSession:
 
     # -- several rows: per-row writes and masks ------------------------------------------------------
     def _check_rows(self) -> None:
-        if not all(isinstance(layer, InPlaceLayer) for layer in self.cache.layers):
+        if len(self._layers) != len(self.cache.layers):
             raise ValueError("decoding several rows at once needs a target whose every layer keeps its keys and values "
                              "in the loop's own cache (serve_eval.kv); this one has layers of another kind")
 
@@ -85,7 +86,7 @@ class TargetSession:
         """The forward over ``ids`` [R, n] at ``positions``, row ``r`` writing after its own length and
         attending to the slots ``mask`` [R, n, slots] allows."""
         write_at = RowWrites(self.lengths.to(ids.device), mask.shape[-1])
-        for layer in self.cache.layers:
+        for layer in self._layers:
             layer.write_at = write_at
         self._row_writes = True
         return self.run(ids, positions, mask[:, None], self.cache, logits_at, keys)
@@ -191,22 +192,23 @@ class TargetSession:
             steps = torch.arange(width)
             source = torch.tensor([paths[r] + list(range(len(paths[r]), width)) for r in moved])  # padding: in place
             start = self.lengths[rows]
-            for layer in self.cache.layers:
+            for layer in self._layers:
                 layer.move_rows(rows, start + source, start + steps)
         self._lengths = [length + len(path) for length, path in zip(self._lengths, paths)]
 
     @torch.inference_mode()
-    def put(self, rows: torch.Tensor, other: "TargetSession", which: torch.Tensor) -> None:
+    def put(self, rows: torch.Tensor, other: TargetSession, which: torch.Tensor) -> None:
         """Rows ``rows`` start over as ``other``'s rows ``which`` (waiting prompts taking the places of rows
         that finished): their entries are copied over those rows' slots, nothing else moves."""
         self._check_rows()
-        for layer, theirs in zip(self.cache.layers, other.cache.layers):
+        for layer, theirs in zip(self._layers, other._layers):
             layer.put_rows(rows, theirs, which)
         self.lengths = self.lengths.index_put((rows,), other.lengths[which])
 
     @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows``."""
-        for layer in self.cache.layers:
+        self._check_rows()
+        for layer in self._layers:
             layer.batch_select_indices(rows.to(layer.device))
         self.lengths = self.lengths[rows]

@@ -42,7 +42,7 @@ def interleaved_seconds(runs: dict, repeats: int, device, least: bool = False) -
     periodic disturbance, moves every key alike."""
     now = device_clock(device)
     keys = list(runs)
-    times = {key: [] for key in keys}
+    times: dict = {key: [] for key in keys}
     for round_ in range(repeats + 1):
         shift = round_ % len(keys) if keys else 0
         for key in keys[shift:] + keys[:shift]:

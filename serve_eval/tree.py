@@ -48,12 +48,12 @@ class DraftTree:
         """How many nodes (the first ones) were drawn from the drafter; the rest are copies."""
         return len(self) if self.drafted is None else self.drafted
 
-    def prefix(self, n: int) -> "DraftTree":
+    def prefix(self, n: int) -> DraftTree:
         """The first ``n`` nodes: a tree whenever every parent comes before its children (pop order)."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.drafted)
 
     @staticmethod
-    def chain(tokens: torch.Tensor) -> "DraftTree":
+    def chain(tokens: torch.Tensor) -> DraftTree:
         """A chain: node ``i`` is the child of node ``i - 1`` (the root's for ``i = 0``)."""
         n = len(tokens)
         return DraftTree(tokens.cpu(), torch.arange(-1, n - 1), torch.arange(1, n + 1))

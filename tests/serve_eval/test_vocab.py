@@ -29,7 +29,13 @@ def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and
     drafted = []
     proposer = make_proposer(drafter)
     inner = proposer.propose
-    proposer.propose = lambda *a, **k: (lambda out: drafted.append(out.tokens[0]) or out)(inner(*a, **k))
+
+    def propose(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        drafted.append(out.tokens[0])
+        return out
+
+    proposer.propose = propose
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, proposer=proposer)[0] == reference
@@ -52,7 +58,13 @@ def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target
     head = speculate_vocab(drafter, torch.arange(0, drafter.config.vocab_size, 16), candidates=4, rank=8)
     subsets, drafted = [], []
     select = head.select
-    head.select = lambda x, shift=None: (lambda ids: subsets.append(ids) or ids)(select(x, shift))
+
+    def chosen(x, shift=None):
+        ids = select(x, shift)
+        subsets.append(ids)
+        return ids
+
+    head.select = chosen
     proposer = make_proposer(drafter)
     inner = proposer.propose
 
