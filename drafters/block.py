@@ -129,7 +129,7 @@ class BlockDrafter(DrafterBase):
     def decode_static(self, anchor_tokens: torch.Tensor, counts: torch.Tensor, features: torch.Tensor,
                       keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """:meth:`decode_hidden` in shapes that do not change from call to call, for a compiled graph
-        (:mod:`serve_eval.compiled`), for ``R`` rows at once (a batch's, or one): each row's block
+        (:mod:`serve_eval.cpu.compiled`), for ``R`` rows at once (a batch's, or one): each row's block
         hidden states, [R, 1, K, H], as :meth:`decode_hidden` gives them for that row alone.
 
         ``anchor_tokens`` [R]; ``counts`` [R, 2] = ``[start, n]`` per row (a tensor, so that the graph

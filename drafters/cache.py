@@ -1,5 +1,15 @@
-"""Decode-time context cache: per drafter layer, the keys and values of the verified context, in
-buffers that :class:`drafters.layers.InjectedLayer`'s decode paths read and write in place."""
+"""Decode-time context cache over R rows: per drafter layer, the keys and values of each row's verified
+context in buffers [R, heads, S, head_dim], row ``r`` holding its first ``lengths[r]`` positions, which
+:class:`drafters.layers.InjectedLayer`'s decode paths (one row) and the decoding loop's batched drafts
+read and write in place.
+
+Buffers grow by doubling (a write in place instead of a copy of the whole context every step), hold
+``capacity`` slots from the start where a compiled draft is built for one length, and are zero where
+nothing was written: a compiled draft attends over whole buffers with the unwritten slots masked, and a
+masked NaN would still reach the output (0 * NaN). A row writes past its length freely (a draft's own
+entries, positions not yet counted): those slots are never attended before the row's next write covers
+them.
+"""
 
 from __future__ import annotations
 
@@ -7,55 +17,113 @@ import torch
 
 
 class ContextCache:
-    """Decode-time keys and values of the verified context, per drafter layer, in buffers that grow by
-    doubling: appending the newly verified positions writes in place instead of re-copying the whole
-    context every step, and one block's own entries fit after the context (``spare`` positions).
-    ``capacity``: the buffers' length from the start, for a compiled draft whose graph is built for one
-    length (:mod:`serve_eval.compiled`); past it they grow by doubling all the same."""
+    """Keys and values of R rows' verified contexts (see the module docstring). ``spare``: slots a
+    one-row write keeps free after its end (one block's entries); ``length``: the one row's length."""
 
     def __init__(self, spare: int, capacity: int = 0):
         self.spare = spare
-        self.capacity = capacity  # buffers of exactly this many positions while the context fits them
+        self.capacity = capacity  # buffers of exactly this many slots while the contexts fit them
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.length = 0
+        self._lengths = [0]  # python ints: one row's are read and written every step
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each row's length [R]."""
+        return torch.tensor(self._lengths, dtype=torch.long)
+
+    @lengths.setter
+    def lengths(self, value) -> None:
+        self._lengths = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+
+    @property
+    def length(self) -> int:
+        return self._lengths[0]
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._lengths = [int(value)]
+
+    # -- one row ---------------------------------------------------------------------------------
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Add per-layer ``(keys, values)`` [B, heads, n, head_dim] of the next ``n`` positions."""
+        """Add per-layer ``(keys, values)`` [1, heads, n, head_dim] of the next ``n`` positions."""
         self.length = self.write(kv)
 
     def write(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write per-layer ``(keys, values)`` of ``n`` positions after the context without counting them
-        (entries that attention reads once and the next write overwrites: a draft's own, or positions a
-        caller counts itself); returns the end, ``length + n``."""
-        end = self.length + kv[0][0].shape[2]
+        (entries that attention reads once and the next write overwrites, or positions the caller
+        counts itself); returns the end, ``length + n``."""
+        start = self.length
+        end = start + kv[0][0].shape[2]
         self.ensure(end + self.spare, kv[0][0], len(kv))
         for layer, (k, v) in enumerate(kv):
-            self.keys[layer][:, :, self.length:end] = k
-            self.values[layer][:, :, self.length:end] = v
+            self.keys[layer][:, :, start:end] = k
+            self.values[layer][:, :, start:end] = v
         return end
 
     def check_anchor(self, anchor_pos: int, arriving: torch.Tensor | None) -> None:
         """A block anchored at ``anchor_pos`` must follow the cached positions and the ``arriving``
-        features [B, n, F] (or None) directly: a ValueError otherwise."""
+        features [1, n, F] (or None) directly: a ValueError otherwise."""
         n = 0 if arriving is None else arriving.shape[1]
         if self.length + n != anchor_pos:
             raise ValueError(f"the context cache holds {self.length} positions and {n} arrive, the block is anchored at {anchor_pos}")
 
+    # -- buffers -----------------------------------------------------------------------------------
     def ensure(self, end: int, like: torch.Tensor, layers: int) -> None:
-        """Buffers for ``layers`` layers with room for ``end`` positions, shaped and typed like ``like``
-        [B, heads, *, head_dim] (grown by doubling; the context's entries move along). Zeros where nothing
-        was written: :meth:`BlockDrafter.decode_static` attends over whole buffers, the unwritten entries
-        masked, and a masked NaN would still reach the output (0 * NaN)."""
+        """Buffers for ``layers`` layers with room for ``end`` slots, shaped and typed like ``like``
+        [R, heads, *, head_dim] (grown by doubling, the contexts moving along)."""
         if not self.keys or end > self.keys[0].shape[2]:
-            shape = (like.shape[0], like.shape[1], self.capacity if end <= self.capacity else max(2 * end, 64), like.shape[3])
+            filled = max(self._lengths, default=0)
             none: list[torch.Tensor | None] = [None] * layers
-            self.keys = [self._grown(old, shape, like) for old in self.keys or none]
-            self.values = [self._grown(old, shape, like) for old in self.values or none]
+            self.keys = [grown(old, like, end, filled, self.capacity) for old in self.keys or none]
+            self.values = [grown(old, like, end, filled, self.capacity) for old in self.values or none]
 
-    def _grown(self, old: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-        new = like.new_zeros(shape)
-        if old is not None:
-            new[:, :, :self.length] = old[:, :, :self.length]
-        return new
+    # -- rows --------------------------------------------------------------------------------------
+    def start(self, rows: int) -> None:
+        """Begin anew with ``rows`` empty rows."""
+        self.keys, self.values = [], []
+        self._lengths = [0] * rows
 
+    def append_rows(self, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
+        """Every row writes the ``m`` entries of per-layer ``(keys, values)`` [R, heads, m, head_dim] after
+        its length, and counts the first ``counts[r]`` of them."""
+        R, m = kv[0][0].shape[0], kv[0][0].shape[2]
+        self.ensure(max(self._lengths) + m, kv[0][0], len(kv))
+        rows, slots = torch.arange(R)[:, None], self.lengths[:, None] + torch.arange(m)
+        for (k, v), keys, values in zip(kv, self.keys, self.values):
+            keys[rows, :, slots] = k.transpose(1, 2)
+            values[rows, :, slots] = v.transpose(1, 2)
+        self.lengths = self.lengths + counts
+
+    def put(self, rows: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
+        """Rows ``rows`` start over with the first ``lengths[i]`` positions of per-layer ``(keys, values)``
+        [len(rows), heads, m, head_dim]."""
+        m = kv[0][0].shape[2]
+        self.ensure(m, kv[0][0][:1].expand(len(self._lengths), -1, -1, -1), len(kv))
+        at = rows.to(kv[0][0].device)
+        for (k, v), keys, values in zip(kv, self.keys, self.values):
+            keys[at, :, :m] = k
+            values[at, :, :m] = v
+        self.lengths = self.lengths.index_put((rows,), lengths)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows``."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.lengths = self.lengths[rows]
+
+    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The per-layer keys and values up to the longest row, [R, heads, C, head_dim]."""
+        C = max(self._lengths)
+        return [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
+
+
+def grown(old: torch.Tensor | None, like: torch.Tensor, needed: int, filled: int, capacity: int = 0) -> torch.Tensor:
+    """A zero buffer shaped like ``like`` [B, H, *, ...] with room for ``needed`` slots (``capacity`` where that
+    holds them, else twice ``needed`` and at least 64: amortised O(1) copies a slot) and ``old``'s first
+    ``filled`` slots copied in: the one rule by which the loop's caches grow."""
+    size = capacity if needed <= capacity else max(2 * needed, 64)
+    new = like.new_zeros(*like.shape[:2], size, *like.shape[3:])
+    if old is not None:
+        new[:, :, :filled] = old[:, :, :filled]
+    return new

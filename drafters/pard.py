@@ -9,7 +9,7 @@ the last real token ``x_a`` at position ``a``, append ``K - 1`` mask tokens ``m`
 
 The mask outputs see the real tokens up to ``x_a`` and the masks before them, never a drafted token, so
 every draft's distribution is fixed before any is drawn (like DFlash's block, unlike an autoregressive
-drafter): the loop verifies them as a block (:class:`serve_eval.engine.PardProposer`) and stays
+drafter): the loop verifies them as a block (:class:`serve_eval.proposers.PardProposer`) and stays
 lossless at any temperature. It needs no target features: one PARD drafter serves every target that
 shares the tokenizer.
 

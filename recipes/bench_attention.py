@@ -6,7 +6,7 @@ For the testbed target's shapes (5 heads of 64, 8 layers) and a cache of ``--con
 in buffers of a longer capacity (as the loop's KV cache holds them): the median time of one forward's
 ``--layers`` attention calls, each layer its own cache, causal mask for more than one query, torch's
 ``scaled_dot_product_attention`` (its flash kernel for the CPU) against ``draftsmith_attn::attention``
-(:mod:`serve_eval.cpu.attention`), alternated call by call (medians: :func:`serve_eval.engine.
+(:mod:`serve_eval.cpu.attention`), alternated call by call (medians: :func:`serve_eval.timing.
 interleaved_seconds`). ``cold``: a 64 MB buffer is streamed before each timed forward, so the caches
 are read from memory as after the target's weights streamed through (the loop's case); ``warm``:
 back to back. 1 thread; a benchmark: run it on an otherwise idle
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
 
     from serve_eval.cpu import attention
-    from serve_eval.engine import interleaved_seconds
+    from serve_eval.timing import interleaved_seconds
 
     if not attention.available():
         parser.exit(2, "bench_attention: the C++ attention operator does not build here (it needs AVX2 and a compiler)\n")

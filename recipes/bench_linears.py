@@ -6,7 +6,7 @@ Every step of a decoding loop multiplies each of the target's weights by a few r
 decoding, the bonus and the drafts in a verify (3-9 on the testbed), each row's in a batch. Each row
 count's time is one pass over the target's Linears in their forward order, each with its own weight as
 a forward reads them (:mod:`serve_eval.cpu.prepack`'s panels, fp16 where the values allow), the counts
-alternated round by round (:func:`serve_eval.engine.interleaved_seconds`, medians), on 1 thread. Two
+alternated round by round (:func:`serve_eval.timing.interleaved_seconds`, medians), on 1 thread. Two
 limits frame it:
 
 * arithmetic: ``2 rows sum(in x out)`` FLOPs against this machine's measured fp32 matmul peak
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from distill.perf import measured_matmul_peak
     from recipes.registry import load_recipe
     from serve_eval.cpu import prepack
-    from serve_eval.engine import interleaved_seconds
+    from serve_eval.timing import interleaved_seconds
 
     if not prepack.panels_available():
         parser.exit(2, "bench_linears: the panel kernel does not build here (it needs an x86 CPU with AVX2 and a compiler)\n")

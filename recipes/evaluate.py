@@ -10,7 +10,7 @@ Report (``report.json``): ``tau`` (tokens emitted per target forward, bonus incl
 (with ``decoding.budget.adaptive``: the measured verify costs, the mean tokens verified per step and the
 acceptance calibration, the cost model's predicted tau / step time / tokens per second beside the
 measured ones, :mod:`serve_eval.budget`), ``by_batch`` (with ``decoding.batches.sizes``: batched
-speculative vs batched plain decoding per batch size, :mod:`serve_eval.batch`),
+speculative vs batched plain decoding per batch size, :mod:`serve_eval.measure`),
 ``acceptance_by_position`` (P(draft k accepted | drafts 1..k-1 accepted)), ``tokens_per_s``,
 ``baseline_tokens_per_s``, ``speedup``, the time split (draft / verify / other), ``lossless``, and
 per-prompt numbers; ``acceptance_by_position.png`` plots the acceptance curve. ``record_served``
@@ -45,10 +45,11 @@ from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from recipes.plots import saved_figure
 from serve_eval.backend import backend_for
-from serve_eval.batch import measure_batches
-from serve_eval.budget import Budget
-from serve_eval.engine import make_proposer, measure, plain_generate, speculative_generate
+from serve_eval.budget import Calibration
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
+from serve_eval.loop import plain_generate, speculative_generate
+from serve_eval.measure import measure, measure_batches
+from serve_eval.proposers import make_proposer
 from serve_eval.sampling import Sampler
 
 
@@ -156,7 +157,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
     if dec.ssd.enabled and dec.ssd.concurrent and device != "cpu":
         raise RecipeError("decoding.ssd.concurrent runs the drafter in a CPU worker process on a core of its own; on "
                           f"{device} set decoding.ssd.concurrent: false (inline)")
-    if dec.batches.sizes and max(dec.batches.sizes) > len(encoded):  # block drafters in chain mode: checked with the recipe
+    if dec.batches.sizes and max(dec.batches.sizes) > len(encoded):
         raise RecipeError(f"decoding.batches.sizes: {max(dec.batches.sizes)} rows need at least as many prompts, "
                           f"the recipe has {len(encoded)}")
     if dry_run:
@@ -185,7 +186,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
         return Sampler(dec.temperature, dec.top_k, dec.top_p, gen)
 
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
-    calibration = Budget({1: 1.0}) if dec.batches.sizes and dec.budget.adaptive else None  # the chain's, lent to the batches
+    calibration = Calibration() if dec.batches.sizes and dec.budget.adaptive else None  # the chain's, lent to the batches
     served = [] if recipe.record_served else None  # what the first configuration served (online adaptation)
     runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None, backend)
             for i, budget in enumerate(budgets)]

@@ -63,8 +63,6 @@ def lossless(out: Path, quick: bool) -> dict:
     rows = {}
     for kind, folder in SHIPPED_DRAFTERS.items():
         for mode, extra in modes.items():
-            if mode == "batch4" and kind == "eagle3":
-                continue  # batched decoding runs block drafters
             if quick and kind != "dflash" and mode not in ("chain", "tree"):
                 continue  # a rehearsal: every mode once, every drafter twice
             report = _eval(out / f"{kind}_{mode}", str(folder), prompts, tokens, *extra)

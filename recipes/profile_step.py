@@ -108,10 +108,11 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
     from distill.runtime import set_threads
     from recipes.evaluate import load_drafter
     from recipes.registry import load_recipe
-    from serve_eval import engine
-    from serve_eval.budget import Budget
+    from serve_eval import loop, proposers, timing
+    from serve_eval.budget import Budget, Calibration
     from serve_eval.cpu import CpuBackend
     from serve_eval.sampling import Sampler
+    from serve_eval.session import TargetSession
 
     overrides = [f"{key}={value}" for key, value in given(args, CPU_FLAGS).items()]
     recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", *overrides])
@@ -134,19 +135,19 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
         drafters["sdpa"][1].prepare(target, sdpa, prompts, max_new, sampled=args.temperature > 0)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
-    proposer_class = type(engine.make_proposer(drafter))
+    proposer_class = type(proposers.make_proposer(drafter))
     for name in ("propose", "observe"):
         _timed(proposer_class, name, f"proposer.{name}", totals, calls, undo)
-    if proposer_class is engine.BlockProposer and compiled == "off":  # compiled, the draft is one graph: timed as a whole
+    if proposer_class is proposers.BlockProposer and compiled == "off":  # compiled, the draft is one graph: timed as a whole
         for name in ("decode_hidden", "propose"):
             for each, _ in drafters.values():
                 _timed(each, name, f"  drafter.{name}", totals, calls, undo)
-    for name in ("chain_length", "causal_length", "record_chain"):
+    for name in ("chain_length", "causal_length"):
         _timed(Budget, name, f"budget.{name}", totals, calls, undo)
+    _timed(Calibration, "record_chain", "budget.record_chain", totals, calls, undo)
     speculating = [False]  # the target's session is timed in speculative decoding only
-    _timed(engine.TargetSession, "forward", lambda session, *_: "target.prefill" if session.length == 0 else "target.verify",
-           totals, calls, undo, lambda: speculating[0])
-    _timed(engine.TargetSession, "rollback", "target.rollback", totals, calls, undo, lambda: speculating[0])
+    for name, label in (("prefill", "target.prefill"), ("step", "target.verify"), ("keep", "target.keep")):
+        _timed(TargetSession, name, label, totals, calls, undo, lambda: speculating[0])
     capture = FeatureCapture(target, drafter.config.target_layer_ids) if proposer_class.needs_features else None
     # each setting: a label -> (the target's attention, its forward: lean or the model's own)
     forwards = {"lean": ["lean"], "module": ["module"], "both": ["lean", "module"]}[args.forward]
@@ -165,7 +166,7 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
     runs = {}
     for label in settings:  # each setting its own cost table
         _, served_by = setting(label)
-        budget = Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture,
+        budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture,
                                                     backend=served_by), loop_offset=True)
         runs[label] = {"budget": budget, "totals": collections.defaultdict(float), "calls": collections.Counter(),
                        "plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "steps": 0}
@@ -174,9 +175,9 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
             run = runs[label]
             sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
             each, served_by = setting(label)
-            _, plain = engine.plain_generate(target, prompt, max_new, None, sampler(), backend=served_by)
+            _, plain = loop.plain_generate(target, prompt, max_new, None, sampler(), backend=served_by)
             speculating[0] = True
-            _, spec = engine.speculative_generate(target, each, prompt, max_new, None, sampler(), backend=served_by,  # the warm-up
+            _, spec = loop.speculative_generate(target, each, prompt, max_new, None, sampler(), backend=served_by,  # the warm-up
                                                   budget=run["budget"] if i else None)  # without the budget: first calls are slow
             speculating[0] = False
             if i:  # after the warm-up
@@ -202,60 +203,59 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
 
 
 def _profile_batch(args, target, drafter, prompts, dec, undo: list, backend) -> dict:
-    """``--batch B``: where batched decoding's time goes, as the eval measures it (:func:`serve_eval.batch.
+    """``--batch B``: where batched decoding's time goes, as the eval measures it (:func:`serve_eval.measure.
     measure_batches`, with a calibration lent by one-row runs of the same prompts first, untimed): each
     loop's prefills (the waiting prompts' groups), its target steps, the draft and the scheduler's
     choice, per speculative step, and the speculative steps by the number of rows they ran with (the
     tail, as rows finish apart)."""
     from distill.base.features import FeatureCapture
-    from serve_eval import batch, engine
-    from serve_eval.budget import Budget
+    from serve_eval import loop, measure, timing
+    from serve_eval.budget import Budget, Calibration
+    from serve_eval.proposers import BlockProposer
     from serve_eval.sampling import Sampler
+    from serve_eval.session import TargetSession
 
     sampler = lambda i: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731
-    calibration = Budget({1: 1.0})  # lent to the batches, as the eval lends its one-row run's
+    calibration = Calibration()  # lent to the batches, as the eval lends its one-row run's
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
-    budget = Budget(engine.measure_verify_costs(target, engine.verify_sizes(drafter.config.block_size), capture, backend=backend),
-                    share=calibration)
+    budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture, backend=backend),
+                    calibration=calibration)
     for i, prompt in enumerate(prompts):
-        engine.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget, backend=backend)
-    loop = [None]  # "plain" or "speculative" while a timed run decodes
+        loop.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget, backend=backend)
+    running = [None]  # "plain" or "speculative" while a timed run decodes
     totals: dict[tuple[str, str], float] = collections.defaultdict(float)  # (loop, part) -> seconds
     calls: collections.Counter = collections.Counter()
     by_rows: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])  # rows -> tokens, seconds, steps
-    active = lambda: loop[0] is not None  # noqa: E731
-    for obj, name, part in ((batch.Waiting, "take", "prefills"), (batch.BatchTarget, "step", "target steps"),
-                            (batch.BatchContext, "draft", "draft"), (batch.BatchScheduler, "choose", "scheduler.choose")):
-        _timed(obj, name, lambda *_, part=part: (loop[0], part), totals, calls, undo, active)
+    active = lambda: running[0] is not None  # noqa: E731
+    for obj, name, part in ((TargetSession, "prefill", "prefills"), (TargetSession, "step", "target steps"),
+                            (BlockProposer, "propose", "draft"), (Budget, "choose_rows", "scheduler.choose")):
+        _timed(obj, name, lambda *_, part=part: (running[0], part), totals, calls, undo, active)
 
-    def whole(name, kind):  # a whole run, and the flag that lets the part timers count
-        inner = getattr(batch, name)
-        undo.append(lambda: setattr(batch, name, inner))
+    inner = measure.generate  # a whole run (plain without a proposer), and the flag that lets the part timers count
+    undo.append(lambda: setattr(measure, "generate", inner))
 
-        def run(*a, **k):
-            loop[0] = kind
-            try:
-                start = time.perf_counter()
-                out = inner(*a, **k)
-                totals[kind, "run"] += time.perf_counter() - start
-                calls[kind, "run"] += 1
-                return out
-            finally:
-                loop[0] = None
-        setattr(batch, name, run)
+    def run(*a, **k):
+        kind = "speculative" if (len(a) > 5 and a[5] is not None) or k.get("proposer") is not None else "plain"
+        running[0] = kind
+        try:
+            start = time.perf_counter()
+            out = inner(*a, **k)
+            totals[kind, "run"] += time.perf_counter() - start
+            calls[kind, "run"] += 1
+            return out
+        finally:
+            running[0] = None
+    measure.generate = run
+    record = Budget.record_step
+    undo.append(lambda: setattr(Budget, "record_step", record))
 
-    whole("batched_plain_generate", "plain")
-    whole("batched_speculative_generate", "speculative")
-    record = batch.BatchScheduler.record
-    undo.append(lambda: setattr(batch.BatchScheduler, "record", record))
-
-    def counted(self, rows, drafted, tokens, seconds):
+    def counted(self, rows, drafted, kept, seconds):
         cell = by_rows[rows]
-        cell[0], cell[1], cell[2] = cell[0] + tokens, cell[1] + seconds, cell[2] + 1
-        return record(self, rows, drafted, tokens, seconds)
-    batch.BatchScheduler.record = counted
+        cell[0], cell[1], cell[2] = cell[0] + kept + rows, cell[1] + seconds, cell[2] + 1
+        return record(self, rows, drafted, kept, seconds)
+    Budget.record_step = counted
 
-    row = batch.measure_batches(target, drafter, prompts, dec, None, sampler, [args.batch], calibration, backend)[0]
+    row = measure.measure_batches(target, drafter, prompts, dec, None, sampler, [args.batch], calibration, backend)[0]
     def per(kind, part, count="run"):  # seconds of `part` per run (or per call of `count`) of one loop
         return totals[kind, part] / max(1, calls[kind, count])
 

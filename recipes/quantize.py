@@ -140,14 +140,14 @@ class Subject:
         """Drafters: the speculative loop against plain decoding of the target; LMs: plain decoding."""
         if not self.prompts:
             return {}
-        from serve_eval.engine import plain_generate, speculative_generate
+        from serve_eval.loop import plain_generate, speculative_generate
         from serve_eval.sampling import Sampler
 
         model.eval()
         eos = self.tokenizer.eos_token_id
         m = self.recipe.measure
         if self.is_drafter:
-            from serve_eval.engine import measure
+            from serve_eval.measure import measure
 
             speculative_generate(self.target, model, self.prompts[0], 4, eos)  # warm-up
             dec = DecodingSection(max_new_tokens=m.max_new_tokens, temperature=0.0, mode="chain")

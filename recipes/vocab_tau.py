@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from distill.runtime import set_threads
     from recipes.evaluate import draft_vocabulary, load_drafter
     from recipes.registry import load_recipe
-    from serve_eval import engine
+    from serve_eval import loop
     from serve_eval.sampling import Sampler
 
     recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", f"decoding.temperature={args.temperature}"]
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seed in range(args.seeds if dec.temperature > 0 else 1):
             for i, prompt in enumerate(prompts):
                 sampler = Sampler(dec.temperature, dec.top_k, dec.top_p, torch.Generator().manual_seed(1000 * seed + i))
-                _, stats = engine.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler)
+                _, stats = loop.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler)
                 tokens, forwards = tokens + stats.tokens, forwards + stats.target_forwards - 1  # the prefill emits one
         tau = tokens / forwards
         rows.append({"vocab": name, "tau": round(tau, 4), "share": round(tau / rows[0]["tau"], 4) if rows else 1.0,

@@ -1,9 +1,8 @@
 """The target's KV cache: written in place, optionally quantized.
 
 transformers' ``DynamicLayer`` appends each forward's keys and values with ``torch.cat``, which copies
-the whole cache every step: at batch 16 and 200 cached positions that is ~65 MB a step on the 11M
-testbed target. :class:`InPlaceLayer` keeps each layer's keys and values in a buffer that grows by
-doubling (amortised O(1) copies per token), writes new entries in place and hands attention a view
+the whole cache every step. :class:`InPlaceLayer` keeps each layer's keys and values in a buffer that
+grows by doubling (:func:`drafters.cache.grown`: amortised O(1) copies per token), writes new entries in place and hands attention a view
 of the filled part; ``crop`` only moves the length. Everything else (masks, ``get_seq_length``, row
 selection) is ``DynamicLayer``'s contract, so it drops into any transformers model that builds a
 ``DynamicCache``.
@@ -12,7 +11,7 @@ Invariant: ``keys`` / ``values`` are always ``buffer[:, :, :length]``, so a cach
 cropped, row-selected and appended again holds exactly what a ``DynamicCache`` given the same calls
 holds (tested).
 
-**A batch's rows** (:mod:`serve_eval.batch`) drift apart in length. With ``write_at`` set
+**A batch's rows** (:mod:`serve_eval.session`) drift apart in length. With ``write_at`` set
 (:class:`RowWrites`: ``starts``, ``end``), an update writes row ``r``'s entries at its own slots ``starts[r], starts[r] + 1, ...`` and
 attention sees the slots up to ``end``: every row keeps its entries contiguous from slot 0, and the
 batch's mask hides what lies past them (a rejected draft, a former row's entries, or zeros: buffers
@@ -51,6 +50,8 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from drafters.cache import grown
 
 KV_FORMATS = ("full", "int8", "fp8", "int4")
 
@@ -157,7 +158,7 @@ class InPlaceLayer(DynamicLayer):
         n = key_states.shape[-2]
         end = self.length + n if self.write_at is None else self.write_at.end
         if self._buffers is None or end > self._buffers[0].shape[2]:
-            self._buffers = [self._grown(old, new, end) for old, new in zip(self._buffers or [None] * len(entries), entries)]
+            self._buffers = [grown(old, new, end, self.length) for old, new in zip(self._buffers or [None] * len(entries), entries)]
         for buffer, new in zip(self._buffers, entries):
             if self.write_at is None:
                 buffer[:, :, self.length:end] = new
@@ -165,12 +166,6 @@ class InPlaceLayer(DynamicLayer):
                 self.write_at.write(_bytes(buffer), _bytes(new))
         self._set_length(end)
         return self.read()
-
-    def _grown(self, old: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.Tensor:
-        new = like.new_zeros(*like.shape[:2], max(2 * needed, 64), *like.shape[3:])
-        if old is not None:
-            new[:, :, :self.length] = old[:, :, :self.length]
-        return new
 
     def filled(self) -> list[torch.Tensor]:
         return [buffer[:, :, :self.length] for buffer in self._buffers]
@@ -199,13 +194,21 @@ class InPlaceLayer(DynamicLayer):
         for buffer in self._buffers:
             buffer[:, :, start:start + len(source)] = buffer.index_select(2, source)
 
-    def put_rows(self, rows: torch.Tensor, other: "InPlaceLayer", which: torch.Tensor) -> None:
+    def move_rows(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Row ``rows[i]``'s entries at slots ``source[i]`` go to slots ``dest[i]`` (each row's tree path
+        moving down over its rejected siblings; ``rows`` [M, 1], ``source`` / ``dest`` [M, W])."""
+        rows, source, dest = rows.to(self.device), source.to(self.device), dest.to(self.device)
+        for buffer in self._buffers:
+            data = _bytes(buffer)
+            data[rows, :, dest] = data[rows, :, source]
+
+    def put_rows(self, rows: torch.Tensor, other: InPlaceLayer, which: torch.Tensor) -> None:
         """Rows ``rows`` of this layer start over with the entries of ``other``'s rows ``which`` (prompts
-        prefilled apart taking the places of a batch's finished rows, :mod:`serve_eval.batch`). What
+        prefilled apart taking the places of a batch's finished rows, :mod:`serve_eval.session`). What
         the former occupants left past the new entries stays, and is never attended: a batch reads a
         row's own slots only."""
         if other.length > self._buffers[0].shape[2]:
-            self._buffers = [self._grown(mine, mine, other.length) for mine in self._buffers]
+            self._buffers = [grown(mine, mine, other.length, self.length) for mine in self._buffers]
         rows, which = rows.to(self.device), which.to(self.device)
         for mine, theirs in zip(self._buffers, other._buffers):
             _bytes(mine)[rows, :, :other.length] = _bytes(theirs)[which, :, :other.length]

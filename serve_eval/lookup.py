@@ -7,8 +7,7 @@ that followed it. Here that continuation is *grafted* onto the drafter's chain o
 one more path from the root: where it agrees with the drafter it shares nodes, where it departs it
 adds a branch, so one verify forward checks both.
 
-A batch's rows verify chains, so there a row verifies either its drafts or its copy, whichever
-is expected to keep more (:mod:`serve_eval.batch`).
+Every row of a batch grafts its own copy onto its own draft (:mod:`serve_eval.loop`).
 
 Lossless at any temperature. Greedy: the walk follows the target's argmax, so the tree stays lossless
 and only the candidates grow. Sampled: a copied token is not a draw from the drafter's ``q`` but a

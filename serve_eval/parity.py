@@ -17,7 +17,7 @@ then measures acceptance in the real decoding loop:
     equal the trained model's within ``logits_atol`` (0 by default on CPU: same weights, same maths).
 ``acceptance``
     the reloaded ``transformers`` drafter runs in the speculative-decoding loop
-    (:func:`serve_eval.engine.speculative_generate`, greedy, every draft verified: what the
+    (:func:`serve_eval.loop.speculative_generate`, greedy, every draft verified: what the
     simulation replays) on the evaluation prompts; the measured
     acceptance length must match the simulated tau recorded at training: ``|(measured - 1) - (simulated
     - 1)| <= tau_rel_tolerance * (simulated - 1) + tau_abs_tolerance``. Greedy decoding also checks the
@@ -98,8 +98,9 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simulated_tau: float | None,
-             max_new_tokens: int, eos_token_id: int | None, settings: GateSettings | None = None) -> dict:
+def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noqa: PLR0915 the gate's checks, in order
+             simulated_tau: float | None, max_new_tokens: int, eos_token_id: int | None,
+             settings: GateSettings | None = None) -> dict:
     """Check every exported folder in ``folders`` (format -> path) against the ``trained`` drafter.
 
     ``prompts`` are encoded evaluation prompts (1-D token tensors on the target's device)."""
@@ -107,7 +108,8 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict, simula
 
     from distill.base.decoding import DecodingSection
     from drafters.export import read_sglang_eagle3, read_speculators
-    from serve_eval.engine import measure, speculative_generate
+    from serve_eval.loop import speculative_generate
+    from serve_eval.measure import measure
     from serve_eval.sampling import Sampler
 
     settings = settings or GateSettings()

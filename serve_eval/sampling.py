@@ -1,15 +1,8 @@
-"""Samplers shared by plain and speculative decoding, and the speculative acceptance rule.
+"""Samplers shared by plain and speculative decoding.
 
 A sampler turns logits into a distribution: temperature scaling, then top-k, then top-p (nucleus)
 filtering, renormalised. Temperature 0 means greedy (argmax). The *same* sampler turns the target's
-logits into ``p`` and the drafter's into ``q``.
-
-Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), chain form: drafts ``d_k ~ q_k`` are
-checked in order; ``d_k`` is accepted with probability ``min(1, p_k(d_k) / q_k(d_k))``; at the first
-rejection the replacement is drawn from the residual ``norm(max(0, p_k - q_k))`` and the chain stops;
-if every draft is accepted a bonus token is drawn from ``p_K``. Each emitted token is then distributed
-exactly as ``p`` given the emitted prefix, for any ``q``: the accepted mass is ``min(p, q)`` and the
-residual supplies the rest, ``min(p, q) + max(0, p - q) = p``.
+logits into ``p`` and the drafter's into ``q`` (:mod:`serve_eval.verify`).
 """
 
 from __future__ import annotations
@@ -78,25 +71,3 @@ def without(p: torch.Tensor, x: int) -> torch.Tensor:
     residual = p.clone()
     residual[x] = 0.0
     return residual / residual.sum()
-
-
-def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor | None, target_logits: torch.Tensor):
-    """Accept a prefix of ``drafts`` [K-1] against the target's logits [K, V] (after the anchor and each
-    draft). Returns ``(n, next_token)``: the number of drafts kept and the token that follows them.
-    ``draft_logits`` None: the drafts are copies (prompt lookup, :mod:`serve_eval.lookup`), each a
-    point mass, so ``q_k(d_k) = 1``: kept with probability ``p_k(d_k)``, else the residual is ``p_k``
-    without ``d_k``."""
-    if sampler.greedy:
-        choice = top_tokens(target_logits)[0]
-        n = int((drafts == choice[:-1]).int().cumprod(0).sum())
-        return n, choice[n]
-    p = sampler.probs(target_logits)
-    q = None if draft_logits is None else sampler.probs(draft_logits)
-    for k, d in enumerate(drafts.tolist()):
-        if sampler.uniform() * (1.0 if q is None else q[k, d]) < p[k, d]:  # u < p/q without dividing by a tiny q
-            continue
-        if q is None:
-            return k, sampler.sample(without(p[k], d))
-        residual = (p[k] - q[k]).clamp_min(0)
-        return k, sampler.sample(residual / residual.sum())
-    return len(drafts), sampler.sample(p[-1])

@@ -23,8 +23,8 @@ outcomes seen so far (add-one smoothed); ``r`` is a setting, and the summary's h
 (the rank of each real bonus among its outcome's candidates) measures it.
 
 **Building the cache** (a causal LM with its own KV cache of the tokens it has read; no target
-features, so this serves :class:`~serve_eval.engine.LMProposer` and
-:class:`~serve_eval.engine.PardProposer`; DFlash, DSpark and EAGLE-3 draft from the target's features
+features, so this serves :class:`~serve_eval.proposers.LMProposer` and
+:class:`~serve_eval.proposers.PardProposer`; DFlash, DSpark and EAGLE-3 draft from the target's features
 of the very positions being verified, which exist only after the verification):
 
 1. one forward reads ``d_1 .. d_m`` after the bonus: ``r_1 .. r_m``;
@@ -45,6 +45,11 @@ prefix, independently of the target's draws, and chain verification against the 
 were drawn from is exact at any temperature; at temperature 0 the output is the target's greedy
 decoding token for token. Tested for both drafter kinds, hits and misses, inline and in a worker.
 
+**In the loop.** SSD is a :class:`~serve_eval.proposers.Proposer` of one row (:class:`SpeculationProposer`):
+the loop (:func:`~serve_eval.loop.generate`) asks it for drafts, which starts the next build and hands out
+the drafts the last outcome resolved to, and tells it each step's verified tokens, which resolve the
+outcome; chains are verified whole.
+
 **Concurrency** (``concurrent``): the drafter lives in a worker process pinned to a core of its own;
 the loop verifies while the worker builds, and they exchange token ids over a pipe. ``inline`` builds
 in the loop's own thread (no overlap, the same hits, each part timed alone): :meth:`SSDStats.summary`
@@ -64,9 +69,10 @@ import torch
 import torch.multiprocessing as mp
 
 from .backend import TORCH, Backend
-from .engine import GenerationStats, PardProposer, TargetSession, _truncate
 from .kv import KVQuant, keep_entries
-from .sampling import Sampler, verify_chain
+from .loop import generate
+from .proposers import PardProposer, Proposal, Proposer
+from .sampling import Sampler
 
 
 def fan_out(probabilities: list[float], branches: int, exponent: float) -> list[int]:
@@ -148,8 +154,9 @@ class Speculator:
         if proposer.needs_features:
             raise ValueError("speculative speculation drafts ahead of the target's features: it needs a drafter that "
                              "reads tokens only (a causal LM or a PARD drafter)")
-        self.proposer, self.branches, self.exponent, self.backup = proposer, branches, exponent, backup
+        self.branches, self.exponent, self.backup = branches, exponent, backup
         self.pard = isinstance(proposer, PardProposer)
+        self.proposer = proposer.row()  # one row's drafter state, whose KV cache the speculation builds on
         self.device = next(proposer.model.parameters()).device
         self.outcome_counts = [1] * (proposer.block_size + 1)  # add-one smoothed counts of n = 0 .. K
         self.stats = SSDStats()
@@ -399,51 +406,50 @@ def _tensors(answer, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.tensor(drafts, dtype=torch.long, device=device), None if logits is None else torch.from_numpy(logits).to(device)
 
 
-@torch.inference_mode()
+class SpeculationProposer(Proposer):
+    """The loop's side of SSD: a :class:`~serve_eval.proposers.Proposer` of one row whose drafts come from
+    the speculation (:meth:`propose` starts the next build, inline or in the worker, and hands out the
+    drafts the last outcome resolved to; :meth:`observe` resolves the step's outcome). ``seed`` seeds the
+    drafter's own random stream; ``verify_ms`` collects each resolved step's time between the two."""
+
+    def __init__(self, speculation: InlineSpeculation, sampler: Sampler, seed: int = 0):
+        self.speculation, self.sampler, self.seed = speculation, sampler, seed
+        self.block_size = speculation.block_size
+        self.verify_ms: list[float] = []
+        self.drafts: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+
+    def start(self, prompts, features, firsts) -> None:
+        if len(prompts) != 1:
+            raise ValueError("speculative speculation decodes one row at a time")
+        s = self.sampler
+        settings = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": self.seed}
+        self.device = prompts[0].device
+        self.drafts, self.logits = _tensors(self.speculation.begin(prompts[0].tolist(), int(firsts[0]), settings), self.device)
+
+    def observe(self, starts, tokens, features) -> None:
+        self.verify_ms.append(1e3 * (time.perf_counter() - self.handed_out))
+        emitted = tokens[0].tolist()
+        self.drafts, self.logits = _tensors(self.speculation.resolve(len(emitted) - 1, emitted[-1]), self.device)
+
+    def propose(self, anchors, positions, samplers, stop=None) -> Proposal:
+        self.speculation.speculate()  # inline: builds it here; concurrent: while the target verifies
+        self.handed_out = time.perf_counter()
+        return Proposal(self.drafts[None], None if self.logits is None else self.logits[None])
+
+
 def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | None = None, sampler: Sampler | None = None, seed: int = 0,
-                 kv: KVQuant | None = None, backend: Backend = TORCH, verify=verify_chain):
-    """Speculative speculative decoding of one prompt (module docstring): the speculation builds the
-    next drafts while the target verifies (concurrent), or between verifications (inline). ``seed``
-    seeds the drafter's own random stream. Returns the tokens, :class:`GenerationStats` (``draft_seconds``:
-    time the loop waited for drafts) and the verification times per step (ms)."""
+                 kv: KVQuant | None = None, backend: Backend = TORCH):
+    """Speculative speculative decoding of one prompt (module docstring) in the decoding loop
+    (:func:`~serve_eval.loop.generate`, chains verified whole): the speculation builds the next drafts while
+    the target verifies (concurrent), or between verifications (inline). ``seed`` seeds the drafter's own
+    random stream. Returns the tokens, the prompt's :class:`~serve_eval.loop.GenerationStats`
+    (``draft_seconds``: time the loop waited for drafts) and the verification times per resolved step (ms)."""
     sampler = sampler or Sampler()
-    K = speculation.block_size
-    stats = GenerationStats(accepted_by_position=[0] * (K - 1), drafted_by_position=[0] * (K - 1))
-    start = time.perf_counter()
-    session = TargetSession(target, kv=kv, backend=backend)
-    prompt = prompt.view(1, -1)
-    logits, _ = session.forward(prompt, last=True)
-    stats.target_forwards += 1
-    bonus = sampler.choose(logits[-1])
-    out = [int(bonus)]
-    t0 = time.perf_counter()
-    settings = {"temperature": sampler.temperature, "top_k": sampler.top_k, "top_p": sampler.top_p, "seed": seed}
-    drafts, draft_logits = _tensors(speculation.begin(prompt[0].tolist(), out[0], settings), prompt.device)
-    anchor_pos, verify_ms, t2 = prompt.shape[1], [], t0
-    while len(out) < max_new_tokens and out[-1] != eos_token_id:
-        speculation.speculate()  # inline: builds it here; concurrent: while the target verifies
-        t1 = time.perf_counter()
-        stats.draft_seconds += t1 - t2  # from the last verification's end (or the prefill's) to this one's start
-        logits, _ = session.forward(torch.cat([bonus.view(1), drafts])[None])
-        n, bonus = verify(sampler, drafts, draft_logits, logits)
-        session.rollback(anchor_pos + n + 1)
-        t2 = time.perf_counter()
-        stats.verify_seconds += t2 - t1
-        verify_ms.append(1e3 * (t2 - t1))
-        stats.target_forwards += 1
-        stats.count_step(len(drafts), n)
-        emitted = drafts[:n].tolist() + [int(bonus)]
-        out += emitted
-        anchor_pos += n + 1
-        if len(out) >= max_new_tokens or eos_token_id in emitted:
-            verify_ms.pop()  # its outcome is never resolved: not a speculation step
-            break
-        drafts, draft_logits = _tensors(speculation.resolve(n, int(bonus)), prompt.device)
-    out = _truncate(out, max_new_tokens, eos_token_id)
-    stats.tokens = len(out)
-    stats.total_seconds = time.perf_counter() - start
-    return out, stats, verify_ms
+    proposer = SpeculationProposer(speculation, sampler, seed)
+    outs, run = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler], proposer, kv=kv, backend=backend)
+    return outs[0], run.prompts[0], proposer.verify_ms
 
 
 def ssd_report(speculation: InlineSpeculation, totals: dict, verify_ms: list[float], prompts: int) -> dict:

@@ -1,35 +1,26 @@
-"""Draft trees (DDTree): best-first construction from per-depth drafter distributions, one-forward
-verification with an ancestor-only mask, and the walk that follows the target's choices.
+"""Draft trees (DDTree): best-first construction from per-depth drafter distributions, verification in one
+forward with an ancestor-only mask, and the walk that follows the target's choices.
 
-Construction. A block drafter gives a distribution ``q_d`` for every depth ``d = 1..D`` of the block
-at once (EAGLE-3 gives the per-step distributions of its greedy chain, which then stand for every
-node at that depth: a cheaper tree than re-drafting per node, and exactly as lossless). A node is a path of tokens; its score is ``sum_d log q_d(token_d)``. Starting from the best
-child of the root, a heap pops the best node, adds it, and pushes its next sibling (same parent, the
-next-ranked token at that depth) and its first child (the best token one depth deeper), until
-``budget`` nodes. Because candidates at each depth are visited in rank order, every node's score is
-no higher than its parent's and its older sibling's, so the popped nodes are exactly the ``budget``
-best-scoring paths' nodes that form a tree.
+Construction. The drafter gives a distribution ``q_d`` for each depth ``d = 1..D`` (a block drafter all
+at once; an autoregressive one along its own chain, which then stands for every node at that depth). A
+node is a path of tokens scored ``sum_d log q_d(token_d)``; a heap pops the best node and pushes its
+next sibling and its first child, so the first ``budget`` pops are the best-scoring paths' nodes and
+form a tree (a node after its parent).
 
-Verification. The root (the bonus token, position ``a``) and all nodes are read by the target in one
-forward: node ``i`` sits at position ``a + depth_i`` and attends to the cached prefix and to its own
-ancestors only. The KV cache then keeps the prefix and the accepted path's entries only.
+Verification. The root (the bonus, position ``a``) and every node are read in one forward; node ``i``
+sits at position ``a + depth_i`` and sees the cached prefix and its own ancestors. The cache then
+keeps the accepted path only.
 
-Greedy walk (temperature 0). Walking down from the root, the target *chooses* its argmax at the
-current node; if a child carries that token the walk moves there, otherwise the argmax is the new
-bonus. Every emitted token is the target's greedy choice given the emitted prefix, for any tree.
+Greedy walk (T = 0): from the root, move to the child carrying the target's argmax; where none does,
+the argmax is the new bonus. Every emitted token is the target's greedy choice, for any tree.
 
-Sampled trees (temperature > 0). Fixed top-ranked children would be accepted only with the target's
-mass ``p(S)`` on them; a sampled chain is accepted with ``sum_x min(p, q)``, usually more. So at T > 0
-the tree keeps the best-first *shape* (which depends on ``q`` alone) and fills it by sampling: the
-children of a node are drawn from ``q_d`` without replacement, in sibling order. The walk is
-recursive rejection sampling (SpecTr, Sun et al. 2023; RSD, Jeon et al. 2024): with ``p_1 = p`` the
-target's distribution at the node and ``q_i`` the drafter's over the tokens not drawn before child
-``i``, child ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; on a rejection
-``p_{i+1} = norm(max(0, p_i - q_i))``, and when every child is rejected the token is drawn from the
-last residual. Each stage outputs exactly ``p_i`` (the one-draft speculative-sampling identity with
-the later stages as its residual draw), so the emitted token follows ``p`` given the prefix. A chain is
-the tree with one child per node. Nodes from ``DraftTree.drafted`` on are copied tokens
-(:mod:`serve_eval.lookup`): point-mass stages, kept with probability ``p_i(x)``.
+Sampled trees (T > 0): the best-first *shape* (a function of ``q`` alone) filled by sampling each node's
+children from ``q_d`` without replacement; the walk is recursive rejection sampling (SpecTr; RSD): child
+``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``, ``q_i`` the drafter's distribution
+over tokens not drawn before it, and a rejection leaves ``p_{i+1} = norm(max(0, p_i - q_i))``; when every
+child is rejected the token is drawn from the last residual. Each stage outputs exactly ``p_i``, so the
+emitted token follows ``p``. Nodes from ``DraftTree.drafted`` on are copied tokens
+(:mod:`serve_eval.lookup`): point masses, kept with probability ``p_i(x)``.
 """
 
 from __future__ import annotations
@@ -57,12 +48,12 @@ class DraftTree:
         """How many nodes (the first ones) were drawn from the drafter; the rest are copies."""
         return len(self) if self.drafted is None else self.drafted
 
-    def prefix(self, n: int) -> "DraftTree":
+    def prefix(self, n: int) -> DraftTree:
         """The first ``n`` nodes: a tree whenever every parent comes before its children (pop order)."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.drafted)
 
     @staticmethod
-    def chain(tokens: torch.Tensor) -> "DraftTree":
+    def chain(tokens: torch.Tensor) -> DraftTree:
         """A chain: node ``i`` is the child of node ``i - 1`` (the root's for ``i = 0``)."""
         n = len(tokens)
         return DraftTree(tokens.cpu(), torch.arange(-1, n - 1), torch.arange(1, n + 1))

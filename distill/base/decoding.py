@@ -51,8 +51,7 @@ class LookupSection(Strict):
     """Prompt-lookup continuations grafted onto the drafts (:mod:`serve_eval.lookup`)."""
 
     tokens: int = Field(0, ge=0, description="graft a prompt-lookup continuation of up to this many tokens onto every "
-                                             "draft, chain or tree, greedy or sampled; in batches a row verifies its "
-                                             "copy instead of its drafts where that pays; 0 = off")
+                                             "draft, chain or tree, greedy or sampled, one row or batches; 0 = off")
 
 
 class VocabSection(Strict):
@@ -84,10 +83,10 @@ class KVSection(Strict):
 
 
 class BatchesSection(Strict):
-    """Batched decoding (:mod:`serve_eval.batch`): batched speculative against batched plain decoding."""
+    """Batched decoding (:mod:`serve_eval.measure`): batched speculative against batched plain decoding."""
 
-    sizes: list[int] = Field(default_factory=list, description="block drafters, chain: also decode the prompts in "
-                                                               "batches of these sizes; empty = no batches")
+    sizes: list[int] = Field(default_factory=list, description="also decode the prompts in batches of these sizes "
+                                                               "(any drafter, chain or tree); empty = no batches")
     rounds: int = Field(1, ge=1, description="time plain, speculative, speculative, plain this many times per batch "
                                              "size; the speedup pools every round's tokens and seconds, and each "
                                              "half's own ratio is reported (its spread)")
@@ -162,7 +161,7 @@ class DecodingSection(Strict):
     top_k: int = Field(0, ge=0, description="sampling: keep the K likeliest tokens; 0 = off")
     top_p: float = Field(1.0, gt=0, le=1, description="sampling: nucleus mass; 1 = off")
     torch_threads: int = Field(1, gt=0, description="torch threads of the benchmark; 1 avoids spin contention on small CPUs")
-    mode: Literal["chain", "tree"] = Field("chain", description="chain verification, or DDTree trees (block drafters)")
+    mode: Literal["chain", "tree"] = Field("chain", description="chain verification, or DDTree trees (any drafter)")
     tree_budgets: list[int] = Field(default_factory=lambda: [16], min_length=1,
                                     description="tree mode: tree nodes per step; several budgets are each measured and plotted")
     backend: Literal["auto", "torch", "cpu"] = Field(
@@ -193,10 +192,10 @@ class DecodingSection(Strict):
 
     @model_validator(mode="after")
     def _fixed_length(self):
-        if self.budget.verify_drafts and (self.budget.adaptive or self.mode != "chain" or self.batches.sizes):
+        if self.budget.verify_drafts and (self.budget.adaptive or self.mode != "chain"):
             raise ValueError(f"decoding.budget.verify_drafts {self.budget.verify_drafts}: a fixed draft length is a chain's "
-                             f"without a budget: it needs mode: chain, budget.adaptive: false and no batches.sizes (got "
-                             f"mode {self.mode!r}, budget.adaptive {self.budget.adaptive}, batches.sizes {self.batches.sizes})")
+                             f"without a budget: it needs mode: chain, budget.adaptive: false (got mode {self.mode!r}, "
+                             f"budget.adaptive {self.budget.adaptive})")
         return self
 
     @model_validator(mode="after")
@@ -206,13 +205,6 @@ class DecodingSection(Strict):
                              "mode: chain, budget.adaptive: false, lookup.tokens: 0 and no batches.sizes (got mode "
                              f"{self.mode!r}, budget.adaptive {self.budget.adaptive}, lookup.tokens {self.lookup.tokens}, "
                              f"batches.sizes {self.batches.sizes})")
-        return self
-
-    @model_validator(mode="after")
-    def _batches_chain(self):
-        if self.batches.sizes and self.mode != "chain":
-            raise ValueError(f"decoding.batches.sizes: batched decoding runs block drafters (dflash, dspark) in chain "
-                             f"mode; got mode {self.mode!r}")
         return self
 
     @model_validator(mode="after")

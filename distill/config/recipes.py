@@ -271,19 +271,6 @@ class EvalRecipe(RecipeBase):
         return self
 
     @model_validator(mode="after")
-    def _batches_run_block_drafters(self) -> EvalRecipe:
-        from drafters import DRAFTERS, BlockDrafter, kind_of
-
-        from ..checks import read_config
-
-        if self.decoding.batches.sizes:
-            kind = kind_of(read_config(self.drafter, "drafter folder"))
-            if kind is None or not issubclass(DRAFTERS[kind][1], BlockDrafter):
-                raise ValueError(f"decoding.batches.sizes: batched decoding runs block drafters (dflash, dspark) in chain "
-                                 f"mode; the drafter {self.drafter} is not one ({f'its kind: {kind}' if kind else 'a causal LM'})")
-        return self
-
-    @model_validator(mode="after")
     def _target_drafting_for_itself_stays_as_it_is(self) -> EvalRecipe:
         if not same_folder(self.drafter, self.target.path):
             return self

@@ -72,7 +72,7 @@ _ONLY: contextvars.ContextVar[tuple[torch.Tensor, int] | None] = contextvars.Con
 def only_rows(rows: torch.Tensor, total: int):
     """Within: the panel kernel computes only rows ``rows`` (int64 indices into the flattened leading
     dimensions) of any input with ``total`` rows, and returns 0 in the others (a batch's padding, whose
-    outputs nothing reads: :mod:`serve_eval.batch`). Other kernels, and inputs of another size,
+    outputs nothing reads: :mod:`serve_eval.session`). Other kernels, and inputs of another size,
     compute every row; either way the listed rows get the same bits."""
     token = _ONLY.set((rows, total))
     try:

@@ -298,7 +298,7 @@ def test_save_and_load_round_trip(tmp_path):
 def test_quantized_drafter_saves_reloads_and_stays_lossless_in_the_decoding_loop(tmp_path):
     from distill.config import DrafterSection
     from distill.drafter_eval import build_drafter
-    from serve_eval.engine import plain_generate, speculative_generate
+    from serve_eval.loop import plain_generate, speculative_generate
 
     target = tiny_lm()
     target.requires_grad_(False)
@@ -432,7 +432,7 @@ def test_train_drafter_with_qat_on_the_shipped_target(tmp_path):
     from distill.config import TargetConfig
     from distill.models import load_target
     from recipes import train_drafter
-    from serve_eval.engine import plain_generate, speculative_generate
+    from serve_eval.loop import plain_generate, speculative_generate
 
     from ..conftest import reset_accelerate
 
@@ -463,7 +463,7 @@ def test_train_drafter_with_qat_on_the_shipped_target(tmp_path):
 
 def test_a_parcae_model_quantizes_keeps_its_dynamics_and_generates(tmp_path):
     from distill.config import ParcaeSection
-    from serve_eval.engine import plain_generate
+    from serve_eval.loop import plain_generate
 
     torch.manual_seed(0)
     cfg = ModelConfig(arch="parcae", hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128,

@@ -117,7 +117,7 @@ def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir, trai
     from distill.models import load_target
     from recipes import regenerate, train_drafter
     from recipes.train_drafter import drafter_windows
-    from serve_eval.engine import speculative_generate
+    from serve_eval.loop import speculative_generate
 
     data = regenerate.main(regenerate_recipe(tmp_path / "regen", tiny_target_dir))["data"]
     reset_accelerate()

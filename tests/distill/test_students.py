@@ -10,7 +10,8 @@ from distill.config import TargetConfig
 from distill.kd import evaluate_student, generalized_jsd
 from distill.models import load_target
 from recipes.registry import parse_recipe
-from serve_eval.engine import LMProposer, plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
+from serve_eval.proposers import LMProposer
 
 from ..conftest import reset_accelerate, student_recipe
 

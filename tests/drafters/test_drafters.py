@@ -54,7 +54,8 @@ def test_a_drafter_trains_over_a_draft_vocabulary(tmp_path, tiny_target_dir, kin
     decoding stays lossless."""
     from recipes import train_drafter
     from recipes.evaluate import load_drafter
-    from serve_eval.engine import make_proposer, plain_generate, speculative_generate
+    from serve_eval.loop import plain_generate, speculative_generate
+    from serve_eval.proposers import make_proposer
 
     out = tmp_path / "run"
     summary = train_drafter.main(drafter_recipe(out, tiny_target_dir, kind, {"draft_vocab": 128}, max_steps=60, eval_every=60))
@@ -69,7 +70,7 @@ def test_a_drafter_trains_over_a_draft_vocabulary(tmp_path, tiny_target_dir, kin
 
     def propose(*args, **kwargs):
         got = inner(*args, **kwargs)
-        drafted.append(got[0])
+        drafted.append(got.tokens[0])
         return got
 
     proposer.propose = propose

@@ -9,7 +9,8 @@ import torch
 from distill.config import ModelConfig, PardSection, TargetConfig
 from distill.models import build_causal_lm, load_target
 from drafters.pard import block_lengths, mask_blocks
-from serve_eval.engine import PardProposer, make_proposer, plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
+from serve_eval.proposers import PardProposer, make_proposer
 
 from ..conftest import reset_accelerate, student_recipe
 

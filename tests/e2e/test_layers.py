@@ -96,7 +96,7 @@ import logging, os
 import torch, transformers, accelerate, torchao  # noqa: F401
 env = dict(os.environ)
 levels = {name: logging.getLogger(name).level for name in list(logging.root.manager.loggerDict)}
-import distill, distill.base.features, drafters, parcae, serve_eval.engine, serve_eval.parity, distill.drafter_eval  # noqa
+import distill, distill.base.features, drafters, parcae, serve_eval.loop, serve_eval.parity, distill.drafter_eval  # noqa
 changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
 relevelled = sorted(n for n, lv in levels.items() if logging.getLogger(n).level != lv)
 print(changed, relevelled)

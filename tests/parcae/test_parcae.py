@@ -16,7 +16,8 @@ from parcae import ParcaeConfig, ParcaeForCausalLM, expected_depths, sample_dept
 from parcae.model import DiagonalInjection, LinearInjection
 from parcae.training import depth_seed, parcae_lm_loss
 from recipes.registry import parse_recipe
-from serve_eval.engine import LMProposer, plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
+from serve_eval.proposers import LMProposer
 
 from ..conftest import tiny_lm_recipe
 

@@ -11,7 +11,7 @@ from distill.config import TargetConfig
 from distill.models import load_target
 from serve_eval.cpu import prepack
 from serve_eval.cpu.attention import available as attention_builds
-from serve_eval.engine import plain_generate
+from serve_eval.loop import plain_generate
 
 from ..conftest import drafter_recipe, reset_accelerate
 
@@ -81,7 +81,10 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
         assert int8["which"] == "head" and int8["linears"] == 1 and int8["int8_bytes"] < int8["weight_bytes"] / 3
 
 
-def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir, trained_drafters):
+def test_batches_run_every_drafter_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, tiny_target_dir,
+                                                                                      trained_drafters):
+    """Batches need as many prompts as rows, and run any drafter (EAGLE-3 here, each row its own state);
+    a compiled draft is a block drafter's: asked for another, refused before any compute."""
     from distill.config import RecipeError
     from recipes import evaluate
     from recipes.registry import parse_recipe
@@ -93,14 +96,14 @@ def test_batches_and_compiled_drafts_refuse_drafters_they_do_not_run(tmp_path, t
                              "decoding": {"max_new_tokens": 8, **decoding},
                              "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}})
 
-    with pytest.raises(RecipeError, match="decoding.batches.sizes: batched decoding runs block drafters"):
-        recipe("eagle3", batches={"sizes": [2]})  # refused with the recipe
     with pytest.raises(RecipeError, match="decoding.batches.sizes: 4 rows need at least as many prompts"):
         evaluate.main(recipe("dflash", batches={"sizes": [4]}))
     with pytest.raises(RecipeError, match="decoding.cpu.compile = 'on' compiles a block drafter's draft.*Eagle3Drafter"):
         evaluate.main(recipe("eagle3", cpu={"compile": "on"}))  # a compiled draft is a block drafter's; off / auto: eager
     assert not (tmp_path / "eagle3" / "report.json").exists()  # refused before any compute
-    assert evaluate.main(recipe("eagle3", cpu={"compile": False}))["draft_compiled"] == "off"  # a bare YAML off
+    report = evaluate.main(recipe("eagle3", cpu={"compile": False}, batches={"sizes": [2]}))
+    assert report["draft_compiled"] == "off"  # a bare YAML off
+    assert report["by_batch"][0]["batch"] == 2 and report["by_batch"][0]["lossless"] is True
 
 
 def test_an_eval_with_batches_reports_each_size_measured_plain_first_and_last(tmp_path, tiny_target_dir, trained_drafters):

@@ -105,22 +105,23 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     it wraps was timed, and the parts fit inside the step they belong to; ``--attention both`` prints
     both settings' profiles and their ratios; the timers come off afterwards."""
     from recipes.profile_step import main
-    from serve_eval import engine
     from serve_eval.budget import Budget
     from serve_eval.cpu import attention
+    from serve_eval.proposers import BlockProposer
+    from serve_eval.session import TargetSession
 
-    originals = (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length)
+    originals = (TargetSession.step, BlockProposer.propose, Budget.chain_length)
     report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--cpu-compile", "off",
                    "--attention", "both"])
     parts = report["ms_per_step"]  # (eager: a compiled draft is one graph, timed as proposer.propose)
     assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length", "target.verify",
-            "target.rollback", "target.prefill"} <= set(parts)
+            "target.keep", "target.prefill"} <= set(parts)
     assert 0 < parts["  drafter.decode_hidden"] < parts["proposer.propose"] < report["spec_step_ms"]
     assert parts["proposer.propose"] + parts["target.verify"] < report["spec_step_ms"]
     out, both = capsys.readouterr().out, attention.available()  # (sdpa alone where the kernel does not build)
     assert out.count("plain steps)") == (2 if both else 1) and "attention sdpa" in out
     assert ("speedup draftsmith_fp32 / sdpa" in out) == both
-    assert (engine.TargetSession.forward, engine.BlockProposer.propose, Budget.chain_length) == originals  # timers off
+    assert (TargetSession.step, BlockProposer.propose, Budget.chain_length) == originals  # timers off
 
 
 def test_the_step_profiler_compares_the_lean_forward_with_the_models(capsys):
@@ -145,9 +146,12 @@ def test_the_step_profiler_splits_a_batched_run(capsys):
     them, each loop's prefills and steps, the speculative step's parts, the steps by rows (at most B,
     fewer in the tail); the timers come off; a batch below 1, or with an A/B, is refused."""
     from recipes.profile_step import main
-    from serve_eval import batch
+    from serve_eval import measure
+    from serve_eval.budget import Budget
+    from serve_eval.proposers import BlockProposer
+    from serve_eval.session import TargetSession
 
-    originals = (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate)
+    originals = (TargetSession.step, BlockProposer.propose, Budget.record_step, measure.generate)
     report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--cpu-compile", "off"])
     assert report["batch"] == 2 and report["prompts"] == 16 and report["speedup"] > 0
     assert 0 < report["prefills_s"]["plain"] < report["plain_s"] and 0 < report["prefills_s"]["speculative"] < report["spec_s"]
@@ -155,7 +159,7 @@ def test_the_step_profiler_splits_a_batched_run(capsys):
     assert parts["target steps"] > 0 and parts["draft"] > 0 and parts["scheduler.choose"] > 0
     assert set(report["by_rows"]) <= {1, 2} and 2 in report["by_rows"]
     assert "speculative steps of 2 rows" in capsys.readouterr().out
-    assert (batch.BatchTarget.step, batch.BatchContext.draft, batch.BatchScheduler.record, batch.batched_plain_generate) == originals
+    assert (TargetSession.step, BlockProposer.propose, Budget.record_step, measure.generate) == originals
     for bad in (["--batch", "-1"], ["--batch", "2", "--attention", "both"]):
         with pytest.raises(SystemExit):
             main(["--drafter", "distill/assets/testbed_dflash", *bad])

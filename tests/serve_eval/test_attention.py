@@ -128,7 +128,8 @@ def test_a_target_on_the_kernel_decodes_as_before_and_the_loop_stays_lossless(ti
     and speculative decoding on the kernel, with the target itself drafting, equals plain decoding."""
     from distill.config import TargetConfig
     from distill.models import load_target
-    from serve_eval.engine import LMProposer, plain_generate, speculative_generate
+    from serve_eval.loop import plain_generate, speculative_generate
+    from serve_eval.proposers import LMProposer
 
     target, _ = load_target(TargetConfig(path=str(tiny_target_dir)))
     prompt = torch.arange(3, 40)

@@ -1,5 +1,6 @@
-"""Speculation budgets from measured costs: the choice maximises expected tokens per second, the
-acceptance calibration follows what was measured, and a truncated best-first tree is still a tree."""
+"""Speculation budgets (serve_eval.budget), each part on its own: the cost model (measured tables, the
+loop's offset, drafting costs), the acceptance calibration, the off switch, and the choice, which
+maximises expected tokens per second and keeps a truncated best-first tree a tree."""
 
 from __future__ import annotations
 
@@ -8,20 +9,30 @@ import itertools
 import pytest
 import torch
 
-from serve_eval.budget import Budget, CausalChain, DraftSwitch
-from serve_eval.engine import measure_verify_costs
+from serve_eval.budget import Budget, Calibration, CausalChain, CostModel, DraftSwitch, RunningMean
+from serve_eval.timing import measure_verify_costs
 from serve_eval.tree import build_best_first_tree
 
 
+def test_running_means_average_then_forget():
+    """The one averaging rule: a plain mean while 1/n exceeds the floor, then a mean that forgets."""
+    plain, forgetful = RunningMean(), RunningMean(0.5)
+    for x in (1.0, 2.0, 3.0, 10.0):
+        plain.add(x)
+        forgetful.add(x)
+    assert plain.value == pytest.approx(4.0) and plain.n == 4
+    assert forgetful.value == pytest.approx(((1.0 + 2.0) / 2 + 3.0) / 2 / 2 + 10.0 / 2)  # 1, 1/2, then 1/2 each
+
+
 def test_verify_costs_interpolate_between_measured_sizes():
-    budget = Budget({1: 1.0, 2: 1.5, 8: 3.0})
-    assert budget.verify_seconds(1) == 1.0 and budget.verify_seconds(2) == 1.5
-    assert budget.verify_seconds(5) == pytest.approx(2.25)
-    assert budget.verify_seconds(10) == pytest.approx(3.5)  # past the largest: its last slope
+    costs = CostModel({1: 1.0, 2: 1.5, 8: 3.0})
+    assert costs.verify_seconds(1) == 1.0 and costs.verify_seconds(2) == 1.5
+    assert costs.verify_seconds(5) == pytest.approx(2.25)
+    assert costs.verify_seconds(10) == pytest.approx(3.5)  # past the largest: its last slope
     # used as measured: 4 tokens may cost less than 3 (small-matrix kernels), and the choice then
     # verifies 3 drafts rather than 2 although the third is unlikely to be kept
     dip = Budget({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.4})
-    assert dip.seconds == [1.0, 1.3, 1.6, 1.4]
+    assert dip.costs.seconds == [1.0, 1.3, 1.6, 1.4]
     assert dip.best_prefix([0.9, 0.5, 0.05]) == 3
     assert Budget({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}).best_prefix([0.9, 0.5, 0.05]) == 2
     with pytest.raises(ValueError, match="n = 1"):
@@ -30,9 +41,9 @@ def test_verify_costs_interpolate_between_measured_sizes():
 
 def test_best_prefix_maximises_expected_tokens_per_second():
     budget = Budget({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.0})
-    budget.observe_draft(0.5)
+    budget.costs.observe_draft(0.5)
     for reach in ([0.9, 0.8, 0.7, 0.2, 0.1, 0.05], [0.05, 0.01], [0.99] * 12, []):
-        rates = [(1 + sum(reach[:b])) / (budget.verify_seconds(b + 1) + 0.5) for b in range(len(reach) + 1)]
+        rates = [(1 + sum(reach[:b])) / (budget.costs.verify_seconds(b + 1) + 0.5) for b in range(len(reach) + 1)]
         assert budget.best_prefix(reach) == max(range(len(rates)), key=rates.__getitem__)
     assert budget.chosen == [3, 0, 12, 0]
     costly = Budget({1: 1.0, 2: 3.0})  # a second token costs two plain steps: never worth it here
@@ -45,8 +56,8 @@ def test_causal_length_decides_each_draft_from_the_positions_up_to_it():
     stops where :class:`CausalChain` first says no drafts exactly what the budget verifies, plus that one."""
     gen = torch.Generator().manual_seed(0)
     budget = Budget({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.4, 8: 2.0})  # a dip at 4: the forecast looks past it
-    budget.observe_draft(0.2, [0.05, 0.05])
-    assert budget.token_seconds == pytest.approx(0.05) and budget.draft_fixed == pytest.approx(0.1)
+    budget.costs.observe_draft(0.2, [0.05, 0.05])
+    assert budget.costs.token_seconds == pytest.approx(0.05) and budget.costs.draft_fixed == pytest.approx(0.1)
     lengths = set()
     for _ in range(300):
         top_q = torch.rand(7, generator=gen).tolist()
@@ -71,18 +82,18 @@ def test_the_loops_verifies_correct_the_table_by_one_offset():
     budget, fixed = Budget(table, loop_offset=True), Budget(table)
     assert budget.best_prefix([0.6, 0.5, 0.5]) == 1
     for n in (1, 2, 3, 4) * 20:
-        budget.observe_verify(n, table[n] + 0.5)
-        fixed.observe_verify(n, table[n] + 0.5)
-    assert budget.verify_offset == pytest.approx(0.5) and budget.verify_seconds(3) == pytest.approx(2.1)
+        budget.costs.observe_verify(n, table[n] + 0.5)
+        fixed.costs.observe_verify(n, table[n] + 0.5)
+    assert budget.costs.verify_offset == pytest.approx(0.5) and budget.costs.verify_seconds(3) == pytest.approx(2.1)
     assert budget.best_prefix([0.6, 0.5, 0.5]) == 2
-    assert fixed.verify_seconds(3) == 1.6 and fixed.summary()["verify_offset_ms"] == 0
+    assert fixed.costs.verify_seconds(3) == 1.6 and fixed.summary()["verify_offset_ms"] == 0
     for _ in range(200):
-        budget.observe_verify(1, 0.0)
-    assert budget.verify_seconds(1) == pytest.approx(0.5)
+        budget.costs.observe_verify(1, 0.0)
+    assert budget.costs.verify_seconds(1) == pytest.approx(0.5)
 
 
 def test_acceptance_calibrates_towards_what_was_measured():
-    budget = Budget({1: 1.0}, prior=4.0)
+    budget = Calibration(prior=4.0)
     assert budget.acceptance(0.33) == pytest.approx(0.35)  # the prior: the bin's centre
     for _ in range(200):  # drafts at q = 0.33 that the target kept 90% of the time
         budget.record_chain([0.33, 0.33, 0.5], 2, 2)  # both verified kept; the third was not verified
@@ -100,7 +111,7 @@ def test_acceptance_calibrates_towards_what_was_measured():
 
 
 def test_log_acceptance_ranks_by_the_calibration():
-    budget = Budget({1: 1.0})
+    budget = Calibration()
     for _ in range(50):
         budget.count(0.35, 1.0, depth=1)  # tokens given ~0.35 at depth 1 were always kept
     q = torch.tensor([0.0, 0.03, 0.35, 0.5])
@@ -111,7 +122,7 @@ def test_log_acceptance_ranks_by_the_calibration():
 
 
 def test_acceptance_is_calibrated_per_depth_and_shrunk_to_the_pooled_rate():
-    budget = Budget({1: 1.0}, prior=4.0)
+    budget = Calibration(prior=4.0)
     for _ in range(100):
         budget.record_chain([0.55, 0.55], 2, 1)  # same q: depth 1 always kept, depth 2 never
     pooled = (4 * 0.55 + 100) / (4 + 200)
@@ -131,25 +142,26 @@ def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
     n = budget.tree_size(q, parents, depths)
     reach = []
     for qi, p in zip(q, parents):
-        reach.append(budget.acceptance(qi) * (reach[p] if p >= 0 else 1.0))
-    best = max(range(11), key=lambda b: (1 + sum(reach[:b])) / (budget.verify_seconds(b + 1) + 0.0))
+        reach.append(budget.calibration.acceptance(qi) * (reach[p] if p >= 0 else 1.0))
+    best = max(range(11), key=lambda b: (1 + sum(reach[:b])) / (budget.costs.verify_seconds(b + 1) + 0.0))
     assert n == best and 0 < n < 10
     small = tree.prefix(n)
     assert len(small) == n and all(p < n for p in small.parents.tolist())
     # a walk root -> node 0 -> its first child: node 0 counted as kept, its siblings and child's siblings as missed
     child = parents.index(0)
-    before = list(budget.trials)
-    budget.record_tree(q, parents, depths, [0, 1, child + 1], verified=len(q))
+    calibration = budget.calibration
+    before = list(calibration.trials)
+    calibration.record_tree(q, parents, depths, [0, 1, child + 1], verified=len(q))
     counted = [i for i, p in enumerate(parents) if p in (-1, 0, child)]
-    assert sum(budget.trials) - sum(before) == len(counted)
+    assert sum(calibration.trials) - sum(before) == len(counted)
     # truncated to node 0 alone, which the target kept: node 0's unverified children count, kept iff
     # their token is the target's next choice; node 0's unverified siblings do not
     grandchildren = [i for i, p in enumerate(parents) if p == 0]
-    before_trials, before_accepted = sum(budget.trials), sum(budget.accepted)
+    before_trials, before_accepted = sum(calibration.trials), sum(calibration.accepted)
     outcomes = {i: float(i == grandchildren[-1]) for i in grandchildren}
-    budget.record_tree(q, parents, depths, [0, 1], 1, outcomes)
-    assert sum(budget.trials) - before_trials == 1 + len(grandchildren)
-    assert sum(budget.accepted) - before_accepted == pytest.approx(2.0)  # node 0 and the chosen grandchild
+    calibration.record_tree(q, parents, depths, [0, 1], 1, outcomes)
+    assert sum(calibration.trials) - before_trials == 1 + len(grandchildren)
+    assert sum(calibration.accepted) - before_accepted == pytest.approx(2.0)  # node 0 and the chosen grandchild
 
 
 def test_measured_verify_costs_cover_the_sizes_and_leave_the_rng_alone(tiny_target_dir):
@@ -171,11 +183,11 @@ def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst(monkeypatc
     advances it by what it costs, so the times are exact."""
     import collections
 
-    from serve_eval import engine
+    from serve_eval import timing
 
     order, calls, clock = [], collections.Counter(), [0.0]
     slow = {"a": {1, 2, 3}, "b": set()}  # rounds (0: the warm-up) a burst slows
-    monkeypatch.setattr(engine, "device_clock", lambda device: lambda: clock[0])
+    monkeypatch.setattr(timing, "device_clock", lambda device: lambda: clock[0])
 
     def runner(key):
         def run():
@@ -185,10 +197,10 @@ def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst(monkeypatc
         return run
 
     runs = {key: (runner(key), None) for key in "ab"}
-    median = engine.interleaved_seconds(runs, 4, "cpu")
+    median = timing.interleaved_seconds(runs, 4, "cpu")
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     calls.clear()
-    least = engine.interleaved_seconds(runs, 4, "cpu", least=True)
+    least = timing.interleaved_seconds(runs, 4, "cpu", least=True)
     assert median == {"a": pytest.approx(0.03), "b": pytest.approx(0.002)}  # rounds 1-4 of a: 0.03 three times, then 0.002
     assert least == {"a": pytest.approx(0.002), "b": pytest.approx(0.002)}
 
@@ -198,7 +210,7 @@ def _toy_greedy_run():
     from distill.config import DrafterSection, ModelConfig
     from distill.drafter_eval import build_drafter
     from distill.models import build_causal_lm
-    from serve_eval.engine import plain_generate
+    from serve_eval.loop import plain_generate
 
     torch.manual_seed(0)
     target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
@@ -212,7 +224,7 @@ def _toy_greedy_run():
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_a_budget_changes_what_is_verified_but_not_what_is_emitted(mode):
     """Greedy decoding with a budget that makes long drafts costly: shorter steps, the same tokens."""
-    from serve_eval.engine import speculative_generate
+    from serve_eval.loop import speculative_generate
 
     target, drafter, prompt, reference = _toy_greedy_run()
     for costs in ({1: 1.0, 2: 1.05, 8: 1.3}, {1: 1.0, 2: 1.6, 8: 5.0}):
@@ -296,7 +308,8 @@ def test_skipped_drafts_leave_the_output_alone(monkeypatch):
     """Greedy chain decoding whose switch skips every other step (plain steps in between drafted
     ones, the drafter catching up) emits the target's greedy tokens, for a block drafter and an
     autoregressive one."""
-    from serve_eval.engine import LMProposer, speculative_generate
+    from serve_eval.loop import speculative_generate
+    from serve_eval.proposers import LMProposer
 
     calls = itertools.count()
     monkeypatch.setattr(DraftSwitch, "should_draft", lambda self: next(calls) % 2 == 0)
@@ -316,3 +329,14 @@ def test_extend_last_adds_candidates_while_the_rate_grows():
     assert budget.extend_last([(0.8, 1), (0.0, 0), (0.1, 1)]) == 2
     assert budget.chosen == [2] and budget.predicted_tokens == pytest.approx(2.7)
     assert budget.predicted_seconds == pytest.approx(1.0)
+
+
+def test_several_rows_choose_by_one_ranking_that_one_row_shares():
+    """One row's choice over rows equals its best prefix; several rows take the best prefix of all their
+    candidates ranked by their chances, each row a prefix of its own, and read nothing where no draft pays."""
+    budget = Budget({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.0})
+    reach = [0.9, 0.8, 0.3, 0.05]
+    assert budget.choose_rows([reach]) == [1 + Budget({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.0}).best_prefix(reach)]
+    counts = budget.choose_rows([[0.9, 0.8, 0.1], [0.5, 0.01, 0.0], [0.99, 0.98, 0.97]])
+    assert counts[2] >= counts[0] >= counts[1] >= 1
+    assert Budget({1: 1.0, 2: 5.0, 16: 50.0}).choose_rows([[0.5, 0.4], [0.5, 0.4]]) == [1, 1]

@@ -9,7 +9,9 @@ import torch
 
 from serve_eval.budget import Budget
 from serve_eval.cpu import CpuBackend
-from serve_eval.engine import plain_generate, speculative_generate
+from serve_eval.loop import generate, plain_generate, speculative_generate
+from serve_eval.proposers import BlockProposer, make_proposer
+from serve_eval.sampling import Sampler
 
 from ..conftest import MAX_NEW
 
@@ -83,7 +85,6 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     to the eager decode_static on the same buffers, and every row equals plain decoding."""
     import copy
 
-    from serve_eval.batch import BatchScheduler, batched_speculative_generate
     from serve_eval.cpu import compiled
     from serve_eval.cpu.int8 import int8_drafter
 
@@ -111,9 +112,9 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     monkeypatch.setattr(compiled.CompiledDraft, "run", checked)
     reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
     K = drafter.config.block_size
-    for slots, scheduler in ((3, None), (2, None), (3, BatchScheduler(Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}), K))):
-        assert batched_speculative_generate(target, drafter, prompts, MAX_NEW, slots=slots, scheduler=scheduler,
-                                            backend=backend)[0] == reference
+    for slots, budget in ((3, None), (2, None), (3, Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}))):
+        assert generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter, backend=backend), budget=budget,
+                        slots=slots, backend=backend)[0] == reference
     assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
     assert sum(tight) >= 0.95 * len(tight)
 
@@ -124,7 +125,6 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     the drafts the eager path gives from the same context (rows of different lengths)."""
     import copy
 
-    from serve_eval.batch import BatchContext
     from serve_eval.cpu import compiled
 
     drafter = copy.deepcopy(trained_drafters["dflash"]).fuse_projections()  # as the loops serve it
@@ -135,18 +135,18 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(len(args[0])) or run(self, *args))
     torch.manual_seed(0)
     width = drafter.fc.in_features
-    start, steps, anchors = torch.randn(2, 12, width), [torch.randn(2, 1, width) for _ in range(5)], torch.tensor([[3], [7]])
+    start, steps, anchors = torch.randn(2, 12, width), [torch.randn(2, 1, width) for _ in range(5)], torch.tensor([3, 7])
     drafts = []
     for d in (drafter, eager):
-        context = BatchContext(d, backend)
-        context.start(start, torch.tensor([12, 9]))
-        for features in steps:
-            context.defer(features, torch.ones(2, dtype=torch.long))
-        drafts.append(context.draft(anchors, lambda x: x.argmax(-1), greedy=True))
-        assert context.lengths.tolist() == [17, 14] and not context.pending
+        proposer = BlockProposer(d, backend=backend)
+        proposer.start([torch.zeros(12, dtype=torch.long), torch.zeros(9, dtype=torch.long)], start, torch.zeros(2, dtype=torch.long))
+        for i, features in enumerate(steps):  # plain steps: each row verified its bonus alone
+            proposer.observe([12 + i, 9 + i], [torch.zeros(1, dtype=torch.long)] * 2, features)
+        drafts.append(proposer.propose(anchors, [17, 14], [Sampler(), Sampler()]))
+        assert proposer.context.lengths.tolist() == [17, 14] and not proposer.pending
     assert calls == [2]  # the compiled drafter's one draft, through the graph
-    torch.testing.assert_close(drafts[0][1], drafts[1][1], atol=1e-4, rtol=1e-4)
-    assert torch.equal(drafts[0][0], drafts[1][0])
+    torch.testing.assert_close(drafts[0].logits, drafts[1].logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
@@ -157,8 +157,6 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
     import copy
 
     from serve_eval.cpu import compiled
-    from serve_eval.engine import BlockProposer
-    from serve_eval.sampling import Sampler
 
     drafter = copy.deepcopy(trained_drafters[kind]).fuse_projections()  # as the loops serve it
     eager = copy.deepcopy(drafter)
@@ -173,9 +171,13 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
     for d in (drafter, eager):
         proposer, out, position = BlockProposer(d, backend=backend), [], 0
         for chunk, anchor in zip(features, (5, 9)):  # a prompt's features, then a step's too many
-            proposer.observe(chunk, position, None)
+            if position == 0:
+                proposer.start([torch.zeros(chunk.shape[1], dtype=torch.long)], chunk, torch.zeros(1, dtype=torch.long))
+            else:
+                proposer.observe([position], [torch.zeros(chunk.shape[1], dtype=torch.long)], chunk)
             position += chunk.shape[1]
-            out.append(proposer.propose(torch.tensor(anchor), position, Sampler()))
+            proposal = proposer.propose(torch.tensor([anchor]), [position], [Sampler()])
+            out.append((proposal.tokens[0], proposal.logits[0]))
             assert proposer.context.length == position
         drafts.append(out)
     assert calls == [K, K]  # both drafts through the graph, each reading the last K features

@@ -13,9 +13,9 @@ from distill.config import DrafterSection, TargetConfig
 from distill.drafter_eval import build_drafter
 from distill.models import load_target
 from distill.testbed import SHIPPED_TARGET
-from serve_eval.batch import batched_speculative_generate
 from serve_eval.budget import Budget
-from serve_eval.engine import make_proposer, plain_generate, speculative_generate
+from serve_eval.loop import generate, plain_generate, speculative_generate
+from serve_eval.proposers import make_proposer
 from serve_eval.sampling import Sampler
 
 from ..conftest import reset_accelerate
@@ -24,7 +24,6 @@ from .test_loop import ScriptedProposer
 from .test_sampling import ALPHA, chi_square_pvalue
 
 MAX_NEW = 3 * WINDOW
-BLOCK_KINDS = ["dflash", "dspark"]
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +105,16 @@ def test_a_pard_lm_of_the_family_drafts_losslessly(targets, tokenizer, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batches_are_lossless(targets, tokenizer, family):
-    """Rows of different lengths, two slots for three prompts (a finished row's slot is reused)."""
+    """Rows of different lengths, two slots for three prompts (a finished row's slot is reused), every
+    drafter kind, chains and trees (each row's tree masked to its own ancestors, windows cut by position)."""
     target = targets[family]
     batch = prompts(3)
     references = [plain_generate(target, p, MAX_NEW)[0] for p in batch]
-    for kind in BLOCK_KINDS:
-        outs, _ = batched_speculative_generate(target, drafter(target, kind, tokenizer), batch, MAX_NEW, slots=2)
-        assert outs == references, kind
+    for kind in ("dflash", "dspark", "eagle3"):
+        for mode in ("chain", "tree"):
+            outs, _ = generate(target, batch, MAX_NEW, proposer=make_proposer(drafter(target, kind, tokenizer)), slots=2,
+                               mode=mode, tree_budget=3)
+            assert outs == references, (kind, mode)
 
 
 def toy(family: str):
@@ -124,7 +126,7 @@ def toy(family: str):
 @pytest.mark.parametrize("family", WINDOWED + ["qwen3_moe"])
 def test_sampling_follows_the_target_distribution(family):
     """At T = 1 the loop's (2nd, 3rd) tokens after a prompt past the window follow the target's exact joint
-    distribution (enumerated), chain, tree and batch (chi-square)."""
+    distribution (enumerated), chain, tree and batches of trees (chi-square)."""
     target = toy(family)
     prompt = torch.tensor([1, 2, 3, 4, 5, 0, 1, 2])
     sampler = Sampler(temperature=1.0)
@@ -151,7 +153,7 @@ def test_sampling_follows_the_target_distribution(family):
     counts = torch.zeros(6, 6)  # batches: eight rows of the prompt, each with its own draws
     for b in range(50):
         samplers = [Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1000 * b + r)) for r in range(8)]
-        outs, _ = batched_speculative_generate(target, d, [prompt] * 8, 3, samplers=samplers)
+        outs, _ = generate(target, [prompt] * 8, 3, samplers=samplers, proposer=make_proposer(d), mode="tree", tree_budget=4)
         for out in outs:
             counts[out[1], out[2]] += 1
     assert chi_square_pvalue(counts, exact) > ALPHA, "batch"

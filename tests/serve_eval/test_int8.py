@@ -12,7 +12,7 @@ from drafters.vocab import RestrictedHead
 from serve_eval.budget import Budget
 from serve_eval.cpu import int8 as int8_module
 from serve_eval.cpu.int8 import Int8Linear, Int8RestrictedHead, int8_drafter
-from serve_eval.engine import plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
 
 from ..conftest import KINDS, MAX_NEW
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from serve_eval.budget import Budget
-from serve_eval.engine import TargetSession, plain_generate, speculative_generate
 from serve_eval.kv import InPlaceLayer, KVQuant, QuantizedLayer, RowWrites, dequantize, quantize, rotation
+from serve_eval.loop import generate, plain_generate, speculative_generate
+from serve_eval.proposers import make_proposer
+from serve_eval.session import TargetSession
 
 from ..conftest import KINDS, MAX_NEW
 
@@ -91,7 +93,7 @@ def test_crops_row_selection_and_moves_act_on_codes_as_on_floats(spec):
 
 @pytest.mark.parametrize("spec", [None, *FORMATS], ids=lambda s: "full" if s is None else f"{s.format}{'-rot' if s.rotate else ''}")
 def test_rows_written_at_slots_of_their_own_and_put_from_another_layer(spec):
-    """A batch's cache calls (:mod:`serve_eval.batch`): each row writing at slots of its own
+    """A batch's cache calls (:mod:`serve_eval.session`): each row writing at slots of its own
     (``write_at``) and a row starting over as another layer's row (``put_rows``, longer than the
     buffers: they grow). Every row then holds its own tokens in order from slot 0, read as a fresh
     layer given just those tokens reads them."""
@@ -163,24 +165,21 @@ def test_the_in_place_cache_holds_what_a_dynamic_cache_holds(target_and_prompts)
 def test_quantized_kv_caches_stay_lossless(target_and_prompts, trained_drafters, kind):
     """With the target's KV cache quantized (serve_eval.kv), greedy chains and trees (with a budget)
     emit exactly what plain decoding with the same quantized cache emits, for every format, and so
-    do batches of rows of different lengths (block drafters), with a prompt taking a finished row's
-    place too; the quantized cache does change the
-    target's logits (it is in use)."""
-    from serve_eval.batch import batched_speculative_generate
+    do batches of rows of different lengths, with a prompt taking a finished row's place too; the
+    quantized cache does change the target's logits (it is in use)."""
     from serve_eval.kv import KVQuant
 
     target, tok, prompts = target_and_prompts
     drafter = trained_drafters[kind]
     for kv in (KVQuant("int8"), KVQuant("fp8"), KVQuant("int4"), KVQuant("int4", rotate=True)):
-        full, quantized = TargetSession(target).forward(prompts[0][None]), TargetSession(target, kv=kv).forward(prompts[0][None])
+        full, quantized = TargetSession(target).prefill(prompts[:1]), TargetSession(target, kv=kv).prefill(prompts[:1])
         assert not torch.allclose(full[0], quantized[0], atol=1e-4)
         for prompt in prompts:
             reference, _ = plain_generate(target, prompt, MAX_NEW, kv=kv)
             assert speculative_generate(target, drafter, prompt, MAX_NEW, kv=kv)[0] == reference
             assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", kv=kv,
                                         budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
-        if kind != "eagle3":
-            rows = [prompts[0], prompts[1][:17], prompts[2][:9]]
-            expected = [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]
-            for slots in (None, 2):  # 2: the third prompt takes a finished row's place, codes copied in place
-                assert batched_speculative_generate(target, drafter, rows, MAX_NEW, kv=kv, slots=slots)[0] == expected
+        rows = [prompts[0], prompts[1][:17], prompts[2][:9]]
+        expected = [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]
+        for slots in (None, 2):  # 2: the third prompt takes a finished row's place, codes copied in place
+            assert generate(target, rows, MAX_NEW, proposer=make_proposer(drafter), kv=kv, slots=slots)[0] == expected

@@ -11,12 +11,11 @@ from transformers import DynamicCache
 from distill.base.features import FeatureCapture
 from distill.config import ModelConfig
 from distill.models import build_causal_lm
-from serve_eval.batch import BatchTarget
 from serve_eval.cpu import CpuBackend, attention, prepack
 from serve_eval.cpu.lean import LeanForward, lean_forward
-from serve_eval.engine import TargetSession
 from serve_eval.forward import TargetForward
 from serve_eval.kv import kv_quant
+from serve_eval.session import TargetSession
 
 
 def _target(arch: str, **changes):
@@ -48,7 +47,7 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("arch, kv, served", [("llama", "full", False), ("qwen3", "full", False), ("llama", "int8", False),
                                                ("qwen3", "full", True), ("llama", "full", True)])
 def test_one_row_steps_equal_the_models_forward(arch, kv, served):
-    """A prefill, decode steps, a verified chain rolled back, and a tree: the same bits either way,
+    """A prefill, decode steps, a verified chain cut back, and a tree: the same bits either way,
     with transformers' kernels and (``served``) with the prepacked Linears and our attention kernel."""
     target = _target(arch)
     if served:
@@ -59,22 +58,28 @@ def test_one_row_steps_equal_the_models_forward(arch, kv, served):
     capture = FeatureCapture(target, [0, 2])
     lean, module = _pair(lambda backend: TargetSession(target, capture, kv_quant(kv), backend))
     gen = torch.Generator().manual_seed(1)
-    for n in (13, 1, 1, 6, 3):  # a prefill, then steps
+    first = torch.randint(0, 300, (1,), generator=gen)
+    _same(lean.prefill([first]), module.prefill([first]))
+    for n in (13, 1, 1, 6, 3):  # steps: a long one, decode steps, verified chains
         ids = torch.randint(0, 300, (1, n), generator=gen)
-        _same(lean.forward(ids), module.forward(ids))
-        if n > 1:  # a rejected tail
-            lean.rollback(lean.length - 2)
-            module.rollback(module.length - 2)
-    ids, depths = torch.randint(0, 300, (1, 4), generator=gen), torch.tensor([0, 1, 1, 2])
-    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    _same(lean.forward_tree(ids, depths, ancestors), module.forward_tree(ids, depths, ancestors))
-    prompt = torch.randint(0, 300, (1, 11), generator=gen)  # a prefill that reads the last position's logits only
+        _same(lean.step(ids), module.step(ids))
+        kept = [n - 2 if n > 1 else n]  # a rejected tail
+        lean.keep(kept)
+        module.keep(kept)
+    ids, depths = torch.randint(0, 300, (1, 4), generator=gen), torch.tensor([[0, 1, 1, 2]])
+    ancestors = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    _same(lean.step_tree(ids, depths, ancestors), module.step_tree(ids, depths, ancestors))
+    prompt = torch.randint(0, 300, (11,), generator=gen)  # a prefill that reads the last position's logits only
     lean, module = _pair(lambda backend: TargetSession(target, capture, kv_quant(kv), backend))
-    last = lean.forward(prompt, last=True)
-    _same(last, module.forward(prompt, last=True))
+    last = lean.prefill([prompt])
+    _same(last, module.prefill([prompt]))
     assert last[0].shape == (1, 300)
     if served:  # the panel kernel computes each row apart: the same bits as the whole prefill's last row
-        assert torch.equal(last[0], TargetSession(target).forward(prompt)[0][-1:])
+        from serve_eval.kv import inplace_cache
+
+        with torch.inference_mode():  # the model's own forward over the whole prompt, as a plain session runs it
+            whole, _ = TargetForward(target)(prompt[None], torch.arange(11)[None], None, inplace_cache(target.config))
+        assert torch.equal(last[0], whole[0, -1:])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -82,7 +87,7 @@ def test_batch_steps_equal_the_models_forward(arch):
     """Ragged rows, padded steps where rows read different counts, rows keeping different counts."""
     target = _target(arch)
     capture = FeatureCapture(target, [1])
-    lean, module = _pair(lambda backend: BatchTarget(target, capture, backend=backend))
+    lean, module = _pair(lambda backend: TargetSession(target, capture, backend=backend))
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 300, (length,), generator=gen) for length in (9, 4, 12)]
     _same(lean.prefill(prompts), module.prefill(prompts))

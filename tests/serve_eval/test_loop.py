@@ -7,25 +7,41 @@ import pytest
 import torch
 
 from serve_eval.budget import Budget
-from serve_eval.engine import Proposer, TargetSession, make_proposer, plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
+from serve_eval.proposers import PerRow, make_proposer
+from serve_eval.session import TargetSession
 
 from ..conftest import KINDS, MAX_NEW
 
 
-class ScriptedProposer(Proposer):
+class ScriptedProposer(PerRow):
     """Proposes the baseline's own continuation (always accepted) or a wrong token (always rejected)."""
 
     def __init__(self, reference: list[int], prompt_len: int, block_size: int, vocab: int, wrong: bool):
         self.reference, self.prompt_len, self.block_size, self.vocab, self.wrong = reference, prompt_len, block_size, vocab, wrong
 
+    def row(self):
+        return _Script(self)
+
+
+class _Script:
+    """A row of :class:`ScriptedProposer`: it reads nothing, it knows the answer."""
+
+    def __init__(self, script: ScriptedProposer):
+        self.script = script
+
+    def begin(self, prompt):
+        pass
+
     def observe(self, aux, start, next_tokens):
         pass
 
     def propose(self, anchor, anchor_pos, sampler):
-        i = anchor_pos - self.prompt_len + 1  # reference index of the token after the anchor
-        nxt = (self.reference + [0] * self.block_size)[i:i + self.block_size - 1]
-        tokens = (torch.tensor(nxt) + int(self.wrong)) % self.vocab
-        return tokens, torch.nn.functional.one_hot(tokens, self.vocab).float() * 100  # trees: the same chain first
+        s = self.script
+        i = anchor_pos - s.prompt_len + 1  # reference index of the token after the anchor
+        nxt = (s.reference + [0] * s.block_size)[i:i + s.block_size - 1]
+        tokens = (torch.tensor(nxt) + int(s.wrong)) % s.vocab
+        return tokens, torch.nn.functional.one_hot(tokens, s.vocab).float() * 100  # trees: the same chain first
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -66,20 +82,21 @@ def test_eos_stops_both_loops_identically(target_and_prompts, trained_drafters):
 
 
 def test_rollback_equals_recomputing_from_scratch(target_and_prompts):
+    """A step of four tokens of which one is kept leaves the cache a prefill of the kept token gives."""
     target, _, prompts = target_and_prompts
-    ids = prompts[0].view(1, -1)
+    ids = prompts[0]
     rolled = TargetSession(target)
-    rolled.forward(ids)
-    rolled.forward(torch.tensor([[5, 6, 7, 8]]))
-    rolled.rollback(ids.shape[1] + 1)
+    rolled.prefill([ids])
+    rolled.step(torch.tensor([[5, 6, 7, 8]]))
+    rolled.keep([1])
     fresh = TargetSession(target)
-    fresh.forward(torch.cat([ids, torch.tensor([[5]])], dim=1))
+    fresh.prefill([torch.cat([ids, torch.tensor([5])])])
     for layer_a, layer_b in zip(rolled.cache.layers, fresh.cache.layers):
         torch.testing.assert_close(layer_a.keys, layer_b.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer_a.values, layer_b.values, rtol=1e-5, atol=1e-5)
     # and the next step agrees
-    a, _ = rolled.forward(torch.tensor([[9]]))
-    b, _ = fresh.forward(torch.tensor([[9]]))
+    a, _ = rolled.step(torch.tensor([[9]]))
+    b, _ = fresh.step(torch.tensor([[9]]))
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -88,18 +105,20 @@ def test_tree_compaction_equals_recomputing_the_accepted_path(target_and_prompts
     from serve_eval.tree import DraftTree
 
     target, _, prompts = target_and_prompts
-    ids = prompts[0].view(1, -1)
+    ids = prompts[0]
     capture = FeatureCapture(target, [0])
     tree_session = TargetSession(target, capture)
-    tree_session.forward(ids)
+    tree_session.prefill([ids])
     # root 5 -> (6 -> 8), (7); accept root, 6, 8
     tree = DraftTree(torch.tensor([6, 7, 8]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]))
     nodes = torch.tensor([[5, 6, 7, 8]])
-    logits, _ = tree_session.forward_tree(nodes, torch.tensor([0, 1, 1, 2]), tree.ancestor_mask())
-    tree_session.keep(ids.shape[1], [0, 1, 3])
+    logits, _ = tree_session.step_tree(nodes, torch.tensor([[0, 1, 1, 2]]), tree.ancestor_mask()[None])
+    tree_session.keep_paths([[0, 1, 3]])
     fresh = TargetSession(target)
-    fresh_logits, _ = fresh.forward(torch.cat([ids, torch.tensor([[5, 6, 8]])], dim=1))
-    torch.testing.assert_close(logits[[0, 1, 3]], fresh_logits[-3:], rtol=1e-4, atol=1e-4)
+    fresh.prefill([ids])
+    fresh_logits, _ = fresh.step(torch.tensor([[5, 6, 8]]))
+    fresh.keep([3])
+    torch.testing.assert_close(logits[0, [0, 1, 3]], fresh_logits[0], rtol=1e-4, atol=1e-4)
     for a, b in zip(tree_session.cache.layers, fresh.cache.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
@@ -119,11 +138,12 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     feats = FeatureCapture(target, drafter.config.target_layer_ids)(seq)
     a = prompts[0].shape[0]  # the first bonus token's position
     proposer = make_proposer(drafter)
-    proposer.observe(feats.aux[:, :a - 3], 0, seq[0, 1:a - 2])
-    proposer.observe(feats.aux[:, a - 3:a], a - 3, seq[0, a - 2:a + 1])
+    proposer.start([seq[0, :a - 3]], feats.aux[:, :a - 3], seq[0, a - 3:a - 2])  # positions < a - 3, then a - 3's token
+    proposer.observe([a - 3], [seq[0, a - 2:a + 1]], feats.aux[:, a - 3:a])
     from serve_eval.sampling import Sampler
 
-    decoded, logits = proposer.propose(seq[0, a], a, Sampler())
+    proposal = proposer.propose(seq[0, a:a + 1], [a], [Sampler()])
+    decoded, logits = proposal.tokens[0], proposal.logits[0]
     if kind == "eagle3":
         out = drafter(seq, feats.aux, feats.last)  # chain starting at t = a - 1
         trained_logits = out.draft_logits[0, a - 1]

@@ -17,7 +17,7 @@ from torch import nn
 from serve_eval.budget import Budget
 from serve_eval.cpu import prepack
 from serve_eval.cpu.prepack import PANEL_ROWS, PrepackedLinear, available, prepack_linears, resolve
-from serve_eval.engine import plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
 
 from ..conftest import KINDS, MAX_NEW
 
@@ -216,9 +216,10 @@ def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters,
     batches still equal its own plain decoding."""
     import copy
 
-    from drafters import is_block_drafter
-    from serve_eval.batch import BatchScheduler, batched_speculative_generate
-    from serve_eval.cpu.prepack import prepack_linears
+    from serve_eval.cpu import CpuBackend
+    from serve_eval.cpu.prepack import panels_available, prepack_linears
+    from serve_eval.loop import generate
+    from serve_eval.proposers import make_proposer
 
     target, tok, prompts = target_and_prompts
     packed = copy.deepcopy(target)
@@ -232,16 +233,17 @@ def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters,
     for prompt, reference in zip(prompts, references):
         assert speculative_generate(packed, drafter, prompt, MAX_NEW)[0] == reference
         assert speculative_generate(packed, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
-    if is_block_drafter(drafter):  # batches run block drafters
-        assert batched_speculative_generate(packed, drafter, prompts, MAX_NEW)[0] == references
-        # rows that verify different numbers of tokens: the panel kernel skips the padding (prepack.only_rows)
-        K = drafter.config.block_size
+    assert generate(packed, prompts, MAX_NEW, proposer=make_proposer(drafter))[0] == references
+    # rows that verify different numbers of tokens: the panel kernel skips the padding (prepack.only_rows)
+    backend = CpuBackend(prepack="panels" if panels_available() else "off", int8="off", compile="off")
+    K = make_proposer(drafter).block_size
 
-        class Ragged(BatchScheduler):  # every step's rows read 1..K tokens, whatever the drafts' confidences
-            def choose(self, top_q, causal=False, copies=None):
-                _, copied = super().choose(top_q, causal, copies)
-                return torch.tensor([1 + (self.drafted_steps + r) % K for r in range(len(top_q))]), copied
+    class Ragged(Budget):  # every step's rows read 1..K tokens, whatever the drafts' confidences
+        def choose_rows(self, reaches, top_q=None):
+            super().choose_rows(reaches, top_q)
+            self.by_rows[-1] = [1 + (self.drafted_steps + r) % K for r in range(len(reaches))]
+            return self.by_rows[-1]
 
-        scheduler = Ragged(Budget({1: 1.0, 2: 1.05, 4 * K: 2.5}), K, min_drafts=10**6)
-        assert batched_speculative_generate(packed, drafter, prompts, MAX_NEW, scheduler=scheduler)[0] == references
-        assert any(len(set(step)) > 1 for step in scheduler.chosen)
+    budget = Ragged({1: 1.0, 2: 1.05, 4 * K: 2.5}, min_drafts=10**6)
+    assert generate(packed, prompts, MAX_NEW, proposer=make_proposer(drafter), budget=budget, backend=backend)[0] == references
+    assert any(len(set(step)) > 1 for step in budget.by_rows)

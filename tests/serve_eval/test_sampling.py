@@ -6,7 +6,9 @@ passes for the real verifier and fails for a deliberately broken one (accept eve
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -14,11 +16,14 @@ import torch
 from distill.config import DrafterSection, ModelConfig
 from distill.drafter_eval import build_drafter
 from distill.models import build_causal_lm
+from serve_eval import verify as verification
 from serve_eval.budget import Budget, DraftSwitch
-from serve_eval.engine import LMProposer, plain_generate, speculative_generate
 from serve_eval.kv import KVQuant, inplace_cache
-from serve_eval.sampling import Sampler, verify_chain
+from serve_eval.loop import generate, plain_generate, speculative_generate
+from serve_eval.proposers import LMProposer, make_proposer
+from serve_eval.sampling import Sampler
 from serve_eval.tree import walk_tree
+from serve_eval.verify import verify_chain
 
 VOCAB, PROMPT, SAMPLES = 6, torch.tensor([1, 2, 3]), 1000
 # a test passes at p > ALPHA: ~30 of them run, their chi-square tails are approximate at these counts, and a
@@ -79,15 +84,21 @@ def follow_the_best_child(tree, logits, sampler, probs):
     return path, sampler.choose(logits[path[-1]])
 
 
-def sampled_joint(target, drafter, sampler_args, verify=verify_chain, plain=False, **kwargs) -> torch.Tensor:
+def sampled_joint(target, drafter, sampler_args, verify=None, walk=None, plain=False, **kwargs) -> torch.Tensor:
+    """Counts of the (2nd, 3rd) tokens of SAMPLES runs; ``verify`` / ``walk``: a chain verifier / tree walk
+    put in the loop's place for the runs (a broken one, to show the test's power)."""
     counts = torch.zeros(VOCAB, VOCAB)
     sampler = Sampler(**sampler_args, generator=torch.Generator().manual_seed(1))
-    for _ in range(SAMPLES):
-        if plain:
-            out, _ = plain_generate(target, PROMPT, 3, sampler=sampler, kv=kwargs.get("kv"))
-        else:
-            out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler, verify=verify, **kwargs)
-        counts[out[1], out[2]] += 1
+    with contextlib.ExitStack() as stack:
+        for name, broken in (("verify_chain", verify), ("walk_tree", walk)):
+            if broken is not None:
+                stack.enter_context(mock.patch.object(verification, name, broken))
+        for _ in range(SAMPLES):
+            if plain:
+                out, _ = plain_generate(target, PROMPT, 3, sampler=sampler, kv=kwargs.get("kv"))
+            else:
+                out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler, **kwargs)
+            counts[out[1], out[2]] += 1
     return counts
 
 
@@ -134,7 +145,6 @@ def test_a_compiled_drafter_samples_the_target_distribution(toy_target, kind, mo
     products) draws them from the logits the graph returns, which the acceptance test reads: batches of
     two rows, chains (a per-step budget, drafts skipped now and then) and trees sample the target's
     distribution."""
-    from serve_eval import batch
     from serve_eval.cpu import CpuBackend
     from serve_eval.cpu.int8 import int8_drafter
 
@@ -151,8 +161,8 @@ def test_a_compiled_drafter_samples_the_target_distribution(toy_target, kind, mo
     exact = exact_joint(toy_target, Sampler(**args))
     counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
     for _ in range(SAMPLES // 2):  # batches of two rows, drafted by the two-row graph
-        outs, _ = batch.batched_speculative_generate(toy_target, drafter, [PROMPT, PROMPT], 3,
-                                                     samplers=[Sampler(**args, generator=g) for g in gens], backend=backend)
+        outs, _ = generate(toy_target, [PROMPT, PROMPT], 3, samplers=[Sampler(**args, generator=g) for g in gens],
+                           proposer=make_proposer(drafter, backend=backend), backend=backend)
         for out in outs:
             counts[out[1], out[2]] += 1
     assert chi_square_pvalue(counts, exact) > ALPHA
@@ -228,30 +238,27 @@ def accept_every_copy_chain(sampler, drafts, draft_logits, target_logits):
 
 
 def test_batched_lookup_copies_sample_the_target_distribution(toy_target, monkeypatch):
-    """Rows of a batch that verify their prompt-lookup copy instead of their drafts (point masses: kept
-    with probability p(x), else p without x) follow the target: without a scheduler (copies as long as
-    the drafts) and with one (where the copy's calibration beats the drafts'); a verifier that keeps
-    every copy does not."""
-    from serve_eval import batch
-
+    """Rows of a batch whose prompt-lookup copies are grafted onto their drafts (point masses: kept with
+    probability p(x), else p without x) follow the target: without a budget (every copy) and with one;
+    a verifier and a walk that keep every copy do not."""
     drafter, args = seeded_dflash(toy_target), {"temperature": 1.0}
     exact = exact_joint(toy_target, Sampler(**args))
 
-    def joint(scheduler=None) -> torch.Tensor:
+    def joint(budget=None) -> torch.Tensor:
         counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
         for _ in range(SAMPLES // 2):
-            outs, _ = batch.batched_speculative_generate(toy_target, drafter, [PROMPT, PROMPT], 3, lookup=4,
-                                                         samplers=[Sampler(**args, generator=g) for g in gens],
-                                                         scheduler=scheduler)
+            outs, _ = generate(toy_target, [PROMPT, PROMPT], 3, samplers=[Sampler(**args, generator=g) for g in gens],
+                               proposer=make_proposer(drafter), budget=budget, lookup=4)
             for out in outs:
                 counts[out[1], out[2]] += 1
         return counts
 
     assert chi_square_pvalue(joint(), exact) > ALPHA
-    scheduler = batch.BatchScheduler(Budget({1: 1.0, 3: 1.3, 6: 2.0}), 3, min_drafts=1)
-    assert chi_square_pvalue(joint(scheduler), exact) > ALPHA
-    assert scheduler.copied_rows and sum(scheduler.budget.lookup.trials) > scheduler.budget.lookup.prior * len(scheduler.budget.lookup.trials)
-    monkeypatch.setattr(batch, "verify_chain", accept_every_copy_chain)
+    budget = Budget({1: 1.0, 3: 1.3, 6: 2.0}, min_drafts=1)
+    assert chi_square_pvalue(joint(budget), exact) > ALPHA
+    assert budget.copied_rows and sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
+    monkeypatch.setattr(verification, "verify_chain", accept_every_copy_chain)
+    monkeypatch.setattr(verification, "walk_tree", accept_every_copy)
     assert chi_square_pvalue(joint(), exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
 
@@ -286,13 +293,13 @@ def test_budgets_choose_causally_for_drafts_drawn_one_after_another(monkeypatch)
     whose costs make it verify either no draft or both. Choosing that from both drafted positions
     looks, through ``q_2``, at ``d_1`` and biases the output (the test catches it); the causal rule of
     :mod:`serve_eval.budget`, with which the drafter also stops drafting early, does not."""
-    from serve_eval import engine
+    from serve_eval import loop, proposers
 
     torch.manual_seed(3)  # a pair whose bias the test sees at this sample size
     # the loop's clock ticks once a reading: the budget's timed costs and its draft switch (which compares
     # drafted and plain steps' measured rates) then choose the same way however busy the machine is
     ticks = itertools.count()
-    monkeypatch.setattr(engine, "device_clock", lambda device: lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(loop, "device_clock", lambda device: lambda: next(ticks) * 1e-3)
     target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
                                          max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
     drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
@@ -312,8 +319,8 @@ def test_budgets_choose_causally_for_drafts_drawn_one_after_another(monkeypatch)
     counts, budget = joint()
     assert chi_square_pvalue(counts, exact) > 1e-3, "a causal budget changed the distribution"  # 4,000 samples
     assert {0, 2} <= set(budget.chosen)
-    monkeypatch.setattr(engine.LMProposer, "incremental", False)  # the best prefix over every drafted position
-    monkeypatch.setattr(engine.LMProposer, "conditional", False)
+    monkeypatch.setattr(proposers.LMProposer, "incremental", False)  # the best prefix over every drafted position
+    monkeypatch.setattr(proposers.LMProposer, "conditional", False)
     assert chi_square_pvalue(joint()[0], exact) < 1e-4, "the test cannot tell a non-causal choice apart"
 
 
@@ -335,30 +342,27 @@ def test_batched_speculative_sampling_matches_the_target_per_row(toy_target, kin
     generator: both counted rows follow the target's distribution, with every draft verified and with
     a scheduler whose (made-up) costs make it verify varied lengths, over two slots (the third row
     joins when one finishes)."""
-    from serve_eval import batch
-
     torch.manual_seed(4)
     section = DrafterSection(kind=kind, block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])
     drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
     exact = exact_joint(toy_target, Sampler(**sampler_args))
     rows = [PROMPT, torch.tensor([4, 1, 0, 2, 3]), PROMPT]
 
-    def joint(scheduler=None, slots=None) -> torch.Tensor:
+    def joint(budget=None, slots=None) -> torch.Tensor:
         counts = torch.zeros(VOCAB, VOCAB)
         gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
         for _ in range(SAMPLES // 2):
-            outs, _ = batch.batched_speculative_generate(toy_target, drafter, rows, 3,
-                                                         samplers=[Sampler(**sampler_args, generator=g) for g in gens],
-                                                         scheduler=scheduler, slots=slots)
+            outs, _ = generate(toy_target, rows, 3, samplers=[Sampler(**sampler_args, generator=g) for g in gens],
+                               proposer=make_proposer(drafter), budget=budget, slots=slots)
             for out in outs[::2]:  # the third row waits for a slot when there are two
                 counts[out[1], out[2]] += 1
         return counts
 
     assert chi_square_pvalue(joint(), exact) > ALPHA, "batched speculative samples do not follow the target"
-    scheduler = batch.BatchScheduler(Budget({1: 1.0, 3: 1.3, 6: 2.0, 9: 2.4}), 3)
-    assert chi_square_pvalue(joint(scheduler, slots=2), exact) > ALPHA, "the batch scheduler or slots changed the distribution"
-    assert len({n for step in scheduler.chosen for n in step}) > 1
-    monkeypatch.setattr(batch, "verify_chain", accept_everything)
+    budget = Budget({1: 1.0, 3: 1.3, 6: 2.0, 9: 2.4})
+    assert chi_square_pvalue(joint(budget, slots=2), exact) > ALPHA, "the budget or slots changed the distribution"
+    assert len({n for step in budget.by_rows for n in step}) > 1
+    monkeypatch.setattr(verification, "verify_chain", accept_everything)
     assert chi_square_pvalue(joint(), exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
 
@@ -401,10 +405,10 @@ def test_a_quantized_kv_cache_samples_the_quantized_target(toy_target, mode):
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "chain, per-step vocabulary"])
 def test_pard_drafts_sample_the_target_distribution(toy_target, mode):
-    """A PARD drafter (K drafts from one forward over mask tokens, serve_eval.engine.PardProposer) at T = 1,
+    """A PARD drafter (K drafts from one forward over mask tokens, serve_eval.proposers.PardProposer) at T = 1,
     also with a per-step vocabulary (one static token and the 2 likeliest under a rank-2 head)."""
     from drafters.vocab import speculate_vocab
-    from serve_eval.engine import PardProposer
+    from serve_eval.proposers import PardProposer
 
     torch.manual_seed(3)
     drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,

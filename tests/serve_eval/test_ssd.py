@@ -13,7 +13,8 @@ from transformers import DynamicCache
 
 from distill.config import ModelConfig
 from distill.models import build_causal_lm
-from serve_eval.engine import LMProposer, PardProposer, plain_generate
+from serve_eval.loop import plain_generate
+from serve_eval.proposers import LMProposer, PardProposer
 from serve_eval.sampling import Sampler
 from serve_eval.ssd import Speculator, fan_out, open_speculation, ssd_generate
 
@@ -123,7 +124,7 @@ def test_ssd_samples_the_target_distribution(toy_target, kind, backup):  # noqa:
 
 def test_an_eval_measures_ssd_beside_plain_speculative_decoding():
     from distill.base.decoding import DecodingSection
-    from serve_eval.engine import measure
+    from serve_eval.measure import measure
 
     target = lm(0)
     prompts = [torch.randint(4, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 9)]
@@ -149,7 +150,7 @@ def test_the_shipped_pard_drafter_speculates_losslessly_for_the_testbed_target()
     from distill.config import TargetConfig
     from distill.models import load_target
     from distill.testbed import ASSETS
-    from serve_eval.engine import make_proposer
+    from serve_eval.proposers import make_proposer
 
     target, tok = load_target(TargetConfig(path="testbed"))
     drafter = AutoModelForCausalLM.from_pretrained(ASSETS / "testbed_pard", dtype=torch.float32).eval()

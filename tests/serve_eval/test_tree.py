@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from serve_eval.engine import plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
 from serve_eval.sampling import Sampler
 from serve_eval.tree import build_best_first_tree, walk_tree
 

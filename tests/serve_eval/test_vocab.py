@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from serve_eval.budget import Budget
-from serve_eval.engine import make_proposer, plain_generate, speculative_generate
+from serve_eval.loop import plain_generate, speculative_generate
+from serve_eval.proposers import make_proposer
 
 from ..conftest import KINDS, MAX_NEW
 
@@ -28,10 +29,15 @@ def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and
     drafted = []
     proposer = make_proposer(drafter)
     inner = proposer.propose
-    proposer.propose = lambda *a, **k: (lambda out: drafted.append(out[0]) or out)(inner(*a, **k))
+
+    def propose(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        drafted.append(out.tokens[0])
+        return out
+
+    proposer.propose = propose
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
-        proposer.begin(prompt)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, proposer=proposer)[0] == reference
         assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
     tokens = torch.cat(drafted)
@@ -52,20 +58,25 @@ def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target
     head = speculate_vocab(drafter, torch.arange(0, drafter.config.vocab_size, 16), candidates=4, rank=8)
     subsets, drafted = [], []
     select = head.select
-    head.select = lambda x, shift=None: (lambda ids: subsets.append(ids) or ids)(select(x, shift))
+
+    def chosen(x, shift=None):
+        ids = select(x, shift)
+        subsets.append(ids)
+        return ids
+
+    head.select = chosen
     proposer = make_proposer(drafter)
     inner = proposer.propose
 
     def propose(*args, **kwargs):  # a draft's tokens against the subsets its head calls chose (one a position or a block)
         start = len(subsets)
         out = inner(*args, **kwargs)
-        drafted.append((out[0], torch.cat(subsets[start:])))
+        drafted.append((out.tokens[0], torch.cat(subsets[start:])))
         return out
 
     proposer.propose = propose
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
-        proposer.begin(prompt)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, proposer=proposer)[0] == reference
         assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
     assert all(bool(torch.isin(tokens, ids).all()) for tokens, ids in drafted), "a token outside its subsets was drafted"
