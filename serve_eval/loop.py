@@ -26,7 +26,7 @@ take finished rows' places (continuous batching), prefilled a group of ``slots``
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,7 +37,7 @@ from .budget import COPY_Q, Budget, CausalChain
 from .kv import KVQuant
 from .lookup import graft
 from .proposers import LookupProposer, Proposer, make_proposer
-from .sampling import Sampler, top_tokens
+from .sampling import Sampler
 from .session import TargetSession
 from .timing import device_clock
 from .tree import DraftTree, build_best_first_tree, sample_tree
@@ -102,7 +102,7 @@ class Stopper:
 
     def __call__(self, logits: torch.Tensor) -> bool:
         self.times.append(self.now())
-        top = top_tokens(logits.float(), with_prob=True)[1] if self.sampler.greedy else self.sampler.probs(logits).amax(-1)
+        top = self.sampler.top(logits, with_prob=True)[1] if self.sampler.greedy else self.sampler.probs(logits).amax(-1)
         self.top_q.append(float(top.max()))
         return not self.chain.offer(self.top_q[-1])
 
@@ -228,7 +228,7 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
     that many drafts a step. Returns each prompt's tokens and the run's stats."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-    samplers = samplers or [Sampler() for _ in prompts]
+    samplers = [replace(s, top=backend.top_tokens) for s in samplers or [Sampler() for _ in prompts]]
     if len({s.greedy for s in samplers}) > 1:
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
     run = _Run(samplers, proposer, budget, mode, tree_budget, verify_drafts, device_clock(prompts[0].device), len(prompts))
@@ -426,12 +426,12 @@ def _choose_chains(plans: list[_Row], logits, lengths: list[int], samplers, budg
         if stopper is not None:  # the drafter stopped where its chain said: that choice is the step's
             plan.top_q, keep = stopper.top_q, budget.record_causal(stopper.chain)
         else:
-            plan.top_q = (top_tokens(plan.draft_logits.float(), with_prob=True)[1] if plan.q is None
+            plan.top_q = (samplers[0].top(plan.draft_logits, with_prob=True)[1] if plan.q is None
                           else plan.q.amax(-1)).tolist()
             keep = budget.causal_length(plan.top_q, K - 1) if causal[0] else budget.chain_length(plan.top_q)
         keeps = [keep]
     else:
-        top_q = top_tokens(logits.float(), with_prob=True)[1] if greedy else \
+        top_q = samplers[0].top(logits, with_prob=True)[1] if greedy else \
             torch.stack([plan.q for plan in plans]).amax(-1) if len(set(lengths)) == 1 else \
             torch.stack([s.probs(row) for s, row in zip(samplers, logits)]).amax(-1)
         top_rows = top_q.tolist()

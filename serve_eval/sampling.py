@@ -7,6 +7,7 @@ logits into ``p`` and the drafter's into ``q`` (:mod:`serve_eval.verify`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ class Sampler:
     top_k: int = 0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    top: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = top_tokens
+    """The greedy rule (:func:`top_tokens`'s contract): the loop puts its backend's here
+    (:meth:`serve_eval.backend.Backend.top_tokens`, the same tokens, maybe from a faster kernel)."""
 
     @property
     def greedy(self) -> bool:
@@ -58,7 +62,7 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """A token per row of ``logits``: the argmax, or a sample of :meth:`probs`."""
-        return top_tokens(logits)[0] if self.greedy else self.sample(self.probs(logits))
+        return self.top(logits)[0] if self.greedy else self.sample(self.probs(logits))
 
     def uniform(self) -> float:
         device = self.generator.device if self.generator is not None else None

@@ -82,9 +82,12 @@ def build_best_first_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     scores ``<= 0`` (the loop's budget passes the log of its calibrated acceptance ``a(q)``); tokens
     scored ``-inf`` (probability 0) are never nodes."""
     depth_max, vocab = log_probs.shape
-    ranked, order = log_probs.topk(min(budget, vocab), dim=-1)  # sorted; a full argsort costs 50x more
-    ranked, order = ranked.tolist(), order.tolist()
-    tokens, parents, depths = [], [], []
+    best = log_probs.topk(min(budget, vocab), dim=-1)  # sorted; a full argsort costs 50x more
+    ranked: list[list[float]] = best.values.tolist()
+    order: list[list[int]] = best.indices.tolist()
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
     heap = [(-ranked[0][0], 0, 1, 0, -1)]  # (-score, tie-break, depth, rank, parent)
     tie = 1
     while heap and len(tokens) < budget:
@@ -133,11 +136,11 @@ def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tenso
     recursive rejection sampling. Returns the accepted path (indices into [root, nodes], starting with
     the root) and the token that follows it."""
     if sampler.greedy:
-        kids = tree.children()
+        children = tree.children()
         path, current = [0], 0
         while True:
-            token = logits[current].argmax()
-            child = kids[current].get(int(token))
+            token = sampler.choose(logits[current])
+            child = children[current].get(int(token))
             if child is None:
                 return path, token
             path.append(child)
@@ -152,7 +155,7 @@ def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tenso
         p = sampler.probs(logits[current])
         accepted = None
         sampled = [child for child in kids[current] if child <= drafted]
-        q = probs[depths[sampled[0] - 1] - 1].clone() if sampled else None
+        q = probs[depths[sampled[0] - 1] - 1].clone() if sampled and probs is not None else None
         for child in kids[current]:  # drawn children first, then a copied one (graft appends)
             x = tokens[child - 1]
             if child > drafted:  # a point mass on x: kept with probability p(x), else p without x
@@ -161,6 +164,7 @@ def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler, probs: torch.Tenso
                     break
                 p = without(p, x)
                 continue
+            assert q is not None  # a drawn child: the walk was given the distributions it was drawn from
             q_i = q / q.sum()
             if sampler.uniform() * float(q_i[x]) < float(p[x]):
                 accepted = child

@@ -23,15 +23,16 @@ from .tree import DraftTree, walk_tree
 def choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [R, ..., V], each with its row's sampler."""
     if samplers[0].greedy:
-        return top_tokens(logits)[0]
+        return samplers[0].top(logits)[0]
     return torch.stack([s.choose(row) for s, row in zip(samplers, logits)])
 
 
-def greedy_chains(drafts: torch.Tensor, reads: list[int], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+def greedy_chains(drafts: torch.Tensor, reads: list[int], logits: torch.Tensor,
+                  top=top_tokens) -> tuple[list[int], torch.Tensor]:
     """Greedy verification of every row at once: row ``r`` read its bonus and ``drafts[r, :reads[r] - 1]``
     (``drafts`` [R, n - 1]) and keeps the longest prefix equal to the target's argmax after each
-    (``logits`` [R, n, V]). Returns each row's drafts kept and its new bonus [R]."""
-    choice = top_tokens(logits)[0]  # [R, n]
+    (``logits`` [R, n, V]; ``top``: the greedy rule). Returns each row's drafts kept and its new bonus [R]."""
+    choice = top(logits)[0]  # [R, n]
     R = len(reads)
     if drafts.shape[1] == 0:
         kept = torch.zeros(R, dtype=torch.long, device=choice.device)
@@ -48,7 +49,7 @@ def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Ten
     ``draft_logits`` None: the drafts are copies (prompt lookup), point masses: a copy is kept with
     probability ``p_k(d_k)``, else the residual is ``p_k`` without ``d_k``."""
     if sampler.greedy:
-        kept, bonus = greedy_chains(drafts[None], [len(drafts) + 1], target_logits[None])
+        kept, bonus = greedy_chains(drafts[None], [len(drafts) + 1], target_logits[None], sampler.top)
         return kept[0], bonus[0]
     p = sampler.probs(target_logits)
     q = None if draft_logits is None else sampler.probs(draft_logits)
@@ -67,7 +68,7 @@ def verify_chains(samplers: list[Sampler], ids: torch.Tensor, reads: list[int], 
     the target's ``logits[r, :reads[r]]``; ``draft_logits[r]``: the logits they were drawn from (None:
     copies). Returns each row's drafts kept and the token that follows them [R]."""
     if samplers[0].greedy:
-        return greedy_chains(ids[:, 1:], reads, logits)
+        return greedy_chains(ids[:, 1:], reads, logits, samplers[0].top)
     kept, bonus = [], []
     for r, m in enumerate(reads):
         k, b = verify_chain(samplers[r], ids[r, 1:m], None if m == 1 else draft_logits[r], logits[r, :m])

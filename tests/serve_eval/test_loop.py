@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from serve_eval.backend import Backend
 from serve_eval.budget import Budget
 from serve_eval.loop import plain_generate, speculative_generate
 from serve_eval.proposers import PerRow, make_proposer
@@ -197,3 +198,30 @@ def test_greedy_drafts_with_lookup_equal_greedy(target_and_prompts, trained_draf
                                                    tree_budget=4, lookup=8, budget=b)
                 assert ours == reference, mode
         assert budget.lookup is not None and sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
+
+
+class CountingBackend(Backend):
+    """The generic backend, counting the greedy choices the loop asks of it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def top_tokens(self, logits, with_prob=False):
+        self.calls += 1
+        return super().top_tokens(logits, with_prob)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_greedy_choices_come_from_the_backend(target_and_prompts, trained_drafters, mode):
+    """Every greedy token the loop picks (plain steps, drafts, verification, the budget's top
+    probabilities) comes from the backend's rule, which a backend may compute with its own kernel."""
+    target, _, prompts = target_and_prompts
+    backend = CountingBackend()
+    reference, _ = plain_generate(target, prompts[0], MAX_NEW)
+    ours, stats = speculative_generate(target, trained_drafters["dflash"], prompts[0], MAX_NEW, mode=mode,
+                                       budget=Budget({1: 1.0, 2: 1.02, 16: 1.3}), backend=backend)
+    assert ours == reference
+    assert backend.calls >= 2 * (stats.target_forwards - 1)  # each step: the drafts' top probabilities and the verification
+    calls = backend.calls
+    assert plain_generate(target, prompts[0], MAX_NEW, backend=backend)[0] == reference
+    assert backend.calls - calls == MAX_NEW
