@@ -125,7 +125,6 @@ def _code_files(tests: bool = False) -> list[Path]:
     return sorted(out)
 
 
-@pytest.mark.xfail(strict=False, reason="code outside the docs' owners still carries work history; see the message")
 def test_code_and_recipes_record_no_work_history():
     hits = {_rel(p): h for p in _code_files() if (h := _history_hits(p.read_text(errors="replace"), dates=True))}
     assert not hits, f"work history in code, recipe comments or C++ (it goes in CHANGELOG.md): {hits}"
