@@ -33,6 +33,7 @@ quickstart: install
 # ruff and mypy read their settings (rules, the typed files) from pyproject.toml
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process); tests in the group "distributed"

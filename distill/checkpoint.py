@@ -163,8 +163,14 @@ def shard_bounds(n: int, world: int, per: int) -> list[tuple[int, int]]:
     return [(i * n // count, (i + 1) * n // count) for i in range(count)]
 
 
-def run_sharded(ranks: Ranks, count: int, done: Callable[[int], bool], write: Callable[[int], object],
-                merge: Callable[[], None], what: str) -> list[list]:
+def run_sharded(
+    ranks: Ranks,
+    count: int,
+    done: Callable[[int], bool],
+    write: Callable[[int], object],
+    merge: Callable[[], None],
+    what: str,
+) -> list[list]:
     """Units ``0 .. count-1`` of a job done by all ranks, then merged by the main one.
 
     The units that are not ``done`` as the main rank sees them before anyone starts are dealt round-robin
@@ -178,13 +184,15 @@ def run_sharded(ranks: Ranks, count: int, done: Callable[[int], bool], write: Ca
     Returns, in rank order, the list of what each rank's ``write`` calls returned (one entry a unit
     written). Collectives: gather, barrier, gather, barrier, on every rank."""
     todo = ranks.gather([i for i in range(count) if not done(i)])[0]
-    results = [write(i) for i in todo[ranks.rank::ranks.world]]
+    results = [write(i) for i in todo[ranks.rank :: ranks.world]]
     ranks.barrier()  # every unit written: now each rank checks what it sees
     report = ranks.gather((results, [i for i in range(count) if not done(i)]))
     unseen = {rank: missing[:5] for rank, (_, missing) in enumerate(report) if missing}
     if unseen:
-        raise RuntimeError(f"{what}: units finished by some ranks are missing on others (rank: first missing units "
-                           f"{unseen}); every rank must see the same folder: put the cache on a filesystem they share")
+        raise RuntimeError(
+            f"{what}: units finished by some ranks are missing on others (rank: first missing units "
+            f"{unseen}); every rank must see the same folder: put the cache on a filesystem they share"
+        )
     if ranks.is_main:
         merge()
     ranks.barrier()

@@ -46,8 +46,10 @@ def check_checkpoint(folder: str | Path, what: str) -> dict:
 
 def check_tokenizer(folder: str | Path, what: str) -> None:
     if not any((Path(folder) / name).exists() for name in TOKENIZER_FILES):
-        raise RecipeError(f"{what} '{folder}' has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)}; "
-                         f"save it with tokenizer.save_pretrained into the same folder)")
+        raise RecipeError(
+            f"{what} '{folder}' has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)}; "
+            f"save it with tokenizer.save_pretrained into the same folder)"
+        )
 
 
 def jsonl_records(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[int, dict]]:
@@ -59,7 +61,9 @@ def jsonl_records(path: str | Path, what: str, hint: str = "") -> Iterator[tuple
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise RecipeError(f"{what} {path} line {number}: not valid JSON ({e.msg} at column {e.colno}){hint}") from None
+            raise RecipeError(
+                f"{what} {path} line {number}: not valid JSON ({e.msg} at column {e.colno}){hint}"
+            ) from None
         if not isinstance(row, dict):
             raise RecipeError(f"{what} {path} line {number}: expected a JSON object, got {line.strip()[:60]!r}{hint}")
         yield number, row
@@ -70,8 +74,10 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[dict]:
     rows = []
     for number, row in jsonl_records(path, "prompts file"):
         if field not in row and "messages" not in row:
-            raise RecipeError(f"prompts file {path} line {number}: expected an object with a '{field}' or "
-                              f"'messages' key, got {json.dumps(row)[:60]!r}")
+            raise RecipeError(
+                f"prompts file {path} line {number}: expected an object with a '{field}' or "
+                f"'messages' key, got {json.dumps(row)[:60]!r}"
+            )
         if "messages" not in row and not isinstance(row[field], str):
             raise RecipeError(f"prompts file {path} line {number}: '{field}' must be a string")
         rows.append(row)
@@ -88,7 +94,9 @@ def check_safetensors(file: Path, what: str, hint: str = "") -> None:
         with safe_open(str(file), framework="pt") as handle:
             handle.keys()
     except Exception as e:  # safetensors raises its own error type for a short or garbled header
-        raise RecipeError(f"{what}: {file.name} ({file.stat().st_size:,} bytes) is truncated or corrupted: {e}{hint}") from None
+        raise RecipeError(
+            f"{what}: {file.name} ({file.stat().st_size:,} bytes) is truncated or corrupted: {e}{hint}"
+        ) from None
 
 
 def check_drafter_fits(drafter: dict, target: dict, drafter_path: str, target_path: str) -> None:
@@ -97,13 +105,17 @@ def check_drafter_fits(drafter: dict, target: dict, drafter_path: str, target_pa
     vocabulary only.)"""
     where = f"drafter '{drafter_path}' does not fit target '{target_path}'"
     if drafter.get("vocab_size") != target.get("vocab_size"):
-        raise RecipeError(f"{where}: its vocabulary has {drafter.get('vocab_size')} tokens, the target's "
-                         f"{target.get('vocab_size')} (it was trained for another target)")
+        raise RecipeError(
+            f"{where}: its vocabulary has {drafter.get('vocab_size')} tokens, the target's "
+            f"{target.get('vocab_size')} (it was trained for another target)"
+        )
     if not str(drafter.get("model_type", "")).startswith("draftsmith_"):
         return
     if drafter.get("target_hidden_size") not in (None, target.get("hidden_size")):
-        raise RecipeError(f"{where}: it reads {drafter['target_hidden_size']}-wide target features, the target's "
-                         f"hidden size is {target.get('hidden_size')}")
+        raise RecipeError(
+            f"{where}: it reads {drafter['target_hidden_size']}-wide target features, the target's "
+            f"hidden size is {target.get('hidden_size')}"
+        )
     layers = target.get("num_hidden_layers")
     wrong = [i for i in drafter.get("target_layer_ids") or [] if layers is not None and not 0 <= i < layers]
     if wrong:

@@ -88,7 +88,7 @@ class DatasetColumn(Sequence):
 @dataclass
 class TextSplits:
     train: Sequence  # str documents (format "text") or dict records (prompt/response or messages): a list,
-    val: Sequence    # or a DatasetColumn for hub datasets and dataset files
+    val: Sequence  # or a DatasetColumn for hub datasets and dataset files
     fingerprint: str  # of the raw data, both splits
     description: str
 
@@ -98,8 +98,11 @@ TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids", "eos")
 
 
 def _columns_needed(cfg: DataConfig) -> list[str]:
-    return {"text": [cfg.text_field], "prompt_response": [cfg.prompt_field, cfg.response_field],
-            "messages": [cfg.messages_field]}[cfg.format]
+    return {
+        "text": [cfg.text_field],
+        "prompt_response": [cfg.prompt_field, cfg.response_field],
+        "messages": [cfg.messages_field],
+    }[cfg.format]
 
 
 def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
@@ -113,15 +116,20 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
         if any(DATA_SUFFIXES[Path(f).suffix] != "document" for f in cfg.train_files + cfg.val_files):
             raise RecipeError(f"data files mix whole documents with datasets: {cfg.train_files + cfg.val_files}")
         read = lambda files: [Document(f, Path(f).read_text(encoding="utf-8", errors="replace")) for f in files]  # noqa: E731
-        train, val = (read(cfg.train_files), read(cfg.val_files)) if cfg.val_files else split_documents(read(cfg.train_files), cfg.val_fraction)
+        train, val = (
+            (read(cfg.train_files), read(cfg.val_files))
+            if cfg.val_files
+            else split_documents(read(cfg.train_files), cfg.val_fraction)
+        )
         if cfg.max_documents:
-            train = train[:cfg.max_documents]
+            train = train[: cfg.max_documents]
         train_r, val_r = [d.text for d in train], [d.text for d in val]
         desc = f"files (one document each): {len(train)} train / {len(val)} held-out files"
     else:
         from datasets import load_dataset
 
         if cfg.source == "files":
+
             def load(files):
                 kind = DATA_SUFFIXES[Path(files[0]).suffix]
                 if any(DATA_SUFFIXES[Path(f).suffix] != kind for f in files):
@@ -130,8 +138,11 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
                     return load_dataset(kind, data_files=files, split="train")
                 except Exception as e:  # datasets wraps a malformed file in its own generation error
                     cause = e.__cause__ or e
-                    raise RecipeError(f"data files {files}: could not be read as {kind} "
-                                      f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from None
+                    raise RecipeError(
+                        f"data files {files}: could not be read as {kind} "
+                        f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
+                    ) from None
+
             ds = load(cfg.train_files)
             val_ds = load(cfg.val_files) if cfg.val_files else None
         else:
@@ -139,8 +150,10 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             val_ds = None
         for column in _columns_needed(cfg):
             if column not in ds.column_names:
-                raise RecipeError(f"data: column '{column}' (format '{cfg.format}') is not in the data "
-                                 f"(columns: {ds.column_names}); set data.text_field / prompt_field / response_field / messages_field")
+                raise RecipeError(
+                    f"data: column '{column}' (format '{cfg.format}') is not in the data "
+                    f"(columns: {ds.column_names}); set data.text_field / prompt_field / response_field / messages_field"
+                )
         if cfg.max_documents:
             ds = ds.select(range(min(cfg.max_documents, len(ds))))
         if val_ds is None:
@@ -151,12 +164,19 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             cols += [c for c in TOKEN_ID_COLUMNS if c in ds.column_names and c in val_ds.column_names]
         train_r, val_r = (DatasetColumn(d, cols, cfg.format == "text") for d in (ds, val_ds))
         desc = f"{cfg.source} ({cfg.format}): {len(train_r)} train / {len(val_r)} held-out records"
-        fp = fingerprint_texts([train_r.fingerprint, val_r.fingerprint], f"val_fraction={cfg.val_fraction}",
-                               f"format={cfg.format}", f"seed={seed}")
+        fp = fingerprint_texts(
+            [train_r.fingerprint, val_r.fingerprint],
+            f"val_fraction={cfg.val_fraction}",
+            f"format={cfg.format}",
+            f"seed={seed}",
+        )
         return TextSplits(train_r, val_r, fp, desc)
     as_text = lambda r: r if isinstance(r, str) else json.dumps(r, sort_keys=True)  # noqa: E731
-    fp = fingerprint_texts([as_text(r) for r in train_r] + ["\x00split\x00"] + [as_text(r) for r in val_r],
-                           f"val_fraction={cfg.val_fraction}", f"format={cfg.format}")
+    fp = fingerprint_texts(
+        [as_text(r) for r in train_r] + ["\x00split\x00"] + [as_text(r) for r in val_r],
+        f"val_fraction={cfg.val_fraction}",
+        f"format={cfg.format}",
+    )
     return TextSplits(train_r, val_r, fp, desc)
 
 
@@ -172,8 +192,12 @@ def regenerated_text_splits(regenerated: dict) -> TextSplits:
     hint = f"; delete {regenerated.get('folder', 'the cache folder')} to regenerate the answers"
     read = lambda files: [row for f in files for _, row in jsonl_records(f, "regenerated answers", hint)]  # noqa: E731
     train, val = read(regenerated["train_files"]), read(regenerated["val_files"])
-    return TextSplits(train, val, regenerated["key"],
-                      f"the target's answers ({regenerated['key']}): {len(train)} train / {len(val)} held-out records")
+    return TextSplits(
+        train,
+        val,
+        regenerated["key"],
+        f"the target's answers ({regenerated['key']}): {len(train)} train / {len(val)} held-out records",
+    )
 
 
 def build_tokenizer(cfg: TokenizerConfig, splits: TextSplits):
@@ -193,7 +217,11 @@ def build_tokenizer(cfg: TokenizerConfig, splits: TextSplits):
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    return fingerprint_texts([tokenizer.backend_tokenizer.to_str()]) if hasattr(tokenizer, "backend_tokenizer") else tokenizer.name_or_path
+    return (
+        fingerprint_texts([tokenizer.backend_tokenizer.to_str()])
+        if hasattr(tokenizer, "backend_tokenizer")
+        else tokenizer.name_or_path
+    )
 
 
 #: records (documents or examples) per tokenizing shard: one rank's unit of work, and what a killed run keeps
@@ -265,7 +293,7 @@ def _tokenized_stream(texts: Sequence[str], tokenizer, name: str, ranks: Ranks |
             at = 0
             for shard, size in zip(shards, sizes):
                 if size:
-                    out[at:at + size] = np.memmap(shard, dtype=dtype, mode="r", shape=(size,))
+                    out[at : at + size] = np.memmap(shard, dtype=dtype, mode="r", shape=(size,))
                 at += size
             out.flush()
             del out
@@ -273,7 +301,9 @@ def _tokenized_stream(texts: Sequence[str], tokenizer, name: str, ranks: Ranks |
         write_file_atomically(path, stream)
         shutil.rmtree(parts, ignore_errors=True)
 
-    counts = run_sharded(ranks, len(shards), lambda i: shards[i].exists(), write, merge, f"tokenizing {name} into {path}")
+    counts = run_sharded(
+        ranks, len(shards), lambda i: shards[i].exists(), write, merge, f"tokenizing {name} into {path}"
+    )
     return np.load(path, mmap_mode="r"), [len(c) for c in counts]
 
 
@@ -296,8 +326,9 @@ class Batch:
 
     def to(self, device) -> Batch:
         move = lambda t, f=False: None if t is None else (t.to(device).float() if f else t.to(device))  # noqa: E731
-        return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux, True), move(self.last, True),
-                     self.first_sample)
+        return Batch(
+            move(self.input_ids), move(self.loss_mask), move(self.aux, True), move(self.last, True), self.first_sample
+        )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -309,8 +340,9 @@ class PackedWindows:
     #: the tokenizing shards each rank wrote for these windows (:func:`make_windows`), None if not made there
     prepared_by_rank: list[int] | None = None
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shuffle: bool = True,
-                 max_windows: int | None = None):
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, seed: int = 0, shuffle: bool = True, max_windows: int | None = None
+    ):
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
@@ -327,7 +359,7 @@ class PackedWindows:
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs in the windows (what a draft vocabulary is counted from)."""
-        used = self.tokens[:self.num_windows * self.seq_len + 1]
+        used = self.tokens[: self.num_windows * self.seq_len + 1]
         return torch.bincount(torch.from_numpy(used.astype(np.int64)), minlength=vocab_size)
 
     def window_index(self, k: int) -> int:
@@ -341,7 +373,7 @@ class PackedWindows:
 
     def window(self, index: int) -> torch.Tensor:
         start = index * self.seq_len
-        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
 
     def batch(self, first_sample: int, size: int) -> Batch:
         """Samples ``first_sample .. first_sample + size - 1``."""
@@ -362,8 +394,10 @@ class PackedWindows:
 def chat_messages(record: dict, cfg: DataConfig) -> list[dict]:
     if cfg.format == "messages":
         return list(record[cfg.messages_field])
-    return [{"role": "user", "content": record[cfg.prompt_field]},
-            {"role": "assistant", "content": record[cfg.response_field]}]
+    return [
+        {"role": "user", "content": record[cfg.prompt_field]},
+        {"role": "assistant", "content": record[cfg.response_field]},
+    ]
 
 
 def encode_example(record: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[int]]:
@@ -387,27 +421,33 @@ def encode_example(record: dict, tokenizer, cfg: DataConfig) -> tuple[list[int],
         if not full.startswith(prompt):
             raise ValueError("the chat template does not render the prompt as a prefix of the conversation")
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer("".join(m["content"] for m in messages[:-1]), add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        response_ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
-def tokenize_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, name: str = "examples",
-                      ranks: Ranks | None = None) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_examples(
+    records: Sequence[dict], tokenizer, cfg: DataConfig, name: str = "examples", ranks: Ranks | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Every record as one window of ``seq_len + 1`` tokens (truncated or padded) and its loss mask;
     cached on disk and memory-mapped, written row by row (a :class:`DatasetColumn` is read in batches).
     With ``ranks`` every rank encodes its shards (module doc); every rank returns the whole arrays."""
     return _tokenized_examples(records, tokenizer, cfg, name, ranks)[:2]
 
 
-def _tokenized_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, name: str,
-                        ranks: Ranks | None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def _tokenized_examples(
+    records: Sequence[dict], tokenizer, cfg: DataConfig, name: str, ranks: Ranks | None
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """:func:`tokenize_examples` and the number of shards each rank encoded (all 0: read from the cache)."""
     ranks = ranks or Ranks()
     width = cfg.seq_len + 1
-    key = _records_key(records, tokenizer_fingerprint(tokenizer), f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}")
+    key = _records_key(
+        records, tokenizer_fingerprint(tokenizer), f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}"
+    )
     folder = cache_dir() / "examples" / f"{name}-{key}"
     counts = [0] * ranks.world
     if not (folder / "mask.npy").exists():
@@ -443,7 +483,9 @@ def _encode_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, folder
                 fsync_path(tmp / f)
         shutil.rmtree(parts, ignore_errors=True)
 
-    counts = run_sharded(ranks, len(shards), lambda i: shards[i].exists(), write, merge, f"tokenizing examples into {folder}")
+    counts = run_sharded(
+        ranks, len(shards), lambda i: shards[i].exists(), write, merge, f"tokenizing examples into {folder}"
+    )
     return [len(c) for c in counts]
 
 
@@ -456,7 +498,9 @@ def _example_arrays(folder: Path, rows: int, width: int, pad: int) -> tuple[np.n
     return ids, mask
 
 
-def _write_example_rows(records: Sequence[dict], lo: int, hi: int, tokenizer, cfg: DataConfig, pad: int, folder: Path) -> None:
+def _write_example_rows(
+    records: Sequence[dict], lo: int, hi: int, tokenizer, cfg: DataConfig, pad: int, folder: Path
+) -> None:
     """Records ``lo .. hi-1`` encoded (:func:`encode_example`) into ``folder/{ids,mask}.npy``, row by row."""
     width = cfg.seq_len + 1
     ids, mask = _example_arrays(folder, hi - lo, width, pad)
@@ -464,8 +508,8 @@ def _write_example_rows(records: Sequence[dict], lo: int, hi: int, tokenizer, cf
     for batch in _record_batches(records, lo, hi):
         for record in batch:
             tokens, scored = encode_example(record, tokenizer, cfg)
-            ids[row, :min(width, len(tokens))] = tokens[:width]
-            mask[row, :min(width, len(scored))] = scored[:width]
+            ids[row, : min(width, len(tokens))] = tokens[:width]
+            mask[row, : min(width, len(scored))] = scored[:width]
             row += 1
     ids.flush(), mask.flush()
 
@@ -473,7 +517,9 @@ def _write_example_rows(records: Sequence[dict], lo: int, hi: int, tokenizer, cf
 class ExampleWindows(PackedWindows):
     """One window per prompt/response example, with a loss mask on the response tokens."""
 
-    def __init__(self, ids: np.ndarray, mask: np.ndarray, seed: int = 0, shuffle: bool = True, max_windows: int | None = None):
+    def __init__(
+        self, ids: np.ndarray, mask: np.ndarray, seed: int = 0, shuffle: bool = True, max_windows: int | None = None
+    ):
         self.ids, self.mask = ids, mask
         self.seq_len = ids.shape[1] - 1
         self.seed, self.shuffle = seed, shuffle
@@ -487,16 +533,25 @@ class ExampleWindows(PackedWindows):
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs among the scored (response) tokens."""
-        ids, mask = np.asarray(self.ids[:self.num_windows]), np.asarray(self.mask[:self.num_windows]).astype(bool)
+        ids, mask = np.asarray(self.ids[: self.num_windows]), np.asarray(self.mask[: self.num_windows]).astype(bool)
         return torch.bincount(torch.from_numpy(ids[mask].astype(np.int64)), minlength=vocab_size)
 
     def collate(self, indices: list[int]) -> Batch:
-        return Batch(torch.stack([self.window(i) for i in indices]),
-                     torch.from_numpy(np.stack([self.mask[i] for i in indices]).astype(np.int64)))
+        return Batch(
+            torch.stack([self.window(i) for i in indices]),
+            torch.from_numpy(np.stack([self.mask[i] for i in indices]).astype(np.int64)),
+        )
 
 
-def make_windows(records: list, tokenizer, cfg: DataConfig, split: str, seed: int = 0,
-                 max_windows: int | None = None, ranks: Ranks | None = None) -> PackedWindows:
+def make_windows(
+    records: list,
+    tokenizer,
+    cfg: DataConfig,
+    split: str,
+    seed: int = 0,
+    max_windows: int | None = None,
+    ranks: Ranks | None = None,
+) -> PackedWindows:
     """Training windows (shuffled per epoch) or held-out windows (in order) for one split, tokenized by
     every rank of ``ranks`` (module doc). ``prepared_by_rank`` on the result: the shards each rank
     tokenized (all 0 when the split came from the cache)."""

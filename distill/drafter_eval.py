@@ -26,7 +26,10 @@ def target_rope(config) -> dict:
     """The target's RoPE settings (``rope_parameters``) for a drafter. A target with one set per layer
     type (Gemma 3: local RoPE on its sliding layers, global on the others) gives its full-attention
     layers' set: the drafter attends to the whole context, as those layers do."""
-    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    rope = getattr(config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(config, "rope_theta", 10000.0),
+    }
     if "rope_type" not in rope and "full_attention" in rope:
         rope = rope["full_attention"]
     return dict(rope)
@@ -36,8 +39,9 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
     """A randomly initialised drafter of ``section.kind`` sized for ``target``, with its embeddings and head."""
     tc = target.config
     config_cls, model_cls = DRAFTERS[section.kind]
-    layer_ids = section.target_layer_ids or default_layer_ids(tc.num_hidden_layers,
-                                                              config_cls.fixed_target_layers or section.num_target_layers)
+    layer_ids = section.target_layer_ids or default_layer_ids(
+        tc.num_hidden_layers, config_cls.fixed_target_layers or section.num_target_layers
+    )
     heads = section.num_heads or tc.num_attention_heads
     extra = {key: getattr(section, key) for key in config_cls.recipe_keys}
     config = config_cls(
@@ -143,8 +147,15 @@ def auroc(score: torch.Tensor, label: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, max_batches: int | None = None,
-                     accelerator=None, prefix: str = "val") -> dict:
+def evaluate_drafter(
+    model,
+    capture: FeatureCapture,
+    windows,
+    batch_size: int,
+    max_batches: int | None = None,
+    accelerator=None,
+    prefix: str = "val",
+) -> dict:
     device = accelerator.device if accelerator else next(model.parameters()).device
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     cfg = unwrapped(model).config
@@ -160,12 +171,14 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
         kwargs = {}
         if is_block_drafter(model):
             gen = torch.Generator().manual_seed(b)
-            kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen,
-                                               loss_mask=batch.loss_mask)
+            kwargs["anchors"] = sample_anchors(
+                ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], device, gen, loss_mask=batch.loss_mask
+            )
         out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
         weight = float(real)  # a padding batch runs for its collectives and counts nowhere (every sum's keys alike)
-        walk += weight * torch.tensor(replay_decoding(model, cfg, ids, aux, last, batch.loss_mask, out), dtype=torch.float64,
-                                      device=device)
+        walk += weight * torch.tensor(
+            replay_decoding(model, cfg, ids, aux, last, batch.loss_mask, out), dtype=torch.float64, device=device
+        )
         chains = out.scored.all(-1)  # only drafts whose every label is scored (responses, not prompts)
         stats = acceptance_stats(out.draft_tokens[chains], out.target_tokens[chains], out.accept[chains])
         for k, v in stats.items():
@@ -180,8 +193,11 @@ def evaluate_drafter(model, capture: FeatureCapture, windows, batch_size: int, m
         sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
         loss_sum, batches = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(batches, "sum")
         walk = accelerator.reduce(walk, "sum")
-    metrics = {f"{prefix}_loss": (loss_sum / batches).item(), **summarize_acceptance(sums, prefix),
-               f"{prefix}_simulated_tau": (walk[0] / walk[1].clamp_min(1)).item()}
+    metrics = {
+        f"{prefix}_loss": (loss_sum / batches).item(),
+        **summarize_acceptance(sums, prefix),
+        f"{prefix}_simulated_tau": (walk[0] / walk[1].clamp_min(1)).item(),
+    }
     if confident:  # the same on every rank (the model's kind), so every rank gathers
         from accelerate.utils import gather_object
 

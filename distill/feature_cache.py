@@ -48,8 +48,17 @@ from .target_files import checkpoint_fingerprint, checkpoint_folder
 
 FORMAT_VERSION = 1
 #: manifest fields a recipe must agree with
-CHECKED_FIELDS = ("target_fingerprint", "tokenizer_fingerprint", "data_fingerprint", "layer_ids",
-                  "layer_id_convention", "seq_len", "num_windows", "dtype", "split")
+CHECKED_FIELDS = (
+    "target_fingerprint",
+    "tokenizer_fingerprint",
+    "data_fingerprint",
+    "layer_ids",
+    "layer_id_convention",
+    "seq_len",
+    "num_windows",
+    "dtype",
+    "split",
+)
 
 
 class FeatureCacheMismatch(RecipeError):
@@ -73,15 +82,25 @@ def target_fingerprint(target) -> str:
     return checkpoint_fingerprint(checkpoint_folder(target.name_or_path), target.dtype)
 
 
-def write_feature_caches(capture: FeatureCapture, caches: list[tuple[PackedWindows, Path, dict]], dtype: torch.dtype,
-                         batch_size: int = 8, shard_windows: int = 512, device="cpu", ranks: Ranks | None = None) -> list[int]:
+def write_feature_caches(
+    capture: FeatureCapture,
+    caches: list[tuple[PackedWindows, Path, dict]],
+    dtype: torch.dtype,
+    batch_size: int = 8,
+    shard_windows: int = 512,
+    device="cpu",
+    ranks: Ranks | None = None,
+) -> list[int]:
     """Build each ``(windows, folder, meta)`` cache whose folder has no manifest yet, the shards of all of
     them divided among ``ranks`` (module doc); every rank must call this with the same caches. Returns
     the number of shards each rank wrote."""
     ranks = ranks or Ranks()
     per = -(-shard_windows // batch_size) * batch_size
-    plans = [_Plan(capture, windows, Path(folder), meta, dtype, per) for windows, folder, meta in caches
-             if not (Path(folder) / "manifest.json").exists()]
+    plans = [
+        _Plan(capture, windows, Path(folder), meta, dtype, per)
+        for windows, folder, meta in caches
+        if not (Path(folder) / "manifest.json").exists()
+    ]
     units = [(plan, s) for plan in plans for s in range(len(plan.shards))]
     for plan in plans:
         plan.parts.mkdir(parents=True, exist_ok=True)
@@ -94,8 +113,14 @@ def write_feature_caches(capture: FeatureCapture, caches: list[tuple[PackedWindo
         for plan in plans:
             plan.publish()
 
-    counts = run_sharded(ranks, len(units), lambda i: units[i][0].shard_path(units[i][1]).exists(), write, merge,
-                         "caching features into " + ", ".join(str(p.folder) for p in plans))
+    counts = run_sharded(
+        ranks,
+        len(units),
+        lambda i: units[i][0].shard_path(units[i][1]).exists(),
+        write,
+        merge,
+        "caching features into " + ", ".join(str(p.folder) for p in plans),
+    )
     return [len(c) for c in counts]
 
 
@@ -103,14 +128,25 @@ class _Plan:
     """One cache folder to build: its manifest (but the shard list's files), its shards' window ranges
     and the work folder named by a digest of both."""
 
-    def __init__(self, capture: FeatureCapture, windows: PackedWindows, folder: Path, meta: dict, dtype: torch.dtype, per: int):
+    def __init__(
+        self, capture: FeatureCapture, windows: PackedWindows, folder: Path, meta: dict, dtype: torch.dtype, per: int
+    ):
         self.capture, self.windows, self.folder, self.dtype = capture, windows, folder, dtype
         n = len(windows)
         self.ranges = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
-        self.shards = [{"file": f"shard_{s:05d}.safetensors", "windows": hi - lo} for s, (lo, hi) in enumerate(self.ranges)]
-        self.manifest = {"format_version": FORMAT_VERSION, **meta, "layer_ids": list(capture.layer_ids),
-                         "layer_id_convention": LAYER_ID_CONVENTION, "dtype": str(dtype).removeprefix("torch."),
-                         "seq_len": windows.seq_len, "num_windows": n, "shards": self.shards}
+        self.shards = [
+            {"file": f"shard_{s:05d}.safetensors", "windows": hi - lo} for s, (lo, hi) in enumerate(self.ranges)
+        ]
+        self.manifest = {
+            "format_version": FORMAT_VERSION,
+            **meta,
+            "layer_ids": list(capture.layer_ids),
+            "layer_id_convention": LAYER_ID_CONVENTION,
+            "dtype": str(dtype).removeprefix("torch."),
+            "seq_len": windows.seq_len,
+            "num_windows": n,
+            "shards": self.shards,
+        }
         digest = hashlib.sha256(json.dumps(self.manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
         self.parts = folder.with_name(f"{folder.name}.parts-{digest}")
 
@@ -121,8 +157,12 @@ class _Plan:
         """Shard ``s``: the target's features of its windows, run ``batch_size`` windows at a time."""
         lo, hi = self.ranges[s]
         buf = {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
-        for start in tqdm(range(lo, hi, batch_size), desc=f"caching {self.manifest.get('split', '')} features, shard {s}",
-                          unit="batch", leave=False):
+        for start in tqdm(
+            range(lo, hi, batch_size),
+            desc=f"caching {self.manifest.get('split', '')} features, shard {s}",
+            unit="batch",
+            leave=False,
+        ):
             batch = self.windows.collate(list(range(start, min(start + batch_size, hi))))
             feats = self.capture(batch.input_ids.to(device))
             buf["input_ids"].append(batch.input_ids.to(torch.int32))
@@ -135,7 +175,9 @@ class _Plan:
     def publish(self) -> None:
         """The manifest written last into the work folder, which then becomes the cache folder; work
         folders of other plans for this folder go."""
-        write_file_atomically(self.parts / "manifest.json", lambda tmp: tmp.write_text(json.dumps(self.manifest, indent=2)))
+        write_file_atomically(
+            self.parts / "manifest.json", lambda tmp: tmp.write_text(json.dumps(self.manifest, indent=2))
+        )
         if self.folder.exists():
             shutil.rmtree(self.folder)
         publish(self.parts, self.folder)
@@ -150,17 +192,25 @@ def read_manifest(folder: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise RecipeError(f"feature cache {folder}: manifest.json is not valid JSON ({e}); delete the folder to rebuild it") from None
+        raise RecipeError(
+            f"feature cache {folder}: manifest.json is not valid JSON ({e}); delete the folder to rebuild it"
+        ) from None
 
 
 def check_manifest(manifest: dict, expected: dict, folder: Path) -> None:
-    diffs = [f"{k}: cache has {manifest.get(k)!r}, recipe needs {expected[k]!r}"
-             for k in CHECKED_FIELDS if k in expected and manifest.get(k) != expected[k]]
+    diffs = [
+        f"{k}: cache has {manifest.get(k)!r}, recipe needs {expected[k]!r}"
+        for k in CHECKED_FIELDS
+        if k in expected and manifest.get(k) != expected[k]
+    ]
     if manifest.get("format_version") != FORMAT_VERSION:
         diffs.append(f"format_version: cache has {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}")
     if diffs:
-        raise FeatureCacheMismatch(f"feature cache {folder} does not match this recipe:\n  " + "\n  ".join(diffs)
-                                   + "\ndelete it or point features.cache_dir elsewhere to rebuild it")
+        raise FeatureCacheMismatch(
+            f"feature cache {folder} does not match this recipe:\n  "
+            + "\n  ".join(diffs)
+            + "\ndelete it or point features.cache_dir elsewhere to rebuild it"
+        )
 
 
 class CachedFeatureWindows(PackedWindows):
@@ -178,8 +228,9 @@ class CachedFeatureWindows(PackedWindows):
         for shard in self.manifest["shards"]:
             self._starts.append(total)
             total += shard["windows"]
-            check_safetensors(self.folder / shard["file"], f"feature cache {self.folder}",
-                              hint="; delete the folder to rebuild it")
+            check_safetensors(
+                self.folder / shard["file"], f"feature cache {self.folder}", hint="; delete the folder to rebuild it"
+            )
         self._handles: dict[int, object] = {}
 
     def _locate(self, index: int) -> tuple[object, int]:
@@ -190,7 +241,7 @@ class CachedFeatureWindows(PackedWindows):
 
     def _row(self, key: str, index: int) -> torch.Tensor:
         handle, row = self._locate(index)
-        return handle.get_slice(key)[row:row + 1][0]
+        return handle.get_slice(key)[row : row + 1][0]
 
     def window(self, index: int) -> torch.Tensor:
         return self._row("input_ids", index).long()

@@ -54,16 +54,23 @@ def generalized_jsd(student_logits, teacher_logits, labels, beta: float, tempera
     """Mean per scored token (``labels != -100``) of JSD_beta at ``temperature`` (TRL's implementation)."""
     from trl.experimental.gkd import GKDTrainer
 
-    return GKDTrainer.generalized_jsd_loss(student_logits.float(), teacher_logits.float(), labels=labels, beta=beta,
-                                           temperature=temperature, reduction="batchmean")
+    return GKDTrainer.generalized_jsd_loss(
+        student_logits.float(),
+        teacher_logits.float(),
+        labels=labels,
+        beta=beta,
+        temperature=temperature,
+        reduction="batchmean",
+    )
 
 
 def jsd_sum(student_logits, teacher_logits, beta: float, temperature: float) -> torch.Tensor:
     """Sum over rows (every row scored) of JSD_beta at ``temperature``, TRL's implementation, in fp32."""
     from trl.experimental.gkd import GKDTrainer
 
-    return GKDTrainer.generalized_jsd_loss(student_logits.float(), teacher_logits.float(), beta=beta,
-                                           temperature=temperature, reduction="sum")
+    return GKDTrainer.generalized_jsd_loss(
+        student_logits.float(), teacher_logits.float(), beta=beta, temperature=temperature, reduction="sum"
+    )
 
 
 def block_masks(model, blocks):
@@ -73,8 +80,18 @@ def block_masks(model, blocks):
     return LayerMasks(unwrapped(model)).applied(blocks.attention_mask, blocks.position_ids, blocks.position_ids)
 
 
-def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_weight: float, student_kwargs=None,
-               pard=None, mask_token_id: int | None = None, seed: int = 0, chunk: int | None = None):
+def kd_loss_fn(
+    teacher,
+    divergence: str,
+    beta: float,
+    temperature: float,
+    ce_weight: float,
+    student_kwargs=None,
+    pard=None,
+    mask_token_id: int | None = None,
+    seed: int = 0,
+    chunk: int | None = None,
+):
     """A ``loss_fn(model, batch)`` for :class:`distill.trainer.Trainer`. ``student_kwargs(model, batch)``
     returns extra forward arguments for the student (e.g. Parcae's sampled depths); ``pard`` (a
     :class:`~distill.config.PardSection`) appends PARD mask blocks, drawn from the batch's data position.
@@ -96,16 +113,36 @@ def kd_loss_fn(teacher, divergence: str, beta: float, temperature: float, ce_wei
             blocks = mask_blocks(inputs, labels != -100, mask_token_id, pard.draft_tokens, pard.anchors, pard.keep, gen)
             with block_masks(model, blocks) as mask:
                 out, student_states, student_head = forward_to_head(
-                    model, chunk is not None, input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=mask, **extra)
-            teacher_states = torch.cat([teacher_states, teacher_states.gather(
-                1, blocks.source[..., None].expand(-1, -1, teacher_states.shape[-1]))], dim=1)
+                    model,
+                    chunk is not None,
+                    input_ids=blocks.input_ids,
+                    position_ids=blocks.position_ids,
+                    attention_mask=mask,
+                    **extra,
+                )
+            teacher_states = torch.cat(
+                [
+                    teacher_states,
+                    teacher_states.gather(1, blocks.source[..., None].expand(-1, -1, teacher_states.shape[-1])),
+                ],
+                dim=1,
+            )
             labels = torch.cat([labels, torch.where(blocks.valid, labels.gather(1, blocks.source), -100)], dim=1)
         if chunk is None:  # the states are the logits
             div = generalized_jsd(student_states, teacher_states, labels, beta, temperature)
             ce = next_token_ce(student_states, labels) if ce_weight else None
         else:
-            div, ce = chunked_kd_terms(student_states, student_head, teacher_states, teacher_head, labels, beta,
-                                       temperature, bool(ce_weight), chunk)
+            div, ce = chunked_kd_terms(
+                student_states,
+                student_head,
+                teacher_states,
+                teacher_head,
+                labels,
+                beta,
+                temperature,
+                bool(ce_weight),
+                chunk,
+            )
         logs = {"kd/divergence": div.item()}
         loss = div
         if ce_weight:
@@ -173,13 +210,28 @@ def check_head(logits, head, states, name: str) -> None:
     two units in the last place of the head's dtype."""
     ours = head(states[..., -1:, :])
     eps = torch.finfo(ours.dtype).eps
-    if logits is None or logits.shape != ours.shape or not torch.allclose(logits.float(), ours.float(), rtol=2 * eps, atol=2 * eps):
-        raise ValueError(f"{name}'s logits are not its output embedding applied to its last hidden states (a soft cap or "
-                         "scale after the head?): it cannot be distilled in chunks; leave the kd chunk unset")
+    if (
+        logits is None
+        or logits.shape != ours.shape
+        or not torch.allclose(logits.float(), ours.float(), rtol=2 * eps, atol=2 * eps)
+    ):
+        raise ValueError(
+            f"{name}'s logits are not its output embedding applied to its last hidden states (a soft cap or "
+            "scale after the head?): it cannot be distilled in chunks; leave the kd chunk unset"
+        )
 
 
-def chunked_kd_terms(student_states, student_head, teacher_states, teacher_head, labels, beta: float,
-                     temperature: float, with_ce: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_kd_terms(
+    student_states,
+    student_head,
+    teacher_states,
+    teacher_head,
+    labels,
+    beta: float,
+    temperature: float,
+    with_ce: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(divergence, ce)`` means per scored token (``labels != -100``; ce None unless ``with_ce``) from
     the states of both models (:func:`forward_to_head`), ``chunk`` scored positions at a time: each
     chunk's logits exist only inside a checkpointed function, recomputed in the backward. The means
@@ -194,15 +246,18 @@ def chunked_kd_terms(student_states, student_head, teacher_states, teacher_head,
 
     div = ce = student_rows.new_zeros((), dtype=torch.float32)
     for i in range(0, max(len(targets), 1), chunk):  # no scored position: one empty chunk, a zero loss with a graph
-        d, c = checkpoint(sums, student_rows[i:i + chunk], teacher_rows[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
+        d, c = checkpoint(
+            sums, student_rows[i : i + chunk], teacher_rows[i : i + chunk], targets[i : i + chunk], use_reentrant=False
+        )
         div, ce = div + d, ce + c
     count = scored.sum().clamp_min(1)
     return div / count, (ce / count if with_ce else None)
 
 
 @torch.no_grad()
-def evaluate_student(student, teacher, windows, batch_size: int, max_batches: int | None = None,
-                     accelerator=None, **forward_kwargs) -> dict:
+def evaluate_student(
+    student, teacher, windows, batch_size: int, max_batches: int | None = None, accelerator=None, **forward_kwargs
+) -> dict:
     """``val_loss``, ``val_ppl``, ``val_acc`` (student on the data), ``val_kl`` (forward KL to the
     teacher, nats/token, temperature 1) and ``val_agreement`` (top-1 agreement with the teacher)."""
     device = accelerator.device if accelerator else next(student.parameters()).device
@@ -217,8 +272,14 @@ def evaluate_student(student, teacher, windows, batch_size: int, max_batches: in
     if accelerator:
         sums = accelerator.reduce(sums, "sum")
     nll, correct, kl, agree, count = (sums / sums[4]).tolist()
-    return {"val_loss": nll, "val_ppl": math.exp(min(nll, 50.0)), "val_acc": correct, "val_kl": kl,
-            "val_agreement": agree, "val_tokens": int(sums[4].item())}
+    return {
+        "val_loss": nll,
+        "val_ppl": math.exp(min(nll, 50.0)),
+        "val_acc": correct,
+        "val_kl": kl,
+        "val_agreement": agree,
+        "val_tokens": int(sums[4].item()),
+    }
 
 
 def student_sums(student, teacher, batch, forward_kwargs: dict) -> torch.Tensor:
@@ -230,18 +291,29 @@ def student_sums(student, teacher, batch, forward_kwargs: dict) -> torch.Tensor:
     scored = labels != -100
     s_logp, t_logp = s.log_softmax(-1), t.log_softmax(-1)
     kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-    return torch.stack([
-        next_token_ce(s, labels, reduction="sum"),
-        ((s.argmax(-1) == labels) & scored).sum(),
-        kl[scored].sum(),
-        ((s.argmax(-1) == t.argmax(-1)) & scored).sum(),
-        scored.sum(),
-    ]).double()
+    return torch.stack(
+        [
+            next_token_ce(s, labels, reduction="sum"),
+            ((s.argmax(-1) == labels) & scored).sum(),
+            kl[scored].sum(),
+            ((s.argmax(-1) == t.argmax(-1)) & scored).sum(),
+            scored.sum(),
+        ]
+    ).double()
 
 
 @torch.no_grad()
-def evaluate_pard(student, teacher, windows, batch_size: int, pard, mask_token_id: int, max_batches: int | None = None,
-                  accelerator=None, seed: int = 0) -> dict:
+def evaluate_pard(
+    student,
+    teacher,
+    windows,
+    batch_size: int,
+    pard,
+    mask_token_id: int,
+    max_batches: int | None = None,
+    accelerator=None,
+    seed: int = 0,
+) -> dict:
     """A PARD student's drafts on held-out windows, greedy: blocks of all ``K - 1`` masks at up to
     ``pard.anchors`` fixed anchors a window; ``val_pard_agreement_k`` is the rate at which the student's
     draft ``k`` (``k = 1``: the output at the anchor; ``k > 1``: mask ``k - 1``) is the target's argmax
@@ -254,7 +326,9 @@ def evaluate_pard(student, teacher, windows, batch_size: int, pard, mask_token_i
     sums = torch.zeros(K + 2, dtype=torch.float64, device=device)  # agreements per depth, run lengths, blocks
     for start, real in rank_batches(n, batch_size, rank, world):
         batch = windows.collate(list(range(start, min(start + batch_size, n)))).to(device)
-        batch_sums = pard_sums(student, teacher, batch, pard, mask_token_id, torch.Generator().manual_seed(seed + start))
+        batch_sums = pard_sums(
+            student, teacher, batch, pard, mask_token_id, torch.Generator().manual_seed(seed + start)
+        )
         if real:  # a padding batch ran its forwards for the collectives; its numbers are dropped
             sums += batch_sums
     if accelerator:
@@ -271,16 +345,16 @@ def pard_sums(student, teacher, batch, pard, mask_token_id: int, generator: torc
     K = pard.draft_tokens
     inputs, labels = inputs_and_labels(batch)
     scored = labels != -100
-    scored[:, inputs.shape[1] - K:] = False  # whole blocks only
+    scored[:, inputs.shape[1] - K :] = False  # whole blocks only
     blocks = mask_blocks(inputs, scored, mask_token_id, K, pard.anchors, 1.0, generator)
     with block_masks(student, blocks) as mask:
         s = student(input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=mask).logits
     t = teacher(input_ids=inputs).logits.argmax(-1)
     L = inputs.shape[1]
     slot_agree = (s[:, L:].argmax(-1) == t.gather(1, blocks.source)) & blocks.valid  # [B, M], blocks of K - 1
-    anchor = (blocks.source[:, ::K - 1] - 1).clamp_min(0)  # padding blocks: any index, not counted
+    anchor = (blocks.source[:, :: K - 1] - 1).clamp_min(0)  # padding blocks: any index, not counted
     first = s[:, :L].argmax(-1).gather(1, anchor) == t.gather(1, anchor)
     agree = torch.cat([first[..., None], slot_agree.view(len(inputs), -1, K - 1)], dim=-1)  # [B, blocks, K]
-    agree = agree[blocks.valid[:, ::K - 1]]
+    agree = agree[blocks.valid[:, :: K - 1]]
     runs = agree.int().cumprod(-1).sum()
     return torch.cat([agree.sum(0), runs[None], runs.new_tensor([len(agree)])]).double()

@@ -27,14 +27,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def testbed_target() -> ModelConfig:
     """The shipped testbed target: ~11M parameters, Llama architecture, 4096-token BPE."""
-    return ModelConfig(arch="llama", hidden_size=320, num_layers=8, num_heads=5, intermediate_size=864,
-                       max_position_embeddings=1024)
+    return ModelConfig(
+        arch="llama", hidden_size=320, num_layers=8, num_heads=5, intermediate_size=864, max_position_embeddings=1024
+    )
 
 
 def tiny_target() -> ModelConfig:
     """A model that trains in seconds, for tests."""
-    return ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                       max_position_embeddings=256)
+    return ModelConfig(
+        arch="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=256
+    )
 
 
 @torch.no_grad()
@@ -43,8 +45,10 @@ def init_from_target_layers(student, target, layers: list[int]) -> None:
     layer dropping, so a small drafter starts from a pretrained LM as PARD adapts one). The student must
     be the target's architecture with ``len(layers)`` layers; a mismatch names the first parameter."""
     if student.config.num_hidden_layers != len(layers):
-        raise RecipeError(f"init_from_target_layers {layers}: {len(layers)} layers, but the student has "
-                          f"student.num_layers = {student.config.num_hidden_layers}")
+        raise RecipeError(
+            f"init_from_target_layers {layers}: {len(layers)} layers, but the student has "
+            f"student.num_layers = {student.config.num_hidden_layers}"
+        )
     depth = target.config.num_hidden_layers
     if any(not 0 <= i < depth for i in layers):
         raise RecipeError(f"init_from_target_layers {layers}: the target has layers 0..{depth - 1}")
@@ -56,9 +60,11 @@ def init_from_target_layers(student, target, layers: list[int]) -> None:
             parts[k] = str(layers[int(parts[k])])
         theirs = source.get(".".join(parts))
         if theirs is None or theirs.shape != param.shape:
-            raise RecipeError(f"init_from_target_layers: the student's {name} {tuple(param.shape)} has no match in the "
-                              f"target ({'missing' if theirs is None else tuple(theirs.shape)}); give the student the "
-                              f"target's architecture (hidden_size, num_heads, num_kv_heads, intermediate_size)")
+            raise RecipeError(
+                f"init_from_target_layers: the student's {name} {tuple(param.shape)} has no match in the "
+                f"target ({'missing' if theirs is None else tuple(theirs.shape)}); give the student the "
+                f"target's architecture (hidden_size, num_heads, num_kv_heads, intermediate_size)"
+            )
         param.copy_(theirs)
 
 
@@ -80,7 +86,9 @@ def target_family_lm(target, num_layers: int, layers: list[int] | None = None, d
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None = None, dtype: torch.dtype = torch.float32):
+def build_causal_lm(
+    cfg: ModelConfig, vocab_size: int, special_ids: dict | None = None, dtype: torch.dtype = torch.float32
+):
     """A randomly initialised ``transformers`` causal LM for ``cfg``.
 
     ``special_ids`` maps ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to ids (see
@@ -89,7 +97,9 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None 
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     if cfg.arch == "target":
-        raise RecipeError("model.arch = target builds a student of its target's family (distill_student); this model has no target")
+        raise RecipeError(
+            "model.arch = target builds a student of its target's family (distill_student); this model has no target"
+        )
     common = dict(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -109,10 +119,16 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None 
 
         p = cfg.parcae
         common.pop("num_hidden_layers")  # derived from the loop
-        hf_cfg = ParcaeConfig(**common, rope_parameters=rope,
-                              n_prelude=p.prelude_layers, n_core=p.core_layers, n_coda=p.coda_layers,
-                              mean_recurrence=p.mean_recurrence, mean_backprop_depth=p.backprop_depth,
-                              injection_type=p.injection)
+        hf_cfg = ParcaeConfig(
+            **common,
+            rope_parameters=rope,
+            n_prelude=p.prelude_layers,
+            n_core=p.core_layers,
+            n_coda=p.coda_layers,
+            mean_recurrence=p.mean_recurrence,
+            mean_backprop_depth=p.backprop_depth,
+            injection_type=p.injection,
+        )
     elif cfg.arch == "llama":
         hf_cfg = LlamaConfig(**common, rope_parameters=rope, attention_bias=False, mlp_bias=False)
     else:
@@ -122,8 +138,11 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, special_ids: dict | None 
 
 
 def special_token_ids(tokenizer) -> dict:
-    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def resolve_target_path(path: str) -> str:
@@ -156,11 +175,13 @@ def check_device_map(cfg: TargetConfig, num_processes: int) -> None:
     """Refuse ``target.device_map`` in a launch of more than one process: each process would place its own
     copy of the target over every device it sees. The split target needs one process given all the node's GPUs."""
     if cfg.device_map is not None and num_processes > 1:
-        raise RecipeError(f"target.device_map: {cfg.device_map!r} splits the target over the node's devices in one process, "
-                          f"but this launch runs {num_processes} processes, each of which would place its own copy; run it "
-                          "as one process (`draftsmith run RECIPE`, which sees every GPU), e.g. to build the offline feature "
-                          "cache (features.build_only: true), then train from that cache under `accelerate launch` "
-                          "without target.device_map")
+        raise RecipeError(
+            f"target.device_map: {cfg.device_map!r} splits the target over the node's devices in one process, "
+            f"but this launch runs {num_processes} processes, each of which would place its own copy; run it "
+            "as one process (`draftsmith run RECIPE`, which sees every GPU), e.g. to build the offline feature "
+            "cache (features.build_only: true), then train from that cache under `accelerate launch` "
+            "without target.device_map"
+        )
 
 
 def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: bool = True):
@@ -178,8 +199,9 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
         if weights:
             with _whole_under_zero3():
                 attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=attention,
-                                                             device_map=cfg.device_map)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=DTYPES[cfg.dtype], attn_implementation=attention, device_map=cfg.device_map
+                )
             tokenizer = AutoTokenizer.from_pretrained(path)
         else:
             model, tokenizer = meta_target(path, DTYPES[cfg.dtype])
@@ -187,13 +209,17 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", weights: 
     except ValueError as e:  # e.g. an attention kernel the architecture does not support (gpt-oss and SDPA)
         if "attn" not in str(e).lower() and "attention" not in str(e).lower():
             raise
-        raise RecipeError(f"target.attn_implementation: {cfg.attn_implementation!r} cannot load {path}: "
-                          f"{str(e).splitlines()[0]} (use 'auto')") from None
+        raise RecipeError(
+            f"target.attn_implementation: {cfg.attn_implementation!r} cannot load {path}: "
+            f"{str(e).splitlines()[0]} (use 'auto')"
+        ) from None
     except OSError as e:  # a hub id that cannot be fetched (no network, no cache, no access)
         if Path(path).exists():
             raise
-        raise RecipeError(f"target.path: '{path}' could not be loaded from the hub ({str(e).splitlines()[0]}); with "
-                          f"no network, set HF_HUB_OFFLINE=1 to use the local cache, or give a local folder") from None
+        raise RecipeError(
+            f"target.path: '{path}' could not be loaded from the hub ({str(e).splitlines()[0]}); with "
+            f"no network, set HF_HUB_OFFLINE=1 to use the local cache, or give a local folder"
+        ) from None
     model = text_only(model)
     if cfg.device_map is None or not weights:
         model.to(device)
@@ -220,8 +246,11 @@ def load_target_io(cfg: TargetConfig, norm: bool = False):
     for label, p in wanted.items():
         loaded.setdefault(id(p), torch.nn.Parameter(read[label].to(DTYPES[cfg.dtype]), requires_grad=False))
     _replace_parameters(model, loaded)
-    _refuse_to_run(model, f"target.path {cfg.path}: the target was built without its weights (features.mode offline "
-                          "with complete feature caches reads none); it cannot run")
+    _refuse_to_run(
+        model,
+        f"target.path {cfg.path}: the target was built without its weights (features.mode offline "
+        "with complete feature caches reads none); it cannot run",
+    )
     return model.eval().requires_grad_(False), tokenizer
 
 
@@ -243,6 +272,7 @@ def _replace_parameters(model, new: dict[int, torch.nn.Parameter]) -> None:
 
 def _refuse_to_run(model, message: str) -> None:
     """Any forward of ``model`` or of its decoder (what feature capture runs) raises ``RecipeError(message)``."""
+
     def refuse(_module, _args):
         raise RecipeError(message)
 
@@ -275,8 +305,11 @@ def meta_target(path: str, dtype: torch.dtype):
         config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     else:
         config = AutoConfig.from_pretrained(shipped)
-        tokenizer = ConfigTokenIds(getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None),
-                                   getattr(config, "pad_token_id", None))
+        tokenizer = ConfigTokenIds(
+            getattr(config, "bos_token_id", None),
+            getattr(config, "eos_token_id", None),
+            getattr(config, "pad_token_id", None),
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model, tokenizer
@@ -298,8 +331,10 @@ def text_only(model):
         shell = AutoModelForCausalLM.from_config(text)
     decoder = model.get_decoder()
     if type(shell.model) is not type(decoder):
-        raise RecipeError(f"target: {type(model).__name__} is multimodal and its language model ({type(decoder).__name__}) does not "
-                          f"fit {type(shell).__name__}: give the text-only checkpoint")
+        raise RecipeError(
+            f"target: {type(model).__name__} is multimodal and its language model ({type(decoder).__name__}) does not "
+            f"fit {type(shell).__name__}: give the text-only checkpoint"
+        )
     shell.model, shell.lm_head = decoder, model.get_output_embeddings()
     shell.config._attn_implementation = decoder.config._attn_implementation
     shell.generation_config = model.generation_config
@@ -309,4 +344,8 @@ def text_only(model):
 
 def model_summary(model) -> dict:
     n = sum(p.numel() for p in model.parameters())
-    return {"parameters": n, "matmul_parameters": matmul_params(model), "architecture": model.config.architectures or [type(model).__name__]}
+    return {
+        "parameters": n,
+        "matmul_parameters": matmul_params(model),
+        "architecture": model.config.architectures or [type(model).__name__],
+    }

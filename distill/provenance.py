@@ -18,7 +18,19 @@ from pathlib import Path
 
 import yaml
 
-PACKAGES = ["torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "trl", "wandb", "torchao", "deepspeed", "draftsmith"]
+PACKAGES = [
+    "torch",
+    "transformers",
+    "accelerate",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "trl",
+    "wandb",
+    "torchao",
+    "deepspeed",
+    "draftsmith",
+]
 REPO = Path(__file__).resolve().parent.parent
 
 

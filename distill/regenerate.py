@@ -59,7 +59,7 @@ def corpus_prompts(docs: list[str], count: int, prompt_tokens: int, tokenizer, s
     for i in chosen:
         ids = tokens[int(i)]
         start = int(rng.integers(0, max(1, len(ids) - prompt_tokens)))
-        snippet = ids[start:start + prompt_tokens]
+        snippet = ids[start : start + prompt_tokens]
         prompts.append({"prompt": tokenizer.decode(snippet), "prompt_ids": snippet})
     return prompts
 
@@ -84,7 +84,10 @@ def load_prompts(section, data_cfg, seed: int, tokenizer) -> list[dict]:
 
 def encoded_prompts(section, data_cfg, seed: int, tokenizer, device="cpu") -> list[torch.Tensor]:
     """:func:`load_prompts` as the token ids the target reads, one 1-D tensor each."""
-    return [torch.tensor(prompt_token_ids(p, tokenizer), device=device) for p in load_prompts(section, data_cfg, seed, tokenizer)]
+    return [
+        torch.tensor(prompt_token_ids(p, tokenizer), device=device)
+        for p in load_prompts(section, data_cfg, seed, tokenizer)
+    ]
 
 
 def render(prompt: dict, tokenizer) -> str:
@@ -149,6 +152,7 @@ class AnswerJob:
 
     def merge(self, size: int) -> None:
         """The batch files end to end, in prompt order, as :attr:`out_file`; the pieces go."""
+
         def join(tmp: Path) -> None:
             with open(tmp, "wb") as out:
                 for batch in self.batches(size):
@@ -169,20 +173,52 @@ class AnswerJob:
         return {"records": records, "response_tokens": tokens}
 
 
-def answer_prompts(target, tokenizer, prompts: list[dict], out_file: Path, *, max_new_tokens: int,
-                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
-                   seed: int = 0, desc: str = "regenerating", server=None, ranks: Ranks | None = None) -> dict:
+def answer_prompts(
+    target,
+    tokenizer,
+    prompts: list[dict],
+    out_file: Path,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    batch_size: int = 8,
+    seed: int = 0,
+    desc: str = "regenerating",
+    server=None,
+    ranks: Ranks | None = None,
+) -> dict:
     """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc), in-process
     or through ``server`` (a :class:`~distill.config.ServerSection`; ``target`` may then be None).
     Returns :func:`answer_jobs`' record of the file."""
     job = AnswerJob(Path(out_file), prompts, temperature, seed, desc)
-    return answer_jobs(target, tokenizer, [job], max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k,
-                       batch_size=batch_size, server=server, ranks=ranks)[0]
+    return answer_jobs(
+        target,
+        tokenizer,
+        [job],
+        max_new_tokens=max_new_tokens,
+        top_p=top_p,
+        top_k=top_k,
+        batch_size=batch_size,
+        server=server,
+        ranks=ranks,
+    )[0]
 
 
 @torch.no_grad()
-def answer_jobs(target, tokenizer, jobs: list[AnswerJob], *, max_new_tokens: int, top_p: float = 1.0, top_k: int = 0,
-                batch_size: int = 8, server=None, ranks: Ranks | None = None) -> list[dict]:
+def answer_jobs(
+    target,
+    tokenizer,
+    jobs: list[AnswerJob],
+    *,
+    max_new_tokens: int,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    batch_size: int = 8,
+    server=None,
+    ranks: Ranks | None = None,
+) -> list[dict]:
     """Every job's file of answers, the batches of all unfinished files divided among ``ranks`` (module
     doc); every rank must call this with the same jobs. Returns per job ``{"records", "response_tokens",
     "tokens_per_s", "batches_by_rank"}``: tokens/s of this call's generation only (the ranks' tokens over
@@ -207,14 +243,28 @@ def answer_jobs(target, tokenizer, jobs: list[AnswerJob], *, max_new_tokens: int
         if answer is None:
             answer = ServerAnswers(server, tokenizer) if server is not None else InProcessAnswers(target, tokenizer)
         t0 = time.perf_counter()
-        rows = answer([job.prompts[k] for k in batch], max_new_tokens, job.temperature, top_p, top_k,
-                      job.seed * 1_000_003 + batch.start)  # per-batch seed: resumes and any number of ranks reproduce
+        rows = answer(
+            [job.prompts[k] for k in batch],
+            max_new_tokens,
+            job.temperature,
+            top_p,
+            top_k,
+            job.seed * 1_000_003 + batch.start,
+        )  # per-batch seed: resumes and any number of ranks reproduce
         seconds = time.perf_counter() - t0
         lines, new_tokens = [], 0
         for k, (prompt_ids, new, ended, extra) in zip(batch, rows):
             new_tokens += len(new) + ended
-            record = {"id": k, **job.prompts[k], "prompt_ids": prompt_ids, "response": tokenizer.decode(new, skip_special_tokens=True),
-                      "response_ids": new, "eos": ended, "temperature": job.temperature, **extra}
+            record = {
+                "id": k,
+                **job.prompts[k],
+                "prompt_ids": prompt_ids,
+                "response": tokenizer.decode(new, skip_special_tokens=True),
+                "response_ids": new,
+                "eos": ended,
+                "temperature": job.temperature,
+                **extra,
+            }
             lines.append(json.dumps(record) + "\n")
         write_file_atomically(job.batch_file(batch), lambda tmp: tmp.write_text("".join(lines)))
         progress.update(1)
@@ -228,8 +278,14 @@ def answer_jobs(target, tokenizer, jobs: list[AnswerJob], *, max_new_tokens: int
     # the per-batch seeds must not leak into the caller's RNG: a training run that regenerates and one
     # that reuses cached answers then draw the same anchors and data order
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        done = run_sharded(ranks, len(units), lambda i: pending[units[i][0]].batch_file(units[i][1]).exists(), write, merge,
-                           "regenerating " + ", ".join(str(job.out_file) for job in pending))
+        done = run_sharded(
+            ranks,
+            len(units),
+            lambda i: pending[units[i][0]].batch_file(units[i][1]).exists(),
+            write,
+            merge,
+            "regenerating " + ", ".join(str(job.out_file) for job in pending),
+        )
     progress.close()
     return [_job_record(job, pending, done) for job in jobs]
 
@@ -240,8 +296,11 @@ def _job_record(job: AnswerJob, pending: list[AnswerJob], done: list[list[tuple[
     mine = [[(tokens, seconds) for jj, tokens, seconds in rank if jj == j] for rank in done]
     tokens = sum(t for rank in mine for t, _ in rank)
     seconds = max((sum(s for _, s in rank) for rank in mine), default=0.0)
-    return {**job.stats(), "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
-            "batches_by_rank": [len(rank) for rank in mine]}
+    return {
+        **job.stats(),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "batches_by_rank": [len(rank) for rank in mine],
+    }
 
 
 class InProcessAnswers:
@@ -261,13 +320,18 @@ class InProcessAnswers:
         attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
         sampled = temperature > 0
         outputs = self.target.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=sampled,
-            pad_token_id=pad, **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sampled else {}))
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=sampled,
+            pad_token_id=pad,
+            **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sampled else {}),
+        )
         rows = []
         for row, prompt_ids in enumerate(ids):
             new = outputs[row, width:].tolist()
             ended = tok.eos_token_id in new
-            rows.append((prompt_ids, new[:new.index(tok.eos_token_id)] if ended else new, ended, {}))
+            rows.append((prompt_ids, new[: new.index(tok.eos_token_id)] if ended else new, ended, {}))
         return rows
 
 
@@ -290,8 +354,10 @@ class ServerAnswers:
         try:
             served = [m.id for m in self.client.models.list()]
         except Exception as e:  # connection refused, DNS, TLS, auth: all mean the same to the user
-            raise RecipeError(f"server.base_url: no OpenAI-compatible server answered at {server.base_url} "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); start it, or fix the URL") from None
+            raise RecipeError(
+                f"server.base_url: no OpenAI-compatible server answered at {server.base_url} "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); start it, or fix the URL"
+            ) from None
         if server.model not in served:
             raise RecipeError(f"server.model: '{server.model}' is not served at {server.base_url} (it serves {served})")
 
@@ -303,9 +369,14 @@ class ServerAnswers:
 
         def one(j: int):
             text = render(prompts[j], tok)
-            sampling = {"temperature": temperature, "top_p": top_p, "seed": seed + j} if temperature > 0 else {"temperature": 0.0}
-            response = self.client.completions.create(model=server.model, prompt=text, max_tokens=max_new_tokens,
-                                                      extra_body=extra or None, **sampling)
+            sampling = (
+                {"temperature": temperature, "top_p": top_p, "seed": seed + j}
+                if temperature > 0
+                else {"temperature": 0.0}
+            )
+            response = self.client.completions.create(
+                model=server.model, prompt=text, max_tokens=max_new_tokens, extra_body=extra or None, **sampling
+            )
             choice = response.choices[0]
             ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
             retokenized = ids is None
@@ -328,8 +399,9 @@ def regeneration_key(stage, target_fp: str, tokenizer_fp: str, data_fp: str, see
     return fingerprint_texts([settings], f"v{REGENERATION_VERSION}", target_fp, tokenizer_fp, data_fp, f"seed={seed}")
 
 
-def regenerated_splits(stage, target, tokenizer, splits, seed: int, target_fp: str, tokenizer_fp: str,
-                       ranks: Ranks | None = None) -> dict:
+def regenerated_splits(
+    stage, target, tokenizer, splits, seed: int, target_fp: str, tokenizer_fp: str, ranks: Ranks | None = None
+) -> dict:
     """Answer ``stage``'s train prompts (split over ``stage.temperatures``) and held-out prompts (greedy),
     or reuse the cached answers; with ``ranks`` every rank answers its share of all the files' batches
     (module doc) and returns the record. Returns the record: files, key, counts, response tokens,
@@ -341,20 +413,43 @@ def regenerated_splits(stage, target, tokenizer, splits, seed: int, target_fp: s
         return {**json.loads(manifest.read_text()), "reused": True}
     jobs = []
     per_temp = -(-stage.train_prompts // len(stage.temperatures))
-    train_prompts = corpus_prompts(splits.train, per_temp * len(stage.temperatures), stage.prompt_tokens, tokenizer, seed)
+    train_prompts = corpus_prompts(
+        splits.train, per_temp * len(stage.temperatures), stage.prompt_tokens, tokenizer, seed
+    )
     for j, temperature in enumerate(stage.temperatures):
-        jobs.append(AnswerJob(folder / f"train_t{temperature:g}.jsonl", train_prompts[j * per_temp:(j + 1) * per_temp],
-                              temperature, seed + j, f"regenerating train_t{temperature:g}"))
+        jobs.append(
+            AnswerJob(
+                folder / f"train_t{temperature:g}.jsonl",
+                train_prompts[j * per_temp : (j + 1) * per_temp],
+                temperature,
+                seed + j,
+                f"regenerating train_t{temperature:g}",
+            )
+        )
     val_prompts = corpus_prompts(splits.val, stage.val_prompts, stage.prompt_tokens, tokenizer, seed + 1)
     jobs.append(AnswerJob(folder / "val_t0.jsonl", val_prompts, 0.0, seed, "regenerating val_t0"))
-    done = answer_jobs(target, tokenizer, jobs, max_new_tokens=stage.max_new_tokens, top_p=stage.top_p, top_k=stage.top_k,
-                       batch_size=stage.batch_size, server=stage.server, ranks=ranks)
+    done = answer_jobs(
+        target,
+        tokenizer,
+        jobs,
+        max_new_tokens=stage.max_new_tokens,
+        top_p=stage.top_p,
+        top_k=stage.top_k,
+        batch_size=stage.batch_size,
+        server=stage.server,
+        ranks=ranks,
+    )
     stats = {job.out_file.name: record for job, record in zip(jobs, done)}
-    record = {"key": key, "folder": str(folder), "train_files": [str(j.out_file) for j in jobs[:-1]],
-              "val_files": [str(jobs[-1].out_file)], "files": stats,
-              "train_response_tokens": sum(s["response_tokens"] for n, s in stats.items() if n.startswith("train")),
-              "batches_by_rank": [sum(col) for col in zip(*(s["batches_by_rank"] for s in stats.values()))],
-              "settings": stage.model_dump(mode="json")}
+    record = {
+        "key": key,
+        "folder": str(folder),
+        "train_files": [str(j.out_file) for j in jobs[:-1]],
+        "val_files": [str(jobs[-1].out_file)],
+        "files": stats,
+        "train_response_tokens": sum(s["response_tokens"] for n, s in stats.items() if n.startswith("train")),
+        "batches_by_rank": [sum(col) for col in zip(*(s["batches_by_rank"] for s in stats.values()))],
+        "settings": stage.model_dump(mode="json"),
+    }
     if ranks is None or ranks.is_main:
         write_file_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(record, indent=2)))
     return {**record, "reused": False}
@@ -370,12 +465,19 @@ def training_splits(data, stage, target, tokenizer, seed: int, ranks: Ranks | No
 
     splits, regenerated = load_text_splits(data, seed), None
     if stage is not None:
-        regenerated = regenerated_splits(stage, target, tokenizer, splits, seed, target_fingerprint(target),
-                                         tokenizer_fingerprint(tokenizer), ranks)
+        regenerated = regenerated_splits(
+            stage, target, tokenizer, splits, seed, target_fingerprint(target), tokenizer_fingerprint(tokenizer), ranks
+        )
         splits = regenerated_text_splits(regenerated)
         data = data.model_copy(update={"format": "prompt_response"})
-    record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
-              "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    record = {
+        "description": splits.description,
+        "data_fingerprint": splits.fingerprint,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+    }
     if regenerated is not None:
-        record["regenerated"] = {k: regenerated.get(k) for k in ("key", "folder", "files", "train_response_tokens", "batches_by_rank", "reused")}
+        record["regenerated"] = {
+            k: regenerated.get(k)
+            for k in ("key", "folder", "files", "train_response_tokens", "batches_by_rank", "reused")
+        }
     return splits, data, record

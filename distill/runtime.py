@@ -45,7 +45,8 @@ def make_accelerator(train: TrainConfig, seed: int, project_dir: str | Path, wan
             "DistributedType.FSDP for MULTI_GPU / NPU / XPU ..., never MULTI_CPU), so on a CPU this launch would run "
             "unsharded copies of the job writing one output folder. (torch's own FSDP2 does run on CPU ranks over gloo, "
             "but accelerate's save_state then writes its DTensor shards as plain tensors and fails.) To shard on CPUs "
-            "use accelerate_configs/cpu_zero3.yaml (DeepSpeed ZeRO-3); FSDP on GPUs: accelerate_configs/fsdp.yaml")
+            "use accelerate_configs/cpu_zero3.yaml (DeepSpeed ZeRO-3); FSDP on GPUs: accelerate_configs/fsdp.yaml"
+        )
     acc = Accelerator(
         cpu=not torch.cuda.is_available() and not deepspeed,
         mixed_precision=train.mixed_precision,
@@ -79,8 +80,9 @@ def deepspeed_grad_clip(plugin, grad_clip: float | None) -> None:
     if have not in (None, "auto") and float(have) != want:
         raise RecipeError(
             f"the DeepSpeed config sets gradient_clipping={have} but the recipe's optim.grad_clip is {grad_clip}: "
-            "the recipe decides the clip under DeepSpeed too; set gradient_clipping to \"auto\" (or remove it) in the "
-            "DeepSpeed config, or set optim.grad_clip to the same value")
+            'the recipe decides the clip under DeepSpeed too; set gradient_clipping to "auto" (or remove it) in the '
+            "DeepSpeed config, or set optim.grad_clip to the same value"
+        )
     config["gradient_clipping"] = want
     plugin.gradient_clipping = want
 
@@ -89,9 +91,14 @@ def run_strategy(acc, model) -> dict:
     """How this run is parallelised, read from what really ran: accelerate's distributed type, the
     world size, the class ``prepare`` wrapped the model in (``DeepSpeedEngine``, ``FullyShardedDataParallel``,
     ``DistributedDataParallel``, or the model itself) and, under DeepSpeed, the ZeRO stage."""
-    record = {"distributed_type": acc.distributed_type.value, "num_processes": acc.num_processes,
-              "model_wrapper": type(model).__name__, "mixed_precision": acc.mixed_precision, "device": acc.device.type,
-              "compiled": hasattr(model, "_orig_mod")}
+    record = {
+        "distributed_type": acc.distributed_type.value,
+        "num_processes": acc.num_processes,
+        "model_wrapper": type(model).__name__,
+        "mixed_precision": acc.mixed_precision,
+        "device": acc.device.type,
+        "compiled": hasattr(model, "_orig_mod"),
+    }
     if acc.state.deepspeed_plugin is not None:
         record["zero_stage"] = acc.state.deepspeed_plugin.zero_stage
     return record
@@ -114,13 +121,27 @@ def init_tracking(acc, wandb: WandbConfig, output_dir: str | Path, config: dict,
     acc.init_trackers(
         wandb.project,
         config={**config, "upstream_runs": upstream} if upstream else config,
-        init_kwargs={"wandb": {"dir": str(out), "name": wandb.name or default_name, "entity": wandb.entity,
-                               "tags": wandb.tags, "id": run_id, "resume": "allow"}},
+        init_kwargs={
+            "wandb": {
+                "dir": str(out),
+                "name": wandb.name or default_name,
+                "entity": wandb.entity,
+                "tags": wandb.tags,
+                "id": run_id,
+                "resume": "allow",
+            }
+        },
     )
     if acc.is_main_process:
         run = acc.get_tracker("wandb", unwrap=True)
-        record = {"id": run.id, "project": run.project, "entity": run.entity, "name": run.name,
-                  "url": getattr(run, "url", None), "model_artifact": model_artifact_name(run.name)}
+        record = {
+            "id": run.id,
+            "project": run.project,
+            "entity": run.entity,
+            "name": run.name,
+            "url": getattr(run, "url", None),
+            "model_artifact": model_artifact_name(run.name),
+        }
         from .provenance import write_json_atomic
 
         write_json_atomic(out / RUN_RECORD, record)
@@ -192,16 +213,19 @@ def upstream_runs(config: dict) -> dict:
     """The runs whose outputs this run reads (its target, its drafter), by the folders its recipe names."""
     links = {}
     target = config.get("target")
-    for role, path in (("target", target.get("path") if isinstance(target, dict) else None),
-                       ("drafter", config.get("drafter") if isinstance(config.get("drafter"), str) else None)):
+    for role, path in (
+        ("target", target.get("path") if isinstance(target, dict) else None),
+        ("drafter", config.get("drafter") if isinstance(config.get("drafter"), str) else None),
+    ):
         record = find_run_record(path)
         if record:
             links[role] = record
     return links
 
 
-def log_checkpoint_artifact(acc, folder: str | Path, aliases: list[str], metadata: dict | None = None,
-                            include=None) -> None:
+def log_checkpoint_artifact(
+    acc, folder: str | Path, aliases: list[str], metadata: dict | None = None, include=None
+) -> None:
     """Log ``folder`` as a version of the run's model artifact with ``aliases`` (``best``, ``latest``);
     ``include(path) -> bool`` picks the files (e.g. weights without optimizer state). No-op without wandb."""
     if not acc.is_main_process or not any(getattr(t, "name", "") == "wandb" for t in getattr(acc, "trackers", [])):
@@ -227,5 +251,11 @@ def log_acceptance(acc, metrics: dict, prefix: str = "val", key: str = "best") -
         return
     run = acc.get_tracker("wandb", unwrap=True)
     table = wandb.Table(columns=["position", "acceptance"], data=rows)
-    run.log({f"{key}/acceptance_by_position": table,
-             f"{key}/acceptance_plot": wandb.plot.bar(table, "position", "acceptance", title="P(accept k | 1..k-1 accepted)")})
+    run.log(
+        {
+            f"{key}/acceptance_by_position": table,
+            f"{key}/acceptance_plot": wandb.plot.bar(
+                table, "position", "acceptance", title="P(accept k | 1..k-1 accepted)"
+            ),
+        }
+    )

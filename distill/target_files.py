@@ -38,8 +38,9 @@ def checkpoint_folder(path: str | Path) -> Path:
     try:
         return Path(snapshot_download(str(path), local_files_only=True))
     except (OSError, ValueError) as e:
-        raise RecipeError(f"target.path: '{path}' is neither a local folder nor in the local hub cache "
-                          f"({str(e).splitlines()[0]})") from None
+        raise RecipeError(
+            f"target.path: '{path}' is neither a local folder nor in the local hub cache ({str(e).splitlines()[0]})"
+        ) from None
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -50,8 +51,10 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     if single.exists():
         with safe_open(str(single), framework="pt") as handle:
             return dict.fromkeys(handle.keys(), single)
-    raise RecipeError(f"target.path: {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; a feature cache and training "
-                      "without the target's weights read its safetensors files (re-save it with save_pretrained)")
+    raise RecipeError(
+        f"target.path: {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; a feature cache and training "
+        "without the target's weights read its safetensors files (re-save it with save_pretrained)"
+    )
 
 
 def checkpoint_key(aliases: list[str], keys: set[str]) -> str | None:
@@ -80,8 +83,10 @@ def read_tensors(folder: Path, wanted: dict[str, list[str]]) -> dict[str, torch.
     for label, aliases in wanted.items():
         key = checkpoint_key(aliases, set(files))
         if key is None:
-            raise RecipeError(f"target.path: {folder} has no tensor for the target's {label} ({', '.join(aliases)}); "
-                              "train with the target loaded (delete the feature caches' manifests to rebuild them)")
+            raise RecipeError(
+                f"target.path: {folder} has no tensor for the target's {label} ({', '.join(aliases)}); "
+                "train with the target loaded (delete the feature caches' manifests to rebuild them)"
+            )
         with safe_open(str(files[key]), framework="pt") as handle:
             out[label] = handle.get_tensor(key)
     return out

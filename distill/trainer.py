@@ -177,8 +177,12 @@ class Trainer:
     def save_model(self, folder: Path) -> None:
         """Save the (unwrapped, gathered) model as a ``transformers`` folder."""
         unwrapped = self.acc.unwrap_model(self.model, keep_torch_compile=False)
-        unwrapped.save_pretrained(folder, is_main_process=self.acc.is_main_process, save_function=self.acc.save,
-                                  state_dict=plain_state_dict(self.acc, self.model))
+        unwrapped.save_pretrained(
+            folder,
+            is_main_process=self.acc.is_main_process,
+            save_function=self.acc.save,
+            state_dict=plain_state_dict(self.acc, self.model),
+        )
         if self.save_extra and self.acc.is_main_process:
             self.save_extra(folder)
 
@@ -190,9 +194,13 @@ class Trainer:
 
         write_atomically(self.acc, self.ckpt_dir / "latest", write, self.state.step)
         # tracked run: the weights (not optimizer/RNG state) as the model artifact's "latest" version
-        log_checkpoint_artifact(self.acc, self.ckpt_dir / "latest", ["latest", f"step-{self.state.step}"],
-                                {"step": self.state.step, **self.state.last_eval},
-                                include=lambda f: f.suffix == ".safetensors" or f.name == "trainer_state.json")
+        log_checkpoint_artifact(
+            self.acc,
+            self.ckpt_dir / "latest",
+            ["latest", f"step-{self.state.step}"],
+            {"step": self.state.step, **self.state.last_eval},
+            include=lambda f: f.suffix == ".safetensors" or f.name == "trainer_state.json",
+        )
 
     def _save_best(self, metrics: dict) -> None:
         def write(tmp: Path):
@@ -201,8 +209,9 @@ class Trainer:
                 (tmp / "trainer_state.json").write_text(json.dumps({"step": self.state.step, **metrics}, indent=2))
 
         write_atomically(self.acc, self.ckpt_dir / "best", write, self.state.step)
-        log_checkpoint_artifact(self.acc, self.ckpt_dir / "best", ["best", f"step-{self.state.step}"],
-                                {"step": self.state.step, **metrics})
+        log_checkpoint_artifact(
+            self.acc, self.ckpt_dir / "best", ["best", f"step-{self.state.step}"], {"step": self.state.step, **metrics}
+        )
         log_acceptance(self.acc, metrics)
 
     def maybe_resume(self) -> bool:
@@ -259,8 +268,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=acc.device)
         logs_sum: dict[str, float] = {}
         for micro in range(cfg.grad_accum):
-            batch = self.data.micro_batch(self.state.samples_consumed, micro, acc.process_index, self.world,
-                                          cfg.micro_batch_size).to(acc.device)
+            batch = self.data.micro_batch(
+                self.state.samples_consumed, micro, acc.process_index, self.world, cfg.micro_batch_size
+            ).to(acc.device)
             with acc.accumulate(self.model):
                 loss, logs = self.loss_fn(self.model, batch)
                 finite &= bool(torch.isfinite(loss))
@@ -279,8 +289,12 @@ class Trainer:
         self.state.samples_consumed += self.samples_per_step
         self.state.tokens_seen += self.tokens_per_step
         loss_mean = acc.reduce(loss_sum / cfg.grad_accum, "mean").item()
-        out = {"train/loss": loss_mean, "train/lr": lr, "train/grad_norm": float("nan") if grad_norm is None else grad_norm,
-               "train/skipped_steps": self.state.skipped_steps}
+        out = {
+            "train/loss": loss_mean,
+            "train/lr": lr,
+            "train/grad_norm": float("nan") if grad_norm is None else grad_norm,
+            "train/skipped_steps": self.state.skipped_steps,
+        }
         for k in [k for k in logs_sum if k.startswith("count/")]:  # totals (all processes), not means
             total = acc.reduce(torch.tensor(logs_sum.pop(k), device=acc.device), "sum").item()
             name = k.removeprefix("count/")
@@ -331,7 +345,8 @@ class Trainer:
             raise RuntimeError(
                 f"DeepSpeed applied step {self.state.step + 1} although its loss was not finite: this DeepSpeed config does not "
                 "discard steps with non-finite gradients (e.g. ZeRO stage 0 in fp32, zero_optimization.compute_grad_norm: false, "
-                "bf16.check_grad_overflow: false). Use ZeRO-2/3 with DeepSpeed's default checks (accelerate_configs/*zero*.yaml)")
+                "bf16.check_grad_overflow: false). Use ZeRO-2/3 with DeepSpeed's default checks (accelerate_configs/*zero*.yaml)"
+            )
         norm = wrapped.get_global_grad_norm()
         return applied, None if norm is None else float(norm)
 
@@ -340,8 +355,14 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.maybe_resume()
         self.model.train()
-        bar = tqdm(total=cfg.max_steps, initial=self.state.step, disable=not acc.is_main_process,
-                   desc="train", dynamic_ncols=True, mininterval=1.0)
+        bar = tqdm(
+            total=cfg.max_steps,
+            initial=self.state.step,
+            disable=not acc.is_main_process,
+            desc="train",
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
         window = Throughput(self.throughput.flops_per_token, self.peak, self.world)
         while self.state.step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -353,12 +374,24 @@ class Trainer:
             self.state.train_seconds += time.perf_counter() - t0
             step = self.state.step
             bar.update(1)
-            bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{window.tokens_per_s:.0f}", mfu=f"{window.mfu:.1%}")
+            bar.set_postfix(
+                loss=f"{logs['train/loss']:.3f}", tok_s=f"{window.tokens_per_s:.0f}", mfu=f"{window.mfu:.1%}"
+            )
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                logs.update({f"perf/{k.removeprefix('count/')}_per_s": v * window.tokens_per_s / self.tokens_per_step
-                             for k, v in logs.items() if k.startswith("count/")})
-                logs.update({"perf/tokens_per_s": window.tokens_per_s, "perf/mfu": window.mfu,
-                             "train/epoch": self.data.epoch_of(self.state.samples_consumed)})
+                logs.update(
+                    {
+                        f"perf/{k.removeprefix('count/')}_per_s": v * window.tokens_per_s / self.tokens_per_step
+                        for k, v in logs.items()
+                        if k.startswith("count/")
+                    }
+                )
+                logs.update(
+                    {
+                        "perf/tokens_per_s": window.tokens_per_s,
+                        "perf/mfu": window.mfu,
+                        "train/epoch": self.data.epoch_of(self.state.samples_consumed),
+                    }
+                )
                 self._log(logs)
                 window = Throughput(self.throughput.flops_per_token, self.peak, self.world)
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -370,7 +403,11 @@ class Trainer:
         bar.close()
         restore_functional_linear()  # ZeRO-3's replacement would break what runs after training in this process
         tokens_per_s = self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else 0.0
-        rates = {name: total / self.state.train_seconds for name, total in self.state.counts.items()} if self.state.train_seconds else {}
+        rates = (
+            {name: total / self.state.train_seconds for name, total in self.state.counts.items()}
+            if self.state.train_seconds
+            else {}
+        )
         return TrainResult(
             count_rates=rates,
             step=self.state.step,

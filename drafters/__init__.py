@@ -18,8 +18,11 @@ from .dspark import DSparkConfig, DSparkDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .target_io import save_without_target_io, shares_target_io  # noqa: F401  (public API)
 
-DRAFTERS: dict[str, tuple[type[DrafterConfig], type[DrafterBase]]] = {"dflash": (DFlashConfig, DFlashDrafter), "dspark": (DSparkConfig, DSparkDrafter),
-            "eagle3": (Eagle3Config, Eagle3Drafter)}
+DRAFTERS: dict[str, tuple[type[DrafterConfig], type[DrafterBase]]] = {
+    "dflash": (DFlashConfig, DFlashDrafter),
+    "dspark": (DSparkConfig, DSparkDrafter),
+    "eagle3": (Eagle3Config, Eagle3Drafter),
+}
 
 for _config, _model in DRAFTERS.values():
     AutoConfig.register(_config.model_type, _config, exist_ok=True)

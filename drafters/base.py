@@ -99,7 +99,9 @@ class DrafterConfig(PretrainedConfig):
         if mask_implementation not in ("auto", "dense", "flex"):
             raise ValueError(f"mask_implementation must be 'auto', 'dense' or 'flex', got {mask_implementation!r}")
         self.mask_implementation = mask_implementation  # the blocks' mask: auto = flex for > 128 block queries on CUDA
-        self.draft_vocab_size = draft_vocab_size  # drafts only from these many target tokens (drafters.vocab); None: all
+        self.draft_vocab_size = (
+            draft_vocab_size  # drafts only from these many target tokens (drafters.vocab); None: all
+        )
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -193,8 +195,10 @@ class DrafterBase(PreTrainedModel):
         """The target's embedding and LM head weights, checked against the drafter's shapes."""
         emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
         if emb.shape != self.embed_tokens.weight.shape or head.shape != self.lm_head.weight.shape:
-            raise ValueError(f"drafter vocab/hidden {tuple(self.embed_tokens.weight.shape)} does not match the "
-                             f"target's embeddings {tuple(emb.shape)}: build the drafter with the target's sizes")
+            raise ValueError(
+                f"drafter vocab/hidden {tuple(self.embed_tokens.weight.shape)} does not match the "
+                f"target's embeddings {tuple(emb.shape)}: build the drafter with the target's sizes"
+            )
         return emb, head
 
     @torch.no_grad()
@@ -210,8 +214,10 @@ class DrafterBase(PreTrainedModel):
         own = {k: v for k, v in self.state_dict().items() if k not in TARGET_IO}
         wrong = sorted(set(own) ^ set(state)) + [k for k in own if k in state and own[k].shape != state[k].shape]
         if wrong:
-            raise ValueError(f"{folder}: its weights do not fit this drafter ({', '.join(wrong[:4])}"
-                             f"{' ...' if len(wrong) > 4 else ''} missing, unexpected or of another shape)")
+            raise ValueError(
+                f"{folder}: its weights do not fit this drafter ({', '.join(wrong[:4])}"
+                f"{' ...' if len(wrong) > 4 else ''} missing, unexpected or of another shape)"
+            )
         self.load_state_dict(state, strict=False)
         return self
 

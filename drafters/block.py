@@ -69,8 +69,9 @@ class BlockDrafter(DrafterBase):
     def causal_blocks(self) -> bool:
         return self.config.block_attention == "causal"
 
-    def block_hidden(self, aux: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor,
-                     ctx_kv: list | None = None) -> torch.Tensor:
+    def block_hidden(
+        self, aux: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor, ctx_kv: list | None = None
+    ) -> torch.Tensor:
         """Hidden states [B, N, K, H] of the blocks anchored at ``anchors`` [B, N].
 
         ``aux`` [B, C, F] holds target features for positions ``0..C-1`` (or pass their per-layer
@@ -99,8 +100,9 @@ class BlockDrafter(DrafterBase):
             x = layer(x, x_pos, kv, mask)
         return self.norm(x).view(B, N, K, -1)
 
-    def decode_hidden(self, anchor_token: torch.Tensor, anchor_pos: int, cache: ContextCache,
-                      features: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self, anchor_token: torch.Tensor, anchor_pos: int, cache: ContextCache, features: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """:meth:`block_hidden` [1, 1, K, H] of one block at ``anchor_pos`` whose context (every position
         before it) is in ``cache``, followed by ``features`` [1, n, F] of the positions the cache does not
         hold yet, which this call adds to it (each layer projects them and the block in one product):
@@ -126,8 +128,14 @@ class BlockDrafter(DrafterBase):
         cache.length = anchor_pos
         return rms(self.norm, x).view(1, 1, K, -1)
 
-    def decode_static(self, anchor_tokens: torch.Tensor, counts: torch.Tensor, features: torch.Tensor,
-                      keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    def decode_static(
+        self,
+        anchor_tokens: torch.Tensor,
+        counts: torch.Tensor,
+        features: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
         """:meth:`decode_hidden` in shapes that do not change from call to call, for a compiled graph
         (:mod:`serve_eval.cpu.compiled`), for ``R`` rows at once (a batch's, or one): each row's block
         hidden states, [R, 1, K, H], as :meth:`decode_hidden` gives them for that row alone.
@@ -158,7 +166,9 @@ class BlockDrafter(DrafterBase):
         kv_pos = torch.cat([start + rows, anchor_pos + rows], dim=1)  # [R, 2K]
         slots = torch.cat([torch.where(rows < n, start + rows, S - 1), anchor_pos + rows], dim=1)
         last = anchor_pos + 1 + rows if self.causal_blocks else (anchor_pos + K).expand(-1, K)
-        mask = torch.arange(S, device=features.device) < last[:, None, :, None]  # [R, 1, K, S]: query k sees slots below last
+        mask = (
+            torch.arange(S, device=features.device) < last[:, None, :, None]
+        )  # [R, 1, K, S]: query k sees slots below last
         for layer, k, v in zip(self.layers, keys, values):
             x = layer.decode(x, kv_pos, k, v, 0, mask, ctx, slots=slots)
         return rms(self.norm, x).view(features.shape[0], 1, K, -1)
@@ -170,19 +180,29 @@ class BlockDrafter(DrafterBase):
         logits = self.lm_head(hidden)[:, :, 1:]  # all K rows: MKL multiplies 8 rows faster than 7
         return (choose or argmax_choice)(logits), logits, None
 
-    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor, lean: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, aux: torch.Tensor, positions: torch.Tensor, lean: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, keys and values of target features ``aux`` [B, C, F] at ``positions`` [B, C];
         ``lean``: decoding's path (:meth:`DraftAttention.project_kv`), the same values."""
         ctx = rms(self.hidden_norm, self.fc(aux), lean)
         return [layer.attn.project_kv(ctx, positions, lean) for layer in self.layers]
 
-    def anchors_for(self, input_ids: torch.Tensor, anchors: torch.Tensor | None, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    def anchors_for(
+        self, input_ids: torch.Tensor, anchors: torch.Tensor | None, loss_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """The given anchors, or ``num_anchors`` random ones per sequence where labels are scored."""
         if anchors is not None:
             return anchors
         cfg = self.config
-        return sample_anchors(input_ids.shape[1], cfg.block_size, cfg.num_anchors, input_ids.shape[0],
-                              input_ids.device, loss_mask=loss_mask)
+        return sample_anchors(
+            input_ids.shape[1],
+            cfg.block_size,
+            cfg.num_anchors,
+            input_ids.shape[0],
+            input_ids.device,
+            loss_mask=loss_mask,
+        )
 
     def block_scores(self, draft_fn, draft_in: tuple, targets: tuple) -> BlockScores:
         """The configured loss over the blocks (:func:`drafters.losses.block_scores`, in chunks of
@@ -190,16 +210,29 @@ class BlockDrafter(DrafterBase):
         is :meth:`block_targets`."""
         cfg = self.config
         labels, target_hidden, scored = targets
-        return block_scores(cfg.loss_terms, cfg.position_weighting, cfg.loss_gamma, draft_fn, self.target_logits, draft_in,
-                            target_hidden, labels, scored, getattr(cfg, "loss_chunk", None), self.draft_vocab_ids())
+        return block_scores(
+            cfg.loss_terms,
+            cfg.position_weighting,
+            cfg.loss_gamma,
+            draft_fn,
+            self.target_logits,
+            draft_in,
+            target_hidden,
+            labels,
+            scored,
+            getattr(cfg, "loss_chunk", None),
+            self.draft_vocab_ids(),
+        )
 
-    def block_targets(self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor,
-                      loss_mask: torch.Tensor | None = None):
+    def block_targets(
+        self, input_ids: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ):
         """For block positions ``k = 1..K-1``: labels ``x[a+k]`` [B, N, K-1], the target's last hidden
         state that predicts them [B, N, K-1, H] (its LM head gives the target's logits), and which of
         them are scored [B, N, K-1] (all, without a loss mask)."""
         pos = anchors[:, :, None] + torch.arange(1, self.config.block_size, device=anchors.device)
         labels = gather_positions(input_ids, pos)
-        scored = torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else gather_positions(loss_mask, pos).bool()
+        scored = (
+            torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else gather_positions(loss_mask, pos).bool()
+        )
         return labels, gather_positions(last, pos - 1), scored
-

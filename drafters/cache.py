@@ -66,7 +66,9 @@ class ContextCache:
         features [1, n, F] (or None) directly: a ValueError otherwise."""
         n = 0 if arriving is None else arriving.shape[1]
         if self.length + n != anchor_pos:
-            raise ValueError(f"the context cache holds {self.length} positions and {n} arrive, the block is anchored at {anchor_pos}")
+            raise ValueError(
+                f"the context cache holds {self.length} positions and {n} arrive, the block is anchored at {anchor_pos}"
+            )
 
     # -- buffers -----------------------------------------------------------------------------------
     def ensure(self, end: int, like: torch.Tensor, layers: int) -> None:

@@ -30,13 +30,26 @@ class DFlashConfig(DrafterConfig):
 class DFlashDrafter(BlockDrafter):
     config_class = DFlashConfig
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-                anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        last: torch.Tensor,
+        anchors: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> DrafterOutput:
         aux, last = self.target_features(aux, last)
         anchors = self.anchors_for(input_ids, anchors, loss_mask)
         hidden = self.block_hidden(aux, gather_positions(input_ids, anchors), anchors)
         targets = self.block_targets(input_ids, last, anchors, loss_mask)
         sc = self.block_scores(self.lm_head, (hidden[:, :, 1:],), targets)
-        return DrafterOutput(loss=sc.loss, draft_tokens=sc.draft_tokens, target_tokens=sc.target_tokens, accept=sc.accept,
-                             draft_logits=sc.draft_logits, target_logits=sc.target_logits, scored=targets[2],
-                             logs={k: v.detach() for k, v in sc.parts.items()})
+        return DrafterOutput(
+            loss=sc.loss,
+            draft_tokens=sc.draft_tokens,
+            target_tokens=sc.target_tokens,
+            accept=sc.accept,
+            draft_logits=sc.draft_logits,
+            target_logits=sc.target_logits,
+            scored=targets[2],
+            logs={k: v.detach() for k, v in sc.parts.items()},
+        )

@@ -40,9 +40,14 @@ class DSparkConfig(DrafterConfig):
     recipe_keys = ("markov_rank", "confidence_weight")
     default_loss_terms = {"ce": 0.1, "tv": 0.9}  # the reference's a_ce, a_tv
 
-    def __init__(self, markov_rank: int = 64, confidence_weight: float = 1.0,
-                 confidence_temperature: list[float] | None = None, confidence_offset: list[float] | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        markov_rank: int = 64,
+        confidence_weight: float = 1.0,
+        confidence_temperature: list[float] | None = None,
+        confidence_offset: list[float] | None = None,
+        **kwargs,
+    ):
         self.markov_rank = markov_rank
         self.confidence_weight = confidence_weight
         # per block position 1..K-1, fitted on held-out blocks after training (recipes/calibrate_confidence.py)
@@ -111,8 +116,14 @@ class DSparkDrafter(BlockDrafter):
             conf_logits = conf_logits + conf_logits.new_tensor(cfg.confidence_offset)
         return conf_logits.sigmoid()
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-                anchors: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> DrafterOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        last: torch.Tensor,
+        anchors: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> DrafterOutput:
         cfg = self.config
         K = cfg.block_size
         aux, last = self.target_features(aux, last)
@@ -126,7 +137,9 @@ class DSparkDrafter(BlockDrafter):
         sc = self.block_scores(self.markov_logits, (h, prev), targets)
         scored = targets[2]
         conf_logits = self.confidence_logits(h, self.markov_in(prev))
-        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), sc.accept, reduction="none")  # c_k predicts 1 - TV
+        bce = F.binary_cross_entropy_with_logits(
+            conf_logits.float(), sc.accept, reduction="none"
+        )  # c_k predicts 1 - TV
         parts = {**sc.parts, "confidence_bce": weighted_mean(bce, sc.weights, scored)}
         loss = sc.loss + cfg.confidence_weight * parts["confidence_bce"]
 
@@ -136,6 +149,14 @@ class DSparkDrafter(BlockDrafter):
             sc = self.block_scores(lambda h, a: self.propose(h[None], a[None])[1][0], (hidden, anchor_tokens), targets)
             drafted_prev = torch.cat([anchor_tokens[..., None], sc.draft_tokens[..., :-1]], dim=-1)
             confidence = self.calibrated(self.confidence_logits(h, self.markov_in(drafted_prev)))
-        return DrafterOutput(loss=loss, draft_tokens=sc.draft_tokens, target_tokens=sc.target_tokens, accept=sc.accept,
-                             draft_logits=sc.draft_logits, target_logits=sc.target_logits, confidence=confidence,
-                             scored=scored, logs={k: v.detach() for k, v in parts.items()})
+        return DrafterOutput(
+            loss=loss,
+            draft_tokens=sc.draft_tokens,
+            target_tokens=sc.target_tokens,
+            accept=sc.accept,
+            draft_logits=sc.draft_logits,
+            target_logits=sc.target_logits,
+            confidence=confidence,
+            scored=scored,
+            logs={k: v.detach() for k, v in parts.items()},
+        )

@@ -77,8 +77,9 @@ class Eagle3Drafter(DrafterBase):
         self._make_target_io(config)
         self.post_init()
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-                loss_mask: torch.Tensor | None = None) -> DrafterOutput:
+    def forward(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> DrafterOutput:
         cfg = self.config
         B, T = input_ids.shape
         S = cfg.ttt_steps
@@ -117,19 +118,35 @@ class Eagle3Drafter(DrafterBase):
             h = hidden_in + self.layer.attn.attend(x, pos, torch.cat(keys, 2), torch.cat(values, 2), mask)
             g = h + self.layer.mlp(self.layer.post_norm(h))
             valid = ((p_idx >= s) & (p_idx <= T - 3))[None] & scored_next  # chain start t = p - s >= 0, label x[p+2]
-            sc = block_scores({"soft_ce": 1.0}, "exp", 1.0, lambda g: self.lm_head(self.norm(g)), target_fn, (g[:, :, None],),
-                              target_in, next_tokens[:, :, None], valid[:, :, None], chunk, self.draft_vocab_ids())
+            sc = block_scores(
+                {"soft_ce": 1.0},
+                "exp",
+                1.0,
+                lambda g: self.lm_head(self.norm(g)),
+                target_fn,
+                (g[:, :, None],),
+                target_in,
+                next_tokens[:, :, None],
+                valid[:, :, None],
+                chunk,
+                self.draft_vocab_ids(),
+            )
             losses.append(sc.loss)
             steps.append({k: getattr(sc, k)[:, starts + s, 0] for k in ("draft_tokens", "target_tokens", "accept")})
             if chunk is None:
                 assert sc.draft_logits is not None and sc.target_logits is not None  # unchunked: returned
-                steps[-1].update(draft_logits=sc.draft_logits[:, starts + s, 0], target_logits=sc.target_logits[:, starts + s, 0])
+                steps[-1].update(
+                    draft_logits=sc.draft_logits[:, starts + s, 0], target_logits=sc.target_logits[:, starts + s, 0]
+                )
             steps[-1]["scored"] = scored_next[:, starts + s]
             hidden_in = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # own output, one position on
         loss = torch.stack(losses).mean()
         # [B, chains, S], aligned by chain start
-        return DrafterOutput(loss=loss, **{k: torch.stack([st[k] for st in steps], dim=2) for k in steps[0]},
-                             logs={"soft_ce": loss.detach()})
+        return DrafterOutput(
+            loss=loss,
+            **{k: torch.stack([st[k] for st in steps], dim=2) for k in steps[0]},
+            logs={"soft_ce": loss.detach()},
+        )
 
     # ---------------------------------------------------------------------------------------------
     # Decoding: keys/values of step-0 entries (one per position the target has verified) in a

@@ -72,14 +72,18 @@ class ExportError(ValueError):
 def speculators_layer_ids(config) -> list[int]:
     """Draftsmith ids (output of layer i) -> speculators ids (input of layer i + 1)."""
     if config.layer_id_convention != LAYER_ID_CONVENTION:
-        raise ExportError(f"drafter records layer ids as {config.layer_id_convention!r}; export expects {LAYER_ID_CONVENTION!r}")
+        raise ExportError(
+            f"drafter records layer ids as {config.layer_id_convention!r}; export expects {LAYER_ID_CONVENTION!r}"
+        )
     return [i + 1 for i in config.target_layer_ids]
 
 
 def sglang_layer_ids(config) -> list[int]:
     """Draftsmith ids -> SGLang ``eagle_aux_hidden_state_layer_ids`` (also output of layer i: unchanged)."""
     if config.layer_id_convention != LAYER_ID_CONVENTION:
-        raise ExportError(f"drafter records layer ids as {config.layer_id_convention!r}; export expects {LAYER_ID_CONVENTION!r}")
+        raise ExportError(
+            f"drafter records layer ids as {config.layer_id_convention!r}; export expects {LAYER_ID_CONVENTION!r}"
+        )
     return list(config.target_layer_ids)
 
 
@@ -87,12 +91,20 @@ def sglang_layer_ids(config) -> list[int]:
 # Weight names
 # --------------------------------------------------------------------------------------------------
 
-_LAYER = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "attn": "self_attn",
-          "mlp": "mlp"}
-_EAGLE_LAYER = {"embed_norm": "input_layernorm", "hidden_norm": "hidden_norm", "post_norm": "post_attention_layernorm",
-                "attn": "self_attn", "mlp": "mlp"}
-_DSPARK = {"markov_in.weight": "markov_head.markov_w1.weight", "markov_out.weight": "markov_head.markov_w2.weight",
-           "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"}
+_LAYER = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "attn": "self_attn", "mlp": "mlp"}
+_EAGLE_LAYER = {
+    "embed_norm": "input_layernorm",
+    "hidden_norm": "hidden_norm",
+    "post_norm": "post_attention_layernorm",
+    "attn": "self_attn",
+    "mlp": "mlp",
+}
+_DSPARK = {
+    "markov_in.weight": "markov_head.markov_w1.weight",
+    "markov_out.weight": "markov_head.markov_w2.weight",
+    "confidence.weight": "confidence_head.proj.weight",
+    "confidence.bias": "confidence_head.proj.bias",
+}
 _TOP = {"fc.weight", "hidden_norm.weight", "norm.weight", "embed_tokens.weight", "lm_head.weight"}
 
 
@@ -116,7 +128,7 @@ def speculators_name(kind: str, key: str) -> str | None:
         if m:
             return f"layers.{m[1]}.{_rename_layer_key(m[2], _LAYER)}"
     elif kind == "eagle3" and key.startswith("layer."):
-        return f"layers.0.{_rename_layer_key(key[len('layer.'):], _EAGLE_LAYER)}"
+        return f"layers.0.{_rename_layer_key(key[len('layer.') :], _EAGLE_LAYER)}"
     if key in _TOP:
         return key
     raise ExportError(f"no speculators name for {kind} parameter '{key}'")
@@ -126,7 +138,7 @@ def sglang_name(key: str) -> str | None:
     if key == "draft_vocab":
         return None  # written as d2t / t2d
     if key.startswith("layer."):
-        return f"midlayer.{_rename_layer_key(key[len('layer.'):], _EAGLE_LAYER)}"
+        return f"midlayer.{_rename_layer_key(key[len('layer.') :], _EAGLE_LAYER)}"
     if key in _TOP:
         return key
     raise ExportError(f"no SGLang EAGLE-3 name for parameter '{key}'")
@@ -162,12 +174,16 @@ def check_expressible(cfg, fmt: str) -> None:
     kind = kind_of(cfg)
     if fmt == "speculators" and kind in ("dflash", "dspark"):
         if not getattr(cfg, "qk_norm", False):
-            raise ExportError(f"{kind} without per-head q/k norms cannot be expressed in the speculators format: its "
-                              "DFlash layers are Qwen3 layers, which always normalise queries and keys; retrain with "
-                              "drafter.qk_norm: true")
+            raise ExportError(
+                f"{kind} without per-head q/k norms cannot be expressed in the speculators format: its "
+                "DFlash layers are Qwen3 layers, which always normalise queries and keys; retrain with "
+                "drafter.qk_norm: true"
+            )
         if cfg.block_attention != "bidirectional":
-            raise ExportError(f"{kind} with block_attention '{cfg.block_attention}' cannot be expressed in the speculators "
-                              "format: its DFlash blocks attend bidirectionally")
+            raise ExportError(
+                f"{kind} with block_attention '{cfg.block_attention}' cannot be expressed in the speculators "
+                "format: its DFlash blocks attend bidirectionally"
+            )
     if fmt == "sglang_eagle3":
         if kind != "eagle3":
             raise ExportError(f"the SGLang EAGLE-3 format holds EAGLE-3 drafters only, not {kind}")
@@ -190,15 +206,26 @@ def formats_for(cfg) -> dict[str, str | None]:
 def speculators_config(cfg, target_config, verifier_name_or_path: str) -> dict:
     kind = kind_of(cfg)
     check_expressible(cfg, "speculators")
-    verifier = {"name_or_path": verifier_name_or_path, "architectures": list(getattr(target_config, "architectures", None) or [])}
-    proposal = {"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1, "verifier_accept_k": 1,
-                "accept_tolerance": 0.0}
+    verifier = {
+        "name_or_path": verifier_name_or_path,
+        "architectures": list(getattr(target_config, "architectures", None) or []),
+    }
+    proposal = {
+        "proposal_type": "greedy",
+        "speculative_tokens": cfg.block_size - 1,
+        "verifier_accept_k": 1,
+        "accept_tolerance": 0.0,
+    }
     layer_type = "qwen3" if getattr(cfg, "qk_norm", False) else "llama"
     common = {
         "speculators_model_type": kind,
         "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {"algorithm": kind, "proposal_methods": [proposal], "default_proposal_method": "greedy",
-                               "verifier": verifier},
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [proposal],
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
+        },
         "transformer_layer_config": _layer_config(cfg, target_config, layer_type),
         "draft_vocab_size": draft_vocab_size(cfg),
         "target_hidden_size": cfg.target_hidden_size,
@@ -206,31 +233,58 @@ def speculators_config(cfg, target_config, verifier_name_or_path: str) -> dict:
         "tie_word_embeddings": False,
     }
     if kind in ("dflash", "dspark"):
-        block = {"architectures": ["DFlashSpeculator" if kind == "dflash" else "DSparkSpeculator"],
-                 "block_size": cfg.block_size, "aux_hidden_state_layer_ids": speculators_layer_ids(cfg),
-                 "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": False,
-                 # the anchor is the target's bonus token; block positions 1..K-1 draft (K-1 tokens)
-                 "sample_from_anchor": False}
+        block = {
+            "architectures": ["DFlashSpeculator" if kind == "dflash" else "DSparkSpeculator"],
+            "block_size": cfg.block_size,
+            "aux_hidden_state_layer_ids": speculators_layer_ids(cfg),
+            "mask_token_id": cfg.mask_token_id,
+            "sliding_window_non_causal": False,
+            # the anchor is the target's bonus token; block positions 1..K-1 draft (K-1 tokens)
+            "sample_from_anchor": False,
+        }
         if kind == "dspark":
-            block.update({"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
-                          "confidence_head_with_markov": True})
+            block.update(
+                {
+                    "markov_rank": cfg.markov_rank,
+                    "markov_head_type": "vanilla",
+                    "enable_confidence_head": True,
+                    "confidence_head_with_markov": True,
+                }
+            )
         return {**common, **block}
-    return {**common, "architectures": ["Eagle3Speculator"], "eagle_aux_hidden_state_layer_ids": speculators_layer_ids(cfg),
-            # residual on the un-normed hidden half, no extra norms: vLLM defaults norm_before_residual to true
-            # when the key is absent, so every flag is written out
-            "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-            "embed_requires_grad": False}
+    return {
+        **common,
+        "architectures": ["Eagle3Speculator"],
+        "eagle_aux_hidden_state_layer_ids": speculators_layer_ids(cfg),
+        # residual on the un-normed hidden half, no extra norms: vLLM defaults norm_before_residual to true
+        # when the key is absent, so every flag is written out
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+    }
 
 
 def sglang_config(cfg, target_config) -> dict:
     check_expressible(cfg, "sglang_eagle3")
     layer = _layer_config(cfg, target_config, "llama")
     rope = layer.pop("rope_parameters")
-    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}  # HF's legacy form
-    return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-            "draft_vocab_size": draft_vocab_size(cfg), "target_hidden_size": cfg.target_hidden_size, "torch_dtype": "float32",
-            "bos_token_id": getattr(target_config, "bos_token_id", None), "eos_token_id": getattr(target_config, "eos_token_id", None),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg), "use_aux_hidden_state": True}}
+    scaling = (
+        None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    )  # HF's legacy form
+    return {
+        **layer,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "draft_vocab_size": draft_vocab_size(cfg),
+        "target_hidden_size": cfg.target_hidden_size,
+        "torch_dtype": "float32",
+        "bos_token_id": getattr(target_config, "bos_token_id", None),
+        "eos_token_id": getattr(target_config, "eos_token_id", None),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg), "use_aux_hidden_state": True},
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,15 +398,26 @@ def read_speculators(folder: Path, verifier) -> tuple[torch.nn.Module, dict]:
     ids = config.get("aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
     extra = {"markov_rank": config["markov_rank"]} if kind == "dspark" else {}
     config_cls, model_cls = DRAFTERS[kind]
-    cfg = config_cls(vocab_size=layer["vocab_size"], hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-                     num_hidden_layers=layer["num_hidden_layers"] if kind != "eagle3" else 1,
-                     num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
-                     head_dim=layer["head_dim"], rms_norm_eps=layer["rms_norm_eps"],
-                     rope_parameters=layer["rope_parameters"], hidden_act=layer["hidden_act"],
-                     target_hidden_size=config["target_hidden_size"],
-                     target_layer_ids=[i - 1 for i in ids], mask_token_id=config.get("mask_token_id"),
-                     block_size=config.get("block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1),
-                     qk_norm=layer["model_type"] == "qwen3", **extra)
+    cfg = config_cls(
+        vocab_size=layer["vocab_size"],
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
+        num_hidden_layers=layer["num_hidden_layers"] if kind != "eagle3" else 1,
+        num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer["num_key_value_heads"],
+        head_dim=layer["head_dim"],
+        rms_norm_eps=layer["rms_norm_eps"],
+        rope_parameters=layer["rope_parameters"],
+        hidden_act=layer["hidden_act"],
+        target_hidden_size=config["target_hidden_size"],
+        target_layer_ids=[i - 1 for i in ids],
+        mask_token_id=config.get("mask_token_id"),
+        block_size=config.get(
+            "block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1
+        ),
+        qk_norm=layer["model_type"] == "qwen3",
+        **extra,
+    )
     drafter = model_cls(cfg).copy_target_io(verifier)
     state = load_file(str(Path(folder) / "model.safetensors"))
     heads = {"lm_head.weight": drafter.lm_head.weight}
@@ -371,12 +436,23 @@ def read_sglang_eagle3(folder: Path, block_size: int = 8) -> tuple[torch.nn.Modu
 
     config = json.loads((Path(folder) / "config.json").read_text())
     config_cls, model_cls = DRAFTERS["eagle3"]
-    cfg = config_cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-                     num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-                     head_dim=config["head_dim"], rms_norm_eps=config["rms_norm_eps"], hidden_act=config["hidden_act"],
-                     rope_parameters={"rope_theta": config["rope_theta"], **(config.get("rope_scaling") or {"rope_type": "default"})},
-                     target_hidden_size=config["target_hidden_size"],
-                     target_layer_ids=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), block_size=block_size)
+    cfg = config_cls(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        rms_norm_eps=config["rms_norm_eps"],
+        hidden_act=config["hidden_act"],
+        rope_parameters={
+            "rope_theta": config["rope_theta"],
+            **(config.get("rope_scaling") or {"rope_type": "default"}),
+        },
+        target_hidden_size=config["target_hidden_size"],
+        target_layer_ids=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+        block_size=block_size,
+    )
     drafter = model_cls(cfg)
     state = load_file(str(Path(folder) / "model.safetensors"))
     # the rows SGLang's pruned lm_head leaves out are never used: any will do (the embedding's)
@@ -394,7 +470,11 @@ def source_record(drafter_dir: str | os.PathLike) -> dict:
     if state.exists():
         record["checkpoint_metrics"] = json.loads(state.read_text())
     for parent in (folder, folder.parent, folder.parent.parent):
-        for name, key in (("summary.json", "summary"), ("provenance.json", "provenance"), ("recipe.yaml", "recipe_file")):
+        for name, key in (
+            ("summary.json", "summary"),
+            ("provenance.json", "provenance"),
+            ("recipe.yaml", "recipe_file"),
+        ):
             if key not in record and (parent / name).exists():
                 record[key] = str(parent / name) if name.endswith(".yaml") else json.loads((parent / name).read_text())
     return record

@@ -93,7 +93,7 @@ class DraftAttention(nn.Module):
         self.config = cfg
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_key_value_groups = self.heads // self.kv_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(in_dim, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
@@ -117,8 +117,9 @@ class DraftAttention(nn.Module):
         kind = str(self.rotary.rope_type)
         return "dynamic" not in kind and kind != "longrope"
 
-    def rope_table(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None,
-                   signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_table(
+        self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None, signed: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, L, D] at ``positions`` [B, L] (all below ``end`` when the caller knows it), read
         from a table the rotary embedding computed once (the same values: each entry is one product
         ``position * inv_freq``), grown by doubling. Decoding rotates a few positions a call, where
@@ -140,7 +141,9 @@ class DraftAttention(nn.Module):
         ``x.roll(D / 2)`` = ``[x2, x1]`` with the sign moved into ``signed_sin`` (:meth:`rope_table`)."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
-    def project_kv(self, kv_in: torch.Tensor, kv_pos: torch.Tensor, lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(
+        self, kv_in: torch.Tensor, kv_pos: torch.Tensor, lean: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values [B, kv_heads, L, D] of ``kv_in`` [B, L, in] at ``kv_pos``;
         ``lean`` (decoding): the same values by fewer operations (:func:`rms`, :meth:`rope_table`)."""
         B, L, _ = kv_in.shape
@@ -153,11 +156,21 @@ class DraftAttention(nn.Module):
         """Give decoding one product for queries, keys and values: ``qkv_proj`` holds ``[W_q; W_k; W_v]``,
         a copy (training and batched drafting read the separate Linears; call again after they change)."""
         self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
-        if self.q_norm is not None and self.k_norm is not None and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
-            self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.heads, -1),
-                                             self.k_norm.weight.detach().expand(self.kv_heads, -1)])
+        if (
+            self.q_norm is not None
+            and self.k_norm is not None
+            and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
+        ):
+            self.qk_norm_weight = torch.cat(
+                [
+                    self.q_norm.weight.detach().expand(self.heads, -1),
+                    self.k_norm.weight.detach().expand(self.kv_heads, -1),
+                ]
+            )
 
-    def project_qkv(self, x: torch.Tensor, pos: torch.Tensor, queries: int, end: int | None = None) -> tuple[torch.Tensor, ...]:
+    def project_qkv(
+        self, x: torch.Tensor, pos: torch.Tensor, queries: int, end: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """Decoding through ``qkv_proj``: queries [B, heads, queries, D] of the last ``queries`` rows of
         ``x`` [B, L, in] and keys and values [B, kv_heads, L, D] of all of them, at ``pos`` [B, L] (below
         ``end``): what :meth:`project_kv` and :meth:`attend` compute, from one product, one norm and
@@ -169,7 +182,9 @@ class DraftAttention(nn.Module):
             raise RuntimeError("project_qkv reads qkv_proj: call fuse_projections() first")
         qkv = self.qkv_proj(x)
         qk = qkv[..., :k_end].view(B, L, H + self.kv_heads, D)  # queries of every row (the context's: unused)
-        if self.q_norm is not None and self.k_norm is not None:  # both norms in one: normalised, then each head scaled by its norm's weight
+        if (
+            self.q_norm is not None and self.k_norm is not None
+        ):  # both norms in one: normalised, then each head scaled by its norm's weight
             if self.qk_norm_weight is None or qk.dtype != torch.float32:  # (transformers' norm computes in fp32)
                 qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
             else:
@@ -181,10 +196,17 @@ class DraftAttention(nn.Module):
             cos, sin = self.rotary(x, pos)
             qk = qk * cos[:, :, None] + rotate_half(qk) * sin[:, :, None]
         v = qkv[..., k_end:].view(B, L, self.kv_heads, D).transpose(1, 2)
-        return qk[:, L - queries:, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v
+        return qk[:, L - queries :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v
 
-    def attend(self, q_in: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | BlockMask | None, lean: bool = False) -> torch.Tensor:
+    def attend(
+        self,
+        q_in: torch.Tensor,
+        q_pos: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None,
+        lean: bool = False,
+    ) -> torch.Tensor:
         """Attention of ``q_in`` [B, Q, in] at ``q_pos`` over keys/values [B, kv_heads, S, D], through
         ``o_proj``. ``lean`` (decoding): :func:`rms`, :meth:`rope_table` and, with SDPA, the kernel called
         directly (the same math as transformers' wrapper, without its per-call work)."""
@@ -192,22 +214,35 @@ class DraftAttention(nn.Module):
         q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim)
         return self.attend_queries(self._rope(rms(self.q_norm, q, lean).transpose(1, 2), q_pos, lean), k, v, mask, lean)
 
-    def attend_queries(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
-                       lean: bool = False) -> torch.Tensor:
+    def attend_queries(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None,
+        lean: bool = False,
+    ) -> torch.Tensor:
         """:meth:`attend` from queries already projected, normed and rotated, [B, heads, Q, D]. The kernel,
         whichever it is, gets queries, keys and values of one dtype (:func:`same_dtype`)."""
         B, Q = q.shape[0], q.shape[2]
         q, k, v = same_dtype(q, k, v)
         impl = self.config._attn_implementation or "sdpa"
         if isinstance(mask, BlockMask):
-            out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
+            out = _flex_attention(q.device.type)(
+                q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads
+            ).transpose(1, 2)
         elif lean and impl == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+            ).transpose(1, 2)
         else:
             if impl == "eager" and mask is not None and mask.dtype == torch.bool:  # eager adds its mask to the scores
-                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                    ~mask, torch.finfo(q.dtype).min
+                )
             attention: Callable[..., tuple[torch.Tensor, Any]] = (
-                eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl])
+                eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+            )
             scaling = None if impl == "sdpa" else self.scaling  # SDPA's own default scale: the same, computed by it
             out, _ = attention(self, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False)
         return self.o_proj(out.reshape(B, Q, -1))
@@ -215,10 +250,17 @@ class DraftAttention(nn.Module):
 
 def llama_view(cfg) -> LlamaConfig:
     """The drafter's shape as a ``LlamaConfig``: what transformers' rotary embedding and MLP read."""
-    return LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, hidden_act=cfg.hidden_act,
-                       mlp_bias=False, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                       head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                       rope_parameters=dict(cfg.rope_parameters))
+    return LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        hidden_act=cfg.hidden_act,
+        mlp_bias=False,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(cfg.rope_parameters),
+    )
 
 
 def fused_linear(*linears: nn.Linear) -> nn.Linear:
@@ -242,6 +284,7 @@ def _flex_attention(device_type: str):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             return flex_attention(*args, **kwargs)
+
     return eager
 
 
@@ -271,10 +314,21 @@ class InjectedLayer(nn.Module):
         computed once per context position; decoding caches them."""
         h = self.input_norm(x)
         k, v = self.attn.project_kv(h, x_pos)
-        return self._attend_and_mlp(x, h, x_pos, torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2), mask)
+        return self._attend_and_mlp(
+            x, h, x_pos, torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2), mask
+        )
 
-    def decode(self, x, kv_pos, keys: torch.Tensor, values: torch.Tensor, length: int, mask, ctx=None,
-               slots: torch.Tensor | None = None):
+    def decode(
+        self,
+        x,
+        kv_pos,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        length: int,
+        mask,
+        ctx=None,
+        slots: torch.Tensor | None = None,
+    ):
         """:meth:`forward` for one block after a cached context of ``length`` positions, without
         copying the context: ``keys`` / ``values`` are :class:`ContextCache` buffers. ``ctx`` (the
         projected features of the positions between the cache and the block, or None) is projected to
@@ -291,7 +345,9 @@ class InjectedLayer(nn.Module):
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
             _store(keys, values, k, v, length, end, slots)
-            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1]:], keys[:, :, :seen], values[:, :, :seen], mask, lean=True)
+            return self._attend_and_mlp(
+                x, h, kv_pos[:, -x.shape[1] :], keys[:, :, :seen], values[:, :, :seen], mask, lean=True
+            )
         # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
         q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=seen)
         _store(keys, values, k, v, length, end, slots)
@@ -304,8 +360,15 @@ class InjectedLayer(nn.Module):
         return x + self.mlp(rms(self.post_norm, x, lean))
 
 
-def _store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, end: int,
-           slots: torch.Tensor | None) -> None:
+def _store(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    length: int,
+    end: int,
+    slots: torch.Tensor | None,
+) -> None:
     """Write keys and values [B, heads, L, D] into cache buffers [B, heads, S, D]: after the context
     (``length:end``), or row by row to ``slots`` [B, L]."""
     if slots is None:

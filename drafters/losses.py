@@ -52,7 +52,9 @@ def acceptance_probability(p_logits: torch.Tensor, q_logits: torch.Tensor) -> to
     return torch.minimum(p_logits.float().softmax(-1), q_logits.float().softmax(-1)).sum(-1)
 
 
-def position_loss(term: str, draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def position_loss(
+    term: str, draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
     """Loss ``term`` at every position: logits [..., V], labels [...] -> [...]."""
     q = draft_logits.float()
     if term == "ce":
@@ -74,7 +76,9 @@ def position_weights(num: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-torch.arange(num, device=device, dtype=torch.float32) / gamma)
 
 
-def block_weights(weighting: str, gamma: float, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+def block_weights(
+    weighting: str, gamma: float, draft_logits: torch.Tensor, target_logits: torch.Tensor
+) -> torch.Tensor:
     """Per-position weights, broadcastable to [..., K-1] (see the module doc); never carry gradients."""
     alpha = None
     if weighting == "dpace":
@@ -100,13 +104,24 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor, scored: torch.Ten
     return (values * w).sum() / w.sum().clamp_min(1e-12)
 
 
-def block_loss(terms: dict[str, float], weighting: str, gamma: float, draft_logits: torch.Tensor,
-               target_logits: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor | None):
+def block_loss(
+    terms: dict[str, float],
+    weighting: str,
+    gamma: float,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    scored: torch.Tensor | None,
+):
     """``(loss, parts, weights)``: the weighted sum of ``terms`` (name -> weight) and each term's weighted
     mean, on logits: the definition. Drafters compute it with :func:`block_scores` (from hidden states,
     in chunks where asked), which the tests hold equal to this."""
     w = block_weights(weighting, gamma, draft_logits, target_logits)
-    parts = {t: weighted_mean(position_loss(t, draft_logits, target_logits, labels), w, scored) for t, c in terms.items() if c}
+    parts = {
+        t: weighted_mean(position_loss(t, draft_logits, target_logits, labels), w, scored)
+        for t, c in terms.items()
+        if c
+    }
     loss = sum(terms[t] * v for t, v in parts.items())
     return loss, parts, w
 
@@ -126,8 +141,16 @@ class BlockScores:
     target_logits: torch.Tensor | None = None
 
 
-def _block_sums(terms: tuple[str, ...], weighting: str, gamma: float, q: torch.Tensor, p: torch.Tensor,
-                labels: torch.Tensor, scored: torch.Tensor, vocab: torch.Tensor | None = None):
+def _block_sums(
+    terms: tuple[str, ...],
+    weighting: str,
+    gamma: float,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    labels: torch.Tensor,
+    scored: torch.Tensor,
+    vocab: torch.Tensor | None = None,
+):
     """Per block (rows [M, S]): each term's weighted sum [M, T], the weight sum [M], then the weights,
     alpha, and both argmaxes [M, S]. ``vocab``: the draft vocabulary (module doc)."""
     with torch.no_grad():
@@ -141,16 +164,33 @@ def _block_sums(terms: tuple[str, ...], weighting: str, gamma: float, q: torch.T
         draft_id[vocab] = torch.arange(len(vocab), device=q.device)
         inside, small = draft_id[labels] >= 0, draft_id[labels].clamp_min(0)
         q_d, p_d = q.index_select(-1, vocab), p.index_select(-1, vocab)
-        sums = torch.stack([(position_loss(t, q, p, labels) * ws if t in ("tv", "lk") else
-                             position_loss(t, q_d, p_d, small) * ws * (inside if t == "ce" else 1)).sum(-1)
-                            for t in terms], dim=-1)
+        sums = torch.stack(
+            [
+                (
+                    position_loss(t, q, p, labels) * ws
+                    if t in ("tv", "lk")
+                    else position_loss(t, q_d, p_d, small) * ws * (inside if t == "ce" else 1)
+                ).sum(-1)
+                for t in terms
+            ],
+            dim=-1,
+        )
     return sums, ws.sum(-1), w, alpha, q.argmax(-1), p.argmax(-1)
 
 
-def block_scores(terms: dict[str, float], weighting: str, gamma: float,
-                 draft_fn: Callable[..., torch.Tensor], target_fn: Callable[[torch.Tensor], torch.Tensor],
-                 draft_in: tuple[torch.Tensor, ...], target_in: torch.Tensor, labels: torch.Tensor,
-                 scored: torch.Tensor, chunk: int | None = None, vocab: torch.Tensor | None = None) -> BlockScores:
+def block_scores(
+    terms: dict[str, float],
+    weighting: str,
+    gamma: float,
+    draft_fn: Callable[..., torch.Tensor],
+    target_fn: Callable[[torch.Tensor], torch.Tensor],
+    draft_in: tuple[torch.Tensor, ...],
+    target_in: torch.Tensor,
+    labels: torch.Tensor,
+    scored: torch.Tensor,
+    chunk: int | None = None,
+    vocab: torch.Tensor | None = None,
+) -> BlockScores:
     """The block loss of :func:`block_loss` from hidden states (see the module doc).
 
     ``labels`` and ``scored`` are [*lead, S] (blocks x positions); every tensor of ``draft_in`` and
@@ -160,7 +200,7 @@ def block_scores(terms: dict[str, float], weighting: str, gamma: float,
     None: all at once, and the logits are returned too. ``vocab``: a draft vocabulary (``draft_fn``
     gives -inf outside it; ``target_fn`` the target's logits over the whole vocabulary)."""
     lead, S = labels.shape[:-1], labels.shape[-1]
-    flat = [t.reshape(-1, *t.shape[len(lead):]) for t in (*draft_in, target_in, labels, scored.to(torch.float32))]
+    flat = [t.reshape(-1, *t.shape[len(lead) :]) for t in (*draft_in, target_in, labels, scored.to(torch.float32))]
     active = tuple(t for t, c in terms.items() if c)
 
     def part(*rows):
@@ -182,7 +222,7 @@ def block_scores(terms: dict[str, float], weighting: str, gamma: float,
             return part(*r)[0]
 
         for i in range(0, M, step):
-            rows = [x[i:i + step] for x in flat]
+            rows = [x[i : i + step] for x in flat]
             pieces.append(checkpoint(run, *rows, use_reentrant=False) if torch.is_grad_enabled() else run(*rows))
         sums = tuple(torch.cat(z) for z in zip(*pieces))
         logits = (None, None)
@@ -191,4 +231,6 @@ def block_scores(terms: dict[str, float], weighting: str, gamma: float,
     parts = {t: nums[:, i].sum() / total for i, t in enumerate(active)}
     loss = sum(terms[t] * v for t, v in parts.items())
     shape = (*lead, S)
-    return BlockScores(loss, parts, w.reshape(shape), accept.reshape(shape), dt.reshape(shape), tt.reshape(shape), *logits)
+    return BlockScores(
+        loss, parts, w.reshape(shape), accept.reshape(shape), dt.reshape(shape), tt.reshape(shape), *logits
+    )

@@ -16,8 +16,15 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
-def sample_anchors(seq_len: int, block_size: int, count: int, batch: int, device=None,
-                   generator: torch.Generator | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+def sample_anchors(
+    seq_len: int,
+    block_size: int,
+    count: int,
+    batch: int,
+    device=None,
+    generator: torch.Generator | None = None,
+    loss_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``count`` distinct anchors per sequence in ``[1, seq_len - block_size]``, sorted ([B, N]).
 
     With a ``loss_mask`` [B, seq_len] (responses scored, prompts and padding not), anchors are drawn
@@ -32,7 +39,7 @@ def sample_anchors(seq_len: int, block_size: int, count: int, batch: int, device
     count = min(count, hi)
     scores = torch.rand(batch, hi, generator=generator)
     if loss_mask is not None:  # candidate a = 1..hi is useful iff loss_mask[a + 1]
-        scores = scores + loss_mask[:, 2:hi + 2].to(scores.device, scores.dtype)
+        scores = scores + loss_mask[:, 2 : hi + 2].to(scores.device, scores.dtype)
     anchors = scores.topk(count, dim=1).indices + 1
     return anchors.sort(dim=1).values.to(device)
 
@@ -75,4 +82,3 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     flat = positions.reshape(B, -1)
     idx = flat.view(B, -1, *([1] * (x.dim() - 2))).expand(B, flat.shape[1], *x.shape[2:])
     return x.gather(1, idx).view(*positions.shape, *x.shape[2:])
-

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 
 
-def acceptance_stats(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, accept: torch.Tensor) -> dict[str, torch.Tensor]:
+def acceptance_stats(
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, accept: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Sums for greedy and probabilistic acceptance over chains [M, K] (positions 1..K of each draft:
     both argmaxes and alpha, as :class:`DrafterOutput` holds them).
 

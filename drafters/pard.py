@@ -52,8 +52,15 @@ def block_lengths(count: int, masks: int, keep: float, generator: torch.Generato
     return 1 + draws.int().cumprod(-1).sum(-1)
 
 
-def mask_blocks(inputs: torch.Tensor, scored: torch.Tensor, mask_token_id: int, draft_tokens: int, anchors: int,
-                keep: float, generator: torch.Generator | None = None) -> MaskBlocks:
+def mask_blocks(
+    inputs: torch.Tensor,
+    scored: torch.Tensor,
+    mask_token_id: int,
+    draft_tokens: int,
+    anchors: int,
+    keep: float,
+    generator: torch.Generator | None = None,
+) -> MaskBlocks:
     """Append PARD mask blocks (module doc) to ``inputs`` [B, L] whose next-token labels are scored
     where ``scored`` [B, L]. Anchors are drawn among positions ``a`` whose first masked label
     (``a + 1``) is scored and in the window; a block stops at the window's end."""
@@ -65,8 +72,11 @@ def mask_blocks(inputs: torch.Tensor, scored: torch.Tensor, mask_token_id: int, 
         allowed = scored[b, 1:].nonzero().view(-1).cpu()  # a + 1 scored, a + 1 <= L - 1
         chosen = allowed[torch.randperm(len(allowed), generator=generator)[:anchors]].sort().values
         lengths = block_lengths(len(chosen), masks, keep, generator)
-        source = torch.cat([a + torch.arange(1, int(n) + 1) for a, n in zip(chosen.tolist(), lengths.tolist())]) \
-            if len(chosen) else torch.zeros(0, dtype=torch.long)
+        source = (
+            torch.cat([a + torch.arange(1, int(n) + 1) for a, n in zip(chosen.tolist(), lengths.tolist())])
+            if len(chosen)
+            else torch.zeros(0, dtype=torch.long)
+        )
         block = torch.cat([torch.full((int(n),), k) for k, n in enumerate(lengths.tolist())]) if len(chosen) else source
         keepable = source <= L - 1
         rows.append((source[keepable], block[keepable]))
@@ -82,13 +92,13 @@ def mask_blocks(inputs: torch.Tensor, scored: torch.Tensor, mask_token_id: int, 
     for b, (src, blk) in enumerate(rows):
         n = len(src)
         source[b, :n], valid[b, :n] = src, True
-        pos[b, L:L + n] = src
-        anchor = src - (torch.arange(n) - first_of_block(blk))  - 1  # a = source - i, i = 1.. within the block
-        attend[b, L:L + n, :L] = torch.arange(L)[None] <= anchor[:, None]
+        pos[b, L : L + n] = src
+        anchor = src - (torch.arange(n) - first_of_block(blk)) - 1  # a = source - i, i = 1.. within the block
+        attend[b, L : L + n, :L] = torch.arange(L)[None] <= anchor[:, None]
         same = (blk[:, None] == blk[None]) & (torch.arange(n)[None] <= torch.arange(n)[:, None])
-        attend[b, L:L + n, L:L + n] = same
-        attend[b, L + n:, L + n:] = torch.eye(M - n, dtype=torch.bool)  # padding sees itself only
-        pos[b, L + n:] = 0
+        attend[b, L : L + n, L : L + n] = same
+        attend[b, L + n :, L + n :] = torch.eye(M - n, dtype=torch.bool)  # padding sees itself only
+        pos[b, L + n :] = 0
     return MaskBlocks(ids, pos.to(device), attend[:, None].to(device), source.to(device), valid.to(device))
 
 

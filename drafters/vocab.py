@@ -45,7 +45,9 @@ def frequent_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` ids with the largest ``counts`` [V] (ties to the lower id), ascending."""
     if not 0 < n <= counts.numel():
         raise ValueError(f"a draft vocabulary of {n} tokens does not fit a vocabulary of {counts.numel()}")
-    order = torch.argsort(counts.double() - torch.arange(counts.numel(), dtype=torch.float64) * 1e-9, descending=True, stable=True)
+    order = torch.argsort(
+        counts.double() - torch.arange(counts.numel(), dtype=torch.float64) * 1e-9, descending=True, stable=True
+    )
     return order[:n].sort().values
 
 
@@ -92,13 +94,20 @@ class CandidateHead(nn.Linear):
     truncated SVD is ``torch.svd_lowrank`` with a fixed seed (the same factors every time, at any
     vocabulary size). It keeps the full ``weight`` (the same Parameter) and a copy of the static rows."""
 
-    def __init__(self, head: nn.Linear, static: torch.Tensor | None, candidates: int, rank: int,
-                 fill: float = float("-inf")):
+    def __init__(
+        self, head: nn.Linear, static: torch.Tensor | None, candidates: int, rank: int, fill: float = float("-inf")
+    ):
         nn.Module.__init__(self)
-        static = (torch.empty(0, dtype=torch.long) if static is None else static.to(torch.long).unique()).to(head.weight.device)
-        if not 0 < candidates <= head.out_features - len(static) or not 0 < rank <= min(head.in_features, head.out_features):
-            raise ValueError(f"{len(static)} static ids and {candidates} candidates at rank {rank} do not fit a "
-                             f"{head.out_features} x {head.in_features} head")
+        static = (torch.empty(0, dtype=torch.long) if static is None else static.to(torch.long).unique()).to(
+            head.weight.device
+        )
+        if not 0 < candidates <= head.out_features - len(static) or not 0 < rank <= min(
+            head.in_features, head.out_features
+        ):
+            raise ValueError(
+                f"{len(static)} static ids and {candidates} candidates at rank {rank} do not fit a "
+                f"{head.out_features} x {head.in_features} head"
+            )
         self.in_features, self.out_features, self.fill = head.in_features, head.out_features, fill
         self.candidates, self.rank = candidates, rank
         self.weight = head.weight
@@ -120,14 +129,16 @@ class CandidateHead(nn.Linear):
         approx = x.reshape(-1, self.in_features) @ self.down @ self.up
         if shift is not None:
             approx = approx + shift.reshape(approx.shape)
-        best = approx.log_softmax(-1).amax(0).masked_fill_(self.is_static, float("-inf"))  # [V]: the likeliest in any row
+        best = (
+            approx.log_softmax(-1).amax(0).masked_fill_(self.is_static, float("-inf"))
+        )  # [V]: the likeliest in any row
         return torch.cat([self.static, best.topk(self.candidates).indices.sort().values])
 
     def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [..., V] of ``x`` [..., H]; with ``shift`` [..., V], a term added to them (DSpark's Markov
         term), the candidates are the best of approximation + shift and the result includes it."""
         ids = self.select(x, shift)
-        extra = torch.index_select(self.weight, 0, ids[len(self.static):])  # ~8x faster than weight[ids] here
+        extra = torch.index_select(self.weight, 0, ids[len(self.static) :])  # ~8x faster than weight[ids] here
         small = torch.cat([F.linear(x, self.rows), F.linear(x, extra)], dim=-1)
         if shift is not None:
             small = small + shift[..., ids]
@@ -135,8 +146,12 @@ class CandidateHead(nn.Linear):
 
     def summary(self) -> dict:
         """What a report records: the setting, and the rows each call computes."""
-        return {"static": len(self.static), "candidates": self.candidates, "rank": self.rank,
-                "size": len(self.static) + self.candidates}
+        return {
+            "static": len(self.static),
+            "candidates": self.candidates,
+            "rank": self.rank,
+            "size": len(self.static) + self.candidates,
+        }
 
 
 def speculate_vocab(drafter, static: torch.Tensor | None, candidates: int, rank: int) -> CandidateHead:

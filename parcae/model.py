@@ -172,7 +172,9 @@ def build_injection(kind: str, d: int) -> nn.Module:
 # --------------------------------------------------------------------------------------------------
 
 
-def sample_depths(batch_size: int, mean_recurrence: int, backprop_depth: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_depths(
+    batch_size: int, mean_recurrence: int, backprop_depth: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence ``(n, k)``: ``T ~ max(1, Poisson(mean))``, ``k = min(T, backprop_depth)`` iterations
     with gradients after ``n = T - k`` without. A pure function of ``seed``, so a resumed run (which
     derives the seed from its data position, i.e. step, micro-batch and rank) draws the same depths."""
@@ -297,10 +299,17 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         if position_ids is None:
             start = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(start, start + x.shape[1], device=x.device)[None]
-        mask = create_causal_mask(config=cfg, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-                                  position_ids=position_ids)
-        kw = dict(attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=use_cache,
-                  position_embeddings=self.rotary_emb(x, position_ids=position_ids), **kwargs)
+        mask = create_causal_mask(
+            config=cfg, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+        )
+        kw = dict(
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=self.rotary_emb(x, position_ids=position_ids),
+            **kwargs,
+        )
 
         ### Prelude: e, the injected input
         for j, block in enumerate(self.prelude):
@@ -339,9 +348,12 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         diagnostics = None
         if self.training if return_diagnostics is None else return_diagnostics:
             h_norm = h.detach().float().norm(dim=-1)
-            diagnostics = {"max_a_bar": float(self.spectral_radius().detach()), "state_norm": float(h_norm.mean()),
-                           "rel_change": float(((h - h_prev).detach().float().norm(dim=-1) / h_norm.clamp(min=1e-6)).mean()),
-                           "mean_depth": float((n + k).float().mean())}
+            diagnostics = {
+                "max_a_bar": float(self.spectral_radius().detach()),
+                "state_norm": float(h_norm.mean()),
+                "rel_change": float(((h - h_prev).detach().float().norm(dim=-1) / h_norm.clamp(min=1e-6)).mean()),
+                "mean_depth": float((n + k).float().mean()),
+            }
         return ParcaeOutput(loss=loss, logits=logits, cache=cache, diagnostics=diagnostics)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
@@ -358,7 +370,11 @@ class ParcaeForCausalLM(ParcaePreTrainedModel, GenerationMixin):
         if training:
             e_t, e_k = expected_depths(cfg.mean_recurrence, cfg.mean_backprop_depth)
             core_fwd, core_bwd = e_t * cfg.n_core, e_k * cfg.n_core
-            return 6 * once + 6 * once_blocks * attn_block / 2 + (2 * core_fwd + 4 * core_bwd) * per_block \
+            return (
+                6 * once
+                + 6 * once_blocks * attn_block / 2
+                + (2 * core_fwd + 4 * core_bwd) * per_block
                 + (core_fwd + 2 * core_bwd) * attn_block
+            )
         core = cfg.recurrence * cfg.n_core
         return 2 * once + once_blocks * attn_block + 2 * core * per_block + core * attn_block

@@ -32,8 +32,9 @@ def depth_seed(seed: int, first_sample: int | None) -> int:
 def training_forward_kwargs(model, batch, seed: int) -> dict:
     """The forward arguments of a Parcae training step: this batch's per-sequence depths, and diagnostics."""
     cfg = unwrap(model).config
-    depths = sample_depths(batch.input_ids.shape[0], cfg.mean_recurrence, cfg.mean_backprop_depth,
-                           depth_seed(seed, batch.first_sample))
+    depths = sample_depths(
+        batch.input_ids.shape[0], cfg.mean_recurrence, cfg.mean_backprop_depth, depth_seed(seed, batch.first_sample)
+    )
     return {"depths": depths, "return_diagnostics": True}
 
 
@@ -55,8 +56,16 @@ def parcae_lm_loss(seed: int):
     return loss_fn
 
 
-def recurrence_curve(model, windows, batch_size: int, depths: list[int], default_depth: int,
-                     max_batches: int | None = None, accelerator=None, at_default: dict | None = None) -> dict:
+def recurrence_curve(
+    model,
+    windows,
+    batch_size: int,
+    depths: list[int],
+    default_depth: int,
+    max_batches: int | None = None,
+    accelerator=None,
+    at_default: dict | None = None,
+) -> dict:
     """``{"val_loss_T{t}": .., "val_ppl_T{t}": .., "val_acc_T{t}": ..}`` for every depth ``t``, and the
     plain ``val_*`` metrics at ``default_depth`` (the depth the model runs at outside training);
     ``at_default``: those metrics when the caller has already measured them."""
@@ -68,11 +77,23 @@ def recurrence_curve(model, windows, batch_size: int, depths: list[int], default
             metrics = evaluate_lm(model, windows, batch_size, max_batches, accelerator, num_steps=t)
         if t == default_depth:
             out.update(metrics)
-        out.update({f"val_loss_T{t}": metrics["val_loss"], f"val_ppl_T{t}": metrics["val_ppl"],
-                    f"val_acc_T{t}": metrics["val_acc"]})
+        out.update(
+            {
+                f"val_loss_T{t}": metrics["val_loss"],
+                f"val_ppl_T{t}": metrics["val_ppl"],
+                f"val_acc_T{t}": metrics["val_acc"],
+            }
+        )
     return out
 
 
 def curve_rows(metrics: dict, depths: list[int]) -> list[dict]:
-    return [{"recurrence": t, "val_loss": metrics[f"val_loss_T{t}"], "val_ppl": metrics[f"val_ppl_T{t}"],
-             "val_acc": metrics[f"val_acc_T{t}"]} for t in depths]
+    return [
+        {
+            "recurrence": t,
+            "val_loss": metrics[f"val_loss_T{t}"],
+            "val_ppl": metrics[f"val_ppl_T{t}"],
+            "val_acc": metrics[f"val_acc_T{t}"],
+        }
+        for t in depths
+    ]

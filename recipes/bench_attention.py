@@ -36,29 +36,46 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from serve_eval.timing import interleaved_seconds
 
     if not attention.available():
-        parser.exit(2, "bench_attention: the C++ attention operator does not build here (it needs AVX2 and a compiler)\n")
+        parser.exit(
+            2, "bench_attention: the C++ attention operator does not build here (it needs AVX2 and a compiler)\n"
+        )
     torch.set_num_threads(1)
     H, D, L = args.heads, args.head_dim, args.context
     g = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(1, H, 2 * L, D, generator=g), torch.randn(1, H, 2 * L, D, generator=g)) for _ in range(args.layers)]
+    caches = [
+        (torch.randn(1, H, 2 * L, D, generator=g), torch.randn(1, H, 2 * L, D, generator=g)) for _ in range(args.layers)
+    ]
     stream = torch.zeros(16 * 1024 * 1024)
     rows = []
     with torch.inference_mode():
         for n in args.queries:
             queries = [torch.randn(1, n, H, D, generator=g).transpose(1, 2) for _ in range(args.layers)]
             mask = torch.ones(n, L, dtype=torch.bool).tril(L - n)[None, None] if n > 1 else None
-            kernels = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),  # noqa: B023
-                       "ours": lambda q, k, v: torch.ops.draftsmith_attn.attention(q, k, v, mask, D ** -0.5)}  # noqa: B023
+            kernels = {  # the lambdas run within this iteration, with its mask
+                "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),  # noqa: B023
+                "ours": lambda q, k, v: torch.ops.draftsmith_attn.attention(q, k, v, mask, D**-0.5),  # noqa: B023
+            }
             forward = lambda kernel: [kernel(q, k[:, :, :L], v[:, :, :L]) for q, (k, v) in zip(queries, caches)]  # noqa: E731, B023
             for cold in (False, True):  # cold: the stream runs (untimed) after each forward, so before the next
                 after = (lambda: stream.add_(1.0)) if cold else None
-                seconds = interleaved_seconds({name: (functools.partial(forward, kernel), after)
-                                               for name, kernel in kernels.items()}, args.repeats, "cpu")
+                seconds = interleaved_seconds(
+                    {name: (functools.partial(forward, kernel), after) for name, kernel in kernels.items()},
+                    args.repeats,
+                    "cpu",
+                )
                 ms = {name: 1e3 * t for name, t in seconds.items()}
-                rows.append({"queries": n, "cache": "cold" if cold else "warm", **{k: round(v, 3) for k, v in ms.items()},
-                             "ours / sdpa": round(ms["ours"] / ms["sdpa"], 3)})
-                print(f"{n:2d} queries, {rows[-1]['cache']}: sdpa {ms['sdpa']:.3f} ms, ours {ms['ours']:.3f} ms "
-                      f"({rows[-1]['ours / sdpa']:.3f}x) for {args.layers} layers of {H} heads x {D}, {L} positions")
+                rows.append(
+                    {
+                        "queries": n,
+                        "cache": "cold" if cold else "warm",
+                        **{k: round(v, 3) for k, v in ms.items()},
+                        "ours / sdpa": round(ms["ours"] / ms["sdpa"], 3),
+                    }
+                )
+                print(
+                    f"{n:2d} queries, {rows[-1]['cache']}: sdpa {ms['sdpa']:.3f} ms, ours {ms['ours']:.3f} ms "
+                    f"({rows[-1]['ours / sdpa']:.3f}x) for {args.layers} layers of {H} heads x {D}, {L} positions"
+                )
     return rows
 
 

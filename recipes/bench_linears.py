@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from serve_eval.timing import interleaved_seconds
 
     if not prepack.panels_available():
-        parser.exit(2, "bench_linears: the panel kernel does not build here (it needs an x86 CPU with AVX2 and a compiler)\n")
+        parser.exit(
+            2, "bench_linears: the panel kernel does not build here (it needs an x86 CPU with AVX2 and a compiler)\n"
+        )
     recipe = load_recipe(args.recipe, [])
     torch.set_num_threads(1)
     target, _ = load_target(recipe.target, "cpu")
@@ -61,17 +63,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     runs = {n: (functools.partial(one_pass, n), None) for n in args.rows} | {"read": (buffer.sum, None)}
     seconds = interleaved_seconds(runs, args.repeats, "cpu")
     peak, read = measured_matmul_peak("cpu", torch.float32, 1), packed["panel_bytes"] / seconds["read"]
-    print(f"{len(linears)} Linears, {packed['panel_bytes'] / 2**20:.1f} MB of panels ({packed['fp16_panels']} in fp16); "
-          f"this core: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, reads the panels' size at {read / 1e9:.1f} GB/s")
+    print(
+        f"{len(linears)} Linears, {packed['panel_bytes'] / 2**20:.1f} MB of panels ({packed['fp16_panels']} in fp16); "
+        f"this core: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, reads the panels' size at {read / 1e9:.1f} GB/s"
+    )
     rows = []
     for n in args.rows:
         t = seconds[n]
-        rows.append({"rows": n, "ms": round(1e3 * t, 3), "gflops": round(n * flops_per_row / t / 1e9, 2),
-                     "of_peak": round(n * flops_per_row / t / peak, 3), "gbytes_s": round(packed["panel_bytes"] / t / 1e9, 2),
-                     "of_read": round(packed["panel_bytes"] / t / read, 3), "per_row_ms": round(1e3 * t / n, 3)})
+        rows.append(
+            {
+                "rows": n,
+                "ms": round(1e3 * t, 3),
+                "gflops": round(n * flops_per_row / t / 1e9, 2),
+                "of_peak": round(n * flops_per_row / t / peak, 3),
+                "gbytes_s": round(packed["panel_bytes"] / t / 1e9, 2),
+                "of_read": round(packed["panel_bytes"] / t / read, 3),
+                "per_row_ms": round(1e3 * t / n, 3),
+            }
+        )
         r = rows[-1]
-        print(f"{n:3d} rows: {r['ms']:.3f} ms ({r['per_row_ms']:.3f} a row), {r['gflops']:.1f} GFLOP/s = {r['of_peak']:.2f} of the peak, "
-              f"weights at {r['gbytes_s']:.1f} GB/s = {r['of_read']:.2f} of the read rate")
+        print(
+            f"{n:3d} rows: {r['ms']:.3f} ms ({r['per_row_ms']:.3f} a row), {r['gflops']:.1f} GFLOP/s = {r['of_peak']:.2f} of the peak, "
+            f"weights at {r['gbytes_s']:.1f} GB/s = {r['of_read']:.2f} of the read rate"
+        )
     return rows
 
 

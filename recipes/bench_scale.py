@@ -87,14 +87,22 @@ def row_of(factor: int, report: dict, same: bool, checkpoint_bytes: int) -> dict
     adaptive = report.get("adaptive") or {}
     verify = {int(n): ms for n, ms in adaptive.get("verify_ms", {}).items()}
     one = verify.get(1)
-    return {"factor": factor, "checkpoint_mb": round(checkpoint_bytes / 2**20, 2),
-            "same_logits": same, "lossless": report["lossless"], "tau": report["tau"], "speedup": report["speedup"],
-            "speedup_over_tau": round(report["speedup"] / report["tau"], 4),
-            "tokens_per_s": report["tokens_per_s"], "baseline_tokens_per_s": report["baseline_tokens_per_s"],
-            "plain_step_ms": one, "verify_over_plain": {n: round(ms / one, 3) for n, ms in sorted(verify.items())} if one else {},
-            "draft_over_plain": round(adaptive["draft_ms"] / one, 3) if one and adaptive.get("draft_ms") else None,
-            "mean_verified": adaptive.get("mean_verified"),
-            "batches": {row["batch"]: row["speedup"] for row in report.get("by_batch") or []}}  # with decoding.batches.sizes
+    return {
+        "factor": factor,
+        "checkpoint_mb": round(checkpoint_bytes / 2**20, 2),
+        "same_logits": same,
+        "lossless": report["lossless"],
+        "tau": report["tau"],
+        "speedup": report["speedup"],
+        "speedup_over_tau": round(report["speedup"] / report["tau"], 4),
+        "tokens_per_s": report["tokens_per_s"],
+        "baseline_tokens_per_s": report["baseline_tokens_per_s"],
+        "plain_step_ms": one,
+        "verify_over_plain": {n: round(ms / one, 3) for n, ms in sorted(verify.items())} if one else {},
+        "draft_over_plain": round(adaptive["draft_ms"] / one, 3) if one and adaptive.get("draft_ms") else None,
+        "mean_verified": adaptive.get("mean_verified"),
+        "batches": {row["batch"]: row["speedup"] for row in report.get("by_batch") or []},
+    }  # with decoding.batches.sizes
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -148,7 +156,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if base.recipe != "eval":
         parser.exit(2, f"error: --recipe {args.recipe} is a {base.recipe!r} recipe; bench_scale runs an eval recipe\n")
     if not base.decoding.budget.adaptive:
-        parser.exit(2, "error: decoding.budget.adaptive = false: bench_scale reads the eval's verify cost table, which the budgets measure\n")
+        parser.exit(
+            2,
+            "error: decoding.budget.adaptive = false: bench_scale reads the eval's verify cost table, which the budgets measure\n",
+        )
     source = resolve_target_path(base.target.path)
     _, tokenizer = load_target(base.target, "cpu", weights=False)
     prompts = encoded_prompts(base.prompts, base.data, base.seed, tokenizer, "cpu")[:2]
@@ -160,13 +171,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         except ValueError as e:
             parser.exit(2, f"error: target.path: {e}\n")
         same = factor == 1 or all(map(torch.equal, logits_of(path, prompts), reference))
-        recipe = load_recipe(args.recipe, [*args.overrides, f"target.path={path}", f"output_dir={output / f'x{factor}'}"])
-        row = row_of(factor, evaluate.main(recipe), same, sum(f.stat().st_size for f in Path(path).glob("*.safetensors")))
+        recipe = load_recipe(
+            args.recipe, [*args.overrides, f"target.path={path}", f"output_dir={output / f'x{factor}'}"]
+        )
+        row = row_of(
+            factor, evaluate.main(recipe), same, sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+        )
         rows.append(row)
-        print(f"x{factor}: a {row['checkpoint_mb']:g} MB checkpoint, same logits {same}: speedup {row['speedup']:.3f} at tau "
-              f"{row['tau']:.3f} = {row['speedup_over_tau']:.3f}; plain {row['plain_step_ms']} ms a step, drafting "
-              f"{row['draft_over_plain']} plain steps; verify {row['verify_over_plain']}"
-              + "".join(f"; batch {b} {x:.3f}x batched plain" for b, x in row["batches"].items()), flush=True)
+        print(
+            f"x{factor}: a {row['checkpoint_mb']:g} MB checkpoint, same logits {same}: speedup {row['speedup']:.3f} at tau "
+            f"{row['tau']:.3f} = {row['speedup_over_tau']:.3f}; plain {row['plain_step_ms']} ms a step, drafting "
+            f"{row['draft_over_plain']} plain steps; verify {row['verify_over_plain']}"
+            + "".join(f"; batch {b} {x:.3f}x batched plain" for b, x in row["batches"].items()),
+            flush=True,
+        )
     write_json_atomic(output / "scale.json", rows)
     plot(rows, output / "scale.png")
     return rows

@@ -44,8 +44,15 @@ def confidence_samples(drafter, capture, windows, batch_size: int):
         rows = list(range(b, min(b + batch_size, len(windows))))
         batch = windows.collate(rows)
         ids, aux, last = batch_features(batch, capture)
-        anchors = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], ids.device,
-                                 torch.Generator().manual_seed(b), loss_mask=batch.loss_mask)
+        anchors = sample_anchors(
+            ids.shape[1],
+            cfg.block_size,
+            cfg.num_anchors,
+            ids.shape[0],
+            ids.device,
+            torch.Generator().manual_seed(b),
+            loss_mask=batch.loss_mask,
+        )
         out = drafter(ids, aux, last, anchors=anchors, loss_mask=batch.loss_mask)
         conf = out.confidence.double().clamp(1e-6, 1 - 1e-6)
         z = (conf / (1 - conf)).log()  # the raw logit back (no temperature set while collecting)
@@ -60,8 +67,9 @@ def confidence_samples(drafter, capture, windows, batch_size: int):
 BIASES = [-3.0 + 0.1 * i for i in range(61)]
 
 
-def fit_temperatures(z: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor, block_size: int,
-                     bias: bool = False) -> tuple[list[float], list[float]]:
+def fit_temperatures(
+    z: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor, block_size: int, bias: bool = False
+) -> tuple[list[float], list[float]]:
     """Per position, the grid temperature (and, with ``bias``, offset) with the least binary
     cross-entropy of ``sigmoid(z / T + b)``."""
     temps, offsets = [], []
@@ -79,8 +87,15 @@ def fit_temperatures(z: torch.Tensor, positions: torch.Tensor, kept: torch.Tenso
 
 def reliability(conf: torch.Tensor, kept: torch.Tensor, bins: int = 10) -> list[dict]:
     idx = (conf * bins).long().clamp(max=bins - 1)
-    return [{"confidence": round(conf[idx == b].mean().item(), 4), "accepted": round(kept[idx == b].double().mean().item(), 4),
-             "count": int((idx == b).sum())} for b in range(bins) if (idx == b).any()]
+    return [
+        {
+            "confidence": round(conf[idx == b].mean().item(), 4),
+            "accepted": round(kept[idx == b].double().mean().item(), 4),
+            "count": int((idx == b).sum()),
+        }
+        for b in range(bins)
+        if (idx == b).any()
+    ]
 
 
 def plot_reliability(report: dict, path: Path) -> None:
@@ -88,8 +103,11 @@ def plot_reliability(report: dict, path: Path) -> None:
 
     with saved_figure(path, figsize=(4.5, 4.5)) as (_, ax):
         ax.plot([0, 1], [0, 1], color="grey", lw=1, ls="--")
-        for key, label in (("reliability_before", "before"), ("reliability_temperature_only", "temperature per position"),
-                           ("reliability_after", "temperature and offset per position")):
+        for key, label in (
+            ("reliability_before", "before"),
+            ("reliability_temperature_only", "temperature per position"),
+            ("reliability_after", "temperature and offset per position"),
+        ):
             rows = report[key]
             ax.plot([r["confidence"] for r in rows], [r["accepted"] for r in rows], marker="o", label=label)
         ax.set_xlabel("confidence")
@@ -121,22 +139,33 @@ def main() -> None:
         raise SystemExit(f"--drafter: {folder} is a {drafter.config.model_type}, not a DSpark drafter")
     drafter.config.confidence_temperature = drafter.config.confidence_offset = None  # collect raw logits
     _, val, _ = drafter_windows(recipe, target, tokenizer)
-    z, positions, kept, window = confidence_samples(drafter, FeatureCapture(target, drafter.config.target_layer_ids),
-                                                    val, recipe.train.micro_batch_size)
+    z, positions, kept, window = confidence_samples(
+        drafter, FeatureCapture(target, drafter.config.target_layer_ids), val, recipe.train.micro_batch_size
+    )
     fit, test = window % 2 == 0, window % 2 == 1
     K = drafter.config.block_size
     temps, _ = fit_temperatures(z[fit], positions[fit], kept[fit], K)
     platt_t, platt_b = fit_temperatures(z[fit], positions[fit], kept[fit], K, bias=True)
     before = z[test].sigmoid()
     after = (z / torch.tensor(temps, dtype=z.dtype)[positions])[test].sigmoid()
-    platt = (z / torch.tensor(platt_t, dtype=z.dtype)[positions] + torch.tensor(platt_b, dtype=z.dtype)[positions])[test].sigmoid()
-    score = lambda c: {"ece": round(expected_calibration_error(c, kept[test]), 4), "auroc": round(auroc(c, kept[test]), 4)}  # noqa: E731
-    report = {"drafter": str(folder), "fit_drafts": int(fit.sum()), "test_drafts": int(test.sum()),
-              "before": score(before), "temperature_only": {"temperatures": temps, **score(after)},
-              "after": {"temperatures": platt_t, "offsets": platt_b, **score(platt)},  # what --write stores
-              "reliability_before": reliability(before, kept[test]),
-              "reliability_temperature_only": reliability(after, kept[test]),
-              "reliability_after": reliability(platt, kept[test])}
+    platt = (z / torch.tensor(platt_t, dtype=z.dtype)[positions] + torch.tensor(platt_b, dtype=z.dtype)[positions])[
+        test
+    ].sigmoid()
+
+    def score(c):
+        return {"ece": round(expected_calibration_error(c, kept[test]), 4), "auroc": round(auroc(c, kept[test]), 4)}
+
+    report = {
+        "drafter": str(folder),
+        "fit_drafts": int(fit.sum()),
+        "test_drafts": int(test.sum()),
+        "before": score(before),
+        "temperature_only": {"temperatures": temps, **score(after)},
+        "after": {"temperatures": platt_t, "offsets": platt_b, **score(platt)},  # what --write stores
+        "reliability_before": reliability(before, kept[test]),
+        "reliability_temperature_only": reliability(after, kept[test]),
+        "reliability_after": reliability(platt, kept[test]),
+    }
     out = Path(args.out or folder)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "calibration.json", report)
@@ -145,9 +174,11 @@ def main() -> None:
         config = json.loads((folder / "config.json").read_text())
         config["confidence_temperature"], config["confidence_offset"] = platt_t, platt_b
         write_json_atomic(folder / "config.json", config)
-    print(f"held-out ECE {report['before']['ece']} -> {report['temperature_only']['ece']} (temperatures {temps}) -> "
-          f"{report['after']['ece']} (and offsets {platt_b}); AUROC {report['before']['auroc']} -> "
-          f"{report['after']['auroc']} ({report['test_drafts']} drafts)")
+    print(
+        f"held-out ECE {report['before']['ece']} -> {report['temperature_only']['ece']} (temperatures {temps}) -> "
+        f"{report['after']['ece']} (and offsets {platt_b}); AUROC {report['before']['auroc']} -> "
+        f"{report['after']['auroc']} ({report['test_drafts']} drafts)"
+    )
 
 
 if __name__ == "__main__":

@@ -101,38 +101,77 @@ def eval_flags() -> tuple:
 def _parser(eval_flags_too: bool = True) -> argparse.ArgumentParser:
     """The command line; ``eval_flags_too=False`` leaves out ``eval``'s schema flags (what every other
     command parses without importing the schema)."""
-    parser = argparse.ArgumentParser(prog="draftsmith", description="Train speculative-decoding drafters and compact models from a target LLM, "
-                                     "and prove them in a lossless decoding loop.",
-                                     epilog="`draftsmith COMMAND --help` shows each command's options and examples.")
+    parser = argparse.ArgumentParser(
+        prog="draftsmith",
+        description="Train speculative-decoding drafters and compact models from a target LLM, "
+        "and prove them in a lossless decoding loop.",
+        epilog="`draftsmith COMMAND --help` shows each command's options and examples.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES[name],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        return sub.add_parser(
+            name,
+            help=help_,
+            description=help_,
+            epilog=EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
 
     ls = command("ls", "list the shipped recipes (recipes/configs/), one line each")
     ls.add_argument("--recipes", action="store_true", help="list the recipe kinds and their schemas instead")
-    for name, help_ in (("run", "run a recipe"), ("validate", "validate a recipe and print it resolved (nothing runs)")):
+    for name, help_ in (
+        ("run", "run a recipe"),
+        ("validate", "validate a recipe and print it resolved (nothing runs)"),
+    ):
         p = command(name, help_)
-        p.add_argument("recipe", metavar="RECIPE", help="a recipe YAML path, or a shipped recipe's name (see `draftsmith ls`)")
-        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                       help="dotted overrides, values parsed as YAML scalars (train.max_steps=20, 'x.y=[1, 2]')")
+        p.add_argument(
+            "recipe", metavar="RECIPE", help="a recipe YAML path, or a shipped recipe's name (see `draftsmith ls`)"
+        )
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="KEY=VALUE",
+            help="dotted overrides, values parsed as YAML scalars (train.max_steps=20, 'x.y=[1, 2]')",
+        )
         if name == "run":
-            p.add_argument("--dry-run", action="store_true",
-                           help="validate and build the models on the meta device, print a summary (JSON) and the "
-                                "memory per GPU, train nothing; a hub target not in the cache is built from its "
-                                "shipped config (recipes/configs/targets/)")
-            p.add_argument("--num-processes", type=_positive_int, metavar="N",
-                           help="with --dry-run: the GPUs (processes) the memory estimate is for (default: 8)")
-            p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], metavar="{0,1,2,3}",
-                           help="with --dry-run: the DeepSpeed ZeRO stage the memory estimate assumes; 0 = no DeepSpeed "
-                                "(DDP or one process) (default: 2)")
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="validate and build the models on the meta device, print a summary (JSON) and the "
+                "memory per GPU, train nothing; a hub target not in the cache is built from its "
+                "shipped config (recipes/configs/targets/)",
+            )
+            p.add_argument(
+                "--num-processes",
+                type=_positive_int,
+                metavar="N",
+                help="with --dry-run: the GPUs (processes) the memory estimate is for (default: 8)",
+            )
+            p.add_argument(
+                "--zero-stage",
+                type=int,
+                choices=[0, 1, 2, 3],
+                metavar="{0,1,2,3}",
+                help="with --dry-run: the DeepSpeed ZeRO stage the memory estimate assumes; 0 = no DeepSpeed "
+                "(DDP or one process) (default: 2)",
+            )
     ev = command("eval", "speculative vs plain decoding of a target with a drafter (writes OUTPUT_DIR/report.json)")
-    ev.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id: target.path (default: testbed)")
-    ev.add_argument("--prompts", metavar="FILE", help='JSONL file, one {"prompt": ...} per line: prompts.file (default: '
-                                                      "held-out corpus snippets)")
-    ev.add_argument("--prompts-from-corpus", type=int, default=16, metavar="N",
-                    help="held-out snippets when --prompts is not given: prompts.from_corpus, split val (default: 16)")
+    ev.add_argument(
+        "--target", default="testbed", help="'testbed', a local folder or a hub id: target.path (default: testbed)"
+    )
+    ev.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='JSONL file, one {"prompt": ...} per line: prompts.file (default: held-out corpus snippets)',
+    )
+    ev.add_argument(
+        "--prompts-from-corpus",
+        type=int,
+        default=16,
+        metavar="N",
+        help="held-out snippets when --prompts is not given: prompts.from_corpus, split val (default: 16)",
+    )
     if eval_flags_too:
         from distill.runtime import quiet_third_party
 
@@ -140,21 +179,52 @@ def _parser(eval_flags_too: bool = True) -> argparse.ArgumentParser:
         from distill.config.flags import add_flags
 
         add_flags(ev, list(eval_flags()), EVAL_DEFAULTS)
-    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                    help="dotted overrides of the eval recipe, applied after the flags, values parsed as YAML scalars "
-                         "(decoding.kv.format=int8, data.source=stdlib, 'decoding.tree_budgets=[8, 16]')")
+    ev.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides of the eval recipe, applied after the flags, values parsed as YAML scalars "
+        "(decoding.kv.format=int8, data.source=stdlib, 'decoding.tree_budgets=[8, 16]')",
+    )
     ex = command("export", "export a drafter (transformers, vLLM speculators, SGLang EAGLE-3) behind the parity gate")
     ex.add_argument("--drafter", required=True, metavar="DIR", help="trained drafter folder")
     ex.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
     ex.add_argument("--output-dir", required=True, metavar="DIR", help="the export folder to write")
-    ex.add_argument("--formats", nargs="+", choices=["transformers", "speculators", "sglang_eagle3"],
-                    help="default: every format that can express the drafter")
-    ex.add_argument("--verifier", metavar="NAME", help="verifier name recorded for serving (default: the drafter's target)")
-    ex.add_argument("--prompts-from-corpus", type=int, metavar="N", help="held-out snippets the gate decodes (default: the export recipe's)")
-    ex.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens the gate generates per prompt (default: the export recipe's)")
-    ex.add_argument("--eval-report", action="append", default=[], metavar="FILE", help="an eval report.json to cite in the model card (repeatable)")
-    ex.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                    help="export a draft vocabulary of the N tokens the target emits most (d2t / t2d, pruned heads)")
+    ex.add_argument(
+        "--formats",
+        nargs="+",
+        choices=["transformers", "speculators", "sglang_eagle3"],
+        help="default: every format that can express the drafter",
+    )
+    ex.add_argument(
+        "--verifier", metavar="NAME", help="verifier name recorded for serving (default: the drafter's target)"
+    )
+    ex.add_argument(
+        "--prompts-from-corpus",
+        type=int,
+        metavar="N",
+        help="held-out snippets the gate decodes (default: the export recipe's)",
+    )
+    ex.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="tokens the gate generates per prompt (default: the export recipe's)",
+    )
+    ex.add_argument(
+        "--eval-report",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an eval report.json to cite in the model card (repeatable)",
+    )
+    ex.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="export a draft vocabulary of the N tokens the target emits most (d2t / t2d, pruned heads)",
+    )
     ex.add_argument("--allow-failed-gate", action="store_true", help="publish even if the parity gate fails (loudly)")
     ex.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repository (owner/name)")
     ex.add_argument("--public", action="store_true", help="with --push-to-hub: a public repository")
@@ -187,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status
     args = parser.parse_args(argv)
     dry_run = args.command == "run" and args.dry_run
     if args.command == "run" and not dry_run and (args.num_processes or args.zero_stage is not None):
-        parser.error("--num-processes and --zero-stage size the --dry-run estimate; a real run takes its launch from accelerate")
+        parser.error(
+            "--num-processes and --zero-stage size the --dry-run estimate; a real run takes its launch from accelerate"
+        )
 
     from distill.runtime import quiet_third_party
 
@@ -202,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status
 
     try:
         if args.command == "eval":
-            prompts = {"file": args.prompts} if args.prompts else {"from_corpus": args.prompts_from_corpus, "split": "val"}
+            prompts = (
+                {"file": args.prompts} if args.prompts else {"from_corpus": args.prompts_from_corpus, "split": "val"}
+            )
             raw = {"recipe": "eval", "target": {"path": args.target}, "prompts": prompts}
             flag = {f.key: f.flag for f in eval_flags()}
             for key, value in {**EVAL_DEFAULTS, **given(args, eval_flags())}.items():
@@ -211,16 +285,35 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status
             run_recipe(recipe)
             return 0
         if args.command == "export":
-            push = {"enabled": bool(args.push_to_hub), "repo_id": args.push_to_hub, "private": not args.public,
-                    "revision": args.revision}
-            recipe = parse_recipe({"recipe": "export", "output_dir": args.output_dir, "drafter": args.drafter,
-                                   "target": {"path": args.target}, "formats": args.formats, "verifier_name_or_path": args.verifier,
-                                   **({"prompts": {"from_corpus": args.prompts_from_corpus, "split": "val"}}
-                                      if args.prompts_from_corpus else {}),
-                                   "gate": {"allow_failure": args.allow_failed_gate,
-                                            **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {})},
-                                   "eval_reports": args.eval_report, "draft_vocab": args.draft_vocab, "push_to_hub": push},
-                                  source="draftsmith export")
+            push = {
+                "enabled": bool(args.push_to_hub),
+                "repo_id": args.push_to_hub,
+                "private": not args.public,
+                "revision": args.revision,
+            }
+            recipe = parse_recipe(
+                {
+                    "recipe": "export",
+                    "output_dir": args.output_dir,
+                    "drafter": args.drafter,
+                    "target": {"path": args.target},
+                    "formats": args.formats,
+                    "verifier_name_or_path": args.verifier,
+                    **(
+                        {"prompts": {"from_corpus": args.prompts_from_corpus, "split": "val"}}
+                        if args.prompts_from_corpus
+                        else {}
+                    ),
+                    "gate": {
+                        "allow_failure": args.allow_failed_gate,
+                        **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}),
+                    },
+                    "eval_reports": args.eval_report,
+                    "draft_vocab": args.draft_vocab,
+                    "push_to_hub": push,
+                },
+                source="draftsmith export",
+            )
             return _run_export(recipe)
         with allow_shipped_target_configs() if dry_run else contextlib.nullcontext():
             recipe = load_recipe(args.recipe, args.overrides)
@@ -248,7 +341,9 @@ def _dry_run(recipe, args) -> int:
     from recipes.dry_run import Launch, estimate_for, format_memory_table
     from recipes.registry import run_recipe
 
-    launch = Launch(**{k: v for k, v in (("num_processes", args.num_processes), ("zero_stage", args.zero_stage)) if v is not None})
+    launch = Launch(
+        **{k: v for k, v in (("num_processes", args.num_processes), ("zero_stage", args.zero_stage)) if v is not None}
+    )
     try:
         with estimate_for(launch):
             result = run_recipe(recipe, dry_run=True)

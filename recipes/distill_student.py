@@ -81,11 +81,19 @@ def memory_estimate(recipe: DistillStudentRecipe, target, student, launch: Launc
         "target_weights": weight_bytes(target.parameters()),
         **training_state(student, train.mixed_precision, launch),
         "features": 0 if chunk is None else teacher_states,
-        "activations": activation_bytes(positions, student.config.hidden_size, trained_layers(recipe.student), train.mixed_precision),
+        "activations": activation_bytes(
+            positions, student.config.hidden_size, trained_layers(recipe.student), train.mixed_precision
+        ),
         "loss_logits": loss_bytes(held, target.config.vocab_size, "divergence"),
     }
-    return memory_table(parts, launch, train.mixed_precision, loss_positions_held=held, loss_positions_per_batch=positions,
-                        trainable_parameters=sum(p.numel() for p in student.parameters() if p.requires_grad))
+    return memory_table(
+        parts,
+        launch,
+        train.mixed_precision,
+        loss_positions_held=held,
+        loss_positions_per_batch=positions,
+        trainable_parameters=sum(p.numel() for p in student.parameters() if p.requires_grad),
+    )
 
 
 def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
@@ -103,25 +111,39 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     if recipe.init_from_target_layers:
         init_from_target_layers(student, target, recipe.init_from_target_layers)
     pard = recipe.pard
-    if pard is not None:  # recorded in the config: the loop drafts K tokens a forward (serve_eval.proposers.PardProposer)
+    if (
+        pard is not None
+    ):  # recorded in the config: the loop drafts K tokens a forward (serve_eval.proposers.PardProposer)
         mask_id = pard.mask_token_id if pard.mask_token_id is not None else tokenizer.mask_token_id
         if mask_id is None:
             raise RecipeError("pard: the target's tokenizer has no mask token; set pard.mask_token_id")
         student.config.pard = {"draft_tokens": pard.draft_tokens, "mask_token_id": mask_id}
     quant = QuantStage(recipe.quant, student)  # the layer map against this student: errors before any compute
     if dry_run:
-        return {"student": model_summary(student), "target": model_summary(target), "quant": quant.summary(),
-                "memory_gib_per_device": memory_estimate(recipe, target, student)}
+        return {
+            "student": model_summary(student),
+            "target": model_summary(target),
+            "quant": quant.summary(),
+            "memory_gib_per_device": memory_estimate(recipe, target, student),
+        }
 
     ### Data, tokenized with the target's tokenizer
     ranks = Ranks.of(acc)  # every rank regenerates and tokenizes its share
-    splits, data_cfg, data_record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks)
+    splits, data_cfg, data_record = training_splits(
+        recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks
+    )
     train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, ranks=ranks)
     val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed, ranks=ranks)
     data_record["tokenized_by_rank"] = {"train": train.prepared_by_rank, "val": val.prepared_by_rank}
     if acc.is_main_process:
-        write_run_header(recipe.output_dir, recipe, data=data_record, student=model_summary(student),
-                         target=recipe.target.path, world_size=acc.num_processes)
+        write_run_header(
+            recipe.output_dir,
+            recipe,
+            data=data_record,
+            student=model_summary(student),
+            target=recipe.target.path,
+            world_size=acc.num_processes,
+        )
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
 
     ### Loss: the divergence to the target (a Parcae student at a sampled depth per sequence)
@@ -129,39 +151,87 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
 
     d = recipe.distill
     depths = (lambda model, batch: training_forward_kwargs(model, batch, recipe.seed)) if parcae_cfg else None
-    loss_fn = kd_loss_fn(target, d.divergence, d.beta, d.temperature, d.ce_weight, depths, pard,
-                         pard and student.config.pard["mask_token_id"], recipe.seed, chunk=d.loss_chunk)
+    loss_fn = kd_loss_fn(
+        target,
+        d.divergence,
+        d.beta,
+        d.temperature,
+        d.ce_weight,
+        depths,
+        pard,
+        pard and student.config.pard["mask_token_id"],
+        recipe.seed,
+        chunk=d.loss_chunk,
+    )
 
     def evaluate(m, max_batches):
         metrics = evaluate_student(m, target, val, recipe.train.micro_batch_size, max_batches, acc)
         if pard is not None:
-            metrics.update(evaluate_pard(m, target, val, recipe.train.micro_batch_size, pard,
-                                         student.config.pard["mask_token_id"], max_batches, acc, recipe.seed))
+            metrics.update(
+                evaluate_pard(
+                    m,
+                    target,
+                    val,
+                    recipe.train.micro_batch_size,
+                    pard,
+                    student.config.pard["mask_token_id"],
+                    max_batches,
+                    acc,
+                    recipe.seed,
+                )
+            )
         if parcae_cfg:  # the other depths of the curve; the default one was just measured
-            metrics.update(recurrence_curve(m, val, recipe.train.micro_batch_size, parcae_cfg.curve_depths(),
-                                            unwrap(m).config.recurrence, max_batches, acc, at_default=metrics))
+            metrics.update(
+                recurrence_curve(
+                    m,
+                    val,
+                    recipe.train.micro_batch_size,
+                    parcae_cfg.curve_depths(),
+                    unwrap(m).config.recurrence,
+                    max_batches,
+                    acc,
+                    at_default=metrics,
+                )
+            )
         return metrics
 
     fpt = flops_per_token(student, recipe.data.seq_len) + flops_per_token(target, recipe.data.seq_len, training=False)
     quant.prepare()  # qat: fake quantization before the optimizer is built
     trainer = Trainer(
-        accelerator=acc, model=student, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
-        data=train, loss_fn=loss_fn, flops_per_token=fpt, evaluate_fn=lambda m: evaluate(m, recipe.train.eval_batches),
-        best_metric="val_kl", save_extra=tokenizer.save_pretrained, before_step=quant.before_step,
+        accelerator=acc,
+        model=student,
+        train_cfg=recipe.train,
+        optim_cfg=recipe.optim,
+        output_dir=recipe.output_dir,
+        data=train,
+        loss_fn=loss_fn,
+        flops_per_token=fpt,
+        evaluate_fn=lambda m: evaluate(m, recipe.train.eval_batches),
+        best_metric="val_kl",
+        save_extra=tokenizer.save_pretrained,
+        before_step=quant.before_step,
     )
     result = trainer.fit()
 
     ### Final student, evaluated on the whole held-out split, and summary
-    return finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, {
-        "target": recipe.target.path,
-        "student": model_summary(student),
-        "divergence": d.divergence,
-        "steps": result.step,
-        "train_seconds": round(result.train_seconds, 2),
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "mfu": round(result.mfu, 4),
-        "train_tokens_seen": trainer.state.tokens_seen,
-        "best_val_kl": result.best_metric,
-        "best_step": result.best_step,
-        "data": data_record,
-    })
+    return finish_lm_run(
+        acc,
+        trainer,
+        evaluate,
+        tokenizer,
+        quant,
+        parcae_cfg,
+        {
+            "target": recipe.target.path,
+            "student": model_summary(student),
+            "divergence": d.divergence,
+            "steps": result.step,
+            "train_seconds": round(result.train_seconds, 2),
+            "tokens_per_s": round(result.tokens_per_s, 1),
+            "mfu": round(result.mfu, 4),
+            "train_tokens_seen": trainer.state.tokens_seen,
+            "best_val_kl": result.best_metric,
+            "best_step": result.best_step,
+            "data": data_record,
+        },
+    )

@@ -34,11 +34,19 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-GiB = 2 ** 30
+GiB = 2**30
 
 #: the terms of every memory table, in print order (``total`` is their sum)
-MEMORY_KEYS = ("target_weights", "frozen_weights", "trainable_weights", "gradients", "adamw_states", "features",
-               "activations", "loss_logits")
+MEMORY_KEYS = (
+    "target_weights",
+    "frozen_weights",
+    "trainable_weights",
+    "gradients",
+    "adamw_states",
+    "features",
+    "activations",
+    "loss_logits",
+)
 
 #: bytes of activations per token, channel and layer in 16-bit (Korthikanti et al. 2022, flash attention)
 ACTIVATION_BYTES_16BIT = 34
@@ -154,7 +162,9 @@ def memory_table(parts: dict[str, float], launch: Launch, mixed_precision: str, 
     exact = {k: int(parts.get(k, 0)) for k in MEMORY_KEYS}
     exact["total"] = sum(exact.values())
     table = {k: round(v / GiB, 2) for k, v in exact.items()}
-    table.update(num_processes=launch.num_processes, zero_stage=launch.zero_stage, mixed_precision=mixed_precision, **counts)
+    table.update(
+        num_processes=launch.num_processes, zero_stage=launch.zero_stage, mixed_precision=mixed_precision, **counts
+    )
     table["bytes"] = exact
     table["formulas"] = FORMULAS
     return table
@@ -162,8 +172,11 @@ def memory_table(parts: dict[str, float], launch: Launch, mixed_precision: str, 
 
 def format_memory_table(table: dict) -> str:
     """``table`` (:func:`memory_table`) as aligned text lines."""
-    launch = (f"{table['num_processes']} GPU(s), " + (f"DeepSpeed ZeRO-{table['zero_stage']}" if table["zero_stage"] else "no DeepSpeed")
-              + f", mixed precision {table['mixed_precision']}")
+    launch = (
+        f"{table['num_processes']} GPU(s), "
+        + (f"DeepSpeed ZeRO-{table['zero_stage']}" if table["zero_stage"] else "no DeepSpeed")
+        + f", mixed precision {table['mixed_precision']}"
+    )
     lines = [f"memory per GPU, GiB (estimate from shapes; {launch})"]
     lines += [f"  {k:18s} {table[k]:9.2f}" for k in MEMORY_KEYS]
     lines.append(f"  {'total':18s} {table['total']:9.2f}")

@@ -71,9 +71,22 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
-def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, seed: int, prompt_tokens: int,
-                     new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                     candidates: int = 0, rank: int = 64) -> dict:
+def draft_vocabulary(
+    drafter,
+    target,
+    tokenizer,
+    size: int,
+    prompts: int,
+    data,
+    seed: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    candidates: int = 0,
+    rank: int = 64,
+) -> dict:
     """Restrict the drafter's heads to the ``size`` tokens the target emits most (EAGLE-3's way,
     :mod:`drafters.vocab`): counted over its answers to ``prompts`` prompts cut from ``data``'s train
     split (never the evaluation prompts), sampled as the evaluation samples (greedy at T = 0: a
@@ -95,21 +108,49 @@ def draft_vocabulary(drafter, target, tokenizer, size: int, prompts: int, data, 
     from drafters.vocab import coverage, frequent_tokens, restrict_vocab, speculate_vocab
 
     if size == 0:
-        return {"size": 0, "of": drafter.config.vocab_size, "per_step": speculate_vocab(drafter, None, candidates, rank).summary()}
+        return {
+            "size": 0,
+            "of": drafter.config.vocab_size,
+            "per_step": speculate_vocab(drafter, None, candidates, rank).summary(),
+        }
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    key = hashlib.sha256(json.dumps([target_fingerprint(target), data.model_dump(mode="json"), seed, prompts,
-                                     prompt_tokens, new_tokens, sampling]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                target_fingerprint(target),
+                data.model_dump(mode="json"),
+                seed,
+                prompts,
+                prompt_tokens,
+                new_tokens,
+                sampling,
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     answers = cache_dir() / "draft_vocab" / f"{key}.jsonl"
     if not answers.exists():
         cut = corpus_prompts(load_text_splits(data, seed).train, prompts, prompt_tokens, tokenizer, seed + 1)
-        answer_prompts(target, tokenizer, cut, answers, max_new_tokens=new_tokens, batch_size=32, seed=seed,
-                       desc="draft vocabulary: the target answers train-split prompts", **sampling)
+        answer_prompts(
+            target,
+            tokenizer,
+            cut,
+            answers,
+            max_new_tokens=new_tokens,
+            batch_size=32,
+            seed=seed,
+            desc="draft vocabulary: the target answers train-split prompts",
+            **sampling,
+        )
     tokens = [t for line in answers.read_text().splitlines() for t in json.loads(line)["response_ids"]]
     counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=drafter.config.vocab_size)
     ids = frequent_tokens(counts, size)
-    record = {"size": len(ids), "of": drafter.config.vocab_size, "counted_tokens": len(tokens),
-              "source": f"the target's answers to {prompts} train-split prompts at T = {temperature}",
-              "coverage": round(coverage(ids, counts), 4)}
+    record = {
+        "size": len(ids),
+        "of": drafter.config.vocab_size,
+        "counted_tokens": len(tokens),
+        "source": f"the target's answers to {prompts} train-split prompts at T = {temperature}",
+        "coverage": round(coverage(ids, counts), 4),
+    }
     if candidates:
         return {**record, "per_step": speculate_vocab(drafter, ids, candidates, rank).summary()}
     restrict_vocab(drafter, ids)
@@ -140,60 +181,115 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
     vocab = dec.vocab
     if (vocab.size or vocab.candidates) and not isinstance(getattr(drafter, "lm_head", None), torch.nn.Linear):
         key = f"decoding.vocab.{'size' if vocab.size else 'candidates'}"  # the target drafting for itself: refused with the recipe
-        raise RecipeError(f"{key}: a draft vocabulary restricts a drafter's own output head (an lm_head Linear); this "
-                          f"drafter, {drafter.config.model_type!r}, has none")
+        raise RecipeError(
+            f"{key}: a draft vocabulary restricts a drafter's own output head (an lm_head Linear); this "
+            f"drafter, {drafter.config.model_type!r}, has none"
+        )
     if vocab.size > len(tokenizer):
-        raise RecipeError(f"decoding.vocab.size = {vocab.size} exceeds the target's vocabulary ({len(tokenizer)} tokens)")
+        raise RecipeError(
+            f"decoding.vocab.size = {vocab.size} exceeds the target's vocabulary ({len(tokenizer)} tokens)"
+        )
     if vocab.candidates:
         head = drafter.lm_head.weight.shape
         if vocab.candidates > head[0] or vocab.rank > min(head):
-            raise RecipeError(f"decoding.vocab.candidates = {vocab.candidates} / decoding.vocab.rank = {vocab.rank} do "
-                              f"not fit the drafter's {head[0]} x {head[1]} output head")
+            raise RecipeError(
+                f"decoding.vocab.candidates = {vocab.candidates} / decoding.vocab.rank = {vocab.rank} do "
+                f"not fit the drafter's {head[0]} x {head[1]} output head"
+            )
     try:  # what a device or a drafter cannot serve; a target drafting for itself with head / all was refused with the recipe
-        backend = backend_for(dec.backend, device, drafter, same, int8=dec.cpu.int8, prepack=dec.cpu.prepack,
-                              compile=dec.cpu.compile)
+        backend = backend_for(
+            dec.backend, device, drafter, same, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile
+        )
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if dec.ssd.enabled and dec.ssd.concurrent and device != "cpu":
-        raise RecipeError("decoding.ssd.concurrent runs the drafter in a CPU worker process on a core of its own; on "
-                          f"{device} set decoding.ssd.concurrent: false (inline)")
+        raise RecipeError(
+            "decoding.ssd.concurrent runs the drafter in a CPU worker process on a core of its own; on "
+            f"{device} set decoding.ssd.concurrent: false (inline)"
+        )
     if dec.batches.sizes and max(dec.batches.sizes) > len(encoded):
-        raise RecipeError(f"decoding.batches.sizes: {max(dec.batches.sizes)} rows need at least as many prompts, "
-                          f"the recipe has {len(encoded)}")
+        raise RecipeError(
+            f"decoding.batches.sizes: {max(dec.batches.sizes)} rows need at least as many prompts, "
+            f"the recipe has {len(encoded)}"
+        )
     if dry_run:
         return {"prompts": len(encoded), "drafter": drafter.config.model_type}
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
     eos = tokenizer.eos_token_id
-    vocab_record = draft_vocabulary(
-        drafter, target, tokenizer, vocab.size, vocab.prompts, recipe.data, recipe.seed,
-        recipe.prompts.prompt_tokens, dec.max_new_tokens, dec.temperature, dec.top_p, dec.top_k,
-        vocab.candidates, vocab.rank) if vocab.size or vocab.candidates else None
+    vocab_record = (
+        draft_vocabulary(
+            drafter,
+            target,
+            tokenizer,
+            vocab.size,
+            vocab.prompts,
+            recipe.data,
+            recipe.seed,
+            recipe.prompts.prompt_tokens,
+            dec.max_new_tokens,
+            dec.temperature,
+            dec.top_p,
+            dec.top_k,
+            vocab.candidates,
+            vocab.rank,
+        )
+        if vocab.size or vocab.candidates
+        else None
+    )
     if vocab_record is None and getattr(drafter.config, "draft_vocab_size", None):  # trained or exported with one
-        vocab_record = {"size": drafter.config.draft_vocab_size, "of": drafter.config.vocab_size,
-                        "source": "the drafter's own (saved with it)"}
-    records = backend.prepare(target, drafter, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batches.sizes))
+        vocab_record = {
+            "size": drafter.config.draft_vocab_size,
+            "of": drafter.config.vocab_size,
+            "source": "the drafter's own (saved with it)",
+        }
+    records = backend.prepare(
+        target, drafter, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batches.sizes)
+    )
 
     # warm-up: first calls pay for allocations and lazy initialisation
     plain_generate(target, encoded[0], 4, eos, backend=backend)
-    speculative_generate(target, drafter, encoded[0], 4, eos, backend=backend,
-                         proposer=make_proposer(drafter, draft_length=dec.drafter.draft_length,
-                                                draft_recurrence=dec.drafter.draft_recurrence,
-                                                parallel=dec.drafter.parallel_drafts, backend=backend))
+    speculative_generate(
+        target,
+        drafter,
+        encoded[0],
+        4,
+        eos,
+        backend=backend,
+        proposer=make_proposer(
+            drafter,
+            draft_length=dec.drafter.draft_length,
+            draft_recurrence=dec.drafter.draft_recurrence,
+            parallel=dec.drafter.parallel_drafts,
+            backend=backend,
+        ),
+    )
 
     def sampler(prompt_index: int) -> Sampler:  # the same seeds for both loops
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)
         return Sampler(dec.temperature, dec.top_k, dec.top_p, gen)
 
     budgets = dec.tree_budgets if dec.mode == "tree" else [None]
-    calibration = Calibration() if dec.batches.sizes and dec.budget.adaptive else None  # the chain's, lent to the batches
+    calibration = (
+        Calibration() if dec.batches.sizes and dec.budget.adaptive else None
+    )  # the chain's, lent to the batches
     served = [] if recipe.record_served else None  # what the first configuration served (online adaptation)
-    runs = [measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None, backend)
-            for i, budget in enumerate(budgets)]
+    runs = [
+        measure(target, drafter, encoded, dec, eos, sampler, budget, calibration, served if i == 0 else None, backend)
+        for i, budget in enumerate(budgets)
+    ]
     if served is not None:  # with the texts, as regenerate writes them (the token ids are what training reads)
-        write_jsonl_atomic(out / "served.jsonl", [{**row, "prompt": tokenizer.decode(row["prompt_ids"]),
-                                                   "response": tokenizer.decode(row["response_ids"], skip_special_tokens=True)}
-                                                  for row in served])
+        write_jsonl_atomic(
+            out / "served.jsonl",
+            [
+                {
+                    **row,
+                    "prompt": tokenizer.decode(row["prompt_ids"]),
+                    "response": tokenizer.decode(row["response_ids"], skip_special_tokens=True),
+                }
+                for row in served
+            ],
+        )
     report = {
         "target": recipe.target.path,
         "drafter": recipe.drafter,
@@ -217,64 +313,97 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
     if len(runs) > 1:
         report["by_budget"] = [{k: r[k] for k in ("tree_budget", "tau", "speedup", "tokens_per_s")} for r in runs]
     if dec.batches.sizes:
-        report["by_batch"] = measure_batches(target, drafter, encoded, dec, eos, sampler, dec.batches.sizes, calibration, backend)
+        report["by_batch"] = measure_batches(
+            target, drafter, encoded, dec, eos, sampler, dec.batches.sizes, calibration, backend
+        )
     if recipe.peer_assistant and dec.temperature == 0:
-        report["peer_transformers_assisted"] = measure_assisted(target, recipe.peer_assistant, encoded, dec, eos, device)
+        report["peer_transformers_assisted"] = measure_assisted(
+            target, recipe.peer_assistant, encoded, dec, eos, device
+        )
     if recipe.peer_prompt_lookup and dec.temperature == 0:  # drafter-free: n-grams of the prompt and output so far
-        report["peer_prompt_lookup"] = {"tokens": recipe.peer_prompt_lookup, **measure_generate_peer(
-            target, encoded, dec, eos, prompt_lookup_num_tokens=recipe.peer_prompt_lookup)}
+        report["peer_prompt_lookup"] = {
+            "tokens": recipe.peer_prompt_lookup,
+            **measure_generate_peer(target, encoded, dec, eos, prompt_lookup_num_tokens=recipe.peer_prompt_lookup),
+        }
     for key in ("peer_transformers_assisted", "peer_prompt_lookup"):
         if key in report:  # our loop's tokens/s over the peer's, measured in this run
             report[key]["ours_over_peer"] = round(report["tokens_per_s"] / report[key]["tokens_per_s"], 4)
     write_json_atomic(out / "report.json", report)
-    plot_acceptance(report["acceptance_by_position"], report["tau"], out / "acceptance_by_position.png",
-                    f"{report['drafter_kind']}, {dec.mode}")
+    plot_acceptance(
+        report["acceptance_by_position"],
+        report["tau"],
+        out / "acceptance_by_position.png",
+        f"{report['drafter_kind']}, {dec.mode}",
+    )
     if len(runs) > 1:
         plot_budgets(report["by_budget"], out / "tau_speedup_by_budget.png")
-    print(f"\n== eval ({report['drafter_kind']}, {dec.mode}, T={dec.temperature}, {len(encoded)} prompts, "
-          f"{dec.max_new_tokens} new tokens, {report['torch_threads']} thread(s), {device}) ==")
+    print(
+        f"\n== eval ({report['drafter_kind']}, {dec.mode}, T={dec.temperature}, {len(encoded)} prompts, "
+        f"{dec.max_new_tokens} new tokens, {report['torch_threads']} thread(s), {device}) =="
+    )
     for key in ("tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless"):
         print(f"  {key:<22} {report[key]}")
     print(f"  {'acceptance_by_position':<22} {report['acceptance_by_position']}")
     split = report["time_split"]
-    print(f"  {'time split':<22} draft {split['draft_fraction']:.0%}, verify {split['verify_fraction']:.0%}, "
-          f"other {1 - split['draft_fraction'] - split['verify_fraction']:.0%}")
+    print(
+        f"  {'time split':<22} draft {split['draft_fraction']:.0%}, verify {split['verify_fraction']:.0%}, "
+        f"other {1 - split['draft_fraction'] - split['verify_fraction']:.0%}"
+    )
     if report.get("adaptive"):
         budget = report["adaptive"]
-        print(f"  {'per-step budget':<22} {budget['mean_verified']} tokens verified per step on average "
-              f"(steps by tokens verified: {budget['verified_histogram']}); draft {budget['draft_ms']} ms")
+        print(
+            f"  {'per-step budget':<22} {budget['mean_verified']} tokens verified per step on average "
+            f"(steps by tokens verified: {budget['verified_histogram']}); draft {budget['draft_ms']} ms"
+        )
         for key in ("predicted", "measured"):
             row = budget[key]
             print(f"  {'  ' + key:<22} tau {row['tau']}, {row['step_ms']} ms a step, {row['tokens_per_s']} tokens/s")
     for key, name in (("peer_transformers_assisted", "transformers assisted"), ("peer_prompt_lookup", "prompt lookup")):
         if key in report:
             peer = report[key]
-            print(f"  {name:<22} speedup {peer['speedup']} over generate, tokens/s {peer['tokens_per_s']} "
-                  f"(ours {peer['ours_over_peer']}x that), same as greedy: {peer['same_as_greedy']}")
+            print(
+                f"  {name:<22} speedup {peer['speedup']} over generate, tokens/s {peer['tokens_per_s']} "
+                f"(ours {peer['ours_over_peer']}x that), same as greedy: {peer['same_as_greedy']}"
+            )
     if "kv_quality" in report:
         q = report["kv_quality"]
-        print(f"  {'kv cache ' + q['format']:<22} {q['bytes_per_token']['quantized']} vs {q['bytes_per_token']['full']} bytes "
-              f"a token; NLL {q['nll']['quantized']} vs {q['nll']['full']}; outputs equal to full precision's for "
-              f"{q['same_tokens_share']:.1%} of tokens; plain decoding {q['plain_tokens_per_s']['quantized']} vs "
-              f"{q['plain_tokens_per_s']['full']} tokens/s")
+        print(
+            f"  {'kv cache ' + q['format']:<22} {q['bytes_per_token']['quantized']} vs {q['bytes_per_token']['full']} bytes "
+            f"a token; NLL {q['nll']['quantized']} vs {q['nll']['full']}; outputs equal to full precision's for "
+            f"{q['same_tokens_share']:.1%} of tokens; plain decoding {q['plain_tokens_per_s']['quantized']} vs "
+            f"{q['plain_tokens_per_s']['full']} tokens/s"
+        )
     if "ssd" in report:
         ssd, sd = report["ssd"], report["ssd"]["speculative_decoding"]
-        print(f"  {'ssd':<22} {'concurrent' if ssd['concurrent'] else 'inline'}: hit rate {ssd['hit_rate']:.0%} "
-              f"({ssd['mean_drafts_on_hit']} drafts a hit), {ssd['over_speculative_decoding']}x plain speculative "
-              f"decoding (tau {sd['tau']}, speedup {sd['speedup']}); bonus in the top F: {ssd['bonus_in_top_f']}")
+        print(
+            f"  {'ssd':<22} {'concurrent' if ssd['concurrent'] else 'inline'}: hit rate {ssd['hit_rate']:.0%} "
+            f"({ssd['mean_drafts_on_hit']} drafts a hit), {ssd['over_speculative_decoding']}x plain speculative "
+            f"decoding (tau {sd['tau']}, speedup {sd['speedup']}); bonus in the top F: {ssd['bonus_in_top_f']}"
+        )
         if "modeled_separate_device_speedup" in ssd:
-            print(f"  {'  drafter apart':<22} modeled speedup {ssd['modeled_separate_device_speedup']} "
-                  f"(verify {ssd['verify_ms']} ms, speculate {ssd['speculate_ms']} ms a step)")
+            print(
+                f"  {'  drafter apart':<22} modeled speedup {ssd['modeled_separate_device_speedup']} "
+                f"(verify {ssd['verify_ms']} ms, speculate {ssd['speculate_ms']} ms a step)"
+            )
     for row in report.get("by_batch", []):
         scheduler = row["scheduler"] or {}
-        print(f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
-              f"tokens/s batched plain, speedup {row['speedup']:.3f} ({row['rounds']} x ABBA; halves "
-              f"{' / '.join(map(str, row['speedup_halves']))}), "
-              f"lossless {row['lossless']}"
-              + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else "")
-              + (f", a copy read in {scheduler['copied_fraction']:.0%} of row-steps" if "copied_fraction" in scheduler else "")
-              + (f" (predicted {scheduler['predicted_speedup']:.2f}, margin {scheduler['up_front_margin']})"
-                 if "up_front_margin" in scheduler else ""))
+        print(
+            f"  batch {row['batch']:>4}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} vs {row['baseline_tokens_per_s']:.1f} "
+            f"tokens/s batched plain, speedup {row['speedup']:.3f} ({row['rounds']} x ABBA; halves "
+            f"{' / '.join(map(str, row['speedup_halves']))}), "
+            f"lossless {row['lossless']}"
+            + (f", drafted {scheduler['drafted_fraction']:.0%} of steps" if scheduler else "")
+            + (
+                f", a copy read in {scheduler['copied_fraction']:.0%} of row-steps"
+                if "copied_fraction" in scheduler
+                else ""
+            )
+            + (
+                f" (predicted {scheduler['predicted_speedup']:.2f}, margin {scheduler['up_front_margin']})"
+                if "up_front_margin" in scheduler
+                else ""
+            )
+        )
     for row in report.get("by_budget", []):
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
     print(f"wrote {out / 'report.json'}")
@@ -309,11 +438,15 @@ def measure_kv_quality(target, encoded, dec, eos, sampler, backend) -> dict:
         agree = next((j for j, (a, b) in enumerate(zip(full, quantized)) if a != b), min(len(full), len(quantized)))
         same, tokens, identical = same + agree, tokens + len(full), identical + (full == quantized)
     scored = positions - len(encoded)
-    return {"format": dec.kv.format, "rotate": dec.kv.rotate,
-            "bytes_per_token": {k: round(v / positions, 1) for k, v in nbytes.items()},
-            "nll": {k: round(v / scored, 4) for k, v in nll.items()},
-            "same_tokens_share": round(same / max(1, tokens), 4), "identical_outputs": f"{identical}/{len(encoded)}",
-            "plain_tokens_per_s": {k: round(counts[k] / seconds[k], 2) for k in seconds}}
+    return {
+        "format": dec.kv.format,
+        "rotate": dec.kv.rotate,
+        "bytes_per_token": {k: round(v / positions, 1) for k, v in nbytes.items()},
+        "nll": {k: round(v / scored, 4) for k, v in nll.items()},
+        "same_tokens_share": round(same / max(1, tokens), 4),
+        "identical_outputs": f"{identical}/{len(encoded)}",
+        "plain_tokens_per_s": {k: round(counts[k] / seconds[k], 2) for k in seconds},
+    }
 
 
 def measure_assisted(target, assistant_path: str, encoded, dec, eos, device) -> dict:
@@ -333,15 +466,19 @@ def measure_generate_peer(target, encoded, dec, eos, **peer_kwargs) -> dict:
     same = True
     for prompt in encoded:
         t0 = time.perf_counter()
-        plain = target.generate(prompt[None], **common)[0, prompt.shape[0]:]
+        plain = target.generate(prompt[None], **common)[0, prompt.shape[0] :]
         t1 = time.perf_counter()
-        peer = target.generate(prompt[None], **peer_kwargs, **common)[0, prompt.shape[0]:]
+        peer = target.generate(prompt[None], **peer_kwargs, **common)[0, prompt.shape[0] :]
         t2 = time.perf_counter()
         same &= torch.equal(plain, peer)
         base_tokens, tokens = base_tokens + plain.numel(), tokens + peer.numel()
         base_seconds, seconds = base_seconds + t1 - t0, seconds + t2 - t1
-    return {"tokens_per_s": round(tokens / seconds, 2), "generate_tokens_per_s": round(base_tokens / base_seconds, 2),
-            "speedup": round((tokens / seconds) / (base_tokens / base_seconds), 4), "same_as_greedy": same}
+    return {
+        "tokens_per_s": round(tokens / seconds, 2),
+        "generate_tokens_per_s": round(base_tokens / base_seconds, 2),
+        "speedup": round((tokens / seconds) / (base_tokens / base_seconds), 4),
+        "same_as_greedy": same,
+    }
 
 
 def plot_budgets(rows: list[dict], path: Path) -> None:

@@ -47,8 +47,16 @@ TRAIN = "recipes/configs/dflash_testbed.yaml"
 def _eval(out: Path, drafter: str, prompts: int, tokens: int, *overrides: str) -> dict:
     from recipes import evaluate
 
-    recipe = load_recipe(EVAL, [f"output_dir={out}", f"drafter={drafter}", f"prompts.from_corpus={prompts}",
-                                f"decoding.max_new_tokens={tokens}", *overrides])
+    recipe = load_recipe(
+        EVAL,
+        [
+            f"output_dir={out}",
+            f"drafter={drafter}",
+            f"prompts.from_corpus={prompts}",
+            f"decoding.max_new_tokens={tokens}",
+            *overrides,
+        ],
+    )
     return evaluate.main(recipe)
 
 
@@ -56,10 +64,16 @@ def lossless(out: Path, quick: bool) -> dict:
     """Every shipped drafter in every greedy mode equals plain decoding; T = 1 runs."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     prompts, tokens = (2, 12) if quick else (8, 64)
-    modes = {"chain": [], "tree": ["decoding.mode=tree", "decoding.tree_budgets=[8]"],
-             "tree_lookup": ["decoding.mode=tree", "decoding.tree_budgets=[8]", "decoding.lookup.tokens=10"],
-             "batch4": [f"decoding.batches.sizes=[{min(4, prompts)}]", "decoding.lookup.tokens=7"],  # copies: chain and batch
-             "chain_t1": ["decoding.temperature=1.0"]}
+    modes = {
+        "chain": [],
+        "tree": ["decoding.mode=tree", "decoding.tree_budgets=[8]"],
+        "tree_lookup": ["decoding.mode=tree", "decoding.tree_budgets=[8]", "decoding.lookup.tokens=10"],
+        "batch4": [
+            f"decoding.batches.sizes=[{min(4, prompts)}]",
+            "decoding.lookup.tokens=7",
+        ],  # copies: chain and batch
+        "chain_t1": ["decoding.temperature=1.0"],
+    }
     rows = {}
     for kind, folder in SHIPPED_DRAFTERS.items():
         for mode, extra in modes.items():
@@ -80,23 +94,51 @@ def train(out: Path, quick: bool, compile: bool = False) -> dict:
 
     steps = 3 if quick else (150 if compile else 300)
     mixed = "bf16" if torch.cuda.is_available() else "no"  # bf16 on a CPU is the slow path: rehearse in fp32
-    recipe = load_recipe(TRAIN, [f"output_dir={out}", "regenerate=null", "features.mode=online", "features.cache_dir=null",
-                                 f"train.mixed_precision='{mixed}'", f"train.max_steps={steps}", f"train.eval_every={steps}",
-                                 f"train.save_every={steps}", "train.eval_batches=2", "train.resume=false",
-                                 f"train.micro_batch_size={2 if quick else 32}", "drafter.init_from=null", f"train.compile={compile}",
-                                 *(["data.max_documents=40"] if quick else [])])
+    recipe = load_recipe(
+        TRAIN,
+        [
+            f"output_dir={out}",
+            "regenerate=null",
+            "features.mode=online",
+            "features.cache_dir=null",
+            f"train.mixed_precision='{mixed}'",
+            f"train.max_steps={steps}",
+            f"train.eval_every={steps}",
+            f"train.save_every={steps}",
+            "train.eval_batches=2",
+            "train.resume=false",
+            f"train.micro_batch_size={2 if quick else 32}",
+            "drafter.init_from=null",
+            f"train.compile={compile}",
+            *(["data.max_documents=40"] if quick else []),
+        ],
+    )
     summary = train_drafter.main(recipe)
-    return {"passed": True, "mixed_precision": mixed, "steps": summary["steps"], "tokens_per_s": summary["tokens_per_s"],
-            "mfu": summary["mfu"], "val_simulated_tau": summary.get("val_simulated_tau")}
+    return {
+        "passed": True,
+        "mixed_precision": mixed,
+        "steps": summary["steps"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "mfu": summary["mfu"],
+        "val_simulated_tau": summary.get("val_simulated_tau"),
+    }
 
 
 def evaluate(out: Path, quick: bool) -> dict:
     """The shipped DFlash drafter, chain and tree, against plain decoding."""
     prompts, tokens = (2, 12) if quick else (16, 128)
     folder = str(SHIPPED_DRAFTERS["dflash"])
-    rows = {"chain": _eval(out / "chain", folder, prompts, tokens),
-            "tree": _eval(out / "tree", folder, prompts, tokens, "decoding.mode=tree",
-                          "decoding.tree_budgets=[8]" if quick else "decoding.tree_budgets=[8, 16, 32]")}
+    rows = {
+        "chain": _eval(out / "chain", folder, prompts, tokens),
+        "tree": _eval(
+            out / "tree",
+            folder,
+            prompts,
+            tokens,
+            "decoding.mode=tree",
+            "decoding.tree_budgets=[8]" if quick else "decoding.tree_budgets=[8, 16, 32]",
+        ),
+    }
     passed = all(r["lossless"] for r in rows.values())
     if torch.cuda.is_available():  # bf16 target and drafter: the serving dtype; verifying k tokens and decoding one
         # at a time round differently in bf16, so its equality with plain decoding is reported, not required
@@ -114,14 +156,28 @@ STEPS = {"lossless": lossless, "train": train, "train_compiled": train_compiled,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.gpu_check", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/gpu_check", help="folder for the runs and summary.json (default: %(default)s)")
-    parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
-                        help="auto: the GPU, or say there is none and exit 0; cpu: rehearse on the CPU")
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.gpu_check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", default="runs/gpu_check", help="folder for the runs and summary.json (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu"],
+        default="auto",
+        help="auto: the GPU, or say there is none and exit 0; cpu: rehearse on the CPU",
+    )
     parser.add_argument("--quick", action="store_true", help="toy sizes (prompts, tokens, steps): a rehearsal")
-    parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=None,
-                        help="which steps (default: all; on a CPU all but train_compiled, a minute of compiling)")
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        choices=list(STEPS),
+        default=None,
+        help="which steps (default: all; on a CPU all but train_compiled, a minute of compiling)",
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps or [s for s in STEPS if args.device == "auto" or s != "train_compiled"]
     if args.device == "cpu":

@@ -23,7 +23,9 @@ def curve(run: Path, metric: str, x: str) -> list[tuple[float, float]]:
         if metric not in r:
             continue
         seconds = r.get("train_seconds", r["step"] * per_step)
-        points.append((seconds / 60 if x == "minutes" else r.get("tokens_seen", 0) if x == "tokens" else r["step"], r[metric]))
+        points.append(
+            (seconds / 60 if x == "minutes" else r.get("tokens_seen", 0) if x == "tokens" else r["step"], r[metric])
+        )
     return points
 
 

@@ -30,7 +30,9 @@ import torch
 from distill.base.decoding import CpuSection
 from distill.config.flags import add_flags, flags, given
 
-CPU_FLAGS = flags(CpuSection, "decoding.cpu.", strip="decoding.")  # the eval's own: --cpu-int8, --cpu-prepack, --cpu-compile
+CPU_FLAGS = flags(
+    CpuSection, "decoding.cpu.", strip="decoding."
+)  # the eval's own: --cpu-int8, --cpu-prepack, --cpu-compile
 
 
 def _timed(obj, name: str, label, totals: dict, calls: collections.Counter, undo: list, active=lambda: True) -> None:
@@ -57,17 +59,24 @@ def _report(run: dict, what: str) -> dict:
     """Print and return one setting's times per speculative step."""
     steps, totals, calls = run["steps"], run["totals"], run["calls"]
     plain_ms = 1e3 * run["plain_s"] / run["plain_tokens"]
-    report = {"plain_step_ms": round(plain_ms, 3), "spec_step_ms": round(1e3 * run["spec_s"] / steps, 3),
-              "tokens_per_step": round(run["spec_tokens"] / steps, 3),
-              "speedup": round((run["spec_tokens"] / run["spec_s"]) / (run["plain_tokens"] / run["plain_s"]), 4),
-              "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in totals.items()}}
-    print(f"plain step {plain_ms:.3f} ms; speculative step {report['spec_step_ms']:.3f} ms for "
-          f"{report['tokens_per_step']:.2f} tokens ({report['spec_step_ms'] / plain_ms:.2f} plain steps); "
-          f"speedup {report['speedup']:.3f} ({what})")
+    report = {
+        "plain_step_ms": round(plain_ms, 3),
+        "spec_step_ms": round(1e3 * run["spec_s"] / steps, 3),
+        "tokens_per_step": round(run["spec_tokens"] / steps, 3),
+        "speedup": round((run["spec_tokens"] / run["spec_s"]) / (run["plain_tokens"] / run["plain_s"]), 4),
+        "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in totals.items()},
+    }
+    print(
+        f"plain step {plain_ms:.3f} ms; speculative step {report['spec_step_ms']:.3f} ms for "
+        f"{report['tokens_per_step']:.2f} tokens ({report['spec_step_ms'] / plain_ms:.2f} plain steps); "
+        f"speedup {report['speedup']:.3f} ({what})"
+    )
     rest = report["spec_step_ms"] - sum(report["ms_per_step"][k] for k in totals if not k.startswith(" "))
     for label, ms in [*report["ms_per_step"].items(), ("the rest (the loop's own work)", rest)]:
-        print(f"  {label:30s} {ms:7.3f} ms a step = {ms / plain_ms:.3f} plain steps"
-              + (f"  ({calls[label]} calls)" if label in calls else ""))
+        print(
+            f"  {label:30s} {ms:7.3f} ms a step = {ms / plain_ms:.3f} plain steps"
+            + (f"  ({calls[label]} calls)" if label in calls else "")
+        )
     return report
 
 
@@ -79,15 +88,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts, the first a warm-up")
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
     add_flags(parser, CPU_FLAGS, {f.key: "the recipe's" for f in CPU_FLAGS})  # decoding.cpu.*: --cpu-int8, ...
-    parser.add_argument("--attention", choices=["kernel", "sdpa", "both"], default="kernel",
-                        help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
-                             "alternated prompt by prompt in this process (default: kernel)")
-    parser.add_argument("--batch", type=int, default=0,
-                        help="profile batched decoding instead: all the recipe's prompts through this many slots "
-                             "(plain, speculative, speculative, plain, as the eval runs them)")
-    parser.add_argument("--forward", choices=["lean", "module", "both"], default="lean",
-                        help="the target's forward: as served (serve_eval.cpu.lean's walk where it applies), the model's own, "
-                             "or both, alternated prompt by prompt in this process (default: lean)")
+    parser.add_argument(
+        "--attention",
+        choices=["kernel", "sdpa", "both"],
+        default="kernel",
+        help="the target's attention: as served (our kernel where it builds), torch's sdpa, or both, "
+        "alternated prompt by prompt in this process (default: kernel)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="profile batched decoding instead: all the recipe's prompts through this many slots "
+        "(plain, speculative, speculative, plain, as the eval runs them)",
+    )
+    parser.add_argument(
+        "--forward",
+        choices=["lean", "module", "both"],
+        default="lean",
+        help="the target's forward: as served (serve_eval.cpu.lean's walk where it applies), the model's own, "
+        "or both, alternated prompt by prompt in this process (default: lean)",
+    )
     args = parser.parse_args(argv)
     if args.attention == "both" and args.forward == "both":
         parser.error("--attention both and --forward both: one A/B at a time")
@@ -120,13 +141,19 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
-    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:None if args.batch else args.prompts]
+    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[
+        : None if args.batch else args.prompts
+    ]
     dec = recipe.decoding
     backend = CpuBackend(drafter, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile)
-    backend.prepare(target, drafter, prompts, max_new, sampled=args.temperature > 0, rows=(args.batch,) if args.batch else ())
+    backend.prepare(
+        target, drafter, prompts, max_new, sampled=args.temperature > 0, rows=(args.batch,) if args.batch else ()
+    )
     compiled = backend.compile
     if args.batch:
-        return _profile_batch(args, target, drafter, prompts, dec.model_copy(update={"max_new_tokens": max_new}), undo, backend)
+        return _profile_batch(
+            args, target, drafter, prompts, dec.model_copy(update={"max_new_tokens": max_new}), undo, backend
+        )
     served = target.config._attn_implementation  # the served attention (serve_eval.cpu.attention where it builds)
     drafters = {served: (drafter, backend)}
     if args.attention != "kernel" and served != "sdpa":  # the same drafter on sdpa (its graph traces what it calls)
@@ -138,7 +165,9 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
     proposer_class = type(proposers.make_proposer(drafter))
     for name in ("propose", "observe"):
         _timed(proposer_class, name, f"proposer.{name}", totals, calls, undo)
-    if proposer_class is proposers.BlockProposer and compiled == "off":  # compiled, the draft is one graph: timed as a whole
+    if (
+        proposer_class is proposers.BlockProposer and compiled == "off"
+    ):  # compiled, the draft is one graph: timed as a whole
         for name in ("decode_hidden", "propose"):
             for each, _ in drafters.values():
                 _timed(each, name, f"  drafter.{name}", totals, calls, undo)
@@ -166,19 +195,39 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
     runs = {}
     for label in settings:  # each setting its own cost table
         _, served_by = setting(label)
-        budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture,
-                                                    backend=served_by), loop_offset=True)
-        runs[label] = {"budget": budget, "totals": collections.defaultdict(float), "calls": collections.Counter(),
-                       "plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "steps": 0}
+        budget = Budget(
+            timing.measure_verify_costs(
+                target, timing.verify_sizes(drafter.config.block_size), capture, backend=served_by
+            ),
+            loop_offset=True,
+        )
+        runs[label] = {
+            "budget": budget,
+            "totals": collections.defaultdict(float),
+            "calls": collections.Counter(),
+            "plain_s": 0.0,
+            "spec_s": 0.0,
+            "plain_tokens": 0,
+            "spec_tokens": 0,
+            "steps": 0,
+        }
     for i, prompt in enumerate(prompts):
-        for label in settings[::1 if i % 2 else -1]:  # alternated, so that a drifting machine moves both alike
+        for label in settings[:: 1 if i % 2 else -1]:  # alternated, so that a drifting machine moves both alike
             run = runs[label]
             sampler = lambda: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731, B023  (called within the iteration)
             each, served_by = setting(label)
             _, plain = loop.plain_generate(target, prompt, max_new, None, sampler(), backend=served_by)
             speculating[0] = True
-            _, spec = loop.speculative_generate(target, each, prompt, max_new, None, sampler(), backend=served_by,  # the warm-up
-                                                  budget=run["budget"] if i else None)  # without the budget: first calls are slow
+            _, spec = loop.speculative_generate(
+                target,
+                each,
+                prompt,
+                max_new,
+                None,
+                sampler(),
+                backend=served_by,  # the warm-up
+                budget=run["budget"] if i else None,
+            )  # without the budget: first calls are slow
             speculating[0] = False
             if i:  # after the warm-up
                 for key, value in totals.items():
@@ -192,13 +241,20 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
             totals.clear()
             calls.clear()
     target.config._attn_implementation = served
-    reports = {label: _report(run, f"{args.prompts - 1} prompts after a warm-up, T = {args.temperature}, "
-                                   f"attention {variants[label][0]}, forward {variants[label][1]}")
-               for label, run in runs.items()}
+    reports = {
+        label: _report(
+            run,
+            f"{args.prompts - 1} prompts after a warm-up, T = {args.temperature}, "
+            f"attention {variants[label][0]}, forward {variants[label][1]}",
+        )
+        for label, run in runs.items()
+    }
     if len(reports) > 1:
         a, b = reports.values()
-        print(f"speedup {' / '.join(settings)}: {a['speedup']:.3f} / {b['speedup']:.3f}; plain step {' / '.join(settings)}: "
-              f"{a['plain_step_ms'] / b['plain_step_ms']:.3f}, speculative step {a['spec_step_ms'] / b['spec_step_ms']:.3f}")
+        print(
+            f"speedup {' / '.join(settings)}: {a['speedup']:.3f} / {b['speedup']:.3f}; plain step {' / '.join(settings)}: "
+            f"{a['plain_step_ms'] / b['plain_step_ms']:.3f}, speculative step {a['spec_step_ms'] / b['spec_step_ms']:.3f}"
+        )
     return reports[settings[0]]
 
 
@@ -218,17 +274,25 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list, backend) -> 
     sampler = lambda i: Sampler(temperature=args.temperature, generator=torch.Generator().manual_seed(i))  # noqa: E731
     calibration = Calibration()  # lent to the batches, as the eval lends its one-row run's
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
-    budget = Budget(timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture, backend=backend),
-                    calibration=calibration)
+    budget = Budget(
+        timing.measure_verify_costs(target, timing.verify_sizes(drafter.config.block_size), capture, backend=backend),
+        calibration=calibration,
+    )
     for i, prompt in enumerate(prompts):
-        loop.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget, backend=backend)
+        loop.speculative_generate(
+            target, drafter, prompt, dec.max_new_tokens, None, sampler(i), budget=budget, backend=backend
+        )
     running = [None]  # "plain" or "speculative" while a timed run decodes
     totals: dict[tuple[str, str], float] = collections.defaultdict(float)  # (loop, part) -> seconds
     calls: collections.Counter = collections.Counter()
     by_rows: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])  # rows -> tokens, seconds, steps
     active = lambda: running[0] is not None  # noqa: E731
-    for obj, name, part in ((TargetSession, "prefill", "prefills"), (TargetSession, "step", "target steps"),
-                            (BlockProposer, "propose", "draft"), (Budget, "choose_rows", "scheduler.choose")):
+    for obj, name, part in (
+        (TargetSession, "prefill", "prefills"),
+        (TargetSession, "step", "target steps"),
+        (BlockProposer, "propose", "draft"),
+        (Budget, "choose_rows", "scheduler.choose"),
+    ):
         _timed(obj, name, lambda *_, part=part: (running[0], part), totals, calls, undo, active)
 
     inner = measure.generate  # a whole run (plain without a proposer), and the flag that lets the part timers count
@@ -245,6 +309,7 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list, backend) -> 
             return out
         finally:
             running[0] = None
+
     measure.generate = run
     record = Budget.record_step
     undo.append(lambda: setattr(Budget, "record_step", record))
@@ -253,27 +318,48 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list, backend) -> 
         cell = by_rows[rows]
         cell[0], cell[1], cell[2] = cell[0] + kept + rows, cell[1] + seconds, cell[2] + 1
         return record(self, rows, drafted, kept, seconds)
+
     Budget.record_step = counted
 
     row = measure.measure_batches(target, drafter, prompts, dec, None, sampler, [args.batch], calibration, backend)[0]
+
     def per(kind, part, count="run"):  # seconds of `part` per run (or per call of `count`) of one loop
         return totals[kind, part] / max(1, calls[kind, count])
 
-    parts = {part: round(1e3 * per("speculative", part, "target steps"), 3) for part in ("target steps", "draft", "scheduler.choose")}
+    parts = {
+        part: round(1e3 * per("speculative", part, "target steps"), 3)
+        for part in ("target steps", "draft", "scheduler.choose")
+    }
     parts["the rest (the loop's own work)"] = round(
-        1e3 * (totals["speculative", "run"] - totals["speculative", "prefills"]) / max(1, calls["speculative", "target steps"])
-        - sum(parts.values()), 3)
-    report = {"batch": args.batch, "prompts": len(prompts), "speedup": row["speedup"], "tau": row["tau"],
-              "plain_s": round(per("plain", "run"), 3), "spec_s": round(per("speculative", "run"), 3),
-              "prefills_s": {kind: round(per(kind, "prefills"), 3) for kind in ("plain", "speculative")},
-              "plain_step_ms": round(1e3 * per("plain", "target steps", "target steps"), 3),
-              "ms_per_spec_step": parts,
-              "by_rows": {rows: {"steps": cell[2], "tokens_per_s": round(cell[0] / cell[1], 1) if cell[1] else 0.0}
-                          for rows, cell in sorted(by_rows.items())}}
-    print(f"batch {args.batch} ({len(prompts)} prompts, {args.batch} slots, T = {args.temperature}): a run "
-          f"{report['plain_s']:.3f} s plain, {report['spec_s']:.3f} s speculative; speedup {row['speedup']:.3f} (tau {row['tau']:.3f} a row)")
-    print(f"  prefills a run: plain {report['prefills_s']['plain']:.3f} s, speculative {report['prefills_s']['speculative']:.3f} s; "
-          f"a plain step {report['plain_step_ms']:.3f} ms")
+        1e3
+        * (totals["speculative", "run"] - totals["speculative", "prefills"])
+        / max(1, calls["speculative", "target steps"])
+        - sum(parts.values()),
+        3,
+    )
+    report = {
+        "batch": args.batch,
+        "prompts": len(prompts),
+        "speedup": row["speedup"],
+        "tau": row["tau"],
+        "plain_s": round(per("plain", "run"), 3),
+        "spec_s": round(per("speculative", "run"), 3),
+        "prefills_s": {kind: round(per(kind, "prefills"), 3) for kind in ("plain", "speculative")},
+        "plain_step_ms": round(1e3 * per("plain", "target steps", "target steps"), 3),
+        "ms_per_spec_step": parts,
+        "by_rows": {
+            rows: {"steps": cell[2], "tokens_per_s": round(cell[0] / cell[1], 1) if cell[1] else 0.0}
+            for rows, cell in sorted(by_rows.items())
+        },
+    }
+    print(
+        f"batch {args.batch} ({len(prompts)} prompts, {args.batch} slots, T = {args.temperature}): a run "
+        f"{report['plain_s']:.3f} s plain, {report['spec_s']:.3f} s speculative; speedup {row['speedup']:.3f} (tau {row['tau']:.3f} a row)"
+    )
+    print(
+        f"  prefills a run: plain {report['prefills_s']['plain']:.3f} s, speculative {report['prefills_s']['speculative']:.3f} s; "
+        f"a plain step {report['plain_step_ms']:.3f} ms"
+    )
     for label, ms in parts.items():
         print(f"  {label:30s} {ms:7.3f} ms a speculative step = {ms / report['plain_step_ms']:.3f} plain steps")
     for rows, cell in report["by_rows"].items():

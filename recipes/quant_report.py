@@ -35,8 +35,14 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quant_report(rows: list[dict], out_dir: str | Path, metric: str, columns: list[str], title: str,
-                 summary: list[dict] | None = None) -> dict:
+def quant_report(
+    rows: list[dict],
+    out_dir: str | Path,
+    metric: str,
+    columns: list[str],
+    title: str,
+    summary: list[dict] | None = None,
+) -> dict:
     """Write ``quant_report.json``, ``quant_report.md`` and, for several variants, ``quant_report.png``
     (the primary metric against packed bytes) into ``out_dir``; return the report."""
     from distill.provenance import write_json_atomic
@@ -60,17 +66,34 @@ def plot_report(rows: list[dict], metric: str, path: Path, title: str) -> None:
     with saved_figure(path) as (_, ax):
         own = any(r.get("own_packed_bytes", r["packed_bytes"]) != r["packed_bytes"] for r in rows)  # drafters
         size = "own_packed_bytes" if own else "packed_bytes"
-        markers = {"full": ("*", "black"), "full_ft": ("*", "grey"), "ptq": ("o", "#d8703b"), "ptq_ft": ("s", "#d8a03b"),
-                   "qat": ("^", "#3b7dd8")}
+        markers = {
+            "full": ("*", "black"),
+            "full_ft": ("*", "grey"),
+            "ptq": ("o", "#d8703b"),
+            "ptq_ft": ("s", "#d8a03b"),
+            "qat": ("^", "#3b7dd8"),
+        }
         for kind, (marker, color) in markers.items():
             pts = [r for r in rows if r["model"] == kind and r.get(metric) is not None]
             if pts:
-                ax.scatter([r[size] / 1e6 for r in pts], [r[metric] for r in pts], marker=marker, color=color,
-                           s=60, label=kind, zorder=3)
+                ax.scatter(
+                    [r[size] / 1e6 for r in pts],
+                    [r[metric] for r in pts],
+                    marker=marker,
+                    color=color,
+                    s=60,
+                    label=kind,
+                    zorder=3,
+                )
                 for r in pts:
                     if kind in ("qat", "ptq") and r.get("variant") not in (None, "-"):  # one label per point pair
-                        ax.annotate(r["variant"], (r[size] / 1e6, r[metric]), fontsize=7,
-                                    xytext=(3, 3), textcoords="offset points")
+                        ax.annotate(
+                            r["variant"],
+                            (r[size] / 1e6, r[metric]),
+                            fontsize=7,
+                            xytext=(3, 3),
+                            textcoords="offset points",
+                        )
         ax.set_xlabel("packed size (MB)" + (", without the shared embeddings and LM head" if own else ""))
         ax.set_ylabel(metric)
         ax.set_title(textwrap.fill(title, 80), fontsize=8)

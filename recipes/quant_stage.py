@@ -61,8 +61,16 @@ class QuantStage:
         if self.section.mode == "qat":
             self._fake_quant(step)
 
-    def finish(self, model: nn.Module, evaluate_fn: Callable[[nn.Module], dict], out_dir: str | Path, metric: str,
-               tokenizer=None, exclude_from_bytes: Iterable[str] = (), is_main_process: bool = True) -> dict | None:
+    def finish(
+        self,
+        model: nn.Module,
+        evaluate_fn: Callable[[nn.Module], dict],
+        out_dir: str | Path,
+        metric: str,
+        tokenizer=None,
+        exclude_from_bytes: Iterable[str] = (),
+        is_main_process: bool = True,
+    ) -> dict | None:
         """Quantize a copy of the trained ``model`` (convert after QAT, PTQ otherwise), evaluate it (every
         process: evaluations reduce across them), save it and write the report (main process); returns
         the rows for the recipe's ``summary.json``."""
@@ -81,11 +89,18 @@ class QuantStage:
             rows.append({"model": "full", **self._measure(model, evaluate_fn, exclude_from_bytes)})
             quantized = copy.deepcopy(model)
             ptq(quantized, sec, self.plan)
-        rows.append({"model": "qat" if sec.mode == "qat" else "ptq", **self._measure(quantized, evaluate_fn, exclude_from_bytes)})
+        rows.append(
+            {
+                "model": "qat" if sec.mode == "qat" else "ptq",
+                **self._measure(quantized, evaluate_fn, exclude_from_bytes),
+            }
+        )
         for r in rows:
             r["variant"] = sec.scheme if not sec.layers else f"{sec.scheme} + map"
         if is_main_process:
-            save_quantized(quantized, out / "model_quantized", self.plan, {"mode": sec.mode, "scheme": sec.scheme}, tokenizer)
+            save_quantized(
+                quantized, out / "model_quantized", self.plan, {"mode": sec.mode, "scheme": sec.scheme}, tokenizer
+            )
             columns = ["model", "variant", "bytes", "packed_bytes", metric]
             quant_report(rows, out, metric, columns, f"{sec.mode}: {sec.scheme} (group {sec.group_size})")
             print((out / "quant_report.md").read_text(), flush=True)

@@ -99,8 +99,11 @@ class Subject:
             splits = load_text_splits(r.data, r.seed)
             self.train = make_windows(splits.train, self.tokenizer, r.data, "train", r.seed)
             self.val = make_windows(splits.val, self.tokenizer, r.data, "val", r.seed)
-        self.data_record = {"description": splits.description, "data_fingerprint": splits.fingerprint,
-                            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer)}
+        self.data_record = {
+            "description": splits.description,
+            "data_fingerprint": splits.fingerprint,
+            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer),
+        }
         self.prompts = self._encode_prompts() if r.measure.prompts else []
 
     def _encode_prompts(self) -> list[torch.Tensor]:
@@ -152,9 +155,14 @@ class Subject:
             speculative_generate(self.target, model, self.prompts[0], 4, eos)  # warm-up
             dec = DecodingSection(max_new_tokens=m.max_new_tokens, temperature=0.0, mode="chain")
             r = measure(self.target, model, self.prompts, dec, eos, lambda i: Sampler(), None)
-            return {"measured_tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
-                    "baseline_tokens_per_s": r["baseline_tokens_per_s"], "speedup": r["speedup"],
-                    "lossless": r["lossless"], "draft_fraction": r["time_split"]["draft_fraction"]}
+            return {
+                "measured_tau": r["tau"],
+                "tokens_per_s": r["tokens_per_s"],
+                "baseline_tokens_per_s": r["baseline_tokens_per_s"],
+                "speedup": r["speedup"],
+                "lossless": r["lossless"],
+                "draft_fraction": r["time_split"]["draft_fraction"],
+            }
         # each prompt is decoded by the given model and by the full-precision one back to back, so load on
         # a shared machine hits both alike: speed_vs_full is the robust number, tokens_per_s the raw one
         self.model.eval()
@@ -168,8 +176,12 @@ class Subject:
             ref_tokens, ref_seconds = ref_tokens + ref.tokens, ref_seconds + ref.total_seconds
             sample = sample or self.tokenizer.decode(out)[:120]
         speed, ref_speed = tokens / seconds, ref_tokens / ref_seconds
-        return {"tokens_per_s": round(speed, 2), "full_tokens_per_s": round(ref_speed, 2),
-                "speed_vs_full": round(speed / ref_speed, 4), "sample": sample}
+        return {
+            "tokens_per_s": round(speed, 2),
+            "full_tokens_per_s": round(ref_speed, 2),
+            "speed_vs_full": round(speed / ref_speed, 4),
+            "sample": sample,
+        }
 
 
 SCHEMA = QuantizeRecipe
@@ -187,17 +199,26 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:  # noqa: PLR091
         plans[name] = resolve_layer_map(model, spec, key=f"variants.{name}")
         check_hardware(plans[name], key=f"variants.{name}")
     if dry_run:
-        return {"kind": "drafter" if subject.is_drafter else "lm", "metric": subject.metric,
-                "variants": {n: p.to_json()["counts"] for n, p in plans.items()}}
+        return {
+            "kind": "drafter" if subject.is_drafter else "lm",
+            "metric": subject.metric,
+            "variants": {n: p.to_json()["counts"] for n, p in plans.items()},
+        }
 
     out = Path(recipe.output_dir)
     acc = make_accelerator(recipe.train, recipe.seed, out, recipe.wandb)
     if acc.num_processes > 1:
-        raise RecipeError("recipe 'quantize' runs in one process (it measures decoding speed): launch it without "
-                          "accelerate/torchrun")
+        raise RecipeError(
+            "recipe 'quantize' runs in one process (it measures decoding speed): launch it without accelerate/torchrun"
+        )
     subject.load_data(acc)
-    write_run_header(out, recipe, data=subject.data_record, kind="drafter" if subject.is_drafter else "lm",
-                     plans={n: p.to_json() for n, p in plans.items()})
+    write_run_header(
+        out,
+        recipe,
+        data=subject.data_record,
+        kind="drafter" if subject.is_drafter else "lm",
+        plans={n: p.to_json() for n, p in plans.items()},
+    )
     init_tracking(acc, recipe.wandb, out, recipe.model_dump(mode="json"), out.name)
     metric = subject.metric
     steps = recipe.train.max_steps
@@ -207,20 +228,40 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:  # noqa: PLR091
         m.eval()
         with torch.no_grad():
             metrics = metrics or subject.evaluate(m)
-        row = {"variant": variant, "model": model_kind, "extra_steps": extra_steps, **model_bytes(m),
-               "own_packed_bytes": model_bytes(m, subject.exclude)["packed_bytes"], **metrics, **subject.decode(m)}
+        row = {
+            "variant": variant,
+            "model": model_kind,
+            "extra_steps": extra_steps,
+            **model_bytes(m),
+            "own_packed_bytes": model_bytes(m, subject.exclude)["packed_bytes"],
+            **metrics,
+            **subject.decode(m),
+        }
         row["eval_seconds"] = round(time.perf_counter() - t0, 1)
-        print(f"[quantize] {variant:>10} {model_kind:<8} {metric}={row[metric]:.4f}"
-              + (f" measured_tau={row['measured_tau']:.3f}" if "measured_tau" in row else "")
-              + f" packed={row['packed_bytes'] / 1e6:.2f} MB", flush=True)
+        print(
+            f"[quantize] {variant:>10} {model_kind:<8} {metric}={row[metric]:.4f}"
+            + (f" measured_tau={row['measured_tau']:.3f}" if "measured_tau" in row else "")
+            + f" packed={row['packed_bytes'] / 1e6:.2f} MB",
+            flush=True,
+        )
         return row
 
     def finetune(m, folder: Path, before_step=None):
         ft_acc = make_accelerator(recipe.train, recipe.seed, folder)  # own checkpoints, same seed and data order
-        trainer = Trainer(accelerator=ft_acc, model=m, train_cfg=recipe.train, optim_cfg=recipe.optim,
-                          output_dir=folder, data=subject.train, loss_fn=subject.loss_fn,
-                          evaluate_fn=lambda mm: subject.evaluate(mm, ft_acc), flops_per_token=subject.flops_per_token(m),
-                          best_metric=metric, greater_is_better=subject.greater, before_step=before_step)
+        trainer = Trainer(
+            accelerator=ft_acc,
+            model=m,
+            train_cfg=recipe.train,
+            optim_cfg=recipe.optim,
+            output_dir=folder,
+            data=subject.train,
+            loss_fn=subject.loss_fn,
+            evaluate_fn=lambda mm: subject.evaluate(mm, ft_acc),
+            flops_per_token=subject.flops_per_token(m),
+            best_metric=metric,
+            greater_is_better=subject.greater,
+            before_step=before_step,
+        )
         result = trainer.fit()
         return ft_acc.unwrap_model(trainer.model, keep_torch_compile=False), result
 
@@ -243,22 +284,33 @@ def main(recipe: QuantizeRecipe, dry_run: bool = False) -> dict:  # noqa: PLR091
             rows.append(measure_row(q, "ptq_ft", name, steps))
         qat_model = copy.deepcopy(model)
         prepare_qat(qat_model, spec, plan)
-        qat_model, result = finetune(qat_model, out / name / "qat",
-                                     before_step=fake_quant_hook(qat_model, recipe.fake_quant_after_steps))
+        qat_model, result = finetune(
+            qat_model, out / name / "qat", before_step=fake_quant_hook(qat_model, recipe.fake_quant_after_steps)
+        )
         set_fake_quant(qat_model, True)
         fake_metric = result.final_eval.get(metric)
         convert(qat_model, spec, plan)
         row = measure_row(qat_model, "qat", name, steps)
         row[f"fake_quant_{metric}"] = fake_metric
         rows.append(row)
-        save_quantized(qat_model, out / name / "model_quantized", plan,
-                       {"scheme": spec.scheme, "group_size": spec.group_size, "source": recipe.model, "qat_steps": steps},
-                       subject.tokenizer)
+        save_quantized(
+            qat_model,
+            out / name / "model_quantized",
+            plan,
+            {"scheme": spec.scheme, "group_size": spec.group_size, "source": recipe.model, "qat_steps": steps},
+            subject.tokenizer,
+        )
 
     ### Report
     result = write_report(recipe, rows, out, subject.is_drafter)
-    acc.log({f"quant/{r['variant']}/{r['model']}/{k}": v for r in rows for k, v in r.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    acc.log(
+        {
+            f"quant/{r['variant']}/{r['model']}/{k}": v
+            for r in rows
+            for k, v in r.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+    )
     if recipe.wandb.enabled and acc.is_main_process:  # the tables themselves, as wandb tables
         import wandb
 
@@ -273,13 +325,21 @@ def write_report(recipe: QuantizeRecipe, rows: list[dict], out: Path, is_drafter
     """The per-row table, the per-variant summary (gap, recovered), the plot and ``summary.json``."""
     metric = "val_simulated_tau" if is_drafter else "val_loss"
     min_gap = recipe.min_gap if recipe.min_gap is not None else 0.01
-    summary = [variant_summary(name, spec, rows, metric, is_drafter, min_gap) for name, spec in recipe.variants.items()
-               if any(r["variant"] == name for r in rows)]
+    summary = [
+        variant_summary(name, spec, rows, metric, is_drafter, min_gap)
+        for name, spec in recipe.variants.items()
+        if any(r["variant"] == name for r in rows)
+    ]
     columns = ["variant", "model", "extra_steps", "bytes", "packed_bytes", "own_packed_bytes", metric]
-    columns += (["val_tau_probabilistic", "measured_tau", "tokens_per_s", "speedup", "lossless"] if is_drafter
-                else ["val_ppl", "val_acc", "tokens_per_s", "speed_vs_full"])
-    title = (f"{'drafter' if is_drafter else 'LM'} {recipe.model}: full vs PTQ vs QAT ({recipe.train.max_steps} QAT steps; "
-             f"recovered shown where |gap| >= {min_gap})")
+    columns += (
+        ["val_tau_probabilistic", "measured_tau", "tokens_per_s", "speedup", "lossless"]
+        if is_drafter
+        else ["val_ppl", "val_acc", "tokens_per_s", "speed_vs_full"]
+    )
+    title = (
+        f"{'drafter' if is_drafter else 'LM'} {recipe.model}: full vs PTQ vs QAT ({recipe.train.max_steps} QAT steps; "
+        f"recovered shown where |gap| >= {min_gap})"
+    )
     report = quant_report(rows, out, metric, [c for c in columns if any(c in r for r in rows)], title, summary)
     print((out / "quant_report.md").read_text())
     result = {"report": str(out / "quant_report.md"), "metric": metric, "min_gap": min_gap, "summary": summary}
@@ -298,16 +358,29 @@ def variant_summary(name: str, spec, rows: list[dict], metric: str, is_drafter: 
         return None if None in (full, base) or abs(full - base) < min_gap else _round(recovered(full, base, qat))
 
     full, base = (value("full_ft"), value("ptq_ft")) if matched else (value("full"), value("ptq"))
-    out = {"variant": name, "scheme": spec.scheme + (" + map" if spec.layers else ""), "group_size": spec.group_size,
-           "packed_MB": round(get["qat"]["packed_bytes"] / 1e6, 3), "own_packed_MB": round(get["qat"]["own_packed_bytes"] / 1e6, 3),
-           f"full {metric}": value("full"), f"full_ft {metric}": value("full_ft"), f"ptq {metric}": value("ptq"),
-           f"ptq_ft {metric}": value("ptq_ft"), f"qat {metric}": value("qat"),
-           "gap": None if None in (full, base) else round(full - base, 4),
-           "recovered": share(full, base, value("qat")),
-           "recovered_vs_original": share(value("full"), value("ptq"), value("qat"))}
+    out = {
+        "variant": name,
+        "scheme": spec.scheme + (" + map" if spec.layers else ""),
+        "group_size": spec.group_size,
+        "packed_MB": round(get["qat"]["packed_bytes"] / 1e6, 3),
+        "own_packed_MB": round(get["qat"]["own_packed_bytes"] / 1e6, 3),
+        f"full {metric}": value("full"),
+        f"full_ft {metric}": value("full_ft"),
+        f"ptq {metric}": value("ptq"),
+        f"ptq_ft {metric}": value("ptq_ft"),
+        f"qat {metric}": value("qat"),
+        "gap": None if None in (full, base) else round(full - base, 4),
+        "recovered": share(full, base, value("qat")),
+        "recovered_vs_original": share(value("full"), value("ptq"), value("qat")),
+    }
     if is_drafter and value("qat", "measured_tau") is not None:  # a few hundred drafts: too noisy for a ratio
-        out.update({f"measured_tau {kind}": value(kind, "measured_tau") for kind in ("full", "full_ft", "ptq", "ptq_ft", "qat")
-                    if kind in get})
+        out.update(
+            {
+                f"measured_tau {kind}": value(kind, "measured_tau")
+                for kind in ("full", "full_ft", "ptq", "ptq_ft", "qat")
+                if kind in get
+            }
+        )
     return out
 
 

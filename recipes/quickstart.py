@@ -49,7 +49,9 @@ from recipes.registry import load_recipe
 
 def _training_record(target_dir: Path) -> tuple[dict, DataConfig]:
     """The target's training summary and data section, as its training run recorded them."""
-    summary_file = next((f for f in (target_dir / "training_summary.json", target_dir.parent / "summary.json") if f.exists()), None)
+    summary_file = next(
+        (f for f in (target_dir / "training_summary.json", target_dir.parent / "summary.json") if f.exists()), None
+    )
     recipe_file = next((f for f in (target_dir / "recipe.yaml", target_dir.parent / "recipe.yaml") if f.exists()), None)
     if summary_file is None or recipe_file is None:
         raise FileNotFoundError(f"{target_dir} has no training record (recipe.yaml and training_summary.json)")
@@ -92,7 +94,9 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
     metrics = evaluate_lm(model, val, 8, recipe.target.eval_batches)
     target = {
         "checkpoint": str(target_dir),
-        "source": "trained in this run" if trained_now else "shipped (trained once by recipes/configs/testbed_target.yaml)",
+        "source": "trained in this run"
+        if trained_now
+        else "shipped (trained once by recipes/configs/testbed_target.yaml)",
         "parameters": model_summary(model)["parameters"],
         "val_loss": round(metrics["val_loss"], 4),
         "val_ppl": round(metrics["val_ppl"], 3),
@@ -128,8 +132,12 @@ def main(recipe: QuickstartRecipe, dry_run: bool = False) -> dict:
     if recipe.drafter.enabled and recipe.eval.enabled:
         from recipes import evaluate
 
-        overrides = [f"output_dir={out / 'eval'}", f"drafter={summary['drafter']['checkpoint']}",
-                     f"target.path={target_dir}", *recipe.eval.overrides]
+        overrides = [
+            f"output_dir={out / 'eval'}",
+            f"drafter={summary['drafter']['checkpoint']}",
+            f"target.path={target_dir}",
+            *recipe.eval.overrides,
+        ]
         report = evaluate.main(load_recipe(recipe.eval.recipe, overrides))
         summary["eval"] = {k: v for k, v in report.items() if k != "per_prompt"}
         summary["eval"]["report"] = str(out / "eval" / "report.json")
@@ -156,13 +164,20 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
     stage = recipe.shipped_drafter
     folder = SHIPPED_DRAFTERS[stage.kind]
     if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"no shipped {stage.kind} drafter at {folder}; train and ship it (see its recipe header) "
-                                f"or set shipped_drafter.enabled=false")
+        raise FileNotFoundError(
+            f"no shipped {stage.kind} drafter at {folder}; train and ship it (see its recipe header) "
+            f"or set shipped_drafter.enabled=false"
+        )
     shipped = json.loads((folder / "results.json").read_text()) if (folder / "results.json").exists() else {}
     budget = stage.tree_budget or best_tree_budget(shipped)
     evaluation = json.loads((folder / "evaluation.json").read_text())  # on its held-out answers, at shipping
-    section = {"checkpoint": str(folder), "kind": stage.kind, "simulated_tau": round(evaluation["val_simulated_tau"], 4),
-               "block_tau": round(evaluation["val_block_tau"], 4), "tree_budget": budget}
+    section = {
+        "checkpoint": str(folder),
+        "kind": stage.kind,
+        "simulated_tau": round(evaluation["val_simulated_tau"], 4),
+        "block_tau": round(evaluation["val_block_tau"], 4),
+        "tree_budget": budget,
+    }
     # chain and tree with per-step budgets (the default); the chain once more verifying every draft, the
     # decoding the simulated tau replays, so the two compare
     tree = ["decoding.mode=tree", f"decoding.tree_budgets=[{budget}]"]
@@ -171,12 +186,29 @@ def stage_shipped_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path)
         lookup = f"decoding.lookup.tokens={stage.lookup}"
         runs += [("chain_lookup", [lookup]), ("tree_lookup", [*tree, lookup])]
     for mode, extra in runs:
-        overrides = [f"output_dir={out / 'shipped_drafter' / mode}", f"drafter={folder}", f"target.path={target_dir}",
-                     *extra, *stage.overrides]
+        overrides = [
+            f"output_dir={out / 'shipped_drafter' / mode}",
+            f"drafter={folder}",
+            f"target.path={target_dir}",
+            *extra,
+            *stage.overrides,
+        ]
         report = evaluate.main(load_recipe(stage.recipe, overrides))
-        section[mode] = {k: report[k] for k in ("tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "lossless",
-                                                "acceptance_by_position", "time_split", "prompts", "max_new_tokens",
-                                                "torch_threads")}
+        section[mode] = {
+            k: report[k]
+            for k in (
+                "tau",
+                "speedup",
+                "tokens_per_s",
+                "baseline_tokens_per_s",
+                "lossless",
+                "acceptance_by_position",
+                "time_split",
+                "prompts",
+                "max_new_tokens",
+                "torch_threads",
+            )
+        }
         section[f"{mode}_tau"], section[f"{mode}_speedup"] = report["tau"], report["speedup"]
     section["simulated_minus_measured_tau"] = round(section["simulated_tau"] - section["chain_full_draft_tau"], 4)
     return section
@@ -214,24 +246,41 @@ def stage_drafter(recipe: QuickstartRecipe, out: Path, target_dir: Path) -> dict
 def stage_export(recipe: QuickstartRecipe, out: Path, target_dir: Path, summary: dict) -> dict:
     from recipes import export
 
-    overrides = [f"output_dir={out / 'export'}", f"drafter={summary['drafter']['checkpoint']}", f"target.path={target_dir}"]
+    overrides = [
+        f"output_dir={out / 'export'}",
+        f"drafter={summary['drafter']['checkpoint']}",
+        f"target.path={target_dir}",
+    ]
     if "eval" in summary:
         overrides.append(f"eval_reports=[{summary['eval']['report']}]")
     try:
         manifest = export.export_drafter(load_recipe(recipe.export.recipe, overrides + list(recipe.export.overrides)))
     except export.ExportRefused as e:
         gate = e.gate or {}
-        return {"refused": True, "folder": None, "gate": {k: gate.get(k) for k in ("passed", "failed", "measured_tau",
-                                                                                   "simulated_tau", "logits_max_abs_diff")}}
+        return {
+            "refused": True,
+            "folder": None,
+            "gate": {
+                k: gate.get(k) for k in ("passed", "failed", "measured_tau", "simulated_tau", "logits_max_abs_diff")
+            },
+        }
     gate = manifest["gate"]
     return {
         "folder": str(out / "export"),
-        "formats": {fmt: str(out / "export" / rec["folder"]) if rec["folder"] else f"not exported: {rec['not_exported']}"
-                    for fmt, rec in manifest["formats"].items()},
+        "formats": {
+            fmt: str(out / "export" / rec["folder"]) if rec["folder"] else f"not exported: {rec['not_exported']}"
+            for fmt, rec in manifest["formats"].items()
+        },
         "gate_passed": gate["passed"],
-        "gate": {"passed": gate["passed"], "failed": gate["failed"], "measured_tau": gate["measured_tau"],
-                 "simulated_tau": gate["simulated_tau"], "logits_max_abs_diff": gate["logits_max_abs_diff"],
-                 "speedup": gate["checks"]["acceptance"].get("speedup"), "lossless": gate["checks"]["acceptance"]["lossless"]},
+        "gate": {
+            "passed": gate["passed"],
+            "failed": gate["failed"],
+            "measured_tau": gate["measured_tau"],
+            "simulated_tau": gate["simulated_tau"],
+            "logits_max_abs_diff": gate["logits_max_abs_diff"],
+            "speedup": gate["checks"]["acceptance"].get("speedup"),
+            "lossless": gate["checks"]["acceptance"]["lossless"],
+        },
         "model_card": str(out / "export" / "README.md"),
         "seconds": manifest["seconds"],
     }

@@ -155,7 +155,11 @@ def default_text(info: FieldInfo) -> str:
         except Exception:  # a section with required keys: every key is the factory's
             plain = {}
         changed = {k: v for k, v in value.model_dump(mode="json").items() if plain.get(k, PydanticUndefined) != v}
-        return "its defaults" if not changed else "its defaults, but " + ", ".join(f"`{k}: {_yaml(v)}`" for k, v in changed.items())
+        return (
+            "its defaults"
+            if not changed
+            else "its defaults, but " + ", ".join(f"`{k}: {_yaml(v)}`" for k, v in changed.items())
+        )
     return f"`{_yaml(value)}`"
 
 
@@ -172,8 +176,13 @@ def _first_paragraph(doc: str | None) -> str:
 # ------------------------------------------------------------------------------------ recipe page
 
 
-def _walk(model: type[BaseModel], path: str, recipe: str, seen: dict[type[BaseModel], dict[str, list[str]]],
-          order: list[type[BaseModel]]) -> None:
+def _walk(
+    model: type[BaseModel],
+    path: str,
+    recipe: str,
+    seen: dict[type[BaseModel], dict[str, list[str]]],
+    order: list[type[BaseModel]],
+) -> None:
     """Record every model reachable from ``model`` with the dotted paths where it sits (and the recipe
     kinds that have it there), depth first."""
     for name, info in model.model_fields.items():
@@ -203,21 +212,39 @@ def render_recipes() -> str:
     """docs/reference/recipes.md: every recipe kind, every section and key."""
     from recipes.registry import RECIPES, describe, recipe_module, shipped_configs
 
-    lines = [GENERATED, "", "# Recipe reference", "",
-             "Every recipe is a YAML mapping whose `recipe:` key names one of the kinds below; every other key is",
-             "checked against that kind's schema before anything runs (an unknown key, a wrong type or a value out",
-             "of range is an error naming the key). Override any key on the command line with its dotted path",
-             "(`draftsmith run RECIPE train.max_steps=50 'decoding.tree_budgets=[8, 16]'`). Types are YAML's:",
-             "`a \\| b` is one of the listed values, `null` leaves the key unset, `path` is a file or folder that",
-             "must exist (relative paths are also looked up under the project's root).", "",
-             "## Recipe kinds", "", "| `recipe:` | module | schema | what it runs |", "|---|---|---|---|"]
+    lines = [
+        GENERATED,
+        "",
+        "# Recipe reference",
+        "",
+        "Every recipe is a YAML mapping whose `recipe:` key names one of the kinds below; every other key is",
+        "checked against that kind's schema before anything runs (an unknown key, a wrong type or a value out",
+        "of range is an error naming the key). Override any key on the command line with its dotted path",
+        "(`draftsmith run RECIPE train.max_steps=50 'decoding.tree_budgets=[8, 16]'`). Types are YAML's:",
+        "`a \\| b` is one of the listed values, `null` leaves the key unset, `path` is a file or folder that",
+        "must exist (relative paths are also looked up under the project's root).",
+        "",
+        "## Recipe kinds",
+        "",
+        "| `recipe:` | module | schema | what it runs |",
+        "|---|---|---|---|",
+    ]
     schemas = {name: recipe_module(name).SCHEMA for name in RECIPES}
     for name, schema in schemas.items():
-        lines.append(f"| `{name}` | `{RECIPES[name]}` | [{schema.__name__}](#{schema.__name__.lower()}) | "
-                     f"{_cell(_first_paragraph(schema.__doc__))} |")
-    lines += ["", "## Shipped recipes", "", "`draftsmith run NAME` runs the shipped recipe `NAME.yaml` of `recipes/configs/` from any directory; "
-              "`draftsmith ls` prints this list.", "",
-              "| name | `recipe:` | what it is |", "|---|---|---|"]
+        lines.append(
+            f"| `{name}` | `{RECIPES[name]}` | [{schema.__name__}](#{schema.__name__.lower()}) | "
+            f"{_cell(_first_paragraph(schema.__doc__))} |"
+        )
+    lines += [
+        "",
+        "## Shipped recipes",
+        "",
+        "`draftsmith run NAME` runs the shipped recipe `NAME.yaml` of `recipes/configs/` from any directory; "
+        "`draftsmith ls` prints this list.",
+        "",
+        "| name | `recipe:` | what it is |",
+        "|---|---|---|",
+    ]
     import yaml
 
     for stem, path in shipped_configs().items():
@@ -294,12 +321,22 @@ def render_cli() -> str:
     from recipes.cli import _parser
 
     parser = _parser()
-    lines = [GENERATED, "", "# Command-line reference", "", _cell(parser.description or ""), "",
-             "`draftsmith` is installed into `.venv/bin` by `make install`; `python -m recipes.cli` is the same",
-             "program (the form `accelerate launch ... -m recipes.cli run RECIPE` uses).", ""]
+    lines = [
+        GENERATED,
+        "",
+        "# Command-line reference",
+        "",
+        _cell(parser.description or ""),
+        "",
+        "`draftsmith` is installed into `.venv/bin` by `make install`; `python -m recipes.cli` is the same",
+        "program (the form `accelerate launch ... -m recipes.cli run RECIPE` uses).",
+        "",
+    ]
     subs = _subcommands(parser)
     lines += ["| command | what it does |", "|---|---|"]
-    lines += [f"| [`draftsmith {name}`](#draftsmith-{name}) | {_cell(sub.description or '')} |" for name, sub in subs.items()]
+    lines += [
+        f"| [`draftsmith {name}`](#draftsmith-{name}) | {_cell(sub.description or '')} |" for name, sub in subs.items()
+    ]
     lines.append("")
     for name, sub in subs.items():
         lines += [f"## draftsmith {name}", "", _cell(sub.description or ""), ""]

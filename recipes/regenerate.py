@@ -52,12 +52,25 @@ def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
     if ranks.is_main:
         write_run_header(out, recipe, world_size=ranks.world)
     gen = recipe.generation
-    stats = answer_prompts(target, tokenizer, prompts, out / "data.jsonl", max_new_tokens=gen.max_new_tokens,
-                           temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, batch_size=gen.batch_size,
-                           seed=recipe.seed, server=recipe.server, ranks=ranks)
+    stats = answer_prompts(
+        target,
+        tokenizer,
+        prompts,
+        out / "data.jsonl",
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        batch_size=gen.batch_size,
+        seed=recipe.seed,
+        server=recipe.server,
+        ranks=ranks,
+    )
     summary = {"data": str(out / "data.jsonl"), "world_size": ranks.world, **stats}
     if ranks.is_main:
         write_json_atomic(out / "summary.json", summary)
-        print(f"wrote {stats['records']} responses ({stats['response_tokens']} tokens, {stats['tokens_per_s']} tokens/s) "
-              f"to {out / 'data.jsonl'}")
+        print(
+            f"wrote {stats['records']} responses ({stats['response_tokens']} tokens, {stats['tokens_per_s']} tokens/s) "
+            f"to {out / 'data.jsonl'}"
+        )
     return summary

@@ -92,8 +92,8 @@ def describe(path: Path, width: int = 100) -> str:
         words += text.split()
     text = " ".join(words)
     if ". " in text:
-        text = text[:text.index(". ") + 1]
-    return text if len(text) <= width else text[:width - 3].rstrip() + "..."
+        text = text[: text.index(". ") + 1]
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
 
 
 def schema_table() -> list[dict]:
@@ -101,6 +101,12 @@ def schema_table() -> list[dict]:
     rows = []
     for name, module in RECIPES.items():
         schema = recipe_module(name).SCHEMA
-        rows.append({"recipe": name, "module": module, "schema": schema.__name__,
-                     "summary": (schema.__doc__ or "").strip().split("\n")[0]})
+        rows.append(
+            {
+                "recipe": name,
+                "module": module,
+                "schema": schema.__name__,
+                "summary": (schema.__doc__ or "").strip().split("\n")[0],
+            }
+        )
     return rows

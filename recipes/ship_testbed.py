@@ -110,14 +110,17 @@ def evaluate_shipped(run_dir: Path, folder: Path) -> dict:
     target, tokenizer = load_target(recipe.target)
     drafter = load_drafter(str(folder), target, "cpu")
     _, val, _ = drafter_windows(recipe, target, tokenizer)
-    metrics = evaluate_drafter(drafter, FeatureCapture(target, drafter.config.target_layer_ids), val,
-                               recipe.train.micro_batch_size, None)
+    metrics = evaluate_drafter(
+        drafter, FeatureCapture(target, drafter.config.target_layer_ids), val, recipe.train.micro_batch_size, None
+    )
     return {"held_out_windows": len(val), **metrics}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, nargs="?", help="a train_lm / distill_student run (the target, a PARD drafter)")
+    parser.add_argument(
+        "run_dir", type=Path, nargs="?", help="a train_lm / distill_student run (the target, a PARD drafter)"
+    )
     parser.add_argument("--drafter", type=Path, help="a train_drafter run, shipped for the testbed target")
     parser.add_argument("--eval-report", type=Path, action="append", default=[], help="eval report.json (repeatable)")
     parser.add_argument("--dest", type=Path, default=None)

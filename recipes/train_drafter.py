@@ -89,8 +89,14 @@ def memory_estimate(recipe: TrainDrafterRecipe, target, drafter, launch: Launch 
         "activations": activation_bytes(rows * drafted, cfg.hidden_size, cfg.num_hidden_layers, train.mixed_precision),
         "loss_logits": loss_bytes(held, recipe.drafter.draft_vocab or cfg.vocab_size, "divergence"),
     }
-    return memory_table(parts, launch, train.mixed_precision, loss_positions_held=held, loss_positions_per_batch=positions,
-                        trainable_parameters=sum(p.numel() for p in drafter.parameters() if p.requires_grad))
+    return memory_table(
+        parts,
+        launch,
+        train.mixed_precision,
+        loss_positions_held=held,
+        loss_positions_per_batch=positions,
+        trainable_parameters=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+    )
 
 
 SPLITS = ("train", "val")
@@ -103,7 +109,9 @@ def cache_folder(recipe: TrainDrafterRecipe) -> Path:
 
 def caches_complete(recipe: TrainDrafterRecipe) -> bool:
     """Whether features are offline and both splits' caches are written (their manifests present)."""
-    return recipe.features.mode == "offline" and all((cache_folder(recipe) / s / "manifest.json").exists() for s in SPLITS)
+    return recipe.features.mode == "offline" and all(
+        (cache_folder(recipe) / s / "manifest.json").exists() for s in SPLITS
+    )
 
 
 def frozen_target(recipe: TrainDrafterRecipe, acc, weightless: bool):
@@ -127,23 +135,38 @@ def offline_windows(recipe, acc, capture, target, data_record, train, val):
     fingerprint = target_fingerprint(target)
     expected, build = {}, []
     for split, windows in (("train", train), ("val", val)):
-        expected[split] = {"target_fingerprint": fingerprint, "layer_ids": capture.layer_ids,
-                           "layer_id_convention": LAYER_ID_CONVENTION, "seq_len": windows.seq_len, "split": split,
-                           "num_windows": len(windows),
-                           "dtype": recipe.features.dtype, "tokenizer_fingerprint": data_record["tokenizer_fingerprint"],
-                           "data_fingerprint": data_record["data_fingerprint"]}
-        meta = {k: expected[split][k] for k in ("target_fingerprint", "tokenizer_fingerprint", "data_fingerprint", "split")}
+        expected[split] = {
+            "target_fingerprint": fingerprint,
+            "layer_ids": capture.layer_ids,
+            "layer_id_convention": LAYER_ID_CONVENTION,
+            "seq_len": windows.seq_len,
+            "split": split,
+            "num_windows": len(windows),
+            "dtype": recipe.features.dtype,
+            "tokenizer_fingerprint": data_record["tokenizer_fingerprint"],
+            "data_fingerprint": data_record["data_fingerprint"],
+        }
+        meta = {
+            k: expected[split][k] for k in ("target_fingerprint", "tokenizer_fingerprint", "data_fingerprint", "split")
+        }
         build.append((windows, folder / split, {"target": recipe.target.path, **meta}))
-    data_record["features_by_rank"] = write_feature_caches(capture, build, dtype, batch_size=recipe.train.micro_batch_size,
-                                                           device=acc.device, ranks=Ranks.of(acc))
-    return [CachedFeatureWindows(folder / split, expected[split], recipe.seed, shuffle=windows.shuffle)
-            for split, windows in (("train", train), ("val", val))]
+    data_record["features_by_rank"] = write_feature_caches(
+        capture, build, dtype, batch_size=recipe.train.micro_batch_size, device=acc.device, ranks=Ranks.of(acc)
+    )
+    return [
+        CachedFeatureWindows(folder / split, expected[split], recipe.seed, shuffle=windows.shuffle)
+        for split, windows in (("train", train), ("val", val))
+    ]
 
 
 def cache_summary(recipe: TrainDrafterRecipe, acc, train, val, data_record: dict) -> dict:
     """``features.build_only``: the built caches' summary, written to ``summary.json`` by the main process."""
-    summary = {"feature_cache": str(cache_folder(recipe)), "windows": {"train": len(train), "val": len(val)},
-               "target": recipe.target.path, "features_by_rank": data_record["features_by_rank"]}
+    summary = {
+        "feature_cache": str(cache_folder(recipe)),
+        "windows": {"train": len(train), "val": len(val)},
+        "target": recipe.target.path,
+        "features_by_rank": data_record["features_by_rank"],
+    }
     if acc.is_main_process:
         write_json_atomic(Path(recipe.output_dir) / "summary.json", summary)
     end_run(acc)
@@ -175,8 +198,10 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     target, tokenizer = meta_target(recipe.target) if dry_run else frozen_target(recipe, acc, weightless)
     mask_id = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else tokenizer.mask_token_id
     if mask_id is None and DRAFTERS[recipe.drafter.kind][0].needs_mask_token:
-        raise RecipeError(f"drafter.mask_token_id: the target's tokenizer has no mask token and a {recipe.drafter.kind} drafter "
-                          "needs one; set drafter.mask_token_id to a token id the target does not use (a reserved one)")
+        raise RecipeError(
+            f"drafter.mask_token_id: the target's tokenizer has no mask token and a {recipe.drafter.kind} drafter "
+            "needs one; set drafter.mask_token_id to a token id the target does not use (a reserved one)"
+        )
     with torch.device("meta") if dry_run else contextlib.nullcontext():
         drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
     if weightless:
@@ -184,22 +209,36 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
     quant = QuantStage(recipe.quant, drafter)  # the layer map against this drafter: errors before any compute
     if dry_run:
-        return {"drafter": model_summary(drafter), "target": model_summary(target), "target_layer_ids": drafter.config.target_layer_ids,
-                "quant": quant.summary(), "memory_gib_per_device": memory_estimate(recipe, target, drafter)}
+        return {
+            "drafter": model_summary(drafter),
+            "target": model_summary(target),
+            "target_layer_ids": drafter.config.target_layer_ids,
+            "quant": quant.summary(),
+            "memory_gib_per_device": memory_estimate(recipe, target, drafter),
+        }
 
     ### Data, tokenized with the target's tokenizer; features online or from a cache
     train, val, data_record = drafter_windows(recipe, target, tokenizer, Ranks.of(acc))  # every rank prepares its share
     if recipe.drafter.draft_vocab:  # before any step (and any resume): the tokens the training answers use most
         counts = train.token_counts(drafter.config.vocab_size)
         restrict_vocab(drafter, frequent_tokens(counts, recipe.drafter.draft_vocab))
-        data_record["draft_vocab"] = {"size": recipe.drafter.draft_vocab, "coverage": round(coverage(drafter.draft_vocab.cpu(), counts), 4)}
+        data_record["draft_vocab"] = {
+            "size": recipe.drafter.draft_vocab,
+            "coverage": round(coverage(drafter.draft_vocab.cpu(), counts), 4),
+        }
     if recipe.features.mode == "offline":
         train, val = offline_windows(recipe, acc, capture, target, data_record, train, val)
 
     if acc.is_main_process:
-        write_run_header(recipe.output_dir, recipe, data=data_record, drafter=model_summary(drafter),
-                         target_layer_ids=drafter.config.target_layer_ids, layer_id_convention=LAYER_ID_CONVENTION,
-                         world_size=acc.num_processes)
+        write_run_header(
+            recipe.output_dir,
+            recipe,
+            data=data_record,
+            drafter=model_summary(drafter),
+            target_layer_ids=drafter.config.target_layer_ids,
+            layer_id_convention=LAYER_ID_CONVENTION,
+            world_size=acc.num_processes,
+        )
     if recipe.features.build_only:
         return cache_summary(recipe, acc, train, val, data_record)
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
@@ -212,19 +251,34 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         if block and batch.first_sample is not None:  # anchors: a function of the data position, nothing else
             cfg = drafter.config
             gen = torch.Generator().manual_seed(recipe.seed * 1_000_003 + batch.first_sample)
-            kwargs["anchors"] = sample_anchors(ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], ids.device,
-                                               gen, loss_mask=batch.loss_mask)
+            kwargs["anchors"] = sample_anchors(
+                ids.shape[1], cfg.block_size, cfg.num_anchors, ids.shape[0], ids.device, gen, loss_mask=batch.loss_mask
+            )
         out = model(ids, aux, last, loss_mask=batch.loss_mask, **kwargs)
         scored_tokens = batch.input_ids.numel() if batch.loss_mask is None else batch.loss_mask.sum()
         # real tokens: those the data scores (responses, not prompts or padding); labels: drafted positions with a loss
-        return out.loss, {**(out.logs or {}), "count/scored_tokens": scored_tokens, "count/scored_labels": out.scored.sum()}
+        return out.loss, {
+            **(out.logs or {}),
+            "count/scored_tokens": scored_tokens,
+            "count/scored_labels": out.scored.sum(),
+        }
 
     quant.prepare()  # qat: fake quantization before the optimizer is built
     trainer = Trainer(
-        accelerator=acc, model=drafter, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
-        data=train, loss_fn=loss_fn, flops_per_token=drafter_flops_per_token(drafter, target, recipe.data.seq_len, recipe.features.mode == "online"),
-        evaluate_fn=lambda m: evaluate_drafter(m, capture, val, recipe.train.micro_batch_size, recipe.train.eval_batches, acc),
-        best_metric="val_simulated_tau", greater_is_better=True, save_extra=tokenizer.save_pretrained,
+        accelerator=acc,
+        model=drafter,
+        train_cfg=recipe.train,
+        optim_cfg=recipe.optim,
+        output_dir=recipe.output_dir,
+        data=train,
+        loss_fn=loss_fn,
+        flops_per_token=drafter_flops_per_token(drafter, target, recipe.data.seq_len, recipe.features.mode == "online"),
+        evaluate_fn=lambda m: evaluate_drafter(
+            m, capture, val, recipe.train.micro_batch_size, recipe.train.eval_batches, acc
+        ),
+        best_metric="val_simulated_tau",
+        greater_is_better=True,
+        save_extra=tokenizer.save_pretrained,
         before_step=quant.before_step,
     )
     result = trainer.fit()
@@ -251,8 +305,14 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
     }
     if quant.enabled:  # quant.mode ptq / qat: the quantized drafter in model_quantized/, quant_report.{json,md}
         summary["quant"] = quant.finish(
-            acc.unwrap_model(trainer.model, keep_torch_compile=False), trainer.evaluate_fn, out, "val_simulated_tau", tokenizer,
-            exclude_from_bytes=("embed_tokens", "lm_head"), is_main_process=acc.is_main_process)
+            acc.unwrap_model(trainer.model, keep_torch_compile=False),
+            trainer.evaluate_fn,
+            out,
+            "val_simulated_tau",
+            tokenizer,
+            exclude_from_bytes=("embed_tokens", "lm_head"),
+            is_main_process=acc.is_main_process,
+        )
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
         write_json_atomic(out / "summary.json", summary)

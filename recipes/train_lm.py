@@ -54,11 +54,19 @@ def memory_estimate(recipe: TrainLMRecipe, model, launch: Launch | None = None) 
     train, positions = recipe.train, recipe.train.micro_batch_size * recipe.data.seq_len
     parts = {
         **training_state(model, train.mixed_precision, launch),
-        "activations": activation_bytes(positions, recipe.model.hidden_size, trained_layers(recipe.model), train.mixed_precision),
+        "activations": activation_bytes(
+            positions, recipe.model.hidden_size, trained_layers(recipe.model), train.mixed_precision
+        ),
         "loss_logits": loss_bytes(positions, model.config.vocab_size, "cross_entropy"),
     }
-    return memory_table(parts, launch, train.mixed_precision, loss_positions_held=positions, loss_positions_per_batch=positions,
-                        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return memory_table(
+        parts,
+        launch,
+        train.mixed_precision,
+        loss_positions_held=positions,
+        loss_positions_per_batch=positions,
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+    )
 
 
 def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
@@ -73,8 +81,11 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
         else:
             vocab, ids = recipe.tokenizer.vocab_size, None
         model = build_causal_lm(recipe.model, vocab, ids)
-        return {"model": model_summary(model), "quant": QuantStage(recipe.quant, model).summary(),
-                "memory_gib_per_device": memory_estimate(recipe, model)}
+        return {
+            "model": model_summary(model),
+            "quant": QuantStage(recipe.quant, model).summary(),
+            "memory_gib_per_device": memory_estimate(recipe, model),
+        }
 
     ### Accelerator, data, tokenizer
     acc = make_accelerator(recipe.train, recipe.seed, recipe.output_dir, recipe.wandb)
@@ -85,7 +96,9 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     else:  # training a BPE is one job, not divisible: the main process trains it, the others load it
         with acc.main_process_first():
             tokenizer = build_tokenizer(recipe.tokenizer, splits)
-    train = make_windows(splits.train, tokenizer, recipe.data, "train", recipe.seed, ranks=ranks)  # every rank its shards
+    train = make_windows(
+        splits.train, tokenizer, recipe.data, "train", recipe.seed, ranks=ranks
+    )  # every rank its shards
     val = make_windows(splits.val, tokenizer, recipe.data, "val", recipe.seed, ranks=ranks)
 
     ### Model
@@ -95,16 +108,24 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
     quant.prepare()  # qat: fake quantization before the optimizer is built
 
     ### Run header
-    data_record = {"description": splits.description, "text_fingerprint": splits.fingerprint,
-                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                   "train_windows": len(train), "val_windows": len(val), "seq_len": recipe.data.seq_len,
-                   "tokenized_by_rank": {"train": train.prepared_by_rank, "val": val.prepared_by_rank}}
+    data_record = {
+        "description": splits.description,
+        "text_fingerprint": splits.fingerprint,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "train_windows": len(train),
+        "val_windows": len(val),
+        "seq_len": recipe.data.seq_len,
+        "tokenized_by_rank": {"train": train.prepared_by_rank, "val": val.prepared_by_rank},
+    }
     if acc.is_main_process:
-        write_run_header(recipe.output_dir, recipe, data=data_record, model=model_summary(model),
-                         world_size=acc.num_processes)
+        write_run_header(
+            recipe.output_dir, recipe, data=data_record, model=model_summary(model), world_size=acc.num_processes
+        )
     init_tracking(acc, recipe.wandb, recipe.output_dir, recipe.model_dump(mode="json"), Path(recipe.output_dir).name)
-    acc.print(f"{splits.description}; {len(train):,} train / {len(val):,} held-out windows of {recipe.data.seq_len} tokens; "
-              f"model {model_summary(model)['parameters']:,} parameters; {acc.num_processes} process(es)")
+    acc.print(
+        f"{splits.description}; {len(train):,} train / {len(val):,} held-out windows of {recipe.data.seq_len} tokens; "
+        f"model {model_summary(model)['parameters']:,} parameters; {acc.num_processes} process(es)"
+    )
 
     ### Train (a Parcae model: depth sampling, loop diagnostics and the test-time compute curve)
     parcae_cfg = recipe.model.parcae
@@ -112,30 +133,48 @@ def main(recipe: TrainLMRecipe, dry_run: bool = False) -> dict:
 
     def evaluate(m, max_batches):
         if parcae_cfg:
-            return recurrence_curve(m, val, recipe.train.micro_batch_size, depths, parcae_cfg.mean_recurrence, max_batches, acc)
+            return recurrence_curve(
+                m, val, recipe.train.micro_batch_size, depths, parcae_cfg.mean_recurrence, max_batches, acc
+            )
         return evaluate_lm(m, val, recipe.train.micro_batch_size, max_batches, acc)
 
     trainer = Trainer(
-        accelerator=acc, model=model, train_cfg=recipe.train, optim_cfg=recipe.optim, output_dir=recipe.output_dir,
-        data=train, loss_fn=parcae_lm_loss(recipe.seed) if parcae_cfg else lm_loss, flops_per_token=fpt,
+        accelerator=acc,
+        model=model,
+        train_cfg=recipe.train,
+        optim_cfg=recipe.optim,
+        output_dir=recipe.output_dir,
+        data=train,
+        loss_fn=parcae_lm_loss(recipe.seed) if parcae_cfg else lm_loss,
+        flops_per_token=fpt,
         evaluate_fn=lambda m: evaluate(m, recipe.train.eval_batches),
-        best_metric="val_loss", save_extra=tokenizer.save_pretrained, before_step=quant.before_step,
+        best_metric="val_loss",
+        save_extra=tokenizer.save_pretrained,
+        before_step=quant.before_step,
     )
     result = trainer.fit()
 
     ### Final model, evaluated on the whole held-out split, and summary
-    return finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, {
-        "steps": result.step,
-        "skipped_steps": result.skipped_steps,
-        "world_size": result.world_size,
-        "train_seconds": round(result.train_seconds, 2),
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "mfu": round(result.mfu, 4),
-        "peak_flops": result.peak_flops,
-        "train_tokens_seen": trainer.state.tokens_seen,
-        "epochs": round(train.epoch_of(trainer.state.samples_consumed), 3),
-        "data": data_record,
-    })
+    return finish_lm_run(
+        acc,
+        trainer,
+        evaluate,
+        tokenizer,
+        quant,
+        parcae_cfg,
+        {
+            "steps": result.step,
+            "skipped_steps": result.skipped_steps,
+            "world_size": result.world_size,
+            "train_seconds": round(result.train_seconds, 2),
+            "tokens_per_s": round(result.tokens_per_s, 1),
+            "mfu": round(result.mfu, 4),
+            "peak_flops": result.peak_flops,
+            "train_tokens_seen": trainer.state.tokens_seen,
+            "epochs": round(train.epoch_of(trainer.state.samples_consumed), 3),
+            "data": data_record,
+        },
+    )
 
 
 def finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, record: dict) -> dict:
@@ -146,18 +185,32 @@ def finish_lm_run(acc, trainer, evaluate, tokenizer, quant, parcae_cfg, record: 
     trainer.save_model(out / "model")
     trainer.model.eval()
     final_eval = evaluate(trainer.model, None)
-    summary = {"checkpoint": str(out / "model"), "best_checkpoint": str(out / "checkpoints" / "best"), **record,
-               **final_eval}
+    summary = {
+        "checkpoint": str(out / "model"),
+        "best_checkpoint": str(out / "checkpoints" / "best"),
+        **record,
+        **final_eval,
+    }
     if parcae_cfg:
         summary["recurrence_curve"] = curve_rows(final_eval, parcae_cfg.curve_depths())
     if quant.enabled:  # quant.mode ptq / qat: the quantized copy in model_quantized/, quant_report.{json,md}
-        summary["quant"] = quant.finish(acc.unwrap_model(trainer.model, keep_torch_compile=False), lambda m: evaluate(m, trainer.cfg.eval_batches),
-                                        out, "val_loss", tokenizer, is_main_process=acc.is_main_process)
+        summary["quant"] = quant.finish(
+            acc.unwrap_model(trainer.model, keep_torch_compile=False),
+            lambda m: evaluate(m, trainer.cfg.eval_batches),
+            out,
+            "val_loss",
+            tokenizer,
+            is_main_process=acc.is_main_process,
+        )
     if acc.is_main_process:
         tokenizer.save_pretrained(out / "model")
         if parcae_cfg:
-            plot_recurrence_curve(summary["recurrence_curve"], out / "recurrence_curve.png", parcae_cfg.mean_recurrence,
-                                  f"{out.name}: held-out perplexity vs recurrences")
+            plot_recurrence_curve(
+                summary["recurrence_curve"],
+                out / "recurrence_curve.png",
+                parcae_cfg.mean_recurrence,
+                f"{out.name}: held-out perplexity vs recurrences",
+            )
         write_json_atomic(out / "summary.json", summary)
     end_run(acc)
     return summary

@@ -57,20 +57,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from serve_eval import loop
     from serve_eval.sampling import Sampler
 
-    recipe = load_recipe(args.recipe, [f"drafter={args.drafter}", f"decoding.temperature={args.temperature}"]
-                         + ([f"decoding.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []))
+    recipe = load_recipe(
+        args.recipe,
+        [f"drafter={args.drafter}", f"decoding.temperature={args.temperature}"]
+        + ([f"decoding.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []),
+    )
     dec = recipe.decoding
     set_threads(dec.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
-    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[:args.prompts]
+    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[: args.prompts]
     rows = []
     for name, vocab in entries:
         drafter = load_drafter(recipe.drafter, target, "cpu")  # afresh: each entry changes its head
         record = {}
         if vocab is not None:
-            record = draft_vocabulary(drafter, target, tokenizer, vocab[0], dec.vocab.prompts, recipe.data,
-                                      recipe.seed, recipe.prompts.prompt_tokens, dec.max_new_tokens,
-                                      dec.temperature, dec.top_p, dec.top_k, vocab[1], vocab[2])
+            record = draft_vocabulary(
+                drafter,
+                target,
+                tokenizer,
+                vocab[0],
+                dec.vocab.prompts,
+                recipe.data,
+                recipe.seed,
+                recipe.prompts.prompt_tokens,
+                dec.max_new_tokens,
+                dec.temperature,
+                dec.top_p,
+                dec.top_k,
+                vocab[1],
+                vocab[2],
+            )
         tokens = forwards = 0
         for seed in range(args.seeds if dec.temperature > 0 else 1):
             for i, prompt in enumerate(prompts):
@@ -78,8 +94,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 _, stats = loop.speculative_generate(target, drafter, prompt, dec.max_new_tokens, None, sampler)
                 tokens, forwards = tokens + stats.tokens, forwards + stats.target_forwards - 1  # the prefill emits one
         tau = tokens / forwards
-        rows.append({"vocab": name, "tau": round(tau, 4), "share": round(tau / rows[0]["tau"], 4) if rows else 1.0,
-                     **{k: record[k] for k in ("coverage", "per_step") if k in record}})
+        rows.append(
+            {
+                "vocab": name,
+                "tau": round(tau, 4),
+                "share": round(tau / rows[0]["tau"], 4) if rows else 1.0,
+                **{k: record[k] for k in ("coverage", "per_step") if k in record},
+            }
+        )
         coverage = f"  static coverage {record['coverage']:.3f}" if "coverage" in record else ""
         print(f"{name:>10s}  tau {tau:.3f}  ({rows[-1]['share']:.1%} of {entries[0][0]}){coverage}", flush=True)
     return rows

@@ -36,8 +36,9 @@ class Backend:
 
     name = "torch"
 
-    def prepare(self, target, drafter, prompts=(), max_new_tokens: int = 0, sampled: bool = False,
-                rows: tuple[int, ...] = ()) -> dict:
+    def prepare(
+        self, target, drafter, prompts=(), max_new_tokens: int = 0, sampled: bool = False, rows: tuple[int, ...] = ()
+    ) -> dict:
         """Ready ``target`` and ``drafter`` for decoding ``prompts`` with ``max_new_tokens`` new tokens
         (greedy or ``sampled``, one row and batches of ``rows``). Returns what a report records."""
         return {"backend": self.name, "target_forward": "the model's own"}
@@ -72,8 +73,9 @@ def backend_for(setting: str, device, drafter=None, drafter_is_target: bool = Fa
         raise ValueError(f"decoding.backend = {setting!r}: expected one of {', '.join(BACKENDS)}")
     device = torch.device(device).type
     if setting == "cpu" and device != "cpu":
-        raise ValueError(f"decoding.backend = 'cpu' serves the loop from CPU kernels; the models are on {device} "
-                         "(use auto or torch)")
+        raise ValueError(
+            f"decoding.backend = 'cpu' serves the loop from CPU kernels; the models are on {device} (use auto or torch)"
+        )
     if setting == "torch" or (setting == "auto" and device != "cpu"):
         return TORCH
     from .cpu import CpuBackend

@@ -82,8 +82,13 @@ class CostModel:
     contexts, a drifting machine). ``step_seconds``: batched steps measured at ``rows`` rows, ``n``
     tokens a row (0: a plain step), which scale the table for batches (:meth:`tokens_seconds`)."""
 
-    def __init__(self, verify_costs: dict[int, float], loop_offset: bool = False,
-                 step_seconds: dict[int, float] | None = None, rows: int | None = None):
+    def __init__(
+        self,
+        verify_costs: dict[int, float],
+        loop_offset: bool = False,
+        step_seconds: dict[int, float] | None = None,
+        rows: int | None = None,
+    ):
         if 1 not in verify_costs:
             raise ValueError("verify_costs must include n = 1 (a plain decoding step)")
         self.sizes = sorted(verify_costs)
@@ -135,8 +140,10 @@ class CostModel:
             measured = self.rows
             ratios = sorted(t / self.verify_seconds(measured * m) for m, t in self.step_seconds.items() if m > 1)
             plain = self.step_seconds.get(0)
-            self.scale = {True: ratios[len(ratios) // 2],
-                          False: 1.0 if plain is None else plain / self.verify_seconds(measured)}
+            self.scale = {
+                True: ratios[len(ratios) // 2],
+                False: 1.0 if plain is None else plain / self.verify_seconds(measured),
+            }
         return proxy * self.scale[tokens > rows]
 
     def step_costs(self, rows: int, most: int) -> dict[int, float]:
@@ -221,8 +228,9 @@ class Calibration:
         within a bin broken by ``q`` (a vanishing ``1e-3 log q``): ranking by it ranks by calibrated acceptance."""
         edges = torch.tensor(Q_EDGES[1:-1], dtype=q.dtype, device=q.device)
         centres = [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])]
-        table = torch.tensor([[self.acceptance(c, d + 1) for c in centres] for d in range(q.shape[0])],
-                             dtype=q.dtype, device=q.device)
+        table = torch.tensor(
+            [[self.acceptance(c, d + 1) for c in centres] for d in range(q.shape[0])], dtype=q.dtype, device=q.device
+        )
         return table.gather(1, torch.bucketize(q, edges, right=True)).log() + 1e-3 * q.log()
 
     def count(self, q: float, accepted: float, depth: int) -> None:
@@ -261,13 +269,20 @@ class Calibration:
         ``accepted``: every verified position up to the first miss counts; when all were kept, the first
         unverified one counts too with ``next_outcome``, whether (T = 0), or with what probability
         (T > 0), the target would have kept it."""
-        for k, q in enumerate(top_q[:min(accepted + 1, verified)]):
+        for k, q in enumerate(top_q[: min(accepted + 1, verified)]):
             self.count(q, float(k < accepted), k + 1)
         if accepted == verified < len(top_q) and next_outcome is not None:
             self.count(top_q[verified], next_outcome, verified + 1)
 
-    def record_tree(self, node_q: list[float], parents: list[int], depths: list[int], path: list[int], verified: int,
-                    unverified: dict[int, float] | None = None) -> None:
+    def record_tree(
+        self,
+        node_q: list[float],
+        parents: list[int],
+        depths: list[int],
+        path: list[int],
+        verified: int,
+        unverified: dict[int, float] | None = None,
+    ) -> None:
         """After a tree walk over the first ``verified`` nodes, ``path`` the accepted ones as indices into
         [root, nodes]: verified nodes whose parent was accepted count, kept or not; so do the unverified
         nodes in ``unverified`` (node -> whether, or with what probability, the target would have kept it)."""
@@ -293,8 +308,10 @@ class Calibration:
             self.count(COPY_Q, float(copied[len(nodes)] == emitted[len(nodes)]), len(nodes) + 1)
 
     def summary(self) -> list[dict]:
-        return [{"q": [lo, hi], "acceptance": round(a / t, 4), "seen": int(t - self.prior)}
-                for lo, hi, a, t in zip(Q_EDGES[:-1], Q_EDGES[1:], self.accepted, self.trials)]
+        return [
+            {"q": [lo, hi], "acceptance": round(a / t, 4), "seen": int(t - self.prior)}
+            for lo, hi, a, t in zip(Q_EDGES[:-1], Q_EDGES[1:], self.accepted, self.trials)
+        ]
 
 
 class Probes:
@@ -362,8 +379,17 @@ class DraftSwitch:
 
     PLAIN_WINDOW = 16
 
-    def __init__(self, plain_seconds: float, min_drafts: int = 16, measure: int = 3, margin: float = 1.0,
-                 probes: Probes | None = None, rows: int = 1, forget: float = 0.995, streaks: bool = True):
+    def __init__(
+        self,
+        plain_seconds: float,
+        min_drafts: int = 16,
+        measure: int = 3,
+        margin: float = 1.0,
+        probes: Probes | None = None,
+        rows: int = 1,
+        forget: float = 0.995,
+        streaks: bool = True,
+    ):
         self.min_drafts, self.measure, self.margin, self.rows, self.streaks = min_drafts, measure, margin, rows, streaks
         self.bare_seconds = plain_seconds
         self.plain: collections.deque[float] = collections.deque(maxlen=max(self.PLAIN_WINDOW, measure))
@@ -389,9 +415,11 @@ class DraftSwitch:
         """Whether the next step drafts; ``predicted()`` (asked only where the measured rates say yes):
         whether a prediction agrees."""
         measuring = 0 < len(self.plain) < self.measure
-        if not measuring and (self.stats[self.hit].seen < self.min_drafts or self.probes.due()
-                              or (self.drafting_rate(self.hit) > self.margin * self.plain_rate
-                                  and (predicted is None or predicted()))):
+        if not measuring and (
+            self.stats[self.hit].seen < self.min_drafts
+            or self.probes.due()
+            or (self.drafting_rate(self.hit) > self.margin * self.plain_rate and (predicted is None or predicted()))
+        ):
             return True
         self.probes.skipped()
         self.skipped += 1
@@ -409,11 +437,16 @@ class DraftSwitch:
         self.hit = kept > 0 or not self.streaks
 
     def summary(self) -> dict:
-        return {"skipped_steps": self.skipped,
-                "drafted_tokens_per_s": {("after a kept draft" if h else "after a miss"): round(self.stats[h].rate, 2)
-                                         for h in (True, False) if self.stats[h].seen},
-                "drafting_from_a_miss_tokens_per_s": round(self.drafting_rate(False), 2),
-                "plain_tokens_per_s": round(self.plain_rate, 2)}
+        return {
+            "skipped_steps": self.skipped,
+            "drafted_tokens_per_s": {
+                ("after a kept draft" if h else "after a miss"): round(self.stats[h].rate, 2)
+                for h in (True, False)
+                if self.stats[h].seen
+            },
+            "drafting_from_a_miss_tokens_per_s": round(self.drafting_rate(False), 2),
+            "plain_tokens_per_s": round(self.plain_rate, 2),
+        }
 
 
 class CausalChain:
@@ -447,9 +480,16 @@ class Budget:
     ``rows`` rows (:class:`CostModel`); ``min_drafts``: several rows' drafted steps before the
     calibration's prediction may stop drafting (1: a calibration lent by a one-row run)."""
 
-    def __init__(self, verify_costs: dict[int, float], prior: float = 4.0, calibration: Calibration | None = None,
-                 loop_offset: bool = False, step_seconds: dict[int, float] | None = None, rows: int | None = None,
-                 min_drafts: int = 8):
+    def __init__(
+        self,
+        verify_costs: dict[int, float],
+        prior: float = 4.0,
+        calibration: Calibration | None = None,
+        loop_offset: bool = False,
+        step_seconds: dict[int, float] | None = None,
+        rows: int | None = None,
+        min_drafts: int = 8,
+    ):
         self.costs = CostModel(verify_costs, loop_offset, step_seconds, rows)
         self.calibration = calibration or Calibration(prior)
         self.lookup = self.calibration.copies  # prompt-lookup copies' calibration
@@ -470,8 +510,11 @@ class Budget:
         a margin (their rows finish apart, a tail plain decoding does not have) and forgets faster."""
         if rows not in self.switches:
             plain = self.costs.tokens_seconds(rows, rows) if rows > 1 else self.costs.verify_seconds(1)
-            self.switches[rows] = DraftSwitch(plain) if rows == 1 else \
-                DraftSwitch(plain, min_drafts=8, margin=1.1, rows=rows, forget=0.98, streaks=False)
+            self.switches[rows] = (
+                DraftSwitch(plain)
+                if rows == 1
+                else DraftSwitch(plain, min_drafts=8, margin=1.1, rows=rows, forget=0.98, streaks=False)
+            )
         return self.switches[rows]
 
     @property
@@ -489,6 +532,7 @@ class Budget:
         def predicted() -> bool:
             reach = self.calibration.chain_reach([m.value for m in self.top_q_mean])
             return self._typical_rate(rows, reach) > rows / self.costs.tokens_seconds(rows, rows)
+
         return self.switch_for(rows).should_draft(predicted)
 
     def record_step(self, rows: int, drafted: bool, kept: int, seconds: float) -> None:
@@ -582,7 +626,9 @@ class Budget:
         drafter's top probabilities, for the typical row :meth:`should_draft` predicts from."""
         rows = len(reaches)
         self._saw_drafts(top_q)
-        ranked = sorted(((reach, r) for r, row in enumerate(reaches) for reach in row), key=lambda item: item[0], reverse=True)
+        ranked = sorted(
+            ((reach, r) for r, row in enumerate(reaches) for reach in row), key=lambda item: item[0], reverse=True
+        )
         counts, rate = self._best_prefix(rows, ranked, max(map(len, reaches), default=0) + 1)
         if rate <= rows / (self.costs.tokens_seconds(rows, rows) + self.costs.drafting(rows)):
             counts = [1] * rows  # the drafts, already paid for, would not pay
@@ -648,17 +694,21 @@ class Budget:
         steps = max(1, len(self.chosen))
         verified = [1 + b for b in self.chosen]
         costs = self.costs
-        return {"mean_verified": round(sum(verified) / steps, 3),
-                "verified_histogram": {str(n): verified.count(n) for n in sorted(set(verified))},
-                "predicted": {"tau": round(self.predicted_tokens / steps, 4),
-                              "step_ms": round(1e3 * self.predicted_seconds / steps, 3),
-                              "tokens_per_s": round(self.predicted_tokens / max(self.predicted_seconds, 1e-12), 2)},
-                "verify_ms": {str(n): round(s * 1e3, 3) for n, s in zip(costs.sizes, costs.seconds)},
-                "verify_offset_ms": round(costs.verify_offset * 1e3, 3),
-                "draft_ms": round(costs.drafting() * 1e3, 3),
-                **({"switch": self.switch.summary()} if 1 in self.switches and self.switch.skipped else {}),
-                **({"draft_forward_ms": round(costs.token_seconds * 1e3, 3)} if costs.token.n else {}),
-                "calibration": self.calibration.summary()}
+        return {
+            "mean_verified": round(sum(verified) / steps, 3),
+            "verified_histogram": {str(n): verified.count(n) for n in sorted(set(verified))},
+            "predicted": {
+                "tau": round(self.predicted_tokens / steps, 4),
+                "step_ms": round(1e3 * self.predicted_seconds / steps, 3),
+                "tokens_per_s": round(self.predicted_tokens / max(self.predicted_seconds, 1e-12), 2),
+            },
+            "verify_ms": {str(n): round(s * 1e3, 3) for n, s in zip(costs.sizes, costs.seconds)},
+            "verify_offset_ms": round(costs.verify_offset * 1e3, 3),
+            "draft_ms": round(costs.drafting() * 1e3, 3),
+            **({"switch": self.switch.summary()} if 1 in self.switches and self.switch.skipped else {}),
+            **({"draft_forward_ms": round(costs.token_seconds * 1e3, 3)} if costs.token.n else {}),
+            "calibration": self.calibration.summary(),
+        }
 
     def batch_summary(self, rows: int) -> dict:
         """A batch size's report: its measured step table, prediction and margin, measured rates, and
@@ -681,7 +731,10 @@ class Budget:
         if not self.by_rows and self.off:
             return {"off": True, "drafted_fraction": 0.0, **measured}
         per_row = [n for step in self.by_rows for n in step]
-        return {**measured, "mean_verified": round(sum(per_row) / max(1, len(per_row)), 3),
-                "verified_histogram": {str(n): per_row.count(n) for n in sorted(set(per_row))},
-                "drafted_fraction": round(self.drafted_steps / max(1, len(self.by_rows)), 4),
-                **({"copied_fraction": round(self.copied_rows / len(per_row), 4)} if self.copied_rows else {})}
+        return {
+            **measured,
+            "mean_verified": round(sum(per_row) / max(1, len(per_row)), 3),
+            "verified_histogram": {str(n): per_row.count(n) for n in sorted(set(per_row))},
+            "drafted_fraction": round(self.drafted_steps / max(1, len(self.by_rows)), 4),
+            **({"copied_fraction": round(self.copied_rows / len(per_row), 4)} if self.copied_rows else {}),
+        }

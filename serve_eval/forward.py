@@ -26,19 +26,29 @@ class TargetForward:
         self.keeps = "logits_to_keep" in inspect.signature(target.forward).parameters
         self.masks = LayerMasks(target)  # a caller's mask, per layer (sliding windows, eager attention's form)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, logits_at: torch.Tensor | None = None,
-                 key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache,
+        logits_at: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, TargetFeatures | None]:
         """``attention_mask``: None (causal over the cache) or a boolean [B, 1, n, slots] visibility mask;
         ``key_positions`` [B, slots]: each slot's position where it is not the slot's index (a tree's
         nodes), for windowed layers (:mod:`distill.base.masks`)."""
         capture = self.capture
         if self.walk is not None:
             mask = None if attention_mask is None else self.masks.prepare(attention_mask)
-            logits, captured = self.walk(input_ids, position_ids, mask, cache, None if capture is None else capture.layer_ids, logits_at)
+            logits, captured = self.walk(
+                input_ids, position_ids, mask, cache, None if capture is None else capture.layer_ids, logits_at
+            )
             return logits, None if capture is None else capture.features(captured)
         with self.masks.applied(attention_mask, position_ids, key_positions) as mask:
-            kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True)
+            kwargs = dict(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True
+            )
             if logits_at is not None and self.keeps:  # each row's own position (transformers' slice_logits_to_keep)
                 kwargs["logits_to_keep"], logits_at = logits_at.to(input_ids.device)[:, None], None
             if capture is None:

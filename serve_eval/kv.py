@@ -95,7 +95,9 @@ def quantize(x: torch.Tensor, spec: KVQuant) -> list[torch.Tensor]:
     top = 127.0 if spec.format == "int8" else 448.0
     scale = (g.abs().amax(-1, keepdim=True) / top).clamp_min(1e-8).half()
     scaled = g / scale.float()
-    codes = scaled.round_().clamp_(-127, 127).to(torch.int8) if spec.format == "int8" else scaled.to(torch.float8_e4m3fn)
+    codes = (
+        scaled.round_().clamp_(-127, 127).to(torch.int8) if spec.format == "int8" else scaled.to(torch.float8_e4m3fn)
+    )
     return [codes.flatten(-2), scale[..., 0]]
 
 
@@ -104,7 +106,9 @@ def dequantize(stored: list[torch.Tensor], spec: KVQuant) -> torch.Tensor:
     if spec.format == "int4":
         packed, scale, lo = stored
         codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
-        return (codes.float().unflatten(-1, (-1, spec.group)) * scale.float()[..., None] + lo.float()[..., None]).flatten(-2)
+        return (
+            codes.float().unflatten(-1, (-1, spec.group)) * scale.float()[..., None] + lo.float()[..., None]
+        ).flatten(-2)
     codes, scale = stored
     return (codes.float().unflatten(-1, (-1, spec.group)) * scale.float()[..., None]).flatten(-2)
 
@@ -132,7 +136,9 @@ class RowWrites:
         index = self._flat.get((H, S, n))
         if index is None:
             device = self.starts.device
-            base = (torch.arange(R, device=device)[:, None] * H + torch.arange(H, device=device)) * S + self.starts[:, None]
+            base = (torch.arange(R, device=device)[:, None] * H + torch.arange(H, device=device)) * S + self.starts[
+                :, None
+            ]
             index = self._flat[(H, S, n)] = (base[:, :, None] + torch.arange(n, device=device)).flatten()
         buffer.view(R * H * S, *buffer.shape[3:]).index_copy_(0, index, new.reshape(R * H * n, *new.shape[3:]))
 
@@ -158,17 +164,19 @@ class InPlaceLayer(DynamicLayer):
         n = key_states.shape[-2]
         end = self.length + n if self.write_at is None else self.write_at.end
         if self._buffers is None or end > self._buffers[0].shape[2]:
-            self._buffers = [grown(old, new, end, self.length) for old, new in zip(self._buffers or [None] * len(entries), entries)]
+            self._buffers = [
+                grown(old, new, end, self.length) for old, new in zip(self._buffers or [None] * len(entries), entries)
+            ]
         for buffer, new in zip(self._buffers, entries):
             if self.write_at is None:
-                buffer[:, :, self.length:end] = new
+                buffer[:, :, self.length : end] = new
             else:  # row r's entries at its own slots starts[r], starts[r] + 1, ...
                 self.write_at.write(_bytes(buffer), _bytes(new))
         self._set_length(end)
         return self.read()
 
     def filled(self) -> list[torch.Tensor]:
-        return [buffer[:, :, :self.length] for buffer in self._buffers]
+        return [buffer[:, :, : self.length] for buffer in self._buffers]
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values attention sees, [B, H, length, D] each."""
@@ -192,7 +200,7 @@ class InPlaceLayer(DynamicLayer):
         path moving down over its rejected siblings); the caller crops after them."""
         source = source.to(self.device)
         for buffer in self._buffers:
-            buffer[:, :, start:start + len(source)] = buffer.index_select(2, source)
+            buffer[:, :, start : start + len(source)] = buffer.index_select(2, source)
 
     def move_rows(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Row ``rows[i]``'s entries at slots ``source[i]`` go to slots ``dest[i]`` (each row's tree path
@@ -211,7 +219,7 @@ class InPlaceLayer(DynamicLayer):
             self._buffers = [grown(mine, mine, other.length, self.length) for mine in self._buffers]
         rows, which = rows.to(self.device), which.to(self.device)
         for mine, theirs in zip(self._buffers, other._buffers):
-            _bytes(mine)[rows, :, :other.length] = _bytes(theirs)[which, :, :other.length]
+            _bytes(mine)[rows, :, : other.length] = _bytes(theirs)[which, :, : other.length]
         self._set_length(max(self.length, other.length))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -247,8 +255,10 @@ class QuantizedLayer(InPlaceLayer):
         dim = key_states.shape[-1]
         self.spec = replace(self.spec, group=math.gcd(self.spec.group, dim))  # a head narrower than a group: one group
         if value_states.shape[-1] != dim or (self.spec.format == "int4" and self.spec.group % 2):
-            raise ValueError(f"KV cache {self.spec.format}: needs keys and values of one even head dimension "
-                             f"(keys {dim}, values {value_states.shape[-1]})")
+            raise ValueError(
+                f"KV cache {self.spec.format}: needs keys and values of one even head dimension "
+                f"(keys {dim}, values {value_states.shape[-1]})"
+            )
         self.dtype = key_states.dtype
         self.rotation = rotation(dim).to(self.device) if self.spec.rotate else None
 
@@ -275,8 +285,12 @@ def inplace_cache(config, kv: KVQuant | None = None) -> DynamicCache:
     may return past the window; the masks apply it, :mod:`distill.base.masks`); other special layers
     stay transformers' own."""
     cache = DynamicCache(config=config)
-    cache.layers = [(InPlaceLayer() if kv is None else QuantizedLayer(kv)) if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
-                    else layer for layer in cache.layers]
+    cache.layers = [
+        (InPlaceLayer() if kv is None else QuantizedLayer(kv))
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+        else layer
+        for layer in cache.layers
+    ]
     return cache
 
 
@@ -296,6 +310,6 @@ def keep_entries(cache: DynamicCache, prefix: int, source: list[int]) -> None:
                 layer.move(prefix, index)
                 continue
             at = index.to(layer.keys.device)
-            layer.keys[:, :, prefix:prefix + len(source)] = layer.keys.index_select(2, at)
-            layer.values[:, :, prefix:prefix + len(source)] = layer.values.index_select(2, at)
+            layer.keys[:, :, prefix : prefix + len(source)] = layer.keys.index_select(2, at)
+            layer.values[:, :, prefix : prefix + len(source)] = layer.values.index_select(2, at)
     cache.crop(min(0, prefix + len(source) - cache.get_seq_length()))

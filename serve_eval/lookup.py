@@ -46,16 +46,16 @@ class NgramIndex:
         seq.extend(tokens)
         for follower in range(max(old, 1), len(seq)):  # n-grams that end just before a new token
             for n in range(1, min(self.max_ngram, follower) + 1):
-                self.latest[tuple(seq[follower - n:follower])] = follower - n  # later starts overwrite
+                self.latest[tuple(seq[follower - n : follower])] = follower - n  # later starts overwrite
 
     def continuation(self, length: int) -> list[int]:
         """Up to ``length`` tokens that followed the last earlier occurrence of the sequence's final
         ``n``-gram, for the longest ``n <= max_ngram`` that occurs earlier; [] when none does."""
         seq = self.tokens
         for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
-            start = self.latest.get(tuple(seq[len(seq) - n:]))
+            start = self.latest.get(tuple(seq[len(seq) - n :]))
             if start is not None:
-                return seq[start + n:start + n + length]
+                return seq[start + n : start + n + length]
         return []
 
 
@@ -78,5 +78,9 @@ def graft(tree: DraftTree, tokens: list[int]) -> tuple[DraftTree, list[int]]:
             children[(current, token)] = node
         path.append(node)
         current = node
-    return DraftTree(torch.tensor(node_tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     torch.tensor(depths, dtype=torch.long), tree.drawn), path
+    return DraftTree(
+        torch.tensor(node_tokens, dtype=torch.long),
+        torch.tensor(parents, dtype=torch.long),
+        torch.tensor(depths, dtype=torch.long),
+        tree.drawn,
+    ), path

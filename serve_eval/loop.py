@@ -87,7 +87,7 @@ def truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[in
     """``tokens`` cut to ``max_new_tokens`` and after the first ``eos``: a last step may overshoot."""
     tokens = tokens[:max_new_tokens]
     if eos is not None and eos in tokens:
-        tokens = tokens[:tokens.index(eos) + 1]
+        tokens = tokens[: tokens.index(eos) + 1]
     return tokens
 
 
@@ -102,7 +102,9 @@ class Stopper:
 
     def __call__(self, logits: torch.Tensor) -> bool:
         self.times.append(self.now())
-        top = self.sampler.top(logits, with_prob=True)[1] if self.sampler.greedy else self.sampler.probs(logits).amax(-1)
+        top = (
+            self.sampler.top(logits, with_prob=True)[1] if self.sampler.greedy else self.sampler.probs(logits).amax(-1)
+        )
         self.top_q.append(float(top.max()))
         return not self.chain.offer(self.top_q[-1])
 
@@ -115,9 +117,28 @@ class _Rows:
     slot, prefilled a group of ``slots`` at a time ahead of the rows they will take (one prompt prefilled
     alone as each row finishes costs about twice as much as in a group)."""
 
-    def __init__(self, target, capture, kv, backend, prompts, samplers, slots: int, outs, proposers: list[Proposer],
-                 max_new: int, eos: int | None):
-        self.target, self.capture, self.kv, self.backend, self.max_new, self.eos = target, capture, kv, backend, max_new, eos
+    def __init__(
+        self,
+        target,
+        capture,
+        kv,
+        backend,
+        prompts,
+        samplers,
+        slots: int,
+        outs,
+        proposers: list[Proposer],
+        max_new: int,
+        eos: int | None,
+    ):
+        self.target, self.capture, self.kv, self.backend, self.max_new, self.eos = (
+            target,
+            capture,
+            kv,
+            backend,
+            max_new,
+            eos,
+        )
         self.prompts, self.samplers, self.slots, self.outs, self.proposers = prompts, samplers, slots, outs, proposers
         self.queue = list(range(len(prompts)))
         self.session: TargetSession | None = None
@@ -134,8 +155,8 @@ class _Rows:
 
     def _take(self, count: int) -> torch.Tensor:
         if not self.ready:
-            joining = self.queue[:self.slots]
-            del self.queue[:len(joining)]
+            joining = self.queue[: self.slots]
+            del self.queue[: len(joining)]
             self.group = TargetSession(self.target, self.capture, self.kv, self.backend)
             logits, feats = self.group.prefill([self.prompts[i] for i in joining])
             self.aux = None if feats is None else feats.aux
@@ -149,7 +170,7 @@ class _Rows:
 
     def _joining(self, which: torch.Tensor):
         prompts = [self.prompts[self.indices[w]] for w in which.tolist()]
-        aux = None if self.aux is None else self.aux[which.to(self.aux.device)][:, :max(map(len, prompts))]
+        aux = None if self.aux is None else self.aux[which.to(self.aux.device)][:, : max(map(len, prompts))]
         return prompts, aux, self.first[which]
 
     def refill(self, done: list[int]) -> bool:
@@ -166,7 +187,7 @@ class _Rows:
                 self.live, self.bonus = [self.indices[w] for w in which.tolist()], first
             elif self._waiting() and done:
                 which = self._take(len(done))
-                rows = torch.tensor(done[:len(which)], dtype=torch.long)
+                rows = torch.tensor(done[: len(which)], dtype=torch.long)
                 self.session.put(rows, self.group, which)
                 prompts, aux, first = self._joining(which)
                 for proposer in self.proposers:
@@ -215,10 +236,23 @@ class _Row:
 
 
 @torch.inference_mode()
-def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
-             samplers: list[Sampler] | None = None, proposer: Proposer | None = None, *, budget: Budget | None = None,
-             mode: str = "chain", tree_budget: int = 16, lookup: int = 0, kv: KVQuant | None = None,
-             verify_drafts: int = 0, slots: int | None = None, backend: Backend = TORCH) -> tuple[list[list[int]], BatchStats]:
+def generate(
+    target,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    samplers: list[Sampler] | None = None,
+    proposer: Proposer | None = None,
+    *,
+    budget: Budget | None = None,
+    mode: str = "chain",
+    tree_budget: int = 16,
+    lookup: int = 0,
+    kv: KVQuant | None = None,
+    verify_drafts: int = 0,
+    slots: int | None = None,
+    backend: Backend = TORCH,
+) -> tuple[list[list[int]], BatchStats]:
     """Decode ``prompts`` (1-D token tensors), at most ``slots`` rows at a time (default: all), each with its
     own sampler (``samplers``: the same temperature for all), the target's KV cache as ``kv`` says
     (:mod:`serve_eval.kv`) and the target stepped as ``backend`` serves it (:mod:`serve_eval.backend`).
@@ -231,13 +265,28 @@ def generate(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token
     samplers = [replace(s, top=backend.top_tokens) for s in samplers or [Sampler() for _ in prompts]]
     if len({s.greedy for s in samplers}) > 1:
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
-    run = _Run(samplers, proposer, budget, mode, tree_budget, verify_drafts, device_clock(prompts[0].device), len(prompts))
+    run = _Run(
+        samplers, proposer, budget, mode, tree_budget, verify_drafts, device_clock(prompts[0].device), len(prompts)
+    )
     start = run.now()
-    capture = FeatureCapture(target, proposer.target_layer_ids) if proposer is not None and proposer.needs_features else None
+    capture = (
+        FeatureCapture(target, proposer.target_layer_ids) if proposer is not None and proposer.needs_features else None
+    )
     copier = LookupProposer(lookup) if lookup and proposer is not None else None
     run.copier = copier
-    rows = _Rows(target, capture, kv, backend, prompts, samplers, slots or len(prompts), run.outs,
-                 [p for p in (proposer, copier) if p is not None], max_new_tokens, eos_token_id)
+    rows = _Rows(
+        target,
+        capture,
+        kv,
+        backend,
+        prompts,
+        samplers,
+        slots or len(prompts),
+        run.outs,
+        [p for p in (proposer, copier) if p is not None],
+        max_new_tokens,
+        eos_token_id,
+    )
     done: list[int] = []
     while rows.refill(done):
         stats = run.stats
@@ -266,8 +315,12 @@ class _Run:
         self.copier: LookupProposer | None = None
         self.K = proposer.block_size if proposer is not None else 1
         self.outs: list[list[int]] = [[] for _ in range(prompts)]
-        self.stats = BatchStats(prompts=[GenerationStats(accepted_by_position=[0] * (self.K - 1),
-                                                         drafted_by_position=[0] * (self.K - 1)) for _ in range(prompts)])
+        self.stats = BatchStats(
+            prompts=[
+                GenerationStats(accepted_by_position=[0] * (self.K - 1), drafted_by_position=[0] * (self.K - 1))
+                for _ in range(prompts)
+            ]
+        )
         # which choices must be causal (serve_eval.budget): sampled drafts drawn one after another, and one row's
         # autoregressive drafts, which stop where the choice says (several rows draft in full, then choose)
         conditional = proposer is not None and proposer.conditional and not samplers[0].greedy
@@ -291,20 +344,25 @@ class _Run:
         chain = self.mode == "chain"
         t0 = now()
         drafting = budget is None or not chain or budget.should_draft(R)
-        stopper = Stopper(budget, samplers[0], self.K - 1, t0, now) \
-            if drafting and budget is not None and chain and self.proposer.incremental and R == 1 else None
+        stopper = (
+            Stopper(budget, samplers[0], self.K - 1, t0, now)
+            if drafting and budget is not None and chain and self.proposer.incremental and R == 1
+            else None
+        )
         starts = session.row_lengths()  # each row's bonus position
         proposal = self.proposer.propose(rows.bonus, starts, samplers, stopper) if drafting else None
         copies = self.copier.copies() if self.copier is not None and drafting else None
         t1 = now()
         if chain:
-            plans = _plan_chains(proposal, copies, samplers, budget, self.causal, self.verify_drafts, stopper, self.K, R)
+            plans = _plan_chains(
+                proposal, copies, samplers, budget, self.causal, self.verify_drafts, stopper, self.K, R
+            )
         else:
             plans = _plan_trees(proposal, copies, samplers, budget, self.tree_budget)
         step = _tree_step if any(plan.tree is not None for plan in plans) else _chain_step
         reads, logits, paths, new_bonus, accepted, kept_feats = step(session, rows.bonus, plans, samplers)
         rows.bonus = new_bonus
-        emitted = [torch.cat([a, new_bonus[r:r + 1]]) for r, a in enumerate(accepted)]
+        emitted = [torch.cat([a, new_bonus[r : r + 1]]) for r, a in enumerate(accepted)]
         emitted_lists = [e.tolist() for e in emitted]  # one host read a row for the step's tokens
         if budget is not None:
             _record(budget, plans, samplers, logits, paths, emitted_lists, self.mode)
@@ -324,7 +382,9 @@ class _Run:
             if R == 1:
                 budget.costs.observe_verify(reads[0], t2 - t1)
             if drafting:
-                budget.costs.observe_draft(draft_seconds, stopper.forward_seconds() if stopper is not None else (), rows=R)
+                budget.costs.observe_draft(
+                    draft_seconds, stopper.forward_seconds() if stopper is not None else (), rows=R
+                )
             if chain:
                 budget.record_step(R, drafting, sum(map(len, accepted)), now() - t0)
         return done
@@ -342,13 +402,13 @@ def _chain_step(session: TargetSession, bonus: torch.Tensor, plans: list[_Row], 
         ids = torch.zeros(R, max(reads), dtype=torch.long, device=bonus.device)
         ids[:, 0] = bonus
         for r, plan in enumerate(plans):
-            ids[r, 1:1 + len(plan.drafts)] = plan.drafts.to(ids.device)
+            ids[r, 1 : 1 + len(plan.drafts)] = plan.drafts.to(ids.device)
     logits, feats = session.step(ids, None if len(set(reads)) == 1 else torch.tensor(reads))
     kept, new_bonus = verify_chains(samplers, ids, reads, [plan.draft_logits for plan in plans], logits)
     session.keep([k + 1 for k in kept])
     paths = [list(range(k + 1)) for k in kept]
-    accepted = [ids[r, 1:1 + k] for r, k in enumerate(kept)]
-    kept_feats = None if feats is None else feats.aux[:, :kept[0] + 1] if R == 1 else feats.aux
+    accepted = [ids[r, 1 : 1 + k] for r, k in enumerate(kept)]
+    kept_feats = None if feats is None else feats.aux[:, : kept[0] + 1] if R == 1 else feats.aux
     return reads, logits, paths, new_bonus, accepted, kept_feats
 
 
@@ -362,15 +422,18 @@ def _tree_step(session: TargetSession, bonus: torch.Tensor, plans: list[_Row], s
     depths, ancestors = torch.zeros(R, n, dtype=torch.long), torch.zeros(R, n, n, dtype=torch.bool)
     ids[:, 0] = bonus
     for r, tree in enumerate(trees):
-        ids[r, 1:len(tree) + 1] = tree.tokens.to(ids.device)
-        depths[r, 1:len(tree) + 1] = tree.depths
-        ancestors[r, :len(tree) + 1, :len(tree) + 1] = tree.ancestor_mask()
+        ids[r, 1 : len(tree) + 1] = tree.tokens.to(ids.device)
+        depths[r, 1 : len(tree) + 1] = tree.depths
+        ancestors[r, : len(tree) + 1, : len(tree) + 1] = tree.ancestor_mask()
     reads = [len(tree) + 1 for tree in trees]
     logits, feats = session.step_tree(ids, depths, ancestors, None if len(set(reads)) == 1 else torch.tensor(reads))
     greedy = samplers[0].greedy
-    probs = [plan.probs if plan.tree is not None else
-             (None if greedy or plan.draft_logits is None else samplers[r].probs(plan.draft_logits))
-             for r, plan in enumerate(plans)]
+    probs = [
+        plan.probs
+        if plan.tree is not None
+        else (None if greedy or plan.draft_logits is None else samplers[r].probs(plan.draft_logits))
+        for r, plan in enumerate(plans)
+    ]
     paths, new_bonus = walk_trees(samplers, trees, logits, probs)
     session.keep_paths(paths)
     accepted = [ids[r, path[1:]] for r, path in enumerate(paths)]
@@ -395,7 +458,7 @@ def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stop
     greedy = samplers[0].greedy
     tokens, logits = proposal.tokens, proposal.logits
     lengths = [proposal.length(r) for r in range(R)]
-    plans = [_Row(tokens[r, :lengths[r]], None if logits is None else logits[r, :lengths[r]]) for r in range(R)]
+    plans = [_Row(tokens[r, : lengths[r]], None if logits is None else logits[r, : lengths[r]]) for r in range(R)]
     if budget is not None:  # ranked by the top probability at each position, never the drawn token's
         _choose_chains(plans, logits, lengths, samplers, budget, causal, stopper, K)
     elif verify_drafts:  # a fixed draft length
@@ -413,7 +476,9 @@ def _plan_chains(proposal, copies, samplers, budget, causal, verify_drafts, stop
     return plans
 
 
-def _choose_chains(plans: list[_Row], logits, lengths: list[int], samplers, budget: Budget, causal, stopper, K: int) -> None:
+def _choose_chains(
+    plans: list[_Row], logits, lengths: list[int], samplers, budget: Budget, causal, stopper, K: int
+) -> None:
     """Each row's drafts cut to what the budget chooses, from the drafter's top probability at each position
     (one row: its best prefix, causal where it must be, or where its drafter stopped; several rows: one
     ranking of all their positions, or one causal length for all)."""
@@ -426,19 +491,24 @@ def _choose_chains(plans: list[_Row], logits, lengths: list[int], samplers, budg
         if stopper is not None:  # the drafter stopped where its chain said: that choice is the step's
             plan.top_q, keep = stopper.top_q, budget.record_causal(stopper.chain)
         else:
-            plan.top_q = (samplers[0].top(plan.draft_logits, with_prob=True)[1] if plan.q is None
-                          else plan.q.amax(-1)).tolist()
+            plan.top_q = (
+                samplers[0].top(plan.draft_logits, with_prob=True)[1] if plan.q is None else plan.q.amax(-1)
+            ).tolist()
             keep = budget.causal_length(plan.top_q, K - 1) if causal[0] else budget.chain_length(plan.top_q)
         keeps = [keep]
     else:
-        top_q = samplers[0].top(logits, with_prob=True)[1] if greedy else \
-            torch.stack([plan.q for plan in plans]).amax(-1) if len(set(lengths)) == 1 else \
-            torch.stack([s.probs(row) for s, row in zip(samplers, logits)]).amax(-1)
+        top_q = (
+            samplers[0].top(logits, with_prob=True)[1]
+            if greedy
+            else torch.stack([plan.q for plan in plans]).amax(-1)
+            if len(set(lengths)) == 1
+            else torch.stack([s.probs(row) for s, row in zip(samplers, logits)]).amax(-1)
+        )
         top_rows = top_q.tolist()
         for r, plan in enumerate(plans):
-            plan.top_q = top_rows[r][:lengths[r]]
+            plan.top_q = top_rows[r][: lengths[r]]
         if causal[1]:
-            counts = budget.choose_rows_causal(top_q[:, :min(lengths)])
+            counts = budget.choose_rows_causal(top_q[:, : min(lengths)])
         else:
             counts = budget.choose_rows([budget.calibration.chain_reach(plan.top_q) for plan in plans], top_q)
         keeps = [min(c - 1, length) for c, length in zip(counts, lengths)]
@@ -458,7 +528,9 @@ def _plan_trees(proposal, copies, samplers, budget, tree_budget) -> list[_Row]:
         drafts, draft_logits = proposal.tokens[r, :length], proposal.logits[r, :length]
         q = None if greedy else samplers[r].probs(draft_logits)
         probs = draft_logits.float().softmax(-1) if q is None else q
-        tree = build_best_first_tree(probs.log() if budget is None else budget.calibration.log_acceptance(probs), tree_budget)
+        tree = build_best_first_tree(
+            probs.log() if budget is None else budget.calibration.log_acceptance(probs), tree_budget
+        )
         plan = _Row(drafts, draft_logits, all_drafts=drafts, probs=q)
         if budget is not None:
             plan.full, plan.parents, plan.depths = tree, tree.parents.tolist(), tree.depths.tolist()
@@ -509,8 +581,11 @@ def _record(budget: Budget, plans: list[_Row], samplers, logits, paths, emitted,
         path = paths[r]
         if mode == "tree":
             if plan.full is not None:
-                unverified = unverified_outcomes(samplers[r], plan.full, plan.drafter_nodes, path, logits[r], plan.probs) \
-                    if path[-1] <= plan.drafter_nodes else {}  # past a copied node the drafter's tree does not apply
+                unverified = (
+                    unverified_outcomes(samplers[r], plan.full, plan.drafter_nodes, path, logits[r], plan.probs)
+                    if path[-1] <= plan.drafter_nodes
+                    else {}
+                )  # past a copied node the drafter's tree does not apply
                 calibration.record_tree(plan.node_q, plan.parents, plan.depths, path, plan.drafter_nodes, unverified)
         elif plan.top_q is not None:
             n = sum(node <= len(plan.drafts) for node in path[1:])  # drafts kept: a copied node's children are copied
@@ -522,25 +597,56 @@ def _record(budget: Budget, plans: list[_Row], samplers, logits, paths, emitted,
             budget.copied_rows += 1
 
 
-def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                         sampler: Sampler | None = None, proposer: Proposer | None = None, confidence_threshold: float = 0.0,
-                         mode: str = "chain", tree_budget: int = 16, budget: Budget | None = None, lookup: int = 0,
-                         kv: KVQuant | None = None, verify_drafts: int = 0,
-                         backend: Backend = TORCH) -> tuple[list[int], GenerationStats]:
+def speculative_generate(
+    target,
+    drafter,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    sampler: Sampler | None = None,
+    proposer: Proposer | None = None,
+    confidence_threshold: float = 0.0,
+    mode: str = "chain",
+    tree_budget: int = 16,
+    budget: Budget | None = None,
+    lookup: int = 0,
+    kv: KVQuant | None = None,
+    verify_drafts: int = 0,
+    backend: Backend = TORCH,
+) -> tuple[list[int], GenerationStats]:
     """Speculative decoding of one prompt (:func:`generate` over one row) with ``drafter``'s proposer
     (:func:`~serve_eval.proposers.make_proposer`, or ``proposer``)."""
     proposer = proposer or make_proposer(drafter, confidence_threshold, backend=backend)
-    outs, stats = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler or Sampler()], proposer,
-                           budget=budget, mode=mode, tree_budget=tree_budget, lookup=lookup, kv=kv, verify_drafts=verify_drafts,
-                           backend=backend)
+    outs, stats = generate(
+        target,
+        [prompt.view(-1)],
+        max_new_tokens,
+        eos_token_id,
+        [sampler or Sampler()],
+        proposer,
+        budget=budget,
+        mode=mode,
+        tree_budget=tree_budget,
+        lookup=lookup,
+        kv=kv,
+        verify_drafts=verify_drafts,
+        backend=backend,
+    )
     return outs[0], stats.prompts[0]
 
 
-def plain_generate(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                   sampler: Sampler | None = None, kv: KVQuant | None = None,
-                   backend: Backend = TORCH) -> tuple[list[int], GenerationStats]:
+def plain_generate(
+    target,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    sampler: Sampler | None = None,
+    kv: KVQuant | None = None,
+    backend: Backend = TORCH,
+) -> tuple[list[int], GenerationStats]:
     """Plain decoding of one prompt (:func:`generate` without a proposer): the baseline, with the same
     sampler, KV cache and backend as the speculative loop."""
-    outs, stats = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler or Sampler()], kv=kv,
-                           backend=backend)
+    outs, stats = generate(
+        target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler or Sampler()], kv=kv, backend=backend
+    )
     return outs[0], stats.prompts[0]

@@ -14,23 +14,44 @@ from .proposers import BlockProposer, make_proposer
 from .timing import measure_draft_seconds, measure_verify_costs, verify_sizes
 
 
-def served_record(index: int, prompt, emitted: list[int], eos: int | None, stats: GenerationStats, temperature: float) -> dict:
+def served_record(
+    index: int, prompt, emitted: list[int], eos: int | None, stats: GenerationStats, temperature: float
+) -> dict:
     """What the loop served for one prompt, in :mod:`distill.regenerate`'s record form (the exact tokens
     read and emitted: the loop is lossless, so these are the target's own answers, and a drafter recipe
     trains on them as on regenerated data), with the acceptance it measured."""
     ended = bool(emitted) and emitted[-1] == eos
-    return {"id": index, "prompt_ids": prompt.view(-1).tolist(), "response_ids": emitted[:-1] if ended else emitted,
-            "eos": ended, "temperature": temperature, "tau": round(stats.tau, 4),
-            "accepted_by_position": stats.accepted_by_position, "drafted_by_position": stats.drafted_by_position}
+    return {
+        "id": index,
+        "prompt_ids": prompt.view(-1).tolist(),
+        "response_ids": emitted[:-1] if ended else emitted,
+        "eos": ended,
+        "temperature": temperature,
+        "tau": round(stats.tau, 4),
+        "accepted_by_position": stats.accepted_by_position,
+        "drafted_by_position": stats.drafted_by_position,
+    }
 
 
 def _new_proposer(drafter, dec, backend: Backend):
     d = dec.drafter
-    return make_proposer(drafter, d.confidence_threshold, d.draft_length, d.draft_recurrence, d.parallel_drafts, backend)
+    return make_proposer(
+        drafter, d.confidence_threshold, d.draft_length, d.draft_recurrence, d.parallel_drafts, backend
+    )
 
 
-def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes,  # noqa: PLR0915 the report's parts, in order
-            calibration: Calibration | None = None, served: list | None = None, backend: Backend = TORCH) -> dict:
+def measure(  # noqa: PLR0915 the report's parts, in order
+    target,
+    drafter,
+    encoded,
+    dec,
+    eos,
+    sampler,
+    budget_nodes,
+    calibration: Calibration | None = None,
+    served: list | None = None,
+    backend: Backend = TORCH,
+) -> dict:
     """Plain and speculative decoding of every prompt, back to back, as ``dec`` (a
     :class:`~distill.config.DecodingSection`) says; ``sampler(i)`` gives prompt i's sampler (the same seeds
     for both loops). ``calibration``: the acceptance calibration the run's budget shares (and extends).
@@ -43,25 +64,53 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes,  # noqa: 
     if dec.budget.adaptive:  # one cost table and one acceptance calibration for the whole run
         largest = ((budget_nodes or 1) + 1 if dec.mode == "tree" else K) + dec.lookup.tokens
         capture = FeatureCapture(target, probe.target_layer_ids) if probe.needs_features else None
-        budget = Budget(measure_verify_costs(target, verify_sizes(largest), capture, kv=kv, backend=backend),
-                        calibration=calibration, loop_offset=True)
-    totals = {"tokens": 0, "forwards": 0, "spec_s": 0.0, "base_tokens": 0, "base_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
-              "sd_tokens": 0, "sd_forwards": 0, "sd_s": 0.0}
+        budget = Budget(
+            measure_verify_costs(target, verify_sizes(largest), capture, kv=kv, backend=backend),
+            calibration=calibration,
+            loop_offset=True,
+        )
+    totals = {
+        "tokens": 0,
+        "forwards": 0,
+        "spec_s": 0.0,
+        "base_tokens": 0,
+        "base_s": 0.0,
+        "draft_s": 0.0,
+        "verify_s": 0.0,
+        "sd_tokens": 0,
+        "sd_forwards": 0,
+        "sd_s": 0.0,
+    }
     accepted, drafted = [0] * (K - 1), [0] * (K - 1)
     per_prompt, lossless, verify_ms = [], True, []
     speculation = None
     if dec.ssd.enabled:
         from .ssd import open_speculation, ssd_generate, ssd_report  # (ssd plugs into the loop: imported when used)
 
-        speculation = open_speculation(_new_proposer(drafter, dec, backend), dec.ssd.branches, dec.ssd.exponent,
-                                       dec.ssd.backup, dec.ssd.concurrent)
+        speculation = open_speculation(
+            _new_proposer(drafter, dec, backend), dec.ssd.branches, dec.ssd.exponent, dec.ssd.backup, dec.ssd.concurrent
+        )
     try:
         for i, prompt in enumerate(encoded):
-            base_outs, base_run = generate(target, [prompt], dec.max_new_tokens, eos, [sampler(i)], kv=kv, backend=backend)
+            base_outs, base_run = generate(
+                target, [prompt], dec.max_new_tokens, eos, [sampler(i)], kv=kv, backend=backend
+            )
             base, base_stats = base_outs[0], base_run.prompts[0]
-            outs, run = generate(target, [prompt], dec.max_new_tokens, eos, [sampler(i)], _new_proposer(drafter, dec, backend),
-                                 budget=budget, mode=dec.mode, tree_budget=budget_nodes or 1, lookup=dec.lookup.tokens, kv=kv,
-                                 verify_drafts=dec.budget.verify_drafts, backend=backend)
+            outs, run = generate(
+                target,
+                [prompt],
+                dec.max_new_tokens,
+                eos,
+                [sampler(i)],
+                _new_proposer(drafter, dec, backend),
+                budget=budget,
+                mode=dec.mode,
+                tree_budget=budget_nodes or 1,
+                lookup=dec.lookup.tokens,
+                kv=kv,
+                verify_drafts=dec.budget.verify_drafts,
+                backend=backend,
+            )
             ours, stats = outs[0], run.prompts[0]
             if speculation is not None:  # plain speculative decoding above; speculative speculation here
                 totals["sd_tokens"] += stats.tokens
@@ -70,8 +119,9 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes,  # noqa: 
                 sd_same = ours == base
                 loop = sampler(i)
                 seed = (loop.generator.initial_seed() if loop.generator is not None else i) + 2**32  # the drafter's own
-                ours, stats, steps_ms = ssd_generate(target, speculation, prompt, dec.max_new_tokens, eos, loop, seed, kv,
-                                                     backend)
+                ours, stats, steps_ms = ssd_generate(
+                    target, speculation, prompt, dec.max_new_tokens, eos, loop, seed, kv, backend
+                )
                 verify_ms += steps_ms
             same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
             if speculation is not None and same is not None:
@@ -88,8 +138,17 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes,  # noqa: 
             drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
             if served is not None:
                 served.append(served_record(i, prompt, ours, eos, stats, dec.temperature))
-            per_prompt.append({"prompt": i, "tokens": stats.tokens, "tau": round(stats.tau, 4), "lossless": same,
-                               "speedup": round((stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4)})
+            per_prompt.append(
+                {
+                    "prompt": i,
+                    "tokens": stats.tokens,
+                    "tau": round(stats.tau, 4),
+                    "lossless": same,
+                    "speedup": round(
+                        (stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4
+                    ),
+                }
+            )
         ssd = None if speculation is None else ssd_report(speculation, totals, verify_ms, len(encoded))
     finally:
         if speculation is not None:
@@ -100,9 +159,13 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes,  # noqa: 
     if budget is not None:  # the cost model's prediction beside what the steps measured (prefill excluded)
         adaptive = budget.summary()
         steps = totals["forwards"] - len(encoded)
-        adaptive["measured"] = {"tau": round((totals["tokens"] - len(encoded)) / max(1, steps), 4),
-                                "step_ms": round(1e3 * (totals["draft_s"] + totals["verify_s"]) / max(1, steps), 3)}
-        adaptive["measured"]["tokens_per_s"] = round(1e3 * adaptive["measured"]["tau"] / max(adaptive["measured"]["step_ms"], 1e-9), 2)
+        adaptive["measured"] = {
+            "tau": round((totals["tokens"] - len(encoded)) / max(1, steps), 4),
+            "step_ms": round(1e3 * (totals["draft_s"] + totals["verify_s"]) / max(1, steps), 3),
+        }
+        adaptive["measured"]["tokens_per_s"] = round(
+            1e3 * adaptive["measured"]["tau"] / max(adaptive["measured"]["step_ms"], 1e-9), 2
+        )
     return {
         "tree_budget": budget_nodes,
         "adaptive": adaptive,
@@ -111,18 +174,30 @@ def measure(target, drafter, encoded, dec, eos, sampler, budget_nodes,  # noqa: 
         "tokens_per_s": round(tokens_per_s, 2),
         "baseline_tokens_per_s": round(baseline_tokens_per_s, 2),
         "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
-        "time_split": {"draft_s": round(totals["draft_s"], 3), "verify_s": round(totals["verify_s"], 3),
-                       "other_s": round(totals["spec_s"] - totals["draft_s"] - totals["verify_s"], 3),
-                       "draft_fraction": round(totals["draft_s"] / totals["spec_s"], 4),
-                       "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4)},
+        "time_split": {
+            "draft_s": round(totals["draft_s"], 3),
+            "verify_s": round(totals["verify_s"], 3),
+            "other_s": round(totals["spec_s"] - totals["draft_s"] - totals["verify_s"], 3),
+            "draft_fraction": round(totals["draft_s"] / totals["spec_s"], 4),
+            "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4),
+        },
         "lossless": lossless,
         "per_prompt": per_prompt,
         **({"ssd": ssd} if ssd is not None else {}),
     }
 
 
-def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: list[int],
-                    calibration: Calibration | None = None, backend: Backend = TORCH) -> list[dict]:
+def measure_batches(
+    target,
+    drafter,
+    encoded,
+    dec,
+    eos,
+    sampler,
+    batch_sizes: list[int],
+    calibration: Calibration | None = None,
+    backend: Backend = TORCH,
+) -> list[dict]:
     """Plain and speculative decoding of all the prompts at most ``B`` rows at a time for each batch size
     ``B`` (waiting prompts taking the places of rows that finish), in the order plain, speculative,
     speculative, plain, ``dec.batches.rounds`` times (a machine that drifts moves both sides alike);
@@ -135,8 +210,11 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
     kv = kv_quant(dec.kv.format, dec.kv.rotate)
     capture = FeatureCapture(target, probe.target_layer_ids) if probe.needs_features else None
     shared = calibration or Calibration()
-    table = measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture, kv=kv, backend=backend) \
-        if dec.budget.adaptive else None
+    table = (
+        measure_verify_costs(target, verify_sizes(max(batch_sizes) * K), capture, kv=kv, backend=backend)
+        if dec.budget.adaptive
+        else None
+    )
     tree_budget = dec.tree_budgets[0] if dec.mode == "tree" else 16
     rows = []
     prompts, samplers = list(encoded), lambda: [sampler(i) for i in range(len(encoded))]  # noqa: E731
@@ -144,8 +222,9 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         budget = None
         if table is not None:  # the batched step's own cost at this size, over a cache about the mean's length
             context = sum(map(len, prompts)) // len(prompts) + dec.max_new_tokens * 3 // 4
-            steps = measure_verify_costs(target, range(1, K + 1), capture, context=context, kv=kv, rows=B, plain=True,
-                                         backend=backend)
+            steps = measure_verify_costs(
+                target, range(1, K + 1), capture, context=context, kv=kv, rows=B, plain=True, backend=backend
+            )
             budget = Budget(table, calibration=shared, step_seconds=steps, rows=B, min_drafts=1 if calibration else 8)
             if isinstance(probe, BlockProposer):  # a block drafter: its draft timed at B rows
                 budget.costs.seed_drafting(B, measure_draft_seconds(drafter, B, backend=backend))
@@ -160,9 +239,22 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         def speculative(B=B, budget=budget):
             if budget is not None and budget.off:  # speculation off: the loop is plain decoding
                 return plain()
-            return generate(target, prompts, dec.max_new_tokens, eos, samplers(), _new_proposer(drafter, dec, backend),
-                            budget=budget, mode=dec.mode, tree_budget=tree_budget, lookup=dec.lookup.tokens, kv=kv, slots=B,
-                            verify_drafts=dec.budget.verify_drafts, backend=backend)
+            return generate(
+                target,
+                prompts,
+                dec.max_new_tokens,
+                eos,
+                samplers(),
+                _new_proposer(drafter, dec, backend),
+                budget=budget,
+                mode=dec.mode,
+                tree_budget=tree_budget,
+                lookup=dec.lookup.tokens,
+                kv=kv,
+                slots=B,
+                verify_drafts=dec.budget.verify_drafts,
+                backend=backend,
+            )
 
         graph = backend.draft_graph(drafter)
         graph_before = graph.calls if graph else 0
@@ -176,12 +268,21 @@ def measure_batches(target, drafter, encoded, dec, eos, sampler, batch_sizes: li
         baseline = sum(s.tokens for s in base) / sum(s.seconds for s in base)
         # half k pairs speculative run k with the plain run on its side of the round (first with first)
         halves = [(s.tokens / s.seconds) / (b.tokens / b.seconds) for s, b in zip(spec, base)]
-        rows.append({"batch": B, "prompts": len(prompts), "rounds": dec.batches.rounds,
-                     "tau": round(sum(s.tokens for s in spec) / sum(s.row_steps + len(prompts) for s in spec), 4),  # each prefill reads its row once
-                     "tokens_per_s": round(tokens_per_s, 2), "baseline_tokens_per_s": round(baseline, 2),
-                     "speedup": round(tokens_per_s / baseline, 4),
-                     "speedup_halves": [round(h, 4) for h in halves],
-                     "lossless": all(o == outs[0] for o in outs) if dec.temperature == 0 else None,
-                     "scheduler": None if budget is None else budget.batch_summary(B),
-                     **({"graph_drafts": graph.calls - graph_before} if graph else {})})  # drafts the compiled graph made
+        rows.append(
+            {
+                "batch": B,
+                "prompts": len(prompts),
+                "rounds": dec.batches.rounds,
+                "tau": round(
+                    sum(s.tokens for s in spec) / sum(s.row_steps + len(prompts) for s in spec), 4
+                ),  # each prefill reads its row once
+                "tokens_per_s": round(tokens_per_s, 2),
+                "baseline_tokens_per_s": round(baseline, 2),
+                "speedup": round(tokens_per_s / baseline, 4),
+                "speedup_halves": [round(h, 4) for h in halves],
+                "lossless": all(o == outs[0] for o in outs) if dec.temperature == 0 else None,
+                "scheduler": None if budget is None else budget.batch_summary(B),
+                **({"graph_drafts": graph.calls - graph_before} if graph else {}),
+            }
+        )  # drafts the compiled graph made
     return rows

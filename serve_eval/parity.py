@@ -52,10 +52,13 @@ def layer_inputs(target, input_ids_of_layers: list[int]):
     def grab(i):
         def hook(_module, args, kwargs):
             captured[i] = args[0] if args else kwargs["hidden_states"]
+
         return hook
 
-    handles = [(final_norm(target) if i == n else layers[i]).register_forward_pre_hook(grab(i), with_kwargs=True)
-               for i in input_ids_of_layers]
+    handles = [
+        (final_norm(target) if i == n else layers[i]).register_forward_pre_hook(grab(i), with_kwargs=True)
+        for i in input_ids_of_layers
+    ]
     try:
         yield captured
     finally:
@@ -83,7 +86,9 @@ def fixed_batch(prompts: list[torch.Tensor], vocab_size: int, settings: GateSett
 
 
 @torch.no_grad()
-def draft_logits(drafter, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor | None) -> torch.Tensor:
+def draft_logits(
+    drafter, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, anchors: torch.Tensor | None
+) -> torch.Tensor:
     """What decoding would draft for a fixed batch (at fixed anchors, for block drafters)."""
     drafter.eval()
     kwargs = {"anchors": anchors} if is_block_drafter(drafter) else {}
@@ -98,9 +103,16 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noqa: PLR0915 the gate's checks, in order
-             simulated_tau: float | None, max_new_tokens: int, eos_token_id: int | None,
-             settings: GateSettings | None = None) -> dict:
+def run_gate(  # noqa: PLR0915 the gate's checks, in order
+    trained,
+    target,
+    prompts: list[torch.Tensor],
+    folders: dict,
+    simulated_tau: float | None,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    settings: GateSettings | None = None,
+) -> dict:
     """Check every exported folder in ``folders`` (format -> path) against the ``trained`` drafter.
 
     ``prompts`` are encoded evaluation prompts (1-D token tensors on the target's device)."""
@@ -120,15 +132,22 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noq
     # --- target_io
     emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     io_ok = torch.equal(trained.embed_tokens.weight, emb.to(trained.embed_tokens.weight.dtype)) and torch.equal(
-        trained.lm_head.weight, head.to(trained.lm_head.weight.dtype))
-    checks["target_io"] = {"passed": io_ok, "detail": "embeddings and LM head equal the target's" if io_ok else
-                           "the drafter's embeddings or LM head differ from the target's (untied head or another target)"}
+        trained.lm_head.weight, head.to(trained.lm_head.weight.dtype)
+    )
+    checks["target_io"] = {
+        "passed": io_ok,
+        "detail": "embeddings and LM head equal the target's"
+        if io_ok
+        else "the drafter's embeddings or LM head differ from the target's (untied head or another target)",
+    }
 
     # --- logits on a fixed batch, for every exported format
     ids = fixed_batch(prompts, trained.config.vocab_size, settings).to(device)
     reference_feats = FeatureCapture(target, trained.config.target_layer_ids)(ids)
     gen = torch.Generator().manual_seed(settings.seed)
-    anchors = sample_anchors(ids.shape[1], trained.config.block_size, trained.config.num_anchors, ids.shape[0], device, gen)
+    anchors = sample_anchors(
+        ids.shape[1], trained.config.block_size, trained.config.num_anchors, ids.shape[0], device, gen
+    )
     reference = draft_logits(trained, ids, reference_feats.aux, reference_feats.last, anchors)
     reloaded = None
     for fmt, folder in folders.items():
@@ -137,8 +156,10 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noq
             same_type = type(reloaded) is type(trained)
             aux = FeatureCapture(target, reloaded.config.target_layer_ids)(ids).aux
             logits = draft_logits(reloaded, ids, aux, reference_feats.last, anchors) if same_type else None
-            declared = {"target_layer_ids": reloaded.config.target_layer_ids,
-                        "convention": reloaded.config.layer_id_convention}
+            declared = {
+                "target_layer_ids": reloaded.config.target_layer_ids,
+                "convention": reloaded.config.layer_id_convention,
+            }
         elif fmt == "speculators":
             model, config = read_speculators(folder, target)
             spec_ids = config.get("aux_hidden_state_layer_ids") or config["eagle_aux_hidden_state_layer_ids"]
@@ -154,8 +175,13 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noq
         else:
             raise ValueError(f"unknown export format {fmt!r}")
         diff = float("inf") if logits is None else _max_abs(logits, reference)
-        checks[f"logits/{fmt}"] = {"passed": diff <= settings.logits_atol, "max_abs_diff": diff,
-                                   "atol": settings.logits_atol, "declared": declared, "folder": str(folder)}
+        checks[f"logits/{fmt}"] = {
+            "passed": diff <= settings.logits_atol,
+            "max_abs_diff": diff,
+            "atol": settings.logits_atol,
+            "declared": declared,
+            "folder": str(folder),
+        }
 
     # --- acceptance in the decoding loop, with the drafter reloaded from disk
     if reloaded is None:
@@ -163,13 +189,27 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noq
     speculative_generate(target, reloaded, prompts[0], 4, eos_token_id)  # warm-up, as every benchmark here
     # every draft verified: the simulated tau replays exactly that (a budget, or the draft switch, would
     # make the measured tau a property of this machine's costs rather than of the drafter)
-    run = measure(target, reloaded, prompts, DecodingSection(max_new_tokens=max_new_tokens, budget={"adaptive": False}), eos_token_id,
-                  lambda i: Sampler(), None)
+    run = measure(
+        target,
+        reloaded,
+        prompts,
+        DecodingSection(max_new_tokens=max_new_tokens, budget={"adaptive": False}),
+        eos_token_id,
+        lambda i: Sampler(),
+        None,
+    )
     measured, lossless = run["tau"], run["lossless"]
-    acceptance = {"measured_tau": measured, "simulated_tau": None if simulated_tau is None else round(simulated_tau, 4),
-                  "prompts": len(prompts), "max_new_tokens": max_new_tokens, "lossless": lossless,
-                  "speedup": run["speedup"], "acceptance_by_position": run["acceptance_by_position"],
-                  "rel_tolerance": settings.tau_rel_tolerance, "abs_tolerance": settings.tau_abs_tolerance}
+    acceptance = {
+        "measured_tau": measured,
+        "simulated_tau": None if simulated_tau is None else round(simulated_tau, 4),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "lossless": lossless,
+        "speedup": run["speedup"],
+        "acceptance_by_position": run["acceptance_by_position"],
+        "rel_tolerance": settings.tau_rel_tolerance,
+        "abs_tolerance": settings.tau_abs_tolerance,
+    }
     if simulated_tau is None:
         acceptance.update(passed=False, detail="no simulated tau was recorded for this checkpoint at training")
     else:
@@ -178,9 +218,16 @@ def run_gate(trained, target, prompts: list[torch.Tensor], folders: dict,  # noq
         acceptance.update(passed=gap <= allowed and lossless, gap=round(gap, 4), allowed_gap=round(allowed, 4))
     checks["acceptance"] = acceptance
     failed = [name for name, c in checks.items() if not c["passed"]]
-    return {"passed": not failed, "failed": failed, "checks": checks,
-            "measured_tau": acceptance["measured_tau"], "simulated_tau": acceptance["simulated_tau"],
-            "logits_max_abs_diff": max((c["max_abs_diff"] for k, c in checks.items() if k.startswith("logits/")), default=None)}
+    return {
+        "passed": not failed,
+        "failed": failed,
+        "checks": checks,
+        "measured_tau": acceptance["measured_tau"],
+        "simulated_tau": acceptance["simulated_tau"],
+        "logits_max_abs_diff": max(
+            (c["max_abs_diff"] for k, c in checks.items() if k.startswith("logits/")), default=None
+        ),
+    }
 
 
 def describe_check(name: str, c: dict) -> str:
@@ -188,8 +235,10 @@ def describe_check(name: str, c: dict) -> str:
     if name.startswith("logits/"):
         return f"max |diff| of the drafts {c['max_abs_diff']:.3g} (tolerance {c['atol']}); declared {c['declared']}"
     if name == "acceptance":
-        return (f"measured tau {c['measured_tau']} vs simulated {c['simulated_tau']} (gap {c.get('gap')}, allowed "
-                f"{c.get('allowed_gap')}), lossless {c['lossless']}" + (f"; {c['detail']}" if "detail" in c else ""))
+        return (
+            f"measured tau {c['measured_tau']} vs simulated {c['simulated_tau']} (gap {c.get('gap')}, allowed "
+            f"{c.get('allowed_gap')}), lossless {c['lossless']}" + (f"; {c['detail']}" if "detail" in c else "")
+        )
     return str(c.get("detail", ""))
 
 

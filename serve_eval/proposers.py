@@ -73,7 +73,9 @@ class Proposer:
         its bonus is ``firsts[i]``."""
         raise NotImplementedError
 
-    def put(self, rows: torch.Tensor, prompts: list[torch.Tensor], features: torch.Tensor | None, firsts: torch.Tensor) -> None:
+    def put(
+        self, rows: torch.Tensor, prompts: list[torch.Tensor], features: torch.Tensor | None, firsts: torch.Tensor
+    ) -> None:
         """Rows ``rows`` start over with ``prompts`` (as in :meth:`start`)."""
         raise NotImplementedError
 
@@ -107,7 +109,9 @@ class BlockProposer(Proposer):
         self.confidence_threshold = confidence_threshold
         self.compiled = backend.draft_graph(drafter)  # the draft as one graph, where the backend built one
         self.context = self._new_context()
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (features [R, m, F], counts [R]; None: all m)
+        self.pending: list[
+            tuple[torch.Tensor, torch.Tensor | None]
+        ] = []  # (features [R, m, F], counts [R]; None: all m)
 
     def _new_context(self) -> ContextCache:
         return ContextCache(spare=self.block_size, capacity=self.compiled.positions if self.compiled else 0)
@@ -128,14 +132,20 @@ class BlockProposer(Proposer):
     def put(self, rows, prompts, features, firsts) -> None:
         # features queued for the rows' former occupants count as none of the new rows'
         R = len(self.context.lengths)
-        self.pending = [(aux, (torch.full((R,), aux.shape[1]) if counts is None else counts).index_fill(0, rows, 0))
-                        for aux, counts in self.pending]
+        self.pending = [
+            (aux, (torch.full((R,), aux.shape[1]) if counts is None else counts).index_fill(0, rows, 0))
+            for aux, counts in self.pending
+        ]
         m = features.shape[1]
-        kv = self.drafter.context_kv(features, torch.arange(m, device=features.device)[None].expand(len(rows), m), lean=True)
+        kv = self.drafter.context_kv(
+            features, torch.arange(m, device=features.device)[None].expand(len(rows), m), lean=True
+        )
         self.context.put(rows, kv, torch.tensor([len(p) for p in prompts]))
 
     def select(self, rows) -> None:
-        self.pending = [(aux[rows.to(aux.device)], None if counts is None else counts[rows]) for aux, counts in self.pending]
+        self.pending = [
+            (aux[rows.to(aux.device)], None if counts is None else counts[rows]) for aux, counts in self.pending
+        ]
         self.context.select(rows)
 
     def observe(self, starts, tokens, features) -> None:
@@ -184,20 +194,29 @@ class BlockProposer(Proposer):
     def _propose_one(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> Proposal:
         """One row: compiled, a draft reads up to ``K`` arriving features in its graph (more are read into the
         context first); eager, :meth:`~drafters.block.BlockDrafter.decode_hidden` reads them all."""
-        pending, self.pending = [aux if counts is None else aux[:, :int(counts[0])] for aux, counts in self.pending], []
+        pending, self.pending = (
+            [aux if counts is None else aux[:, : int(counts[0])] for aux, counts in self.pending],
+            [],
+        )
         arrived = None if not pending else pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)
         arriving = None if arrived is None else arrived.shape[1]
         compiled, K, context = self.compiled, self.block_size, self.context
         if compiled is not None and arrived is not None and arrived.shape[1] > K:  # a prompt's, or undrafted steps'
             self._read(arrived[:, :-K])
             arrived, arriving = arrived[:, -K:], K
-        if compiled is not None and arrived is not None and arriving and \
-                compiled.fits(context.keys, context.length + arriving, arriving):
+        if (
+            compiled is not None
+            and arrived is not None
+            and arriving
+            and compiled.fits(context.keys, context.length + arriving, arriving)
+        ):
             context.check_anchor(anchor_pos, arrived)
             hidden, proposal = compiled(anchor, context, arrived, compiled.proposes_for(sampler.greedy))
         else:
             hidden, proposal = self.drafter.decode_hidden(anchor, anchor_pos, context, arrived), None
-        tokens, logits, confidence = _proposal(self.drafter, hidden, proposal, anchor.view(1, 1), sampler.choose, sampler.greedy)
+        tokens, logits, confidence = _proposal(
+            self.drafter, hidden, proposal, anchor.view(1, 1), sampler.choose, sampler.greedy
+        )
         lengths = None
         if confidence is not None and self.confidence_threshold > 0:
             low = (confidence[0, 0] < self.confidence_threshold).nonzero()
@@ -215,19 +234,36 @@ class BlockProposer(Proposer):
             self._flush()
         aux, counts = self.pending[0] if self.pending else (None, None)
         R = len(anchors)
-        counts = torch.zeros(R, dtype=torch.long) if aux is None else torch.full((R,), aux.shape[1]) if counts is None else counts
+        counts = (
+            torch.zeros(R, dtype=torch.long)
+            if aux is None
+            else torch.full((R,), aux.shape[1])
+            if counts is None
+            else counts
+        )
         anchors = anchors.to(self.drafter.device)
-        if graph is not None and graph.fits(context.keys, int((context.lengths + counts).max()), 0 if aux is None else aux.shape[1]):
+        if graph is not None and graph.fits(
+            context.keys, int((context.lengths + counts).max()), 0 if aux is None else aux.shape[1]
+        ):
             if aux is None:
                 aux = context.keys[0].new_zeros(R, 0, self.drafter.fc.in_features)
-            hidden, proposal = graph.run(anchors, torch.stack([context.lengths, counts], dim=1).to(aux.device), aux,
-                                         context.keys, context.values, graph.proposes_for(greedy))
+            hidden, proposal = graph.run(
+                anchors,
+                torch.stack([context.lengths, counts], dim=1).to(aux.device),
+                aux,
+                context.keys,
+                context.values,
+                graph.proposes_for(greedy),
+            )
             context.lengths, self.pending = context.lengths + counts, []
         else:
             self._flush()
-            hidden = self.drafter.block_hidden(None, anchors[:, None], context.lengths.to(anchors.device)[:, None], context.view())
-        tokens, logits, confidence = _proposal(self.drafter, hidden, proposal, anchors[:, None],
-                                                       lambda x: choose_rows(samplers, x), greedy)
+            hidden = self.drafter.block_hidden(
+                None, anchors[:, None], context.lengths.to(anchors.device)[:, None], context.view()
+            )
+        tokens, logits, confidence = _proposal(
+            self.drafter, hidden, proposal, anchors[:, None], lambda x: choose_rows(samplers, x), greedy
+        )
         lengths = None
         if confidence is not None and self.confidence_threshold > 0:
             low = confidence[:, 0] < self.confidence_threshold  # [R, K-1]
@@ -247,7 +283,7 @@ class PerRow(Proposer):
     def _begun(self, prompt: torch.Tensor, features: torch.Tensor | None, i: int, first: torch.Tensor):
         state = self.row()
         state.begin(prompt.view(1, -1))
-        aux = None if features is None else features[i:i + 1, :len(prompt)]
+        aux = None if features is None else features[i : i + 1, : len(prompt)]
         state.observe(aux, 0, torch.cat([prompt.view(-1)[1:], first.view(1).to(prompt.device)]))
         return state
 
@@ -266,7 +302,7 @@ class PerRow(Proposer):
     @torch.inference_mode()
     def observe(self, starts, tokens, features) -> None:
         for r, state in enumerate(self.states):
-            state.observe(None if features is None else features[r:r + 1, :len(tokens[r])], starts[r], tokens[r])
+            state.observe(None if features is None else features[r : r + 1, : len(tokens[r])], starts[r], tokens[r])
 
     @torch.inference_mode()
     def propose(self, anchors, positions, samplers, stop=None) -> Proposal:
@@ -332,7 +368,7 @@ class LMDraft:
         self.cache, self.sequence, self.read = DynamicCache(), prompt.view(-1).tolist(), []
 
     def observe(self, aux, start: int, next_tokens: torch.Tensor) -> None:
-        self.sequence = self.sequence[:start + 1] + next_tokens.view(-1).tolist()
+        self.sequence = self.sequence[: start + 1] + next_tokens.view(-1).tolist()
         keep = min(start, len(self.read))
         last = len(self.sequence) - 1  # the bonus is always (re)read by the next draft: its logits start it
         while keep < min(len(self.read), last) and self.read[keep] == self.sequence[keep]:
@@ -345,14 +381,20 @@ class LMDraft:
         start = len(self.read)
         ids = torch.tensor([tokens], device=device)
         positions = torch.arange(start, start + len(tokens), device=device)[None]
-        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1,
-                            **self.forward_kwargs).logits[0, -1]  # the head on the last position only
+        logits = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self.forward_kwargs,
+        ).logits[0, -1]  # the head on the last position only
         self.read += tokens
         return logits
 
     def propose(self, anchor, anchor_pos: int, sampler: Sampler, stop=None):
         tokens, all_logits = [], []
-        pending = self.sequence[len(self.read):anchor_pos + 1]  # catch up to the bonus (at anchor_pos)
+        pending = self.sequence[len(self.read) : anchor_pos + 1]  # catch up to the bonus (at anchor_pos)
         for _ in range(self.block_size - 1):
             logits = self._read(pending, anchor.device)
             token = sampler.choose(logits)
@@ -374,12 +416,13 @@ class PardDraft(LMDraft):
         self.masks = [mask_token_id] * (draft_tokens - 1)
 
     def propose(self, anchor, anchor_pos: int, sampler: Sampler, stop=None):
-        pending = self.sequence[len(self.read):anchor_pos + 1]
+        pending = self.sequence[len(self.read) : anchor_pos + 1]
         start, n = len(self.read), len(pending) + len(self.masks)
         ids = torch.tensor([pending + self.masks], device=anchor.device)
         positions = torch.arange(start, start + n, device=anchor.device)[None]
-        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
-                            logits_to_keep=len(self.masks) + 1).logits[0]
+        logits = self.model(
+            input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=len(self.masks) + 1
+        ).logits[0]
         self.cache.crop(-len(self.masks))
         self.read += pending
         return sampler.choose(logits), logits
@@ -456,8 +499,14 @@ def _proposal(drafter, hidden: torch.Tensor, graphs: tuple | None, anchors: torc
     return graphs if greedy else (choose(graphs[1]), *graphs[1:])
 
 
-def make_proposer(drafter, confidence_threshold: float = 0.0, draft_length: int = 7, draft_recurrence: int | None = None,
-                  parallel: bool = True, backend: Backend = TORCH) -> Proposer:
+def make_proposer(
+    drafter,
+    confidence_threshold: float = 0.0,
+    draft_length: int = 7,
+    draft_recurrence: int | None = None,
+    parallel: bool = True,
+    backend: Backend = TORCH,
+) -> Proposer:
     """The proposer for a drafter: its own kind for DFlash / DSpark / EAGLE-3, :class:`PardProposer` for a
     PARD-trained LM (``config.pard``; ``parallel=False`` drafts with it autoregressively), :class:`LMProposer`
     for any other causal LM (``draft_length`` tokens a step; ``draft_recurrence`` for Parcae)."""

@@ -26,8 +26,9 @@ class TargetSession:
     ``backend`` serves it (:mod:`serve_eval.backend`) and, with ``capture``, the features a drafter reads.
     ``lengths`` [R]: each row's verified tokens."""
 
-    def __init__(self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None,
-                 backend: Backend = TORCH):
+    def __init__(
+        self, target, capture: FeatureCapture | None = None, kv: KVQuant | None = None, backend: Backend = TORCH
+    ):
         self.target, self.backend = target, backend
         self.run = backend.target_forward(target, capture)
         self.cache = inplace_cache(target.config, kv)
@@ -68,19 +69,29 @@ class TargetSession:
         if excess > 0:
             self.cache.crop(-excess)
 
-    def _forward_one(self, ids: torch.Tensor, last: bool = False, positions: torch.Tensor | None = None,
-                     mask: torch.Tensor | None = None, keys: torch.Tensor | None = None):
+    def _forward_one(
+        self,
+        ids: torch.Tensor,
+        last: bool = False,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None,
+    ):
         start = self.length
         if positions is None:
             positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-        logits, feats = self.run(ids, positions, mask, self.cache, torch.tensor([ids.shape[1] - 1]) if last else None, keys)
+        logits, feats = self.run(
+            ids, positions, mask, self.cache, torch.tensor([ids.shape[1] - 1]) if last else None, keys
+        )
         return logits, feats
 
     # -- several rows: per-row writes and masks ------------------------------------------------------
     def _check_rows(self) -> None:
         if len(self._layers) != len(self.cache.layers):
-            raise ValueError("decoding several rows at once needs a target whose every layer keeps its keys and values "
-                             "in the loop's own cache (serve_eval.kv); this one has layers of another kind")
+            raise ValueError(
+                "decoding several rows at once needs a target whose every layer keeps its keys and values "
+                "in the loop's own cache (serve_eval.kv); this one has layers of another kind"
+            )
 
     def _forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, logits_at=None, keys=None):
         """The forward over ``ids`` [R, n] at ``positions``, row ``r`` writing after its own length and
@@ -107,11 +118,14 @@ class TargetSession:
         L, device = int(lengths.max()), prompts[0].device
         ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
-            ids[i, :len(p)] = p
-        mask = torch.ones(L, L, dtype=torch.bool).tril()[None] & (torch.arange(L) < lengths[:, None])[:, None, :]  # causal, real tokens
+            ids[i, : len(p)] = p
+        mask = (
+            torch.ones(L, L, dtype=torch.bool).tril()[None] & (torch.arange(L) < lengths[:, None])[:, None, :]
+        )  # causal, real tokens
         self.lengths = torch.zeros(len(prompts), dtype=torch.long)
-        logits, feats = self._forward_rows(ids, torch.arange(L, device=device)[None].expand(len(prompts), L), mask.to(device),
-                                           lengths - 1)
+        logits, feats = self._forward_rows(
+            ids, torch.arange(L, device=device)[None].expand(len(prompts), L), mask.to(device), lengths - 1
+        )
         self.lengths = lengths
         return logits[:, 0], feats
 
@@ -136,8 +150,9 @@ class TargetSession:
             return self._forward_rows(ids, positions.to(ids.device), mask.to(ids.device))
 
     @torch.inference_mode()
-    def step_tree(self, ids: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
-                  counts: torch.Tensor | None = None) -> tuple[torch.Tensor, TargetFeatures | None]:
+    def step_tree(
+        self, ids: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, TargetFeatures | None]:
         """Read a tree per row: ``ids`` [R, N] (the root first), node ``i`` of row ``r`` at position
         ``lengths[r] + depths[r, i]``, seeing the row's cached tokens and the nodes ``ancestors[r, i]``
         [R, N, N] marks. ``counts`` [R]: each row's nodes (the rest padding, as in :meth:`step`)."""
@@ -147,7 +162,9 @@ class TargetSession:
             self._contiguous()
             start = self.length
             positions = (start + depths.to(device)).view(1, n)
-            mask = torch.cat([torch.ones(n, start, dtype=torch.bool), ancestors.view(n, n)], dim=1)[None, None].to(device)
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool), ancestors.view(n, n)], dim=1)[None, None].to(
+                device
+            )
             keys = torch.cat([torch.arange(start, device=device), positions[0]])[None]
             return self._forward_one(ids, positions=positions, mask=mask, keys=keys)
         lengths = self.lengths[:, None]

@@ -81,7 +81,7 @@ def fan_out(probabilities: list[float], branches: int, exponent: float) -> list[
     weights = [p ** (1 / (1 + exponent)) for p in probabilities]
     shares = [branches * w / sum(weights) for w in weights]
     counts = [int(s) for s in shares]
-    for n in sorted(range(len(shares)), key=lambda n: counts[n] - shares[n])[:branches - sum(counts)]:
+    for n in sorted(range(len(shares)), key=lambda n: counts[n] - shares[n])[: branches - sum(counts)]:
         counts[n] += 1
     return counts
 
@@ -130,14 +130,17 @@ class SSDStats:
         steps = max(1, self.steps)
         ranked = sum(self.ranks.values())
         in_top = {f: sum(c for r, c in self.ranks.items() if r < f) / max(1, ranked) for f in (1, 2, 4, 8, 16, 32)}
-        out = {"steps": self.steps, "hit_rate": round(self.hits / steps, 4),
-               "mean_drafts_on_hit": round(self.drafts_on_hit / max(1, self.hits), 3),
-               "interrupted_builds": self.interrupted,
-               "speculate_ms": round(1e3 * self.speculate_s / steps, 3),
-               "backup_ms": round(1e3 * self.backup_s / max(1, self.steps - self.hits), 3),
-               "bonus_in_top_f": {f: round(h, 4) for f, h in in_top.items()},
-               "fitted_exponent": _power_law_exponent(in_top),
-               "outcomes": dict(sorted(self.outcomes.items()))}
+        out = {
+            "steps": self.steps,
+            "hit_rate": round(self.hits / steps, 4),
+            "mean_drafts_on_hit": round(self.drafts_on_hit / max(1, self.hits), 3),
+            "interrupted_builds": self.interrupted,
+            "speculate_ms": round(1e3 * self.speculate_s / steps, 3),
+            "backup_ms": round(1e3 * self.backup_s / max(1, self.steps - self.hits), 3),
+            "bonus_in_top_f": {f: round(h, 4) for f, h in in_top.items()},
+            "fitted_exponent": _power_law_exponent(in_top),
+            "outcomes": dict(sorted(self.outcomes.items())),
+        }
         if verify_ms is not None and len(verify_ms) == len(self.steps_ms):
             separate = sum(max(v, s) if hit else v + b for v, (hit, s, b) in zip(verify_ms, self.steps_ms))
             out["modeled_separate_device_ms_per_step"] = round(separate / steps, 3)
@@ -152,8 +155,10 @@ class Speculator:
 
     def __init__(self, proposer, branches: int = 8, exponent: float = 1.0, backup: str = "draft"):
         if proposer.needs_features:
-            raise ValueError("speculative speculation drafts ahead of the target's features: it needs a drafter that "
-                             "reads tokens only (a causal LM or a PARD drafter)")
+            raise ValueError(
+                "speculative speculation drafts ahead of the target's features: it needs a drafter that "
+                "reads tokens only (a causal LM or a PARD drafter)"
+            )
         self.branches, self.exponent, self.backup = branches, exponent, backup
         self.pard = isinstance(proposer, PardProposer)
         self.proposer = proposer.row()  # one row's drafter state, whose KV cache the speculation builds on
@@ -178,7 +183,10 @@ class Speculator:
         verifies the bonus alone while the cache is built for its outcome)."""
         if self.backup == "none":
             vocab = self.proposer.model.config.vocab_size
-            drafts, logits = torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0, vocab, device=self.device)
+            drafts, logits = (
+                torch.empty(0, dtype=torch.long, device=self.device),
+                torch.empty(0, vocab, device=self.device),
+            )
         else:
             drafts, logits = self.proposer.propose(torch.tensor(bonus, device=self.device), self.anchor, self.sampler)
         self.drafts, self.logits, self.cache = drafts, logits, None
@@ -192,8 +200,14 @@ class Speculator:
     def _forward(self, ids: list[int], positions: list[int], visible: torch.Tensor | None = None) -> torch.Tensor:
         p = self.proposer
         kwargs = {} if visible is None else {"attention_mask": visible[None, None].to(self.device)}
-        out = p.model(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([positions], device=self.device),
-                      cache=p.cache, use_cache=True, **kwargs, **p.forward_kwargs)
+        out = p.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            cache=p.cache,
+            use_cache=True,
+            **kwargs,
+            **p.forward_kwargs,
+        )
         return out.logits[0]
 
     @torch.inference_mode()
@@ -206,11 +220,11 @@ class Speculator:
         read = min(len(p.read), a + 1)  # the bonus is read unless no draft was made after it
         p.cache.crop(read - len(p.read))
         p.read = p.read[:read]
-        pending = (p.sequence + drafts)[read:a + m + 1]
+        pending = (p.sequence + drafts)[read : a + m + 1]
         logits = self._forward(pending, list(range(read, a + m + 1)))  # r_n after position a + n, n = 0 .. m
         ranked = torch.cat([self.logits[:1], logits]) if read == a + 1 else logits
         p.read += pending
-        counts = self.outcome_counts[:m + 1]
+        counts = self.outcome_counts[: m + 1]
         keys = []
         for n, f in enumerate(fan_out([c / sum(counts) for c in counts], self.branches, self.exponent)):
             order = ranked[n].topk(min(f + 1, ranked.shape[-1])).indices.tolist() if f else []
@@ -263,18 +277,23 @@ class Speculator:
         if cache is not None:
             stats.speculate_s += cache.seconds
             stats.interrupted += cache.interrupted
-            skip = self.sampler.greedy and n < len(self.drafts) and self.ranked[n, self.drafts[n]] > self.ranked[n, token]
+            skip = (
+                self.sampler.greedy and n < len(self.drafts) and self.ranked[n, self.drafts[n]] > self.ranked[n, token]
+            )
             stats.ranks[min(64, int((self.ranked[n] > self.ranked[n, token]).sum()) - int(skip))] += 1
         self.anchor = a + n + 1
         if o is not None and cache.drafts[o]:
             drafts, logits = torch.stack(cache.drafts[o]), torch.stack(cache.logits[o])
             read = [token] if self.pard else [token, *drafts[:-1].tolist()]  # what the branch's entries hold
             B = len(cache.keys)
-            source = [cache.base + o * (len(p.masks) + 1)] if self.pard else \
-                [cache.base + s * B + o for s in range(len(read))]
+            source = (
+                [cache.base + o * (len(p.masks) + 1)]
+                if self.pard
+                else [cache.base + s * B + o for s in range(len(read))]
+            )
             keep_entries(p.cache, a + n + 1, source)
-            p.read = p.read[:a + n + 1] + read
-            p.sequence = p.sequence[:a + 1] + emitted
+            p.read = p.read[: a + n + 1] + read
+            p.sequence = p.sequence[: a + 1] + emitted
             self.drafts, self.logits, self.cache = drafts, logits, None
             stats.hits += 1
             stats.drafts_on_hit += len(drafts)
@@ -394,8 +413,9 @@ class WorkerSpeculation(InlineSpeculation):
         os.sched_setaffinity(0, self.restore)
 
 
-def open_speculation(proposer, branches: int = 8, exponent: float = 1.0, backup: str = "draft",
-                     concurrent: bool = True) -> InlineSpeculation:
+def open_speculation(
+    proposer, branches: int = 8, exponent: float = 1.0, backup: str = "draft", concurrent: bool = True
+) -> InlineSpeculation:
     """SSD's drafter side for a feature-free proposer: in a worker process (``concurrent``) or inline."""
     speculator = Speculator(proposer, branches, exponent, backup)
     return WorkerSpeculation(speculator) if concurrent else InlineSpeculation(speculator)
@@ -403,7 +423,9 @@ def open_speculation(proposer, branches: int = 8, exponent: float = 1.0, backup:
 
 def _tensors(answer, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     drafts, logits = answer
-    return torch.tensor(drafts, dtype=torch.long, device=device), None if logits is None else torch.from_numpy(logits).to(device)
+    return torch.tensor(drafts, dtype=torch.long, device=device), None if logits is None else torch.from_numpy(
+        logits
+    ).to(device)
 
 
 class SpeculationProposer(Proposer):
@@ -425,7 +447,9 @@ class SpeculationProposer(Proposer):
         s = self.sampler
         settings = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": self.seed}
         self.device = prompts[0].device
-        self.drafts, self.logits = _tensors(self.speculation.begin(prompts[0].tolist(), int(firsts[0]), settings), self.device)
+        self.drafts, self.logits = _tensors(
+            self.speculation.begin(prompts[0].tolist(), int(firsts[0]), settings), self.device
+        )
 
     def observe(self, starts, tokens, features) -> None:
         self.verify_ms.append(1e3 * (time.perf_counter() - self.handed_out))
@@ -438,9 +462,17 @@ class SpeculationProposer(Proposer):
         return Proposal(self.drafts[None], None if self.logits is None else self.logits[None])
 
 
-def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, max_new_tokens: int,
-                 eos_token_id: int | None = None, sampler: Sampler | None = None, seed: int = 0,
-                 kv: KVQuant | None = None, backend: Backend = TORCH):
+def ssd_generate(
+    target,
+    speculation: InlineSpeculation,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    sampler: Sampler | None = None,
+    seed: int = 0,
+    kv: KVQuant | None = None,
+    backend: Backend = TORCH,
+):
     """Speculative speculative decoding of one prompt (module docstring) in the decoding loop
     (:func:`~serve_eval.loop.generate`, chains verified whole): the speculation builds the next drafts while
     the target verifies (concurrent), or between verifications (inline). ``seed`` seeds the drafter's own
@@ -448,7 +480,9 @@ def ssd_generate(target, speculation: InlineSpeculation, prompt: torch.Tensor, m
     (``draft_seconds``: time the loop waited for drafts) and the verification times per resolved step (ms)."""
     sampler = sampler or Sampler()
     proposer = SpeculationProposer(speculation, sampler, seed)
-    outs, run = generate(target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler], proposer, kv=kv, backend=backend)
+    outs, run = generate(
+        target, [prompt.view(-1)], max_new_tokens, eos_token_id, [sampler], proposer, kv=kv, backend=backend
+    )
     return outs[0], run.prompts[0], proposer.verify_ms
 
 
@@ -460,9 +494,11 @@ def ssd_report(speculation: InlineSpeculation, totals: dict, verify_ms: list[flo
     sd_tokens_per_s = totals["sd_tokens"] / totals["sd_s"]
     plain_tokens_per_s = totals["base_tokens"] / totals["base_s"]
     ssd["concurrent"] = speculation.concurrent
-    ssd["speculative_decoding"] = {"tau": round(totals["sd_tokens"] / max(1, totals["sd_forwards"]), 4),
-                                   "tokens_per_s": round(sd_tokens_per_s, 2),
-                                   "speedup": round(sd_tokens_per_s / plain_tokens_per_s, 4)}
+    ssd["speculative_decoding"] = {
+        "tau": round(totals["sd_tokens"] / max(1, totals["sd_forwards"]), 4),
+        "tokens_per_s": round(sd_tokens_per_s, 2),
+        "speedup": round(sd_tokens_per_s / plain_tokens_per_s, 4),
+    }
     ssd["over_speculative_decoding"] = round(totals["tokens"] / totals["spec_s"] / sd_tokens_per_s, 4)
     if "modeled_separate_device_ms_per_step" in ssd:  # the prefill and each prompt's first token excluded
         steps = totals["forwards"] - prompts

@@ -32,6 +32,7 @@ def device_clock(device):
     def now() -> float:
         torch.cuda.synchronize(device)
         return time.perf_counter()
+
     return now
 
 
@@ -64,9 +65,17 @@ def verify_sizes(largest: int) -> list[int]:
 
 
 @torch.inference_mode()
-def measure_verify_costs(target, sizes, capture: FeatureCapture | None = None, context: int = 128, repeats: int = 5,
-                         kv: KVQuant | None = None, rows: int = 1, plain: bool = False,
-                         backend: Backend = TORCH) -> dict[int, float]:
+def measure_verify_costs(
+    target,
+    sizes,
+    capture: FeatureCapture | None = None,
+    context: int = 128,
+    repeats: int = 5,
+    kv: KVQuant | None = None,
+    rows: int = 1,
+    plain: bool = False,
+    backend: Backend = TORCH,
+) -> dict[int, float]:
     """Seconds of a target step over ``rows`` rows of ``context`` cached tokens reading ``n`` tokens each,
     for each ``n`` in ``sizes``, with ``capture``'s features and the loop's KV cache (``kv``); with
     ``plain``, at key 0 also a plain step (one token a row, no features). The fastest of ``repeats``

@@ -27,8 +27,9 @@ def choose_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([s.choose(row) for s, row in zip(samplers, logits)])
 
 
-def greedy_chains(drafts: torch.Tensor, reads: list[int], logits: torch.Tensor,
-                  top=top_tokens) -> tuple[list[int], torch.Tensor]:
+def greedy_chains(
+    drafts: torch.Tensor, reads: list[int], logits: torch.Tensor, top=top_tokens
+) -> tuple[list[int], torch.Tensor]:
     """Greedy verification of every row at once: row ``r`` read its bonus and ``drafts[r, :reads[r] - 1]``
     (``drafts`` [R, n - 1]) and keeps the longest prefix equal to the target's argmax after each
     (``logits`` [R, n, V]; ``top``: the greedy rule). Returns each row's drafts kept and its new bonus [R]."""
@@ -43,7 +44,9 @@ def greedy_chains(drafts: torch.Tensor, reads: list[int], logits: torch.Tensor,
     return kept.tolist(), choice[torch.arange(R, device=choice.device), kept]
 
 
-def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor | None, target_logits: torch.Tensor):
+def verify_chain(
+    sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Tensor | None, target_logits: torch.Tensor
+):
     """One row: accept a prefix of ``drafts`` [K-1] against the target's logits [K, V] (after the bonus and
     each draft). Returns ``(n, next_token)``: the drafts kept and the token that follows them.
     ``draft_logits`` None: the drafts are copies (prompt lookup), point masses: a copy is kept with
@@ -63,7 +66,9 @@ def verify_chain(sampler: Sampler, drafts: torch.Tensor, draft_logits: torch.Ten
     return len(drafts), sampler.sample(p[-1])
 
 
-def verify_chains(samplers: list[Sampler], ids: torch.Tensor, reads: list[int], draft_logits: list, logits: torch.Tensor):
+def verify_chains(
+    samplers: list[Sampler], ids: torch.Tensor, reads: list[int], draft_logits: list, logits: torch.Tensor
+):
     """Each row ``r`` verifies the drafts ``ids[r, 1:reads[r]]`` (read after its bonus ``ids[r, 0]``) against
     the target's ``logits[r, :reads[r]]``; ``draft_logits[r]``: the logits they were drawn from (None:
     copies). Returns each row's drafts kept and the token that follows them [R]."""
@@ -83,14 +88,15 @@ def walk_trees(samplers: list[Sampler], trees: list[DraftTree], logits: torch.Te
     each row's accepted path (indices into [root, nodes], the root first) and the token after it [R]."""
     paths, bonus = [], []
     for r, tree in enumerate(trees):
-        path, token = walk_tree(tree, logits[r, :len(tree) + 1], samplers[r], probs[r])
+        path, token = walk_tree(tree, logits[r, : len(tree) + 1], samplers[r], probs[r])
         paths.append(path)
         bonus.append(torch.as_tensor(token).view(()))
     return paths, torch.stack(bonus)
 
 
-def next_outcome(sampler: Sampler, drafts, draft_probs, target_logits, verified: int, accepted: int,
-                 bonus: int) -> float | None:
+def next_outcome(
+    sampler: Sampler, drafts, draft_probs, target_logits, verified: int, accepted: int, bonus: int
+) -> float | None:
     """Whether (T = 0), or with what probability (T > 0), the first draft left unverified would have
     been kept, from the target's logits after the kept ones (``draft_probs``: the distributions the drafts
     were drawn from; ``bonus``: the token the target chose there); None when it does not apply."""
@@ -103,7 +109,9 @@ def next_outcome(sampler: Sampler, drafts, draft_probs, target_logits, verified:
     return min(1.0, p / q) if q > 0 else 1.0
 
 
-def unverified_outcomes(sampler: Sampler, full: DraftTree, verified: int, path: list[int], logits, q) -> dict[int, float]:
+def unverified_outcomes(
+    sampler: Sampler, full: DraftTree, verified: int, path: list[int], logits, q
+) -> dict[int, float]:
     """The nodes past the verified ones (indices into ``full``, the whole best-first tree) that would have
     been tried after the walk's last node, and whether (T = 0), or with what probability (T > 0), each
     would have been kept, from the target's logits there. At T = 0 every such child counts (kept iff it

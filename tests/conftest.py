@@ -14,8 +14,14 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_SILENT": "true", "DS_BUILD_OPS": "0"}
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_SILENT": "true",
+    "DS_BUILD_OPS": "0",
+}
 os.environ.update(OFFLINE)
 
 from distill.runtime import quiet_third_party  # noqa: E402  (what the command line does first)
@@ -39,13 +45,27 @@ def tiny_lm_recipe(output_dir: Path, **sections) -> dict:
         "recipe": "train_lm",
         "output_dir": str(output_dir),
         "seed": 0,
-        "model": {"arch": "llama", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128,
-                  "max_position_embeddings": 128},
+        "model": {
+            "arch": "llama",
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "intermediate_size": 128,
+            "max_position_embeddings": 128,
+        },
         "tokenizer": {"vocab_size": 512},
         "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine"},
-        "train": {"max_steps": 12, "micro_batch_size": 4, "grad_accum": 1, "eval_every": 6, "eval_batches": 4,
-                  "save_every": 4, "log_every": 2, "torch_threads": 1},
+        "train": {
+            "max_steps": 12,
+            "micro_batch_size": 4,
+            "grad_accum": 1,
+            "eval_every": 6,
+            "eval_batches": 4,
+            "save_every": 4,
+            "log_every": 2,
+            "torch_threads": 1,
+        },
     }
     for section, values in sections.items():
         if isinstance(values, dict):
@@ -65,44 +85,101 @@ def drafter_recipe(out, target_dir, kind, drafter=None, **train):
     """A train_drafter recipe: a one-layer ``kind`` drafter of block 4 on ``target_dir``, 150 steps of the stdlib corpus."""
     from recipes.registry import parse_recipe
 
-    return parse_recipe({
-        "recipe": "train_drafter", "output_dir": str(out), "seed": 0,
-        "target": {"path": str(target_dir)},
-        "drafter": {"kind": kind, "num_layers": 1, "block_size": 4, "num_anchors": 8, "markov_rank": 16, **(drafter or {})},
-        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
-        "train": {"max_steps": 150, "micro_batch_size": 4, "eval_every": 50, "eval_batches": 4, "save_every": 40,
-                  "log_every": 5, "torch_threads": 1, **train},
-    })
+    return parse_recipe(
+        {
+            "recipe": "train_drafter",
+            "output_dir": str(out),
+            "seed": 0,
+            "target": {"path": str(target_dir)},
+            "drafter": {
+                "kind": kind,
+                "num_layers": 1,
+                "block_size": 4,
+                "num_anchors": 8,
+                "markov_rank": 16,
+                **(drafter or {}),
+            },
+            "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
+            "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
+            "train": {
+                "max_steps": 150,
+                "micro_batch_size": 4,
+                "eval_every": 50,
+                "eval_batches": 4,
+                "save_every": 40,
+                "log_every": 5,
+                "torch_threads": 1,
+                **train,
+            },
+        }
+    )
 
 
 def student_recipe(out, target_dir, arch="llama", **train):
     """A distill_student recipe: a 2-layer student (3 for Parcae) of ``target_dir``, 60 steps of the stdlib corpus."""
     from recipes.registry import parse_recipe
 
-    student = {"arch": arch, "hidden_size": 48, "num_layers": 2, "num_heads": 4, "intermediate_size": 96,
-               "max_position_embeddings": 128}
+    student = {
+        "arch": arch,
+        "hidden_size": 48,
+        "num_layers": 2,
+        "num_heads": 4,
+        "intermediate_size": 96,
+        "max_position_embeddings": 128,
+    }
     if arch == "parcae":
         student["num_layers"] = 3
-        student["parcae"] = {"prelude_layers": 1, "core_layers": 1, "coda_layers": 1, "mean_recurrence": 2,
-                             "backprop_depth": 1, "eval_recurrences": [1]}
-    return parse_recipe({
-        "recipe": "distill_student", "output_dir": str(out), "seed": 0, "target": {"path": str(target_dir)},
-        "student": student, "distill": {"divergence": "forward_kl", "ce_weight": 0.1},
-        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.05},
-        "optim": {"lr": 3e-3, "warmup_steps": 5},
-        "train": {"max_steps": 60, "micro_batch_size": 8, "eval_every": 60, "eval_batches": 4, "save_every": 60,
-                  "log_every": 10, "torch_threads": 1, **train},
-    })
+        student["parcae"] = {
+            "prelude_layers": 1,
+            "core_layers": 1,
+            "coda_layers": 1,
+            "mean_recurrence": 2,
+            "backprop_depth": 1,
+            "eval_recurrences": [1],
+        }
+    return parse_recipe(
+        {
+            "recipe": "distill_student",
+            "output_dir": str(out),
+            "seed": 0,
+            "target": {"path": str(target_dir)},
+            "student": student,
+            "distill": {"divergence": "forward_kl", "ce_weight": 0.1},
+            "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.05},
+            "optim": {"lr": 3e-3, "warmup_steps": 5},
+            "train": {
+                "max_steps": 60,
+                "micro_batch_size": 8,
+                "eval_every": 60,
+                "eval_batches": 4,
+                "save_every": 60,
+                "log_every": 10,
+                "torch_threads": 1,
+                **train,
+            },
+        }
+    )
 
 
 def tiny_dflash(block_attention: str = "causal", num_key_value_heads: int = 4):
     """A one-layer DFlash drafter of 32 channels over a 32-channel target, random, fused for decoding."""
     from drafters import DFlashConfig, DFlashDrafter
 
-    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=num_key_value_heads,
-                       intermediate_size=64, target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4,
-                       block_attention=block_attention, num_hidden_layers=1, qk_norm=True, max_position_embeddings=64)
+    cfg = DFlashConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=64,
+        target_layer_ids=[0],
+        target_hidden_size=32,
+        mask_token_id=1,
+        block_size=4,
+        block_attention=block_attention,
+        num_hidden_layers=1,
+        qk_norm=True,
+        max_position_embeddings=64,
+    )
     return DFlashDrafter(cfg).eval().fuse_projections()
 
 
@@ -111,7 +188,9 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: int = 300, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``draftsmith`` in a fresh process (optionally under a launcher such as torchrun)."""
     full_env = {**os.environ, **OFFLINE, **(env or {})}
     cmd = (launcher or [sys.executable]) + ["-m", "recipes.cli", *args]
@@ -160,7 +239,9 @@ def tiny_target_dir(tmp_path_factory, _session_env):
     from recipes.registry import parse_recipe
 
     out = tmp_path_factory.mktemp("tiny-target")
-    recipe = tiny_lm_recipe(out, model={"num_layers": 4}, train={"max_steps": 250, "eval_every": 250, "save_every": 250})
+    recipe = tiny_lm_recipe(
+        out, model={"num_layers": 4}, train={"max_steps": 250, "eval_every": 250, "save_every": 250}
+    )
     reset_accelerate()
     train_lm.main(parse_recipe(recipe))
     reset_accelerate()
@@ -178,7 +259,7 @@ def target_and_prompts(tiny_target_dir):
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     docs = load_text_splits(DataConfig(source="stdlib", max_documents=40, val_fraction=0.1)).val
-    prompts = [torch.tensor(tok(doc[i * 300:i * 300 + 200])["input_ids"][:24]) for i, doc in enumerate(docs[:3])]
+    prompts = [torch.tensor(tok(doc[i * 300 : i * 300 + 200])["input_ids"][:24]) for i, doc in enumerate(docs[:3])]
     return target, tok, prompts
 
 
@@ -210,7 +291,14 @@ def deepspeed_env(monkeypatch):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+        )
         for key, value in env.items():
             monkeypatch.setenv(key, value)
 

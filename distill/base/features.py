@@ -73,6 +73,7 @@ class FeatureCapture:
         def grab(key):
             def hook(_module, _inputs, output):
                 captured[key] = output[0] if isinstance(output, tuple) else output
+
             return hook
 
         layers = decoder_layers(self.target)
@@ -88,8 +89,9 @@ class FeatureCapture:
         """The captured states on ``device`` (None: the first captured layer's). A target split over devices
         (``target.device_map``) leaves each state on its layer's device; they are moved, not left there."""
         device = device if device is not None else captured[self.layer_ids[0]].device
-        return TargetFeatures(aux=torch.cat([captured[i].to(device) for i in self.layer_ids], dim=-1),
-                              last=captured["last"].to(device))
+        return TargetFeatures(
+            aux=torch.cat([captured[i].to(device) for i in self.layer_ids], dim=-1), last=captured["last"].to(device)
+        )
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:

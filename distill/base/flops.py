@@ -58,8 +58,10 @@ def routed_experts(config) -> tuple[int, int]:
     experts = next((getattr(c, f) for f in NUM_EXPERTS_FIELDS if getattr(c, f, None)), None)
     top_k = getattr(c, "num_experts_per_tok", None)
     if not experts or not top_k:
-        raise ValueError(f"{type(c).__name__} has routed experts but no {' / '.join(NUM_EXPERTS_FIELDS)} "
-                         "and num_experts_per_tok: cannot count the FLOPs a token spends in them")
+        raise ValueError(
+            f"{type(c).__name__} has routed experts but no {' / '.join(NUM_EXPERTS_FIELDS)} "
+            "and num_experts_per_tok: cannot count the FLOPs a token spends in them"
+        )
     return int(top_k), int(experts)
 
 

@@ -42,8 +42,15 @@ def rank_batches(n: int, batch_size: int, rank: int, world: int) -> list[tuple[i
     return [(s, True) for s in mine] + [(0, False)] * (-(-len(starts) // world) - len(mine))
 
 
-def evaluate_lm(model, windows, batch_size: int, max_batches: int | None = None,
-                accelerator=None, prefix: str = "val", **forward_kwargs) -> dict:
+def evaluate_lm(
+    model,
+    windows,
+    batch_size: int,
+    max_batches: int | None = None,
+    accelerator=None,
+    prefix: str = "val",
+    **forward_kwargs,
+) -> dict:
     """Held-out loss, perplexity and accuracy; ``forward_kwargs`` go to the model (e.g. ``num_steps``)."""
     device = accelerator.device if accelerator else next(model.parameters()).device
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
@@ -51,7 +58,9 @@ def evaluate_lm(model, windows, batch_size: int, max_batches: int | None = None,
     nll = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
-    for start, real in rank_batches(n, batch_size, rank, world):  # as many forwards on every rank (ZeRO-3 / FSDP gathers)
+    for start, real in rank_batches(
+        n, batch_size, rank, world
+    ):  # as many forwards on every rank (ZeRO-3 / FSDP gathers)
         inputs, labels = inputs_and_labels(windows.collate(list(range(start, min(start + batch_size, n)))).to(device))
         logits = model(input_ids=inputs, **forward_kwargs).logits.float()
         if real:
@@ -61,5 +70,9 @@ def evaluate_lm(model, windows, batch_size: int, max_batches: int | None = None,
     if accelerator:
         nll, correct, count = (accelerator.reduce(t, "sum") for t in (nll, correct, count))
     loss = (nll / count).item()
-    return {f"{prefix}_loss": loss, f"{prefix}_ppl": math.exp(min(loss, 50.0)), f"{prefix}_acc": (correct / count).item(),
-            f"{prefix}_tokens": int(count.item())}
+    return {
+        f"{prefix}_loss": loss,
+        f"{prefix}_ppl": math.exp(min(loss, 50.0)),
+        f"{prefix}_acc": (correct / count).item(),
+        f"{prefix}_tokens": int(count.item()),
+    }

@@ -41,8 +41,10 @@ def unsupported_layers(config: dict) -> str | None:
     text = config.get("text_config") or config
     kinds = sorted(set(text.get("layer_types") or ()) - set(LOOP_LAYER_KINDS))
     if kinds:
-        return (f"{text.get('model_type', 'this model')} has {', '.join(kinds)} layers; the decoding loop supports "
-                f"{' and '.join(LOOP_LAYER_KINDS)} only")
+        return (
+            f"{text.get('model_type', 'this model')} has {', '.join(kinds)} layers; the decoding loop supports "
+            f"{' and '.join(LOOP_LAYER_KINDS)} only"
+        )
     return None
 
 
@@ -79,9 +81,13 @@ class LayerMasks:
     converted to the additive form where the model attends eagerly (eager attention adds its mask)."""
 
     def __init__(self, target):
-        self.windowed: list[tuple[Any, int]] = []  # (attention module, window) of each windowed layer; no window: no layer lookup (any model)
+        self.windowed: list[
+            tuple[Any, int]
+        ] = []  # (attention module, window) of each windowed layer; no window: no layer lookup (any model)
         if getattr(target.config, "sliding_window", None) is not None:
-            self.windowed = [(layer.self_attn, w) for layer, w in zip(decoder_layers(target), layer_windows(target)) if w is not None]
+            self.windowed = [
+                (layer.self_attn, w) for layer, w in zip(decoder_layers(target), layer_windows(target)) if w is not None
+            ]
         self.eager = target.config._attn_implementation == "eager"
         self.dtype = next(target.parameters()).dtype
 
@@ -100,8 +106,10 @@ class LayerMasks:
             key_positions = torch.arange(mask.shape[-1], device=mask.device)[None]
         distance = query_positions.to(mask.device)[:, None, :, None] - key_positions.to(mask.device)[:, None, None, :]
         cut = {w: self.prepare(mask & (distance < w)) for w in {w for _, w in self.windowed}}
-        handles = [attention.register_forward_pre_hook(functools.partial(_with_mask, cut[w]), with_kwargs=True)
-                   for attention, w in self.windowed]
+        handles = [
+            attention.register_forward_pre_hook(functools.partial(_with_mask, cut[w]), with_kwargs=True)
+            for attention, w in self.windowed
+        ]
         try:
             yield self.prepare(mask)
         finally:
@@ -111,6 +119,8 @@ class LayerMasks:
 
 def _with_mask(mask, _module, args, kwargs):
     if "attention_mask" not in kwargs:
-        raise RuntimeError("a windowed attention layer was called without an attention_mask keyword: the decoding "
-                           "loop cannot cut its window in")
+        raise RuntimeError(
+            "a windowed attention layer was called without an attention_mask keyword: the decoding "
+            "loop cannot cut its window in"
+        )
     return args, {**kwargs, "attention_mask": mask}

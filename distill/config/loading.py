@@ -72,8 +72,13 @@ def _format_error(cls: type[BaseModel], err: dict, source: str) -> str:
         owner = _model_at(cls, loc[:-1])
         valid = sorted(owner.model_fields) if owner else []
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-        elsewhere = [f"{name}.{loc[-1]}" for name, f in cls.model_fields.items()
-                     if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and loc[-1] in f.annotation.model_fields]
+        elsewhere = [
+            f"{name}.{loc[-1]}"
+            for name, f in cls.model_fields.items()
+            if isinstance(f.annotation, type)
+            and issubclass(f.annotation, BaseModel)
+            and loc[-1] in f.annotation.model_fields
+        ]
         if close:
             hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?"
         elif elsewhere:

@@ -70,7 +70,9 @@ def local_or_hub(value: str, what: str, probe_file: str) -> str:
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(value, probe_file), str):
-            raise ValueError(f"{what} '{value}' is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE is set")
+            raise ValueError(
+                f"{what} '{value}' is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE is set"
+            )
     return value
 
 

@@ -44,8 +44,10 @@ class RecipeBase(Strict):
     def _device_map_for_drafters(self):
         target = getattr(self, "target", None)
         if isinstance(target, TargetConfig) and target.device_map is not None and self.recipe != "train_drafter":
-            raise ValueError(f"target.device_map: only train_drafter places a split target's outputs (its features); "
-                             f"recipe {self.recipe} loads the target whole on each process's device: leave it unset")
+            raise ValueError(
+                f"target.device_map: only train_drafter places a split target's outputs (its features); "
+                f"recipe {self.recipe} loads the target whole on each process's device: leave it unset"
+            )
         return self
 
 
@@ -114,10 +116,15 @@ class QuickstartShippedDrafterStage(QuickstartEvalStage):
     """The drafter shipped for the testbed target (trained once by its recipe), measured in the loop."""
 
     kind: DrafterKind = "dflash"
-    tree_budget: int | None = Field(None, gt=0, description="None = the budget with the best speedup the drafter "
-                                                               "shipped with (results.json)")
-    lookup: int = Field(10, ge=0, description="also measure the chain and the tree with prompt-lookup continuations of up "
-                                              "to this many tokens grafted on (decoding.lookup.tokens); 0 = not")
+    tree_budget: int | None = Field(
+        None, gt=0, description="None = the budget with the best speedup the drafter shipped with (results.json)"
+    )
+    lookup: int = Field(
+        10,
+        ge=0,
+        description="also measure the chain and the tree with prompt-lookup continuations of up "
+        "to this many tokens grafted on (decoding.lookup.tokens); 0 = not",
+    )
 
     @model_validator(mode="after")
     def _shipped(self) -> QuickstartShippedDrafterStage:
@@ -125,8 +132,10 @@ class QuickstartShippedDrafterStage(QuickstartEvalStage):
 
         if self.enabled and not (SHIPPED_DRAFTERS[self.kind] / "config.json").exists():
             shipped = sorted(k for k, f in SHIPPED_DRAFTERS.items() if (f / "config.json").exists())
-            raise ValueError(f"no {self.kind} drafter is shipped at {SHIPPED_DRAFTERS[self.kind]} (shipped: {shipped}); "
-                             "train and ship it (its recipe's header says how) or set shipped_drafter.enabled=false")
+            raise ValueError(
+                f"no {self.kind} drafter is shipped at {SHIPPED_DRAFTERS[self.kind]} (shipped: {shipped}); "
+                "train and ship it (its recipe's header says how) or set shipped_drafter.enabled=false"
+            )
         return self
 
 
@@ -147,17 +156,24 @@ class RegeneratesAnswers(TrainingRecipe):
     """A training recipe that can train on the target's own answers (:mod:`distill.regenerate`)."""
 
     regenerate: RegenerateStage | None = Field(
-        None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)")
+        None, description="train on the target's own answers to prompts cut from data's corpus (data.format text)"
+    )
 
     @model_validator(mode="after")
     def _corpus_for_prompts(self):
         if self.regenerate is not None and self.data.format != "text":
-            raise ValueError(f"regenerate cuts its prompts from a text corpus: data.format must be 'text', "
-                             f"got {self.data.format!r}")
-        if self.regenerate is not None and self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1 > self.data.seq_len + 1:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) is shorter than a regenerated example "
-                             f"(regenerate.prompt_tokens + max_new_tokens + EOS = "
-                             f"{self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1})")
+            raise ValueError(
+                f"regenerate cuts its prompts from a text corpus: data.format must be 'text', got {self.data.format!r}"
+            )
+        if (
+            self.regenerate is not None
+            and self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1 > self.data.seq_len + 1
+        ):
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) is shorter than a regenerated example "
+                f"(regenerate.prompt_tokens + max_new_tokens + EOS = "
+                f"{self.regenerate.prompt_tokens + self.regenerate.max_new_tokens + 1})"
+            )
         return self
 
 
@@ -166,33 +182,45 @@ class DistillStudentRecipe(RegeneratesAnswers):
 
     recipe: Literal["distill_student"]
     target: TargetConfig = Field(default_factory=TargetConfig)
-    student: ModelConfig = Field(default_factory=lambda: ModelConfig(hidden_size=192, num_layers=4, num_heads=3,
-                                                                     intermediate_size=512))
+    student: ModelConfig = Field(
+        default_factory=lambda: ModelConfig(hidden_size=192, num_layers=4, num_heads=3, intermediate_size=512)
+    )
     distill: DistillSection = Field(default_factory=DistillSection)
-    pard: PardSection | None = Field(None, description="also train PARD's parallel drafting (drafters.pard); None = off")
+    pard: PardSection | None = Field(
+        None, description="also train PARD's parallel drafting (drafters.pard); None = off"
+    )
     init_from_target_layers: list[int] | None = Field(
-        None, min_length=1, description="start the student from the target's embeddings, head and these decoder layers "
-                                        "(layer dropping; the student needs the target's architecture and as many layers)")
+        None,
+        min_length=1,
+        description="start the student from the target's embeddings, head and these decoder layers "
+        "(layer dropping; the student needs the target's architecture and as many layers)",
+    )
 
     @model_validator(mode="after")
     def _layers_for_the_student(self) -> DistillStudentRecipe:
         ids = self.init_from_target_layers
         if ids is not None and (len(ids) != self.student.num_layers or self.student.arch == "parcae"):
-            raise ValueError(f"init_from_target_layers {ids}: the student needs {len(ids)} transformer layers "
-                             f"(student.num_layers = {self.student.num_layers}, arch {self.student.arch!r})")
+            raise ValueError(
+                f"init_from_target_layers {ids}: the student needs {len(ids)} transformer layers "
+                f"(student.num_layers = {self.student.num_layers}, arch {self.student.arch!r})"
+            )
         return self
 
     @model_validator(mode="after")
     def _pard_on_transformers(self) -> DistillStudentRecipe:
         if self.pard is not None and self.student.arch == "parcae":
-            raise ValueError("pard: PARD's mask blocks need a transformer student (student.arch: llama or qwen3), got 'parcae'")
+            raise ValueError(
+                "pard: PARD's mask blocks need a transformer student (student.arch: llama or qwen3), got 'parcae'"
+            )
         return self
 
     @model_validator(mode="after")
     def _fits_context(self) -> DistillStudentRecipe:
         if self.data.seq_len > self.student.max_position_embeddings:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds student.max_position_embeddings "
-                             f"({self.student.max_position_embeddings})")
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds student.max_position_embeddings "
+                f"({self.student.max_position_embeddings})"
+            )
         return self
 
 
@@ -207,8 +235,10 @@ class TrainDrafterRecipe(RegeneratesAnswers):
     @model_validator(mode="after")
     def _blocks_fit(self) -> TrainDrafterRecipe:
         if self.data.seq_len < 2 * self.drafter.block_size:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) must be at least twice drafter.block_size "
-                             f"({self.drafter.block_size})")
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) must be at least twice drafter.block_size "
+                f"({self.drafter.block_size})"
+            )
         return self
 
 
@@ -219,8 +249,11 @@ class RegenerateRecipe(RecipeBase):
     target: TargetConfig = Field(default_factory=TargetConfig)
     prompts: PromptsSection
     generation: GenerationSection = Field(default_factory=GenerationSection)
-    server: ServerSection | None = Field(None, description="answer through this endpoint (the target's weights "
-                                                               "are not loaded; its tokenizer is); None = in-process")
+    server: ServerSection | None = Field(
+        None,
+        description="answer through this endpoint (the target's weights "
+        "are not loaded; its tokenizer is); None = in-process",
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
     torch_threads: int | None = Field(None, gt=0)
 
@@ -230,18 +263,29 @@ class EvalRecipe(RecipeBase):
 
     recipe: Literal["eval"]
     target: TargetConfig = Field(default_factory=TargetConfig)
-    drafter: str = Field(..., description="a drafter folder (save_pretrained output), or any causal LM folder "
-                                          "with the target's vocabulary (a student; the target itself for Parcae self-speculation)")
+    drafter: str = Field(
+        ...,
+        description="a drafter folder (save_pretrained output), or any causal LM folder "
+        "with the target's vocabulary (a student; the target itself for Parcae self-speculation)",
+    )
     peer_assistant: str | None = Field(
-        None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)")
-    peer_prompt_lookup: int = Field(0, ge=0, description="tokens per draft of transformers' prompt-lookup decoding, "
-                                                         "measured as a drafter-free peer (greedy); 0 = off")
+        None, description="a small causal LM folder: also measure transformers' assisted generation with it (greedy)"
+    )
+    peer_prompt_lookup: int = Field(
+        0,
+        ge=0,
+        description="tokens per draft of transformers' prompt-lookup decoding, "
+        "measured as a drafter-free peer (greedy); 0 = off",
+    )
     prompts: PromptsSection
     decoding: DecodingSection = Field(default_factory=DecodingSection)
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
-    record_served: bool = Field(False, description="write served.jsonl: each prompt and the target's answer as the loop "
-                                                   "emitted it (regenerate's records: a drafter recipe trains on them, "
-                                                   "data.format: prompt_response), with its tau (online adaptation)")
+    record_served: bool = Field(
+        False,
+        description="write served.jsonl: each prompt and the target's answer as the loop "
+        "emitted it (regenerate's records: a drafter recipe trains on them, "
+        "data.format: prompt_response), with its tau (online adaptation)",
+    )
 
     @field_validator("drafter")
     @classmethod
@@ -266,8 +310,10 @@ class EvalRecipe(RecipeBase):
 
         kind = kind_of(read_config(self.drafter, "drafter folder")) if self.decoding.ssd.enabled else None
         if kind is not None:
-            raise ValueError(f"decoding.ssd.enabled drafts ahead of the target's features, so it needs a drafter that "
-                             f"reads tokens only (a causal LM or a PARD drafter); {self.drafter} is a {kind} drafter")
+            raise ValueError(
+                f"decoding.ssd.enabled drafts ahead of the target's features, so it needs a drafter that "
+                f"reads tokens only (a causal LM or a PARD drafter); {self.drafter} is a {kind} drafter"
+            )
         return self
 
     @model_validator(mode="after")
@@ -276,12 +322,20 @@ class EvalRecipe(RecipeBase):
             return self
         dec = self.decoding
         if dec.cpu.int8 in ("head", "all"):
-            raise ValueError(f"decoding.cpu.int8 = {dec.cpu.int8!r}: the drafter {self.drafter} is the "
-                             "target itself, which must stay as it is (auto or off)")
-        vocab = [f"decoding.vocab.{k} = {v}" for k, v in (("size", dec.vocab.size), ("candidates", dec.vocab.candidates)) if v]
+            raise ValueError(
+                f"decoding.cpu.int8 = {dec.cpu.int8!r}: the drafter {self.drafter} is the "
+                "target itself, which must stay as it is (auto or off)"
+            )
+        vocab = [
+            f"decoding.vocab.{k} = {v}"
+            for k, v in (("size", dec.vocab.size), ("candidates", dec.vocab.candidates))
+            if v
+        ]
         if vocab:
-            raise ValueError(f"{vocab[0]}: a draft vocabulary restricts a drafter's own output head; the drafter "
-                             f"{self.drafter} is the target: restricting it would change the target")
+            raise ValueError(
+                f"{vocab[0]}: a draft vocabulary restricts a drafter's own output head; the drafter "
+                f"{self.drafter} is the target: restricting it would change the target"
+            )
         return self
 
 
@@ -313,9 +367,15 @@ class QuantizeRecipe(RecipeBase):
     target: TargetConfig = Field(default_factory=TargetConfig, description="drafters: the target they serve")
     variants: dict[str, QuantSchemeSpec] = Field(..., min_length=1, description="name -> scheme, group_size, layers")
     compute_matched: bool = Field(True, description="also fine-tune full precision for the same steps and PTQ that")
-    fake_quant_after_steps: int = Field(0, ge=0, description="QAT fine-tunes in full precision for this many steps first")
-    min_gap: float | None = Field(None, ge=0, description="report recovered only where |full - PTQ| >= this (tau "
-                                     "or nats); None = 0.01; below it the ratio divides noise by noise")
+    fake_quant_after_steps: int = Field(
+        0, ge=0, description="QAT fine-tunes in full precision for this many steps first"
+    )
+    min_gap: float | None = Field(
+        None,
+        ge=0,
+        description="report recovered only where |full - PTQ| >= this (tau "
+        "or nats); None = 0.01; below it the ratio divides noise by noise",
+    )
     measure: QuantMeasureSection = Field(default_factory=QuantMeasureSection)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -332,7 +392,9 @@ class QuantizeRecipe(RecipeBase):
     def _variant_names(cls, variants: dict) -> dict:
         for name in variants:
             if not VARIANT_NAME.match(name) or name in ("full", "full_ft"):
-                raise ValueError(f"variant name '{name}' must be a folder-safe word (letters, digits, _ . -), not full/full_ft")
+                raise ValueError(
+                    f"variant name '{name}' must be a folder-safe word (letters, digits, _ . -), not full/full_ft"
+                )
         return variants
 
 
@@ -347,18 +409,32 @@ class ExportRecipe(RecipeBase):
     drafter: str = Field(..., description="a trained drafter folder (checkpoints/best or model)")
     target: TargetConfig = Field(default_factory=TargetConfig)
     formats: list[Literal["transformers", "speculators", "sglang_eagle3"]] | None = Field(
-        None, description="None = every format that can express the drafter; naming one that cannot is an error")
-    verifier_name_or_path: str | None = Field(None, description="the verifier recorded for serving; None = the drafter's target")
-    prompts: PromptsSection = Field(default_factory=_default_export_prompts, description="the gate's evaluation prompts")
+        None, description="None = every format that can express the drafter; naming one that cannot is an error"
+    )
+    verifier_name_or_path: str | None = Field(
+        None, description="the verifier recorded for serving; None = the drafter's target"
+    )
+    prompts: PromptsSection = Field(
+        default_factory=_default_export_prompts, description="the gate's evaluation prompts"
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="the corpus for prompts.from_corpus")
     gate: ExportGateSection = Field(default_factory=ExportGateSection)
     push_to_hub: PushToHubSection = Field(default_factory=PushToHubSection)
-    eval_reports: list[str] = Field(default_factory=list, description="report.json files of eval runs, cited in the card")
-    draft_vocab: int = Field(0, ge=0, description="export a draft vocabulary of the N tokens the target emits most "
-                                                  "(drafters.vocab: d2t / t2d, pruned heads); 0 = the whole vocabulary")
-    draft_vocab_prompts: int = Field(256, gt=0, description="train-split prompts whose greedy answers count the target's "
-                                                            "tokens for draft_vocab")
-    wandb: WandbConfig = Field(default_factory=WandbConfig, description="an export run: gate, tables, the folder as an artifact")
+    eval_reports: list[str] = Field(
+        default_factory=list, description="report.json files of eval runs, cited in the card"
+    )
+    draft_vocab: int = Field(
+        0,
+        ge=0,
+        description="export a draft vocabulary of the N tokens the target emits most "
+        "(drafters.vocab: d2t / t2d, pruned heads); 0 = the whole vocabulary",
+    )
+    draft_vocab_prompts: int = Field(
+        256, gt=0, description="train-split prompts whose greedy answers count the target's tokens for draft_vocab"
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="an export run: gate, tables, the folder as an artifact"
+    )
     torch_threads: int = Field(1, gt=0)
 
     @field_validator("drafter")

@@ -29,11 +29,17 @@ class ParcaeSection(Strict):
     core_layers: int = Field(2, gt=0, description="blocks applied T times")
     coda_layers: int = Field(1, ge=0)
     injection: Literal["diagonal", "linear", "add"] = Field(
-        "diagonal", description="diagonal = Parcae's stable LTI injection; linear (Huginn) and add for comparison")
-    mean_recurrence: int = Field(4, gt=0, description="training depth T ~ max(1, Poisson(mean_recurrence)); also the default inference depth")
+        "diagonal", description="diagonal = Parcae's stable LTI injection; linear (Huginn) and add for comparison"
+    )
+    mean_recurrence: int = Field(
+        4, gt=0, description="training depth T ~ max(1, Poisson(mean_recurrence)); also the default inference depth"
+    )
     backprop_depth: int = Field(2, gt=0, description="only the last min(T, backprop_depth) iterations carry gradients")
-    eval_recurrences: list[int] = Field(default_factory=lambda: [1, 2, 4], min_length=1,
-                                        description="depths of the test-time compute curve (mean and 2 x mean are added)")
+    eval_recurrences: list[int] = Field(
+        default_factory=lambda: [1, 2, 4],
+        min_length=1,
+        description="depths of the test-time compute curve (mean and 2 x mean are added)",
+    )
 
     @field_validator("eval_recurrences")
     @classmethod
@@ -50,8 +56,10 @@ class ModelConfig(Strict):
     """Architecture of a causal LM built from scratch (the testbed target, students, Parcae models)."""
 
     arch: Literal["llama", "qwen3", "parcae", "target"] = Field(
-        "llama", description="target: the target's own architecture and sizes (any family), num_layers of them; "
-                             "students only, with init_from_target_layers for PARD's layer dropping")
+        "llama",
+        description="target: the target's own architecture and sizes (any family), num_layers of them; "
+        "students only, with init_from_target_layers for PARD's layer dropping",
+    )
     hidden_size: int = Field(320, gt=0)
     num_layers: int = Field(8, gt=0)
     num_heads: int = Field(5, gt=0)
@@ -74,8 +82,10 @@ class ModelConfig(Strict):
             self.parcae = ParcaeSection()
         p = self.parcae
         if p.prelude_layers + p.core_layers + p.coda_layers != self.num_layers:
-            raise ValueError(f"model.num_layers ({self.num_layers}) must equal parcae.prelude_layers + core_layers + "
-                             f"coda_layers ({p.prelude_layers} + {p.core_layers} + {p.coda_layers})")
+            raise ValueError(
+                f"model.num_layers ({self.num_layers}) must equal parcae.prelude_layers + core_layers + "
+                f"coda_layers ({p.prelude_layers} + {p.core_layers} + {p.coda_layers})"
+            )
         return self
 
     @model_validator(mode="after")
@@ -111,8 +121,14 @@ class TokenizerConfig(Strict):
 
 
 #: data file suffix -> how it is read: a ``datasets`` builder, or ``document`` (each file is one text document)
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".py": "document",
-                 ".md": "document"}
+DATA_SUFFIXES = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".py": "document",
+    ".md": "document",
+}
 
 
 class DataConfig(Strict):
@@ -130,8 +146,10 @@ class DataConfig(Strict):
     hub_config: str | None = None
     hub_split: str = "train"
     format: Literal["text", "prompt_response", "messages"] = Field(
-        "text", description="text: documents packed into windows; prompt_response / messages: one example per "
-                            "window, loss on the response only, rendered with the tokenizer's chat template if any")
+        "text",
+        description="text: documents packed into windows; prompt_response / messages: one example per "
+        "window, loss on the response only, rendered with the tokenizer's chat template if any",
+    )
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -154,7 +172,9 @@ class DataConfig(Strict):
         for f in expanded:
             existing_path(f, "data file")
             if Path(f).suffix not in DATA_SUFFIXES:
-                raise ValueError(f"data file '{f}' has suffix '{Path(f).suffix}', expected one of {sorted(DATA_SUFFIXES)}")
+                raise ValueError(
+                    f"data file '{f}' has suffix '{Path(f).suffix}', expected one of {sorted(DATA_SUFFIXES)}"
+                )
         return expanded
 
     @model_validator(mode="after")
@@ -193,8 +213,11 @@ class TrainConfig(Strict):
     save_every: int = Field(50, gt=0)
     log_every: int = Field(10, gt=0)
     resume: bool = Field(True, description="continue from output_dir's latest checkpoint when present")
-    compile: bool = Field(False, description="torch.compile the trained model (inductor, through accelerate's "
-                                             "dynamo plugin); worth it on a GPU, not on a small CPU")
+    compile: bool = Field(
+        False,
+        description="torch.compile the trained model (inductor, through accelerate's "
+        "dynamo plugin); worth it on a GPU, not on a small CPU",
+    )
 
 
 class WandbConfig(Strict):
@@ -211,11 +234,14 @@ class TargetConfig(Strict):
     path: str = Field("testbed", description="'testbed' (shipped), a local folder or a hub id")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
-        "auto", description="auto: transformers' choice for the model (SDPA where it supports it; gpt-oss: eager)")
+        "auto", description="auto: transformers' choice for the model (SDPA where it supports it; gpt-oss: eager)"
+    )
     device_map: Literal["auto", "cpu"] | None = Field(
-        None, description="train_drafter, one process: transformers' device_map for the target (auto: split by layers over "
-                          "every visible GPU, e.g. to build an offline feature cache for a target one GPU cannot hold); "
-                          "None = whole on each process's device")
+        None,
+        description="train_drafter, one process: transformers' device_map for the target (auto: split by layers over "
+        "every visible GPU, e.g. to build an offline feature cache for a target one GPU cannot hold); "
+        "None = whole on each process's device",
+    )
 
     @field_validator("path")
     @classmethod
@@ -246,10 +272,17 @@ def _quant_scheme(value: str, allow_keep: bool) -> str:
     names = QUANT_SCHEME_EXAMPLES + (["keep"] if allow_keep else [])
     close = difflib.get_close_matches(value, names, n=1, cutoff=0.5)
     bits = re.fullmatch(r"u?int([2-8])(_?wo|_weight_only)?", value)
-    hint = (f"; did you mean 'w{bits.group(1)}' (int{bits.group(1)} weight-only) or '8da{bits.group(1)}w'?" if bits
-            else f"; did you mean '{close[0]}'?" if close else "")
-    raise ValueError(f"'{value}' is not a quantization scheme: expected 8da<N>w or w<N> (N = 2..8), "
-                     f"int4_weight_only or float8{' or keep' if allow_keep else ''}{hint}")
+    hint = (
+        f"; did you mean 'w{bits.group(1)}' (int{bits.group(1)} weight-only) or '8da{bits.group(1)}w'?"
+        if bits
+        else f"; did you mean '{close[0]}'?"
+        if close
+        else ""
+    )
+    raise ValueError(
+        f"'{value}' is not a quantization scheme: expected 8da<N>w or w<N> (N = 2..8), "
+        f"int4_weight_only or float8{' or keep' if allow_keep else ''}{hint}"
+    )
 
 
 class QuantSchemeSpec(Strict):
@@ -262,7 +295,9 @@ class QuantSchemeSpec(Strict):
 
     scheme: str = Field("8da4w", description="default scheme of every Linear the layer map does not name")
     group_size: int | None = Field(32, gt=0, description="weights per scale; None = one scale per output channel")
-    layers: dict[str, str] = Field(default_factory=dict, description="ordered: module name | glob | re:<regex> -> scheme | keep")
+    layers: dict[str, str] = Field(
+        default_factory=dict, description="ordered: module name | glob | re:<regex> -> scheme | keep"
+    )
 
     @field_validator("scheme")
     @classmethod
@@ -311,31 +346,47 @@ class DrafterSection(Strict):
     intermediate_size: int | None = Field(None, gt=0, description="defaults to the target's")
     block_size: int = Field(8, ge=2, description="tokens per block (anchor + K-1 drafts); EAGLE-3 drafts K-1 steps")
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
-    qk_norm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3-style); vLLM's DFlash/DSpark "
-                                            "layers have it, so block drafters need it to export to speculators")
+    qk_norm: bool = Field(
+        False,
+        description="per-head RMSNorm on queries and keys (Qwen3-style); vLLM's DFlash/DSpark "
+        "layers have it, so block drafters need it to export to speculators",
+    )
     target_layer_ids: list[int] | None = Field(None, description="output of layer i; None = spread over the target")
     num_target_layers: int = Field(3, gt=0, description="used when target_layer_ids is None")
     num_anchors: int = Field(16, gt=0, description="blocks per training sequence (block drafters)")
     mask_token_id: int | None = Field(None, ge=0, description="None = the tokenizer's mask token")
     loss: dict[str, float] | None = Field(
-        None, description="block drafters: loss term -> weight, terms ce | kl | tv | lk (drafters.losses); "
-                          "None = the kind's default (DFlash {ce: 1}, DSpark {ce: 0.1, tv: 0.9})")
+        None,
+        description="block drafters: loss term -> weight, terms ce | kl | tv | lk (drafters.losses); "
+        "None = the kind's default (DFlash {ce: 1}, DSpark {ce: 0.1, tv: 0.9})",
+    )
     position_weighting: Literal["exp", "dpace"] = Field(
-        "exp", description="block positions weighted exp(-(k-1)/gamma), or by the detached probability of reaching them")
+        "exp", description="block positions weighted exp(-(k-1)/gamma), or by the detached probability of reaching them"
+    )
     loss_gamma: float = Field(4.0, gt=0, description="position weights exp(-(k-1)/gamma)")
     loss_chunk: int | None = Field(
-        None, gt=0, description="positions whose vocabulary-sized logits the loss holds at once (whole blocks; "
-                                "recomputed in backward); None = the whole batch at once. Set it for large "
-                                "vocabularies: 8 x 512 anchors x 15 positions x 152k tokens is 37 GB of fp32 logits")
+        None,
+        gt=0,
+        description="positions whose vocabulary-sized logits the loss holds at once (whole blocks; "
+        "recomputed in backward); None = the whole batch at once. Set it for large "
+        "vocabularies: 8 x 512 anchors x 15 positions x 152k tokens is 37 GB of fp32 logits",
+    )
     init_norm_scale: float | None = Field(
-        None, gt=0, description="start the output norm at this times the target's final norm (None: ones)")
-    draft_vocab: int = Field(0, ge=0, description="draft from the N tokens the training answers use most (drafters.vocab; "
-                                                  "the loss over them, saved and exported with the drafter); 0 = all")
+        None, gt=0, description="start the output norm at this times the target's final norm (None: ones)"
+    )
+    draft_vocab: int = Field(
+        0,
+        ge=0,
+        description="draft from the N tokens the training answers use most (drafters.vocab; "
+        "the loss over them, saved and exported with the drafter); 0 = all",
+    )
     markov_rank: int = Field(64, gt=0, description="DSpark Markov head rank")
     confidence_weight: float = Field(1.0, ge=0, description="DSpark")
     init_from: str | None = Field(
-        None, description="a saved drafter folder of the same kind and sizes whose weights start training (a second "
-                          "schedule after a first; the optimizer and schedule start fresh); None = random init")
+        None,
+        description="a saved drafter folder of the same kind and sizes whose weights start training (a second "
+        "schedule after a first; the optimizer and schedule start fresh); None = random init",
+    )
 
     @field_validator("init_from")
     @classmethod
@@ -370,12 +421,20 @@ class DrafterSection(Strict):
         from ..checks import read_config
 
         saved = read_config(self.init_from, "drafter.init_from")
-        want = {"model_type": DRAFTERS[self.kind][0].model_type, "num_hidden_layers": self.num_layers, "block_size": self.block_size,
-                "qk_norm": self.qk_norm}
+        want = {
+            "model_type": DRAFTERS[self.kind][0].model_type,
+            "num_hidden_layers": self.num_layers,
+            "block_size": self.block_size,
+            "qk_norm": self.qk_norm,
+        }
         wrong = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
         if wrong:
-            raise ValueError("drafter.init_from '" + self.init_from + "' is another drafter: " + ", ".join(
-                f"{k} {got!r} where this recipe builds {v!r}" for k, (got, v) in wrong.items()))
+            raise ValueError(
+                "drafter.init_from '"
+                + self.init_from
+                + "' is another drafter: "
+                + ", ".join(f"{k} {got!r} where this recipe builds {v!r}" for k, (got, v) in wrong.items())
+            )
         return self
 
 
@@ -386,9 +445,12 @@ class FeaturesSection(Strict):
     cache_dir: str | None = Field(None, description="offline cache folder; None = <output_dir>/feature_cache")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="storage dtype of cached features")
     max_windows: int | None = Field(None, gt=0, description="cap on training windows (both modes)")
-    build_only: bool = Field(False, description="offline: build both splits' caches and stop (no training); training "
-                                                "from complete caches then reads none of the target's weights but what "
-                                                "the drafter copies")
+    build_only: bool = Field(
+        False,
+        description="offline: build both splits' caches and stop (no training); training "
+        "from complete caches then reads none of the target's weights but what "
+        "the drafter copies",
+    )
 
     @model_validator(mode="after")
     def _build_only_offline(self) -> FeaturesSection:
@@ -401,12 +463,18 @@ class DistillSection(Strict):
     """Logit distillation (see :mod:`distill.kd`): loss = (1 - ce_weight) * divergence + ce_weight * CE."""
 
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
-        "forward_kl", description="forward_kl = KL(target || student); reverse_kl = KL(student || target); jsd uses beta")
+        "forward_kl",
+        description="forward_kl = KL(target || student); reverse_kl = KL(student || target); jsd uses beta",
+    )
     beta: float = Field(0.5, gt=0, lt=1, description="generalized JSD interpolation (divergence = jsd)")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of both distributions")
     ce_weight: float = Field(0.0, ge=0, le=1, description="share of cross-entropy on the data's tokens")
-    loss_chunk: int | None = Field(None, gt=0, description="scored positions per chunk of the KD loss, computed from the "
-                                                              "last hidden states so no [B, T, V] logits exist; None = whole logits")
+    loss_chunk: int | None = Field(
+        None,
+        gt=0,
+        description="scored positions per chunk of the KD loss, computed from the "
+        "last hidden states so no [B, T, V] logits exist; None = whole logits",
+    )
 
 
 class PardSection(Strict):
@@ -425,7 +493,9 @@ class ServerSection(Strict):
 
     base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1")
     model: str = Field(description="the served model's name, as GET /v1/models lists it")
-    api_key_env: str | None = Field("OPENAI_API_KEY", description="environment variable holding the key; unset: 'EMPTY'")
+    api_key_env: str | None = Field(
+        "OPENAI_API_KEY", description="environment variable holding the key; unset: 'EMPTY'"
+    )
     concurrency: int = Field(32, gt=0, description="requests in flight (the server batches them)")
     timeout_s: float = Field(600.0, gt=0)
     extra_body: dict[str, Any] = Field(default_factory=dict, description="server-specific request fields")
@@ -446,8 +516,11 @@ class RegenerateStage(Strict):
     val_prompts: int = Field(128, gt=0, description="held-out prompts answered greedily: the evaluation set")
     prompt_tokens: int = Field(64, gt=0)
     max_new_tokens: int = Field(128, gt=0)
-    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7], min_length=1,
-                                      description="0 = greedy; each gets train_prompts / len(temperatures) prompts")
+    temperatures: list[float] = Field(
+        default_factory=lambda: [0.0, 0.7],
+        min_length=1,
+        description="0 = greedy; each gets train_prompts / len(temperatures) prompts",
+    )
     top_p: float = Field(0.95, gt=0, le=1, description="sampled temperatures only")
     top_k: int = Field(0, ge=0, description="0 = off")
     batch_size: int = Field(64, gt=0)
@@ -508,7 +581,9 @@ VARIANT_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 class ExportGateSection(GateSettings):
     """The parity gate an export must pass (see serve_eval/parity.py)."""
 
-    allow_failure: bool = Field(False, description="publish even when the gate fails (printed loudly, written into the card)")
+    allow_failure: bool = Field(
+        False, description="publish even when the gate fails (printed loudly, written into the card)"
+    )
     max_new_tokens: int = Field(64, gt=0, description="tokens generated per evaluation prompt")
     simulated_tau: float | None = Field(None, ge=1, description="when the checkpoint recorded none (else read from it)")
 
@@ -521,7 +596,8 @@ class PushToHubSection(Strict):
     private: bool = True
     revision: str | None = Field(None, description="branch to commit to (created if missing); None = main")
     primary_format: Literal["speculators", "transformers", "sglang_eagle3"] = Field(
-        "speculators", description="the format whose files go to the repository root")
+        "speculators", description="the format whose files go to the repository root"
+    )
     commit_message: str = "Upload drafter exported by draftsmith"
 
     @field_validator("repo_id")

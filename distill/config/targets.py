@@ -52,7 +52,9 @@ def shipped_config_for_dry_run(path: str) -> Path | None:
 
 def shipped_target_ids() -> list[str]:
     """Every hub id with a shipped config, sorted."""
-    return sorted(p.parent.relative_to(SHIPPED_TARGET_CONFIGS).as_posix() for p in SHIPPED_TARGET_CONFIGS.glob("*/*/config.json"))
+    return sorted(
+        p.parent.relative_to(SHIPPED_TARGET_CONFIGS).as_posix() for p in SHIPPED_TARGET_CONFIGS.glob("*/*/config.json")
+    )
 
 
 @contextlib.contextmanager

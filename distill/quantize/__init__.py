@@ -93,7 +93,28 @@ from .storage import (
     transformers_quantization_config,
 )
 
-__all__ = ["convert", "fake_quant_enabled", "fake_quant_hook", "fake_quantized_modules", "prepare_qat", "ptq", "quantized_layers",
-           "set_fake_quant", "LayerPlan", "always_kept", "check_hardware", "linear_names", "resolve_layer_map", "base_config",
-           "hardware_problem", "scheme_bits", "scheme_family", "PLAN_FILE", "QUANTIZED_FILE", "load_quantized", "model_bytes",
-           "save_quantized", "transformers_quantization_config"]
+__all__ = [
+    "convert",
+    "fake_quant_enabled",
+    "fake_quant_hook",
+    "fake_quantized_modules",
+    "prepare_qat",
+    "ptq",
+    "quantized_layers",
+    "set_fake_quant",
+    "LayerPlan",
+    "always_kept",
+    "check_hardware",
+    "linear_names",
+    "resolve_layer_map",
+    "base_config",
+    "hardware_problem",
+    "scheme_bits",
+    "scheme_family",
+    "PLAN_FILE",
+    "QUANTIZED_FILE",
+    "load_quantized",
+    "model_bytes",
+    "save_quantized",
+    "transformers_quantization_config",
+]

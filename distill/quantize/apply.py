@@ -53,8 +53,9 @@ def prepare_qat(model: nn.Module, spec: QuantSchemeSpec, plan: LayerPlan | None 
         quantize_(model, fqn_config(plan, "prepare"), filter_fn=None)
     got = set(fake_quantized_modules(model))
     if got != set(plan.quantized()):
-        raise RuntimeError(f"QAT prepare put fake quantization on {sorted(got ^ set(plan.quantized()))[:5]} "
-                           "contrary to the plan")
+        raise RuntimeError(
+            f"QAT prepare put fake quantization on {sorted(got ^ set(plan.quantized()))[:5]} contrary to the plan"
+        )
     _check_kept(model, kept)
     return plan
 
@@ -119,5 +120,8 @@ def ptq(model: nn.Module, spec: QuantSchemeSpec, plan: LayerPlan | None = None) 
 
 def quantized_layers(model: nn.Module) -> dict[str, str]:
     """Linear module name -> class name of its weight tensor, for the Linears that hold quantized weights."""
-    return {n: type(m.weight).__name__ for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)}
+    return {
+        n: type(m.weight).__name__
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)
+    }

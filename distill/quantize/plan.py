@@ -32,8 +32,13 @@ class LayerPlan:
         counts: dict[str, int] = {}
         for s in self.assignments.values():
             counts[s] = counts.get(s, 0) + 1
-        return {"group_size": self.group_size, "counts": counts, "layers": self.assignments, "reasons": self.reasons,
-                "always_kept_parameters": self.kept_parameters}
+        return {
+            "group_size": self.group_size,
+            "counts": counts,
+            "layers": self.assignments,
+            "reasons": self.reasons,
+            "always_kept_parameters": self.kept_parameters,
+        }
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -43,8 +48,11 @@ def linear_names(model: nn.Module) -> list[str]:
 def always_kept(model: nn.Module) -> set[str]:
     """Parameter and module names that are never quantized: what each module of ``model`` declares in
     its ``quantization_keep`` (e.g. Parcae's injection dynamics), as full names."""
-    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-            for name in getattr(module, "quantization_keep", ())}
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in getattr(module, "quantization_keep", ())
+    }
 
 
 def is_kept(name: str, kept: set[str]) -> bool:
@@ -89,8 +97,9 @@ def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant
     kept = always_kept(model)
     candidates = [n for n in names if not is_kept(n, kept)]
     plan = LayerPlan(group_size=spec.group_size)
-    plan.kept_parameters = [n for n, _ in model.named_parameters() if is_kept(n, kept) and not any(
-        n.startswith(m + ".") for m in names)]
+    plan.kept_parameters = [
+        n for n, _ in model.named_parameters() if is_kept(n, kept) and not any(n.startswith(m + ".") for m in names)
+    ]
     for n in names:
         if is_kept(n, kept):
             plan.assignments[n], plan.reasons[n] = "keep", "always kept (declared by the model's quantization_keep)"
@@ -99,17 +108,27 @@ def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant
         where = f"{key}.layers['{pattern}']"
         if not hits:
             others = [n for n, _ in model.named_modules() if n and _matches(pattern, n)]
-            extra = f"; it matches only non-Linear modules ({', '.join(others[:3])}): only Linear layers are quantized" if others else ""
-            raise RecipeError(f"{where}: the pattern matches no Linear module of {type(model).__name__}{extra}; "
-                              f"closest module names: {', '.join(_closest(pattern, names))}")
+            extra = (
+                f"; it matches only non-Linear modules ({', '.join(others[:3])}): only Linear layers are quantized"
+                if others
+                else ""
+            )
+            raise RecipeError(
+                f"{where}: the pattern matches no Linear module of {type(model).__name__}{extra}; "
+                f"closest module names: {', '.join(_closest(pattern, names))}"
+            )
         free = [n for n in hits if n in candidates and n not in plan.assignments]
         if not free:
             if all(is_kept(n, kept) for n in hits):
-                raise RecipeError(f"{where}: the pattern matches only {', '.join(hits[:3])}, which are always kept in "
-                                  f"full precision (the model declares them in quantization_keep, e.g. Parcae's "
-                                  f"A_log, dt_bias and B)")
-            raise RecipeError(f"{where}: every module it matches ({', '.join(hits[:3])}{', ...' if len(hits) > 3 else ''}) "
-                              "was already assigned by an earlier pattern (the first match wins): reorder or remove it")
+                raise RecipeError(
+                    f"{where}: the pattern matches only {', '.join(hits[:3])}, which are always kept in "
+                    f"full precision (the model declares them in quantization_keep, e.g. Parcae's "
+                    f"A_log, dt_bias and B)"
+                )
+            raise RecipeError(
+                f"{where}: every module it matches ({', '.join(hits[:3])}{', ...' if len(hits) > 3 else ''}) "
+                "was already assigned by an earlier pattern (the first match wins): reorder or remove it"
+            )
         for n in free:
             plan.assignments[n], plan.reasons[n] = scheme, f"layers['{pattern}']"
     head = _output_head_name(model)
@@ -121,13 +140,17 @@ def resolve_layer_map(model: nn.Module, spec: QuantSchemeSpec, key: str = "quant
                 plan.assignments[n], plan.reasons[n] = spec.scheme, "default scheme"
     plan.assignments = {n: plan.assignments[n] for n in names}  # model order
     if head in plan.quantized() and _head_is_tied(model, head):
-        raise RecipeError(f"{key}.layers: '{head}' shares its weight with the input embeddings (tied); quantizing it "
-                          "would untie them: keep it, or untie the model first")
+        raise RecipeError(
+            f"{key}.layers: '{head}' shares its weight with the input embeddings (tied); quantizing it "
+            "would untie them: keep it, or untie the model first"
+        )
     for n, scheme in plan.quantized().items():
         linear = model.get_submodule(n)
         if spec.group_size and scheme != "float8" and linear.in_features % spec.group_size:
-            raise RecipeError(f"{key}.group_size = {spec.group_size}: module '{n}' has in_features {linear.in_features}, "
-                              "not a multiple; choose a group size that divides it, or keep that module")
+            raise RecipeError(
+                f"{key}.group_size = {spec.group_size}: module '{n}' has in_features {linear.in_features}, "
+                "not a multiple; choose a group size that divides it, or keep that module"
+            )
     return plan
 
 

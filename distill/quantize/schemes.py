@@ -39,8 +39,9 @@ def base_config(name: str, group_size: int | None):
     granularity = PerGroup(group_size) if group_size else PerAxis(0)
     family = scheme_family(name)
     if family == "8da":
-        return Int8DynamicActivationIntxWeightConfig(weight_dtype=getattr(torch, f"int{scheme_bits(name)}"),
-                                                     weight_granularity=granularity)
+        return Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=getattr(torch, f"int{scheme_bits(name)}"), weight_granularity=granularity
+        )
     if family == "w":
         return IntxWeightOnlyConfig(weight_dtype=getattr(torch, f"int{scheme_bits(name)}"), granularity=granularity)
     if name == "int4_weight_only":
@@ -60,8 +61,10 @@ def hardware_problem(name: str, device: torch.device | str | None = None) -> str
             return f"float8 needs compute capability >= 8.9; this GPU has {torch.cuda.get_device_capability(device)}"
     if name == "int4_weight_only":
         if device.type != "cuda":
-            return ("int4_weight_only converts with a CUDA kernel (torchao's Int4WeightOnlyConfig); this run is on the "
-                    "CPU: use w4 (int4 weight-only, portable) or 8da4w here")
+            return (
+                "int4_weight_only converts with a CUDA kernel (torchao's Int4WeightOnlyConfig); this run is on the "
+                "CPU: use w4 (int4 weight-only, portable) or 8da4w here"
+            )
         try:
             import mslk  # noqa: F401  (torchao's int4 kernel package)
         except ImportError:

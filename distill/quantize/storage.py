@@ -26,7 +26,11 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[int, int]:
         return n, n
     names, meta = data.__tensor_flatten__()
     target = meta.get("target_dtype") if isinstance(meta, dict) else getattr(data, "target_dtype", None)
-    bits = int(str(target).removeprefix("torch.int")) if target is not None and str(target).startswith("torch.int") else None
+    bits = (
+        int(str(target).removeprefix("torch.int"))
+        if target is not None and str(target).startswith("torch.int")
+        else None
+    )
     mem = packed = 0
     for name in names:
         inner = getattr(data, name)
@@ -66,8 +70,9 @@ def transformers_quantization_config(plan: LayerPlan):
     return TorchAoConfig(quant_type=fqn_config(plan, None))
 
 
-def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra: dict | None = None,
-                   tokenizer=None) -> Path:
+def save_quantized(
+    model: nn.Module, folder: str | Path, plan: LayerPlan, extra: dict | None = None, tokenizer=None
+) -> Path:
     """``config.json`` + ``model.safetensors`` (torchao's flattened tensor-subclass format) +
     ``quantization.json`` (+ tokenizer), written atomically."""
     import torchao
@@ -96,10 +101,15 @@ def save_quantized(model: nn.Module, folder: str | Path, plan: LayerPlan, extra:
         save_file(tensors, tmp / QUANTIZED_FILE, metadata=metadata)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        record = {"format": f"{QUANTIZED_FILE}: torchao tensor subclasses flattened for safetensors "
-                            "(torchao.prototype.safetensors), the layout transformers' TorchAoConfig also uses",
-                  "torchao": torchao.__version__, "torch": torch.__version__,
-                  "load": "distill.quantize.load_quantized(folder)", **(extra or {}), "plan": plan.to_json()}
+        record = {
+            "format": f"{QUANTIZED_FILE}: torchao tensor subclasses flattened for safetensors "
+            "(torchao.prototype.safetensors), the layout transformers' TorchAoConfig also uses",
+            "torchao": torchao.__version__,
+            "torch": torch.__version__,
+            "load": "distill.quantize.load_quantized(folder)",
+            **(extra or {}),
+            "plan": plan.to_json(),
+        }
         (tmp / PLAN_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
     write_atomically(None, Path(folder), write)

@@ -39,16 +39,24 @@ class CpuBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, drafter=None, drafter_is_target: bool = False, int8: str = "auto", prepack: str = "auto",
-                 compile: str = "auto", lean: bool = True):
+    def __init__(
+        self,
+        drafter=None,
+        drafter_is_target: bool = False,
+        int8: str = "auto",
+        prepack: str = "auto",
+        compile: str = "auto",
+        lean: bool = True,
+    ):
         self.int8 = resolve_int8(int8, "cpu", drafter_is_target)
         self.prepack = resolve_prepack(prepack, "cpu")
         self.compile = resolve_compile(compile, "cpu", drafter) if drafter is not None else "off"
         self.lean = lean
         self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> its CompiledDraft
 
-    def prepare(self, target, drafter, prompts=(), max_new_tokens: int = 0, sampled: bool = False,
-                rows: tuple[int, ...] = ()) -> dict:
+    def prepare(
+        self, target, drafter, prompts=(), max_new_tokens: int = 0, sampled: bool = False, rows: tuple[int, ...] = ()
+    ) -> dict:
         """A block drafter's fused products, then int8 codes of the drafter's Linears, its draft compiled
         over them (for the longest prompt plus ``max_new_tokens``, one row and batches of ``rows``), and
         the target's Linears prepacked and, with them, its attention (and a block drafter's, before its
@@ -59,10 +67,14 @@ class CpuBackend(Backend):
         if block:
             drafter.fuse_projections()
         positions = max((len(p.view(-1)) for p in prompts), default=0) + max_new_tokens
-        record = {"backend": self.name,
-                  "drafter_int8": int8_drafter(drafter, self.int8) if self.int8 != "off" else "off",
-                  "draft_attention": use_attention(drafter) if self.prepack != "off" and block else "off"}
-        record["draft_compiled"] = self.compile_draft(drafter, positions, sampled, rows) if self.compile == "on" else "off"
+        record = {
+            "backend": self.name,
+            "drafter_int8": int8_drafter(drafter, self.int8) if self.int8 != "off" else "off",
+            "draft_attention": use_attention(drafter) if self.prepack != "off" and block else "off",
+        }
+        record["draft_compiled"] = (
+            self.compile_draft(drafter, positions, sampled, rows) if self.compile == "on" else "off"
+        )
         record["target_prepack"] = prepack_linears(target, self.prepack) if self.prepack != "off" else "off"
         record["target_attention"] = use_attention(target) if self.prepack != "off" else "off"
         record["target_forward"] = "lean" if self.lean and lean_forward(target) is not None else "the model's own"

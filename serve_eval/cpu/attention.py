@@ -59,27 +59,43 @@ def _fake(q, k, v, mask, scale, causal=False):
 
 
 def _serves(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
-    return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32 and query.shape[2] <= MAX_QUERIES
-            and query.shape[-1] % 8 == 0 and dropout == 0.0
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)))
+    return (
+        query.device.type == "cpu"
+        and query.dtype == key.dtype == torch.float32
+        and query.shape[2] <= MAX_QUERIES
+        and query.shape[-1] % 8 == 0
+        and dropout == 0.0
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+    )
 
 
-def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-              is_causal: bool | None = None, **kwargs):
+def attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """transformers' attention-function signature: ``query`` [B, H, n, D], ``key`` / ``value``
     [B, Hk, L, D], the mask as ``sdpa_mask`` builds it (None where causal order alone applies);
     returns [B, n, H, D] and no weights."""
     if not _serves(query, key, dropout):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     n = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is not None and attention_mask.dim() < 4:  # [n, L] (or [H, n, L]): broadcast as sdpa does
         attention_mask = attention_mask.view((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # no mask and causal order (a verify's chain): query i sits at position L - n + i, no mask built
-    return torch.ops.draftsmith_attn.attention(query, key, value, attention_mask, scale,
-                                               attention_mask is None and n > 1 and causal), None
+    return torch.ops.draftsmith_attn.attention(
+        query, key, value, attention_mask, scale, attention_mask is None and n > 1 and causal
+    ), None
 
 
 AttentionInterface.register(NAME, attention)

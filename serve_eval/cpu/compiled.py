@@ -61,24 +61,34 @@ def resolve(setting: str, device: str, drafter) -> str:
     if setting == "auto":
         return "on" if device == "cpu" and block and available() else "off"
     if setting == "on" and not block:
-        raise ValueError(f"decoding.cpu.compile = 'on' compiles a block drafter's draft (DFlash, DSpark); "
-                         f"{type(drafter).__name__} drafts eagerly (auto or off)")
+        raise ValueError(
+            f"decoding.cpu.compile = 'on' compiles a block drafter's draft (DFlash, DSpark); "
+            f"{type(drafter).__name__} drafts eagerly (auto or off)"
+        )
     if setting == "on" and device == "cpu" and not available():
-        raise ValueError("decoding.cpu.compile = 'on': inductor finds no C++ compiler here; install one (g++) or use auto / off")
+        raise ValueError(
+            "decoding.cpu.compile = 'on': inductor finds no C++ compiler here; install one (g++) or use auto / off"
+        )
     return setting
 
 
 def _draft(drafter, anchors, counts, features, keys, values, propose: bool):
     hidden = drafter.decode_static(anchors, counts, features, keys, values)
-    return hidden, drafter.propose(hidden, anchors[:, None]) if propose else None  # greedy: (tokens, logits, confidence)
+    return hidden, drafter.propose(
+        hidden, anchors[:, None]
+    ) if propose else None  # greedy: (tokens, logits, confidence)
 
 
 def _own_graph():
     """:func:`_draft` compiled for one drafter: Dynamo keeps its graphs per code object, so each drafter
     gets a copy of the code (and no other drafter can reach a graph built over this one's modules)."""
     own = types.FunctionType(_draft.__code__.replace(), _draft.__globals__, _draft.__name__)
-    return torch.compile(own, fullgraph=True, dynamic=False,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    return torch.compile(
+        own,
+        fullgraph=True,
+        dynamic=False,
+        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+    )
 
 
 class CompiledDraft:
@@ -99,8 +109,12 @@ class CompiledDraft:
         self.proposes = not isinstance(drafter.lm_head, CandidateHead)
         self.graph = _own_graph()
         for layer in drafter.layers:  # rotary tables that cover every slot, built here rather than in the graph
-            layer.attn.rope_table(torch.zeros(1, 1, dtype=torch.long, device=drafter.device), drafter.dtype,
-                                  end=self.positions, signed=True)
+            layer.attn.rope_table(
+                torch.zeros(1, 1, dtype=torch.long, device=drafter.device),
+                drafter.dtype,
+                end=self.positions,
+                signed=True,
+            )
         self.calls = 0
 
     def warm_all(self, sampled: bool = False, rows: tuple[int, ...] = ()) -> dict:
@@ -108,11 +122,14 @@ class CompiledDraft:
         and of every count below the smallest of them (a batch's rows finish apart, and its last ones
         draft as a smaller batch). Returns what the eval report records."""
         counts = {*range(1, min(rows, default=1) + 1), *rows}
-        for count in sorted(counts)[:torch._dynamo.config.recompile_limit]:  # Dynamo keeps that many graphs of a code
+        for count in sorted(counts)[: torch._dynamo.config.recompile_limit]:  # Dynamo keeps that many graphs of a code
             self.warm(count, sampled)
-        return {"graph": "decode_static" + (" + propose" if self.proposes else ""),
-                "sampled_proposal": self.proposes_for(greedy=False), "cache_positions": self.positions,
-                "rows": sorted(self.rows)}
+        return {
+            "graph": "decode_static" + (" + propose" if self.proposes else ""),
+            "sampled_proposal": self.proposes_for(greedy=False),
+            "cache_positions": self.positions,
+            "rows": sorted(self.rows),
+        }
 
     def warm(self, rows: int, sampled: bool) -> None:
         """Compile now the graph a greedy or ``sampled`` run of ``rows`` rows calls, by one draft over
@@ -120,12 +137,23 @@ class CompiledDraft:
         drafter = self._drafter()
         cfg = drafter.config
         propose = self.proposes_for(greedy=not sampled)
-        with torch.inference_mode():  # as the loop drafts and makes its caches: inference tensors, as the guards see them
+        with (
+            torch.inference_mode()
+        ):  # as the loop drafts and makes its caches: inference tensors, as the guards see them
             like = torch.zeros((), dtype=drafter.dtype, device=drafter.device)
-            buffers = [like.new_zeros(rows, cfg.num_key_value_heads, self.positions, cfg.head_dim) for _ in range(2 * len(drafter.layers))]
+            buffers = [
+                like.new_zeros(rows, cfg.num_key_value_heads, self.positions, cfg.head_dim)
+                for _ in range(2 * len(drafter.layers))
+            ]
             zeros = torch.zeros(rows, dtype=torch.long, device=drafter.device)
-            self.run(zeros, torch.stack([zeros, zeros + 1], dim=1), like.new_zeros(rows, 1, drafter.fc.in_features),
-                     buffers[::2], buffers[1::2], propose)
+            self.run(
+                zeros,
+                torch.stack([zeros, zeros + 1], dim=1),
+                like.new_zeros(rows, 1, drafter.fc.in_features),
+                buffers[::2],
+                buffers[1::2],
+                propose,
+            )
         self.rows.add(rows)
         self.calls = 0
 
@@ -139,11 +167,23 @@ class CompiledDraft:
         """Whether a draft can be the graph's: context buffers ``keys`` of the graph's length, for as many
         rows as a graph compiled up front, at most K features ``arriving``, and room after the longest
         row's context (``end``, arrived features counted) for the block and the padding slot."""
-        return (bool(keys) and keys[0].shape[0] in self.rows and keys[0].shape[2] == self.positions
-                and arriving <= self.block_size and end + self.block_size < self.positions)
+        return (
+            bool(keys)
+            and keys[0].shape[0] in self.rows
+            and keys[0].shape[2] == self.positions
+            and arriving <= self.block_size
+            and end + self.block_size < self.positions
+        )
 
-    def run(self, anchors: torch.Tensor, counts: torch.Tensor, arriving: torch.Tensor,
-            keys: list[torch.Tensor], values: list[torch.Tensor], propose: bool):
+    def run(
+        self,
+        anchors: torch.Tensor,
+        counts: torch.Tensor,
+        arriving: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        propose: bool,
+    ):
         """The graph's draft for ``R`` rows: anchors [R], ``counts`` [R, 2] = each row's cached length and
         the number of the ``arriving`` features [R, m, F] (``m <= K``) that are its own; returns the
         hidden states [R, 1, K, H] and, with ``propose``, the greedy proposal over them, as
@@ -152,7 +192,7 @@ class CompiledDraft:
         # padded with zero rows (not multiplied) into a fresh buffer: the graphs were compiled for its strides (a
         # view's, even one torch calls contiguous, would not match them)
         features = arriving.new_zeros(arriving.shape[0], self.block_size, arriving.shape[2])
-        features[:, :arriving.shape[1]] = arriving
+        features[:, : arriving.shape[1]] = arriving
         out = self.graph(self._drafter(), anchors, counts, features, keys, values, propose)
         self.calls += 1
         return out
@@ -163,7 +203,14 @@ class CompiledDraft:
         logits and confidence, as :meth:`~drafters.BlockDrafter.propose` gives them); the cache
         then holds the arrived positions, as after :meth:`~drafters.BlockDrafter.decode_hidden`."""
         start, n = cache.length, arrived.shape[1]
-        out = self.run(anchor.view(1), torch.tensor([[start, n]], device=arrived.device), arrived, cache.keys, cache.values, propose)
+        out = self.run(
+            anchor.view(1),
+            torch.tensor([[start, n]], device=arrived.device),
+            arrived,
+            cache.keys,
+            cache.values,
+            propose,
+        )
         cache.length = start + n
         return out
 

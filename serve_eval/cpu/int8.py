@@ -68,8 +68,9 @@ _SOURCE = Path(__file__).with_name("int8_op.cpp")
 def native_op() -> str | None:
     """The instruction set ``draftsmith_int8::linear`` (:file:`int8_op.cpp`) runs on here (``avx512-vnni``,
     ``avx2``), or None where it cannot be built (not an x86 CPU with AVX2, no compiler: ``torch._int_mm`` serves)."""
-    if not native.avx2_operator(_SOURCE, "serve_eval.cpu.int8: the C++ int8 operator", "torch._int_mm",
-                                ("-ffp-contract=off",)):  # its scalings rounded one by one, as torch's
+    if not native.avx2_operator(
+        _SOURCE, "serve_eval.cpu.int8: the C++ int8 operator", "torch._int_mm", ("-ffp-contract=off",)
+    ):  # its scalings rounded one by one, as torch's
         return None
     torch.library.register_fake("draftsmith_int8::linear", _fake)
     return torch.ops.draftsmith_int8.allow_vnni(True)
@@ -103,7 +104,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dtype == torch.float32 else x.float()
         if self.kernel != "int_mm":
-            y = torch.ops.draftsmith_int8.linear(rows, self.panels, self.colsum, self.scale, self.bias, self.out_features)
+            y = torch.ops.draftsmith_int8.linear(
+                rows, self.panels, self.colsum, self.scale, self.bias, self.out_features
+            )
         else:
             rows = rows.reshape(-1, x.shape[-1])
             step = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
@@ -133,8 +136,10 @@ def resolve(setting: str, device: str, drafter_is_target: bool) -> str:
     if setting == "auto":
         return "all" if device == "cpu" and not drafter_is_target else "off"
     if setting != "off" and device != "cpu":
-        raise ValueError(f"decoding.cpu.int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
-                         f"(serve_eval.cpu.int8); on {device} the drafter runs in the target's dtype (auto or off)")
+        raise ValueError(
+            f"decoding.cpu.int8 = {setting!r} serves a drafter's weights in int8 on the CPU "
+            f"(serve_eval.cpu.int8); on {device} the drafter runs in the target's dtype (auto or off)"
+        )
     return setting
 
 
@@ -148,8 +153,11 @@ def int8_drafter(drafter: nn.Module, which: str) -> dict:
     converted, before, after, kernels = 0, 0, 0, set()
     for parent in list(drafter.modules()):
         for name, child in list(parent.named_children()):
-            if (not isinstance(child, nn.Linear) or isinstance(child, CandidateHead)  # a per-step head keeps its rows
-                    or (which == "head" and name not in VOCAB_HEADS)):
+            if (
+                not isinstance(child, nn.Linear)
+                or isinstance(child, CandidateHead)  # a per-step head keeps its rows
+                or (which == "head" and name not in VOCAB_HEADS)
+            ):
                 continue
             restricted = isinstance(child, RestrictedHead)
             weight = child.rows if restricted else child.weight
@@ -161,4 +169,10 @@ def int8_drafter(drafter: nn.Module, which: str) -> dict:
             after += int8.codes.numel() + int8.scale.numel() * int8.scale.element_size()
     if not converted:
         raise ValueError(f"drafter_int8 = {which!r}: the drafter has no Linear of that kind")
-    return {"which": which, "linears": converted, "weight_bytes": before, "int8_bytes": after, "kernel": "/".join(sorted(kernels))}
+    return {
+        "which": which,
+        "linears": converted,
+        "weight_bytes": before,
+        "int8_bytes": after,
+        "kernel": "/".join(sorted(kernels)),
+    }

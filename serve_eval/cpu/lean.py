@@ -47,7 +47,12 @@ class _Layer:
         self.norm, self.post_norm = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
         self.q, self.k, self.v, self.o = a.q_proj.forward, a.k_proj.forward, a.v_proj.forward, a.o_proj.forward
         self.qk_norms = (a.q_norm.forward, a.k_norm.forward) if hasattr(a, "q_norm") else None
-        self.gate, self.up, self.down, self.act = mlp.gate_proj.forward, mlp.up_proj.forward, mlp.down_proj.forward, mlp.act_fn.forward
+        self.gate, self.up, self.down, self.act = (
+            mlp.gate_proj.forward,
+            mlp.up_proj.forward,
+            mlp.down_proj.forward,
+            mlp.act_fn.forward,
+        )
 
 
 class LeanForward:
@@ -74,15 +79,23 @@ class LeanForward:
         self.head = target.lm_head.forward
         self.eager = sys.modules[type(target).__module__].eager_attention_forward  # transformers' fallback
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, features: list[int] | None = None, logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, dict | None]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache,
+        features: list[int] | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict | None]:
         config = self.target.config
         x = self.embed(input_ids)
-        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+        )
         cos, sin = self.rotary(x, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        sin = torch.cat((-sin[..., :self.half], sin[..., self.half:]), dim=-1)
+        sin = torch.cat((-sin[..., : self.half], sin[..., self.half :]), dim=-1)
         swap = self.swap
 
         def rope(t):

@@ -35,8 +35,9 @@ def load(source: Path, cflags: tuple[str, ...] = ("-O2",)) -> None:
         return
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}.", dir=root) as folder:
-        cpp_extension.load(name, [str(source)], build_directory=folder, is_python_module=False,
-                           extra_cflags=list(cflags))  # builds, and loads
+        cpp_extension.load(
+            name, [str(source)], build_directory=folder, is_python_module=False, extra_cflags=list(cflags)
+        )  # builds, and loads
         os.replace(Path(folder) / f"{name}.so", built)
 
 

@@ -84,18 +84,25 @@ def only_rows(rows: torch.Tensor, total: int):
 @functools.cache
 def panels_available() -> bool:
     """Whether ``draftsmith_fp32`` runs here: an x86 CPU with AVX2 and FMA, and the operator built."""
-    return native.avx2_operator(_SOURCE, "serve_eval.cpu.prepack: the C++ fp32 operator", "oneDNN's kernel", ("-mf16c",))
+    return native.avx2_operator(
+        _SOURCE, "serve_eval.cpu.prepack: the C++ fp32 operator", "oneDNN's kernel", ("-mf16c",)
+    )
 
 
 def onednn_available() -> bool:
     """Whether this torch has oneDNN's CPU Linear ops."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 #: the kernels in order of preference, with what each needs where it does not serve
-_NEEDS = {"panels": "an x86 CPU with AVX2 and a C++ compiler (the C++ fp32 operator)",
-          "onednn": "a torch build with oneDNN's Linear ops (torch.ops.mkldnn._linear_pointwise)"}
+_NEEDS = {
+    "panels": "an x86 CPU with AVX2 and a C++ compiler (the C++ fp32 operator)",
+    "onednn": "a torch build with oneDNN's Linear ops (torch.ops.mkldnn._linear_pointwise)",
+}
 
 
 def _serves(kernel: str) -> bool:
@@ -128,7 +135,9 @@ class PrepackedLinear(nn.Module):
             exact = torch.equal(weight.half().float(), weight)
             self.packed = (torch.ops.draftsmith_fp32.pack_half if exact else torch.ops.draftsmith_fp32.pack)(weight)
         else:
-            raise RuntimeError(f"serve_eval.cpu.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}")
+            raise RuntimeError(
+                f"serve_eval.cpu.prepack: the panel kernel does not serve here: it needs {_NEEDS['panels']}"
+            )
 
     def __getstate__(self):  # derived from the weight (oneDNN's blocked tensor has no storage to pickle): rebuilt
         return {k: v for k, v in self.__dict__.items() if k != "packed"}
@@ -161,14 +170,20 @@ def resolve(setting: str, device: str) -> str:
     if setting == "off":
         return "off"
     if device != "cpu":
-        raise ValueError(f"decoding.cpu.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
-                         f"the target keeps its own kernels (auto or off)")
+        raise ValueError(
+            f"decoding.cpu.prepack = '{setting}' serves the target's Linears from CPU kernels; on {device} "
+            f"the target keeps its own kernels (auto or off)"
+        )
     kernels = list(_NEEDS) if setting == "on" else [setting]
     for kernel in kernels:
         if _serves(kernel):
             return kernel
-    raise ValueError(f"decoding.cpu.prepack = '{setting}': " + ("neither kernel serves here: " if setting == "on" else "needs ")
-                     + " / ".join(_NEEDS[k] for k in kernels) + "; use auto or off")
+    raise ValueError(
+        f"decoding.cpu.prepack = '{setting}': "
+        + ("neither kernel serves here: " if setting == "on" else "needs ")
+        + " / ".join(_NEEDS[k] for k in kernels)
+        + "; use auto or off"
+    )
 
 
 def last_level_cache_bytes() -> int | None:
@@ -194,15 +209,22 @@ def prepack_linears(model: nn.Module, kernel: str = "on") -> dict:
     products from half the bytes). Returns what the report records: the kernel, how many Linears, the
     bytes of their weights (and of the panels, how many in fp16) and whether they stream."""
     kernel = resolve(kernel, "cpu")
-    linears = [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())
-               if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+    linears = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
+    ]
     nbytes = sum(child.weight.numel() * child.weight.element_size() for *_, child in linears)
     packed = [PrepackedLinear(child, kernel) for *_, child in linears]
     record = {"kernel": kernel, "linears": len(linears), "weight_bytes": nbytes, "streamed": False}
     if kernel == "panels":  # what a forward streams: the panels, fp16 where the values allow
         served, cache = sum(p.packed.numel() * p.packed.element_size() for p in packed), last_level_cache_bytes()
-        record.update(panel_bytes=served, fp16_panels=sum(p.packed.dtype == torch.float16 for p in packed),
-                      streamed=cache is not None and served > cache)
+        record.update(
+            panel_bytes=served,
+            fp16_panels=sum(p.packed.dtype == torch.float16 for p in packed),
+            streamed=cache is not None and served > cache,
+        )
     for (parent, name, _), linear in zip(linears, packed):
         linear.stream = record["streamed"]
         setattr(parent, name, linear)

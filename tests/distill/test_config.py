@@ -107,8 +107,12 @@ def test_lookup_drafts_serve_chains_trees_and_batches_not_ssd():
     from distill.base.decoding import DecodingSection
 
     lookup = {"tokens": 8}
-    for ok in ({"mode": "tree", "lookup": lookup}, {"lookup": lookup}, {"lookup": lookup, "temperature": 1.0},
-               {"lookup": lookup, "batches": {"sizes": [4]}}):
+    for ok in (
+        {"mode": "tree", "lookup": lookup},
+        {"lookup": lookup},
+        {"lookup": lookup, "temperature": 1.0},
+        {"lookup": lookup, "batches": {"sizes": [4]}},
+    ):
         assert DecodingSection(**ok).lookup.tokens == 8
     with pytest.raises(ValidationError, match="lookup.tokens: 0"):
         DecodingSection(lookup=lookup, ssd={"enabled": True}, budget={"adaptive": False})

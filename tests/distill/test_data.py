@@ -32,7 +32,10 @@ def test_stdlib_corpus_excludes_tests_and_is_sorted():
 def test_split_is_stable_and_disjoint(small):
     _, splits, _ = small
     assert splits.train and splits.val and not set(splits.train) & set(splits.val)
-    assert load_text_splits(DataConfig(source="stdlib", max_documents=30, val_fraction=0.1)).fingerprint == splits.fingerprint
+    assert (
+        load_text_splits(DataConfig(source="stdlib", max_documents=30, val_fraction=0.1)).fingerprint
+        == splits.fingerprint
+    )
     assert is_held_out("a/b.py", 0.5) == is_held_out("a/b.py", 0.5)
 
 
@@ -98,7 +101,10 @@ def test_dataset_files_stay_in_arrow_and_tokenize_like_a_list(tmp_path, small):
     from distill.data import DatasetColumn, make_windows, tokenize_examples
 
     _, _, tok = small
-    rows = [{"text": f"def f{i}(x):\n    return x * {i}\n", "prompt": f"# {i}\n", "response": f"pass  # {i}"} for i in range(60)]
+    rows = [
+        {"text": f"def f{i}(x):\n    return x * {i}\n", "prompt": f"# {i}\n", "response": f"pass  # {i}"}
+        for i in range(60)
+    ]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = DataConfig(source="files", train_files=[str(path)], val_fraction=0.1, seq_len=16)
@@ -112,7 +118,9 @@ def test_dataset_files_stay_in_arrow_and_tokenize_like_a_list(tmp_path, small):
     assert load_text_splits(cfg).fingerprint == splits.fingerprint  # the dataset's own fingerprint: stable
     records = load_text_splits(cfg.model_copy(update={"format": "prompt_response"}))
     ids, mask = tokenize_examples(records.train, tok, cfg.model_copy(update={"format": "prompt_response"}), "rec")
-    ids_list, mask_list = tokenize_examples(list(records.train), tok, cfg.model_copy(update={"format": "prompt_response"}), "rec-list")
+    ids_list, mask_list = tokenize_examples(
+        list(records.train), tok, cfg.model_copy(update={"format": "prompt_response"}), "rec-list"
+    )
     np.testing.assert_array_equal(ids, ids_list)
     np.testing.assert_array_equal(mask, mask_list)
     windows = make_windows(splits.train, tok, cfg, "train")

@@ -38,8 +38,17 @@ def make_trainer(tmp_path, optim: OptimConfig, loss_fn=None, deepspeed: bool = T
     torch.manual_seed(0)
     model = build_causal_lm(tiny_target(), 300)
     data = PackedWindows(np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16), 32)
-    return Trainer(accelerator=acc, model=model, train_cfg=TRAIN, optim_cfg=optim, output_dir=tmp_path, data=data,
-                   loss_fn=loss_fn or lm_loss, flops_per_token=1.0, evaluate_fn=lambda m: {"val_loss": 1.0})
+    return Trainer(
+        accelerator=acc,
+        model=model,
+        train_cfg=TRAIN,
+        optim_cfg=optim,
+        output_dir=tmp_path,
+        data=data,
+        loss_fn=loss_fn or lm_loss,
+        flops_per_token=1.0,
+        evaluate_fn=lambda m: {"val_loss": 1.0},
+    )
 
 
 def zero_state(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -56,7 +65,11 @@ def zero_state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def changed(before: dict, after: dict) -> list[str]:
     """The entries that differ, appeared or went (the optimizer's state appears at its first step)."""
-    return sorted(k for k in before.keys() | after.keys() if k not in before or k not in after or not torch.equal(before[k], after[k]))
+    return sorted(
+        k
+        for k in before.keys() | after.keys()
+        if k not in before or k not in after or not torch.equal(before[k], after[k])
+    )
 
 
 @pytest.mark.slow
@@ -89,7 +102,9 @@ def test_a_step_with_a_non_finite_loss_changes_nothing_under_deepspeed(tmp_path,
         else:
             assert {k.rstrip("0123456789") for k in diff} >= {"weight", "master", "exp_avg", "exp_avg_sq", "step"}, diff
             assert math.isfinite(logs["train/grad_norm"]) and logs["train/grad_norm"] > 0, logs
-        assert trainer.state.skipped_steps == trainer.model.skipped_steps == sum(s in poison for s in range(1, step + 1))
+        assert (
+            trainer.state.skipped_steps == trainer.model.skipped_steps == sum(s in poison for s in range(1, step + 1))
+        )
     assert trainer.state.step == 4
 
 
@@ -133,8 +148,13 @@ def test_the_recipes_grad_clip_is_written_into_the_deepspeed_config():
     def plugin(**config):
         return DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 2}, **config})
 
-    for config, grad_clip, expected in [({"gradient_clipping": "auto"}, 0.5, 0.5), ({}, 0.5, 0.5), ({}, None, 0.0),
-                                        ({"gradient_clipping": 1}, 1.0, 1.0), ({"gradient_clipping": 0.0}, None, 0.0)]:
+    for config, grad_clip, expected in [
+        ({"gradient_clipping": "auto"}, 0.5, 0.5),
+        ({}, 0.5, 0.5),
+        ({}, None, 0.0),
+        ({"gradient_clipping": 1}, 1.0, 1.0),
+        ({"gradient_clipping": 0.0}, None, 0.0),
+    ]:
         p = plugin(**config)
         deepspeed_grad_clip(p, grad_clip)
         assert p.deepspeed_config["gradient_clipping"] == p.gradient_clipping == expected, (config, grad_clip)

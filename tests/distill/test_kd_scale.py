@@ -26,19 +26,44 @@ def teacher_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.2)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg).eval().requires_grad_(False)
 
 
 def student_model(arch: str = "llama"):
     torch.manual_seed(1)
-    cfg = {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64,
-           "max_position_embeddings": 128, "initializer_range": 0.1}
+    cfg = {
+        "arch": arch,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 128,
+        "initializer_range": 0.1,
+    }
     if arch == "parcae":
-        cfg.update(num_layers=3, parcae={"prelude_layers": 1, "core_layers": 1, "coda_layers": 1, "mean_recurrence": 2,
-                                         "backprop_depth": 1, "eval_recurrences": [1]})
+        cfg.update(
+            num_layers=3,
+            parcae={
+                "prelude_layers": 1,
+                "core_layers": 1,
+                "coda_layers": 1,
+                "mean_recurrence": 2,
+                "backprop_depth": 1,
+                "eval_recurrences": [1],
+            },
+        )
     return build_causal_lm(ModelConfig.model_validate(cfg), V).train()
 
 
@@ -48,6 +73,7 @@ def windows_batch(rows: int = B, seed: int = 2) -> Batch:
     ids = torch.randint(6, V, (rows, L + 1), generator=gen)
     mask = (torch.arange(L + 1)[None] >= torch.randint(1, L // 2, (rows, 1), generator=gen)).long()
     return Batch(ids, mask, first_sample=seed)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Chunked KD loss
@@ -76,14 +102,19 @@ def test_chunked_kd_equals_whole_logits_kd(case):
     teacher, student, batch = teacher_model(), student_model(arch), windows_batch()
     depths = (lambda model, b: training_forward_kwargs(model, b, 0)) if arch == "parcae" else None
     pard = PardSection(draft_tokens=4, anchors=3, keep=0.7) if with_pard else None
-    make = lambda chunk: kd_loss_fn(teacher, divergence, 0.5, temperature, ce_weight, depths, pard, MASK, 0, chunk=chunk)  # noqa: E731
+
+    def make(chunk):
+        return kd_loss_fn(teacher, divergence, 0.5, temperature, ce_weight, depths, pard, MASK, 0, chunk=chunk)
+
     whole, whole_grads, whole_logs = loss_and_grads(student, make(None), batch)
     for chunk in (7, 1000):  # a ragged last chunk; one chunk holding every scored position
         loss, grads, logs = loss_and_grads(student, make(chunk), batch)
         torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-7)
         assert grads.keys() == whole_grads.keys() and len(grads) == len(list(student.parameters()))
         for name, g in grads.items():
-            torch.testing.assert_close(g, whole_grads[name], rtol=1e-4, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                g, whole_grads[name], rtol=1e-4, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+            )
         assert logs.keys() == whole_logs.keys()
         assert ("kd/ce" in logs) == bool(ce_weight) and ("parcae/mean_depth" in logs) == (arch == "parcae")
     assert whole > 1e-3
@@ -121,7 +152,10 @@ def test_chunked_kd_never_holds_batch_by_positions_by_vocabulary(chunk, arch):
     if chunk is None:
         assert seen.largest >= whole
     else:
-        assert seen.largest < whole, (seen.largest, whole)  # here the largest are the head weight's gradient and a chunk's
+        assert seen.largest < whole, (
+            seen.largest,
+            whole,
+        )  # here the largest are the head weight's gradient and a chunk's
 
 
 def test_chunked_kd_of_a_batch_with_nothing_scored_is_zero_with_gradients():
@@ -133,6 +167,7 @@ def test_chunked_kd_of_a_batch_with_nothing_scored_is_zero_with_gradients():
 
 def test_chunked_kd_refuses_a_model_that_changes_its_logits_after_the_head():
     teacher, student, batch = teacher_model(), student_model(), windows_batch()
+
     def soft_cap(module, args, kwargs, out):  # Gemma's final soft cap, after the head
         out.logits = 30 * torch.tanh(out.logits / 30)
         return out
@@ -200,8 +235,15 @@ def test_evaluation_runs_the_same_forwards_on_every_rank_and_sums_as_one_process
 def moe_model(kind: str):
     from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3MoeConfig
 
-    common = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, num_experts_per_tok=2)
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts_per_tok=2,
+    )
     if kind == "qwen3_moe":
         cfg = Qwen3MoeConfig(num_experts=8, moe_intermediate_size=32, intermediate_size=128, **common)
     else:
@@ -223,11 +265,16 @@ def active_matmul_params(cfg, experts: int, expert_intermediate: int, visited: i
 def test_moe_flops_count_the_experts_a_token_visits(kind):
     model = moe_model(kind)
     cfg = model.config
-    experts, inter = (cfg.num_experts, cfg.moe_intermediate_size) if kind == "qwen3_moe" else \
-        (cfg.num_local_experts, cfg.intermediate_size)
+    experts, inter = (
+        (cfg.num_experts, cfg.moe_intermediate_size)
+        if kind == "qwen3_moe"
+        else (cfg.num_local_experts, cfg.intermediate_size)
+    )
     assert not cfg.tie_word_embeddings
     assert matmul_params(model) == active_matmul_params(cfg, experts, inter, cfg.num_experts_per_tok)
-    every_weight = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "bias" not in n)
+    every_weight = sum(
+        p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "bias" not in n
+    )
     assert every_weight == active_matmul_params(cfg, experts, inter, experts)  # what a dense count would claim
     attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * 128
     assert flops_per_token(model, 128, training=False) == 2 * matmul_params(model) + attn
@@ -245,7 +292,15 @@ def test_moe_flops_need_the_routing_fields():
 def test_dense_flops_count_every_matrix():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(cfg)
     assert matmul_params(model) == sum(p.numel() for p in model.parameters() if p.dim() >= 2) - 300 * 64

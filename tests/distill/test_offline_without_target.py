@@ -41,6 +41,7 @@ def run(raw: dict) -> dict:
 def refuse(what: str):
     def fail(*_args, **_kwargs):
         raise AssertionError(f"training from a complete cache {what}")
+
     return fail
 
 
@@ -67,7 +68,9 @@ def logged(run_dir) -> list[dict]:
 
 def test_device_map_builds_the_same_cache_bytes_and_build_only_trains_nothing(stage_one, target_loaded):
     cache, summary = stage_one
-    assert summary["windows"] == {"train": 40, "val": summary["windows"]["val"]} and summary["feature_cache"] == str(cache)
+    assert summary["windows"] == {"train": 40, "val": summary["windows"]["val"]} and summary["feature_cache"] == str(
+        cache
+    )
     assert not (cache.parent / "run" / "metrics.jsonl").exists() and not (cache.parent / "run" / "model").exists()
     reference = target_loaded[0] / "cache"
     for split in SPLITS:
@@ -77,8 +80,9 @@ def test_device_map_builds_the_same_cache_bytes_and_build_only_trains_nothing(st
             assert (cache / split / name).read_bytes() == (reference / split / name).read_bytes(), f"{split}/{name}"
 
 
-def test_training_from_a_complete_cache_neither_loads_nor_runs_the_target(stage_one, target_loaded, tiny_target_dir,
-                                                                          tmp_path, monkeypatch):
+def test_training_from_a_complete_cache_neither_loads_nor_runs_the_target(
+    stage_one, target_loaded, tiny_target_dir, tmp_path, monkeypatch
+):
     from transformers import AutoModelForCausalLM
 
     from distill.base.features import FeatureCapture
@@ -90,11 +94,16 @@ def test_training_from_a_complete_cache_neither_loads_nor_runs_the_target(stage_
     assert logged(tmp_path / "run") == logged(reference_dir / "run") and len(logged(tmp_path / "run")) > 2
     for key in ("steps", "best_step", "best_simulated_tau", "val_simulated_tau", "val_loss"):
         assert summary[key] == reference[key], key
-    ours, theirs = load_file(tmp_path / "run" / "model" / "model.safetensors"), load_file(reference_dir / "run" / "model" / "model.safetensors")
+    ours, theirs = (
+        load_file(tmp_path / "run" / "model" / "model.safetensors"),
+        load_file(reference_dir / "run" / "model" / "model.safetensors"),
+    )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_a_cache_made_for_another_target_is_refused_without_its_weights(stage_one, tiny_target_dir, tmp_path, monkeypatch):
+def test_a_cache_made_for_another_target_is_refused_without_its_weights(
+    stage_one, tiny_target_dir, tmp_path, monkeypatch
+):
     from transformers import AutoModelForCausalLM
 
     from distill.feature_cache import FeatureCacheMismatch
@@ -122,7 +131,9 @@ def test_target_without_weights_holds_only_what_the_drafter_copies_and_cannot_ru
     state = loaded.state_dict()
     assert all(torch.equal(p, state[n]) for n, p in real.items())
     assert target_fingerprint(target) == target_fingerprint(loaded)
-    assert target_fingerprint(load_target_io(cfg.model_copy(update={"dtype": "bfloat16"}))[0]) != target_fingerprint(loaded)
+    assert target_fingerprint(load_target_io(cfg.model_copy(update={"dtype": "bfloat16"}))[0]) != target_fingerprint(
+        loaded
+    )
     with pytest.raises(RecipeError, match="without its weights"):
         FeatureCapture(target, [0])(torch.tensor([[1, 2, 3]]))
     captured = {0: torch.ones(1, 3, 4), 1: torch.ones(1, 3, 4), "last": torch.ones(1, 3, 4)}  # a split target's states
@@ -150,6 +161,10 @@ def test_device_map_is_refused_with_several_processes_and_outside_train_drafter(
         check_device_map(split, 2)
     with pytest.raises(RecipeError, match="features.build_only"):
         parse_recipe(offline_recipe(tmp_path, tiny_target_dir, tmp_path / "cache", mode="online", build_only=True))
-    student = {"recipe": "distill_student", "output_dir": str(tmp_path), "target": {"path": str(tiny_target_dir), "device_map": "cpu"}}
+    student = {
+        "recipe": "distill_student",
+        "output_dir": str(tmp_path),
+        "target": {"path": str(tiny_target_dir), "device_map": "cpu"},
+    }
     with pytest.raises(RecipeError, match="target.device_map"):
         parse_recipe(student)

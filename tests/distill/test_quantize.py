@@ -25,8 +25,14 @@ MLP = r"re:model\.layers\.\d+\.mlp\..*"
 
 def tiny_lm(seed: int = 0, vocab: int = 256):
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+    cfg = ModelConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return build_causal_lm(cfg, vocab).eval()
 
 
@@ -69,19 +75,38 @@ def test_mixed_precision_map_applies_each_scheme_after_convert():
     Q.convert(model, spec, plan)
     for name in Q.linear_names(model):
         w = model.get_submodule(name).weight
-        expected = {"8da8w": (torch.int8, "int8_asym_per_token"), "w2": (torch.int2, None), "w4": (torch.int4, None),
-                    "8da4w": (torch.int4, "int8_asym_per_token")}[plan.assignments[name]]
+        expected = {
+            "8da8w": (torch.int8, "int8_asym_per_token"),
+            "w2": (torch.int2, None),
+            "w4": (torch.int4, None),
+            "8da4w": (torch.int4, "int8_asym_per_token"),
+        }[plan.assignments[name]]
         assert (w.target_dtype, w.activation_quantization) == expected, name
     assert plan.assignments["lm_head"] == "8da4w" and plan.assignments["model.layers.0.mlp.gate_proj"] == "w4"
     assert plan.assignments["model.layers.0.mlp.down_proj"] == "w2"
 
 
-@pytest.mark.parametrize("layers, bad, message", [
-    ({"re:.*atn.*": "w4"}, "re:.*atn.*", "matches no Linear module.*closest module names: model.layers.0.self_attn"),
-    ({"model.layers.0.mlp": "w4"}, "model.layers.0.mlp", "only non-Linear modules \\(model.layers.0.mlp\\)"),
-    ({"*.mlp.*": "w4", "model.layers.0.mlp.up_proj": "w2"}, "model.layers.0.mlp.up_proj", "already assigned by an earlier pattern"),
-    ({"model.layers.0.mlp.gate_prj": "w4"}, "model.layers.0.mlp.gate_prj", "closest module names: model.layers.0.mlp.gate_proj"),
-])
+@pytest.mark.parametrize(
+    "layers, bad, message",
+    [
+        (
+            {"re:.*atn.*": "w4"},
+            "re:.*atn.*",
+            "matches no Linear module.*closest module names: model.layers.0.self_attn",
+        ),
+        ({"model.layers.0.mlp": "w4"}, "model.layers.0.mlp", "only non-Linear modules \\(model.layers.0.mlp\\)"),
+        (
+            {"*.mlp.*": "w4", "model.layers.0.mlp.up_proj": "w2"},
+            "model.layers.0.mlp.up_proj",
+            "already assigned by an earlier pattern",
+        ),
+        (
+            {"model.layers.0.mlp.gate_prj": "w4"},
+            "model.layers.0.mlp.gate_prj",
+            "closest module names: model.layers.0.mlp.gate_proj",
+        ),
+    ],
+)
 def test_a_bad_pattern_is_a_clear_error(layers, bad, message):
     with pytest.raises(RecipeError, match=message) as err:
         Q.resolve_layer_map(tiny_lm(), QuantSchemeSpec(layers=layers), key="quant")
@@ -89,7 +114,9 @@ def test_a_bad_pattern_is_a_clear_error(layers, bad, message):
 
 
 def test_group_size_and_tied_head_are_checked_against_the_model():
-    with pytest.raises(RecipeError, match="quant.group_size = 48: module 'model.layers.0.self_attn.q_proj' has in_features 64"):
+    with pytest.raises(
+        RecipeError, match="quant.group_size = 48: module 'model.layers.0.self_attn.q_proj' has in_features 64"
+    ):
         Q.resolve_layer_map(tiny_lm(), QuantSchemeSpec(group_size=48))
     tied = build_causal_lm(ModelConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128), 256)
     with pytest.raises(RecipeError, match="'lm_head' shares its weight with the input embeddings"):
@@ -208,9 +235,18 @@ def test_trainer_calls_the_step_hook_with_the_restored_step_after_a_resume(tmp_p
 
     def run(max_steps):
         cfg = TrainConfig(max_steps=max_steps, micro_batch_size=2, eval_every=100, save_every=3, log_every=1)
-        trainer = Trainer(accelerator=Accelerator(cpu=True), model=tiny_lm(), train_cfg=cfg, optim_cfg=OptimConfig(),
-                          output_dir=tmp_path, data=data, loss_fn=lm_loss, flops_per_token=1.0,
-                          evaluate_fn=lambda m: {"val_loss": 1.0}, before_step=seen.append)
+        trainer = Trainer(
+            accelerator=Accelerator(cpu=True),
+            model=tiny_lm(),
+            train_cfg=cfg,
+            optim_cfg=OptimConfig(),
+            output_dir=tmp_path,
+            data=data,
+            loss_fn=lm_loss,
+            flops_per_token=1.0,
+            evaluate_fn=lambda m: {"val_loss": 1.0},
+            before_step=seen.append,
+        )
         trainer.fit()
 
     run(3)
@@ -227,7 +263,9 @@ def test_scheme_names_and_gpu_schemes_are_validated_in_config():
     base = {"recipe": "train_lm", "output_dir": "x"}
     with pytest.raises(RecipeError, match="key 'quant.scheme'.*'int4' is not a quantization scheme.*did you mean 'w4'"):
         parse_recipe({**base, "quant": {"scheme": "int4"}})
-    with pytest.raises(RecipeError, match="layer pattern 'lm_head'.*'kep' is not a quantization scheme.*did you mean 'keep'"):
+    with pytest.raises(
+        RecipeError, match="layer pattern 'lm_head'.*'kep' is not a quantization scheme.*did you mean 'keep'"
+    ):
         parse_recipe({**base, "quant": {"layers": {"lm_head": "kep"}}})
     with pytest.raises(RecipeError, match="not a valid regular expression"):
         parse_recipe({**base, "quant": {"layers": {"re:(": "w4"}}})
@@ -236,7 +274,9 @@ def test_scheme_names_and_gpu_schemes_are_validated_in_config():
     with pytest.raises(RecipeError, match="unknown key 'quant.schem'; did you mean 'quant.scheme'"):
         parse_recipe({**base, "quant": {"schem": "w4"}})
     for scheme in ("float8", "int4_weight_only", "8da3w", "w8"):
-        assert parse_recipe({**base, "quant": {"mode": "qat", "scheme": scheme, "group_size": 128}}).quant.scheme == scheme
+        assert (
+            parse_recipe({**base, "quant": {"mode": "qat", "scheme": scheme, "group_size": 128}}).quant.scheme == scheme
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")
@@ -302,13 +342,17 @@ def test_quantized_drafter_saves_reloads_and_stays_lossless_in_the_decoding_loop
 
     target = tiny_lm()
     target.requires_grad_(False)
-    drafter = build_drafter(DrafterSection(num_anchors=2, target_layer_ids=[0, 1]), target, "tiny", mask_token_id=255).eval()
+    drafter = build_drafter(
+        DrafterSection(num_anchors=2, target_layer_ids=[0, 1]), target, "tiny", mask_token_id=255
+    ).eval()
     spec = QuantSchemeSpec(scheme="8da4w")
     plan = Q.ptq(drafter, spec)
     assert plan.assignments["lm_head"] == "keep" and plan.assignments["fc"] == "8da4w"
     Q.save_quantized(drafter, tmp_path / "d", plan)
     loaded = Q.load_quantized(tmp_path / "d")
-    assert Q.quantized_layers(loaded) == Q.quantized_layers(drafter) and "layers.0.attn.q_proj" in Q.quantized_layers(loaded)
+    assert Q.quantized_layers(loaded) == Q.quantized_layers(drafter) and "layers.0.attn.q_proj" in Q.quantized_layers(
+        loaded
+    )
     assert not loaded.lm_head.weight.requires_grad
     from transformers import AutoModel
 
@@ -323,11 +367,13 @@ def test_recovered_and_the_report(tmp_path):
     assert R.recovered(full=1.6, ptq_value=1.8, qat_value=1.65) == pytest.approx(0.75)
     assert R.recovered(full=1.3, ptq_value=1.1, qat_value=1.2) == pytest.approx(0.5)
     assert R.recovered(1.0, 1.0, 1.0) is None
-    rows = [{"variant": "-", "model": "full", "packed_bytes": 100, "val_loss": 1.0},
-            {"variant": "w4", "model": "ptq", "packed_bytes": 30, "val_loss": 1.2},
-            {"variant": "w4", "model": "qat", "packed_bytes": 30, "val_loss": 1.1},
-            {"variant": "w2", "model": "ptq", "packed_bytes": 20, "val_loss": 1.5},
-            {"variant": "w2", "model": "qat", "packed_bytes": 20, "val_loss": 1.2, "lossless": True}]
+    rows = [
+        {"variant": "-", "model": "full", "packed_bytes": 100, "val_loss": 1.0},
+        {"variant": "w4", "model": "ptq", "packed_bytes": 30, "val_loss": 1.2},
+        {"variant": "w4", "model": "qat", "packed_bytes": 30, "val_loss": 1.1},
+        {"variant": "w2", "model": "ptq", "packed_bytes": 20, "val_loss": 1.5},
+        {"variant": "w2", "model": "qat", "packed_bytes": 20, "val_loss": 1.2, "lossless": True},
+    ]
     R.quant_report(rows, tmp_path, "val_loss", ["variant", "model", "packed_bytes", "val_loss", "lossless"], "t")
     md = (tmp_path / "quant_report.md").read_text()
     assert "| w2 | qat | 20 | 1.2 | yes |" in md
@@ -349,9 +395,11 @@ def tiny_trained_lm(tmp_path_factory):
     from ..conftest import reset_accelerate
 
     out = tmp_path_factory.mktemp("qat-lm")
-    recipe = tiny_lm_recipe(out, train={"max_steps": 16, "eval_every": 16, "save_every": 8},
-                            quant={"mode": "qat", "scheme": "w2", "fake_quant_after_steps": 8,
-                                   "layers": {"re:.*self_attn\\..*": "8da8w"}})
+    recipe = tiny_lm_recipe(
+        out,
+        train={"max_steps": 16, "eval_every": 16, "save_every": 8},
+        quant={"mode": "qat", "scheme": "w2", "fake_quant_after_steps": 8, "layers": {"re:.*self_attn\\..*": "8da8w"}},
+    )
     reset_accelerate()
     summary = train_lm.main(parse_recipe(recipe))
     reset_accelerate()
@@ -364,7 +412,11 @@ def test_train_lm_with_qat_writes_a_reloadable_quantized_model(tiny_trained_lm):
     assert set(rows) == {"qat_fake_quant", "qat"}
     assert rows["qat"]["val_loss"] == pytest.approx(rows["qat_fake_quant"]["val_loss"], abs=1e-4)
     assert rows["qat"]["packed_bytes"] < rows["qat_fake_quant"]["packed_bytes"]
-    losses = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    losses = [
+        json.loads(line)["train/loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "train/loss" in line
+    ]
     assert losses[-1] < losses[0]
     loaded = Q.load_quantized(out / "model_quantized")
     kinds = dict(Q.quantized_layers(loaded))
@@ -383,32 +435,59 @@ def test_quantize_recipe_tables_full_ptq_and_qat(tiny_trained_lm, tmp_path):
     from ..conftest import reset_accelerate
 
     src, _ = tiny_trained_lm
-    recipe = {"recipe": "quantize", "output_dir": str(tmp_path / "q"), "model": str(src / "model"),
-              "variants": {"w2": {"scheme": "w2"}, "mixed": {"scheme": "w4", "layers": {MLP: "w2"}}},
-              "measure": {"prompts": 1, "prompt_tokens": 8, "max_new_tokens": 4}, "min_gap": 0.0,
-              "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
-              "optim": {"lr": 1e-3, "warmup_steps": 0},
-              "train": {"max_steps": 3, "micro_batch_size": 4, "eval_every": 3, "eval_batches": 2, "save_every": 3,
-                        "torch_threads": 1}}
+    recipe = {
+        "recipe": "quantize",
+        "output_dir": str(tmp_path / "q"),
+        "model": str(src / "model"),
+        "variants": {"w2": {"scheme": "w2"}, "mixed": {"scheme": "w4", "layers": {MLP: "w2"}}},
+        "measure": {"prompts": 1, "prompt_tokens": 8, "max_new_tokens": 4},
+        "min_gap": 0.0,
+        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1},
+        "optim": {"lr": 1e-3, "warmup_steps": 0},
+        "train": {
+            "max_steps": 3,
+            "micro_batch_size": 4,
+            "eval_every": 3,
+            "eval_batches": 2,
+            "save_every": 3,
+            "torch_threads": 1,
+        },
+    }
     reset_accelerate()
     result = quantize.main(parse_recipe(recipe))
     report = json.loads((tmp_path / "q" / "quant_report.json").read_text())
     kinds = [(r["variant"], r["model"]) for r in report["rows"]]
-    assert kinds == [("-", "full"), ("-", "full_ft"), ("w2", "ptq"), ("w2", "ptq_ft"), ("w2", "qat"),
-                     ("mixed", "ptq"), ("mixed", "ptq_ft"), ("mixed", "qat")]
+    assert kinds == [
+        ("-", "full"),
+        ("-", "full_ft"),
+        ("w2", "ptq"),
+        ("w2", "ptq_ft"),
+        ("w2", "qat"),
+        ("mixed", "ptq"),
+        ("mixed", "ptq_ft"),
+        ("mixed", "qat"),
+    ]
     rows = dict(zip(kinds, report["rows"]))
     assert rows[("w2", "ptq")]["packed_bytes"] < rows[("-", "full")]["packed_bytes"]
     assert rows[("w2", "qat")]["packed_bytes"] == rows[("w2", "ptq")]["packed_bytes"]
     assert all(r["tokens_per_s"] > 0 and r["speed_vs_full"] > 0 for r in report["rows"])
     w2 = result["summary"][0]
-    expected = R.recovered(rows[("-", "full_ft")]["val_loss"], rows[("w2", "ptq_ft")]["val_loss"], rows[("w2", "qat")]["val_loss"])
+    expected = R.recovered(
+        rows[("-", "full_ft")]["val_loss"], rows[("w2", "ptq_ft")]["val_loss"], rows[("w2", "qat")]["val_loss"]
+    )
     assert w2["variant"] == "w2" and w2["recovered"] == pytest.approx(expected, abs=1e-3)
     assert json.loads((tmp_path / "q" / "summary.json").read_text())["summary"] == result["summary"]
     # a gap below min_gap is noise: no ratio is reported
     rows_json = report["rows"]
-    assert quantize.variant_summary("w2", parse_recipe(recipe).variants["w2"], rows_json, "val_loss", False,
-                                    min_gap=1e9)["recovered"] is None
-    assert (tmp_path / "q" / "quant_report.png").exists() and "| w2 | qat |" in (tmp_path / "q" / "quant_report.md").read_text()
+    assert (
+        quantize.variant_summary("w2", parse_recipe(recipe).variants["w2"], rows_json, "val_loss", False, min_gap=1e9)[
+            "recovered"
+        ]
+        is None
+    )
+    assert (tmp_path / "q" / "quant_report.png").exists() and "| w2 | qat |" in (
+        tmp_path / "q" / "quant_report.md"
+    ).read_text()
     assert Q.quantized_layers(Q.load_quantized(tmp_path / "q" / "mixed" / "model_quantized"))
 
 
@@ -418,8 +497,15 @@ def test_quantize_recipe_refuses_a_dead_pattern_before_any_compute(tiny_trained_
     from ..conftest import write_recipe
 
     src, _ = tiny_trained_lm
-    path = write_recipe(tmp_path / "r.yaml", {"recipe": "quantize", "output_dir": str(tmp_path / "q"), "model": str(src / "model"),
-                                             "variants": {"bad": {"layers": {"re:.*mpl.*": "w2"}}}})
+    path = write_recipe(
+        tmp_path / "r.yaml",
+        {
+            "recipe": "quantize",
+            "output_dir": str(tmp_path / "q"),
+            "model": str(src / "model"),
+            "variants": {"bad": {"layers": {"re:.*mpl.*": "w2"}}},
+        },
+    )
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err
     assert "variants.bad.layers['re:.*mpl.*']: the pattern matches no Linear module" in err
@@ -436,14 +522,28 @@ def test_train_drafter_with_qat_on_the_shipped_target(tmp_path):
 
     from ..conftest import reset_accelerate
 
-    recipe = {"recipe": "train_drafter", "output_dir": str(tmp_path / "d"), "target": {"path": "testbed"},
-              "drafter": {"kind": "dflash", "num_anchors": 2, "block_size": 4},
-              "data": {"source": "stdlib", "seq_len": 32, "max_documents": 12, "val_fraction": 0.2},
-              "optim": {"lr": 1e-3, "warmup_steps": 0},
-              "train": {"max_steps": 3, "micro_batch_size": 2, "eval_every": 3, "eval_batches": 1, "save_every": 3,
-                        "torch_threads": 1},
-              "quant": {"mode": "qat", "scheme": "8da4w", "fake_quant_after_steps": 1,
-                        "layers": {"fc": "w8", "re:layers\\.\\d+\\.mlp\\..*": "w2"}}}
+    recipe = {
+        "recipe": "train_drafter",
+        "output_dir": str(tmp_path / "d"),
+        "target": {"path": "testbed"},
+        "drafter": {"kind": "dflash", "num_anchors": 2, "block_size": 4},
+        "data": {"source": "stdlib", "seq_len": 32, "max_documents": 12, "val_fraction": 0.2},
+        "optim": {"lr": 1e-3, "warmup_steps": 0},
+        "train": {
+            "max_steps": 3,
+            "micro_batch_size": 2,
+            "eval_every": 3,
+            "eval_batches": 1,
+            "save_every": 3,
+            "torch_threads": 1,
+        },
+        "quant": {
+            "mode": "qat",
+            "scheme": "8da4w",
+            "fake_quant_after_steps": 1,
+            "layers": {"fc": "w8", "re:layers\\.\\d+\\.mlp\\..*": "w2"},
+        },
+    }
     dry = train_drafter.main(parse_recipe(recipe), dry_run=True)
     assert dry["quant"]["counts"] == {"w8": 1, "8da4w": 4, "w2": 3, "keep": 1}
     reset_accelerate()
@@ -466,10 +566,19 @@ def test_a_parcae_model_quantizes_keeps_its_dynamics_and_generates(tmp_path):
     from serve_eval.loop import plain_generate
 
     torch.manual_seed(0)
-    cfg = ModelConfig(arch="parcae", hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128,
-                      max_position_embeddings=64, parcae=ParcaeSection(mean_recurrence=2, backprop_depth=1))
+    cfg = ModelConfig(
+        arch="parcae",
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        parcae=ParcaeSection(mean_recurrence=2, backprop_depth=1),
+    )
     model = build_causal_lm(cfg, 256).eval()
-    dynamics = {n: p.detach().clone() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "B")}
+    dynamics = {
+        n: p.detach().clone() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "B")
+    }
     assert {n.rsplit(".", 1)[-1] for n in dynamics} == {"A_log", "dt_bias", "B"}
     spec = QuantSchemeSpec(scheme="w4", layers={"re:.*mlp\\.(gate|up|down)_proj": "w2"})
     plan = Q.prepare_qat(model, spec)

@@ -15,15 +15,25 @@ from recipes.registry import parse_recipe
 
 from ..conftest import drafter_recipe, reset_accelerate
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def regenerate_recipe(out, target_dir, **generation):
-    return parse_recipe({"recipe": "regenerate", "output_dir": str(out), "seed": 1, "target": {"path": str(target_dir)},
-                         "prompts": {"from_corpus": 6, "prompt_tokens": 12},
-                         "generation": {"max_new_tokens": 10, "batch_size": 2, **generation},
-                         "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}, "torch_threads": 1})
+    return parse_recipe(
+        {
+            "recipe": "regenerate",
+            "output_dir": str(out),
+            "seed": 1,
+            "target": {"path": str(target_dir)},
+            "prompts": {"from_corpus": 6, "prompt_tokens": 12},
+            "generation": {"max_new_tokens": 10, "batch_size": 2, **generation},
+            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
+            "torch_threads": 1,
+        }
+    )
 
 
 def test_sampled_regeneration_resumes_to_the_same_data(tmp_path, tiny_target_dir):
@@ -65,8 +75,14 @@ def test_drafter_recipe_regenerates_in_process_online_and_offline_alike(tmp_path
     def run(out, **features):
         reset_accelerate()
         raw = drafter_recipe(out, tiny_target_dir, "dflash", max_steps=6, eval_every=3).model_dump(mode="json")
-        raw["regenerate"] = {"train_prompts": 12, "val_prompts": 4, "prompt_tokens": 12, "max_new_tokens": 16,
-                             "temperatures": [0.0, 0.7], "batch_size": 4}
+        raw["regenerate"] = {
+            "train_prompts": 12,
+            "val_prompts": 4,
+            "prompt_tokens": 12,
+            "max_new_tokens": 16,
+            "temperatures": [0.0, 0.7],
+            "batch_size": 4,
+        }
         raw["features"] = features or {"mode": "online"}
         summary = train_drafter.main(parse_recipe(raw))
         log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -91,17 +107,26 @@ def test_a_student_recipe_trains_on_the_answers_a_drafter_recipe_cached(tmp_path
     from ..conftest import student_recipe
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
-    stage = {"train_prompts": 8, "val_prompts": 4, "prompt_tokens": 12, "max_new_tokens": 16, "temperatures": [0.0, 0.7],
-             "batch_size": 4}
+    stage = {
+        "train_prompts": 8,
+        "val_prompts": 4,
+        "prompt_tokens": 12,
+        "max_new_tokens": 16,
+        "temperatures": [0.0, 0.7],
+        "batch_size": 4,
+    }
     data = {"source": "stdlib", "seq_len": 64, "max_documents": 40, "val_fraction": 0.1}
     reset_accelerate()
-    raw = drafter_recipe(tmp_path / "drafter", tiny_target_dir, "dflash", max_steps=2, eval_every=2).model_dump(mode="json")
+    raw = drafter_recipe(tmp_path / "drafter", tiny_target_dir, "dflash", max_steps=2, eval_every=2).model_dump(
+        mode="json"
+    )
     train_drafter.main(parse_recipe({**raw, "data": data, "regenerate": stage, "features": {"mode": "online"}}))
     reset_accelerate()
     raw = student_recipe(tmp_path / "student", tiny_target_dir, max_steps=4, eval_every=4).model_dump(mode="json")
     summary = distill_student.main(parse_recipe({**raw, "data": data, "regenerate": stage}))
-    drafter_data, student_data = (json.loads((tmp_path / run / "provenance.json").read_text())["data"]
-                                  for run in ("drafter", "student"))
+    drafter_data, student_data = (
+        json.loads((tmp_path / run / "provenance.json").read_text())["data"] for run in ("drafter", "student")
+    )
     assert not drafter_data["regenerated"]["reused"] and student_data["regenerated"]["reused"]
     assert student_data["regenerated"]["key"] == drafter_data["regenerated"]["key"]
     assert student_data["data_fingerprint"] == drafter_data["data_fingerprint"]  # the answers, not the corpus
@@ -121,9 +146,21 @@ def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir, trai
 
     data = regenerate.main(regenerate_recipe(tmp_path / "regen", tiny_target_dir))["data"]
     reset_accelerate()
-    raw = drafter_recipe(tmp_path / "drafter", tiny_target_dir, "dspark", {"init_from": str(trained_drafters["dspark"].folder)},
-                         max_steps=6, eval_every=3).model_dump(mode="json")
-    raw["data"] = {"source": "files", "train_files": [data], "format": "prompt_response", "seq_len": 32, "val_fraction": 0.34}
+    raw = drafter_recipe(
+        tmp_path / "drafter",
+        tiny_target_dir,
+        "dspark",
+        {"init_from": str(trained_drafters["dspark"].folder)},
+        max_steps=6,
+        eval_every=3,
+    ).model_dump(mode="json")
+    raw["data"] = {
+        "source": "files",
+        "train_files": [data],
+        "format": "prompt_response",
+        "seq_len": 32,
+        "val_fraction": 0.34,
+    }
     recipe = parse_recipe(raw)
     summary = train_drafter.main(recipe)
     assert torch.isfinite(torch.tensor(summary["val_loss"]))
@@ -136,10 +173,14 @@ def test_drafter_trains_on_regenerated_responses(tmp_path, tiny_target_dir, trai
         scored, ids = window.loss_mask[0].nonzero(), window.input_ids[0]
         first, last = int(scored[0]), int(scored[-1])
         out, stats = speculative_generate(target, drafter, ids[:first], last - first + 1)
-        assert out == ids[first:last + 1].tolist()
+        assert out == ids[first : last + 1].tolist()
         tokens, forwards = tokens + stats.tokens, forwards + stats.target_forwards
     assert len(val) > 0 and forwards < tokens  # drafts kept on the answers
-    assert summary["val_simulated_tau"] == pytest.approx(tokens / forwards), (summary["val_simulated_tau"], tokens, forwards)
+    assert summary["val_simulated_tau"] == pytest.approx(tokens / forwards), (
+        summary["val_simulated_tau"],
+        tokens,
+        forwards,
+    )
 
 
 def test_regenerated_records_keep_the_exact_tokens(tmp_path, tiny_target_dir):
@@ -167,8 +208,9 @@ def test_in_process_regeneration_is_cached_and_reused(tmp_path, tiny_target_dir,
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     splits = load_text_splits(DataConfig(source="stdlib", max_documents=40, val_fraction=0.1))
-    stage = RegenerateStage(train_prompts=6, val_prompts=2, prompt_tokens=8, max_new_tokens=6, temperatures=[0.0, 1.0],
-                            batch_size=4)
+    stage = RegenerateStage(
+        train_prompts=6, val_prompts=2, prompt_tokens=8, max_new_tokens=6, temperatures=[0.0, 1.0], batch_size=4
+    )
     fps = (target_fingerprint(target), tokenizer_fingerprint(tok))
     first = regenerated_splits(stage, target, tok, splits, 0, *fps)
     assert not first["reused"] and len(first["train_files"]) == 2 and first["train_response_tokens"] > 0
@@ -200,8 +242,11 @@ def served_target(tiny_target_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cli = Path(sys.executable).with_name("transformers")
-    proc = subprocess.Popen([str(cli), "serve", str(tiny_target_dir), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(cli), "serve", str(tiny_target_dir), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(240):
             try:
@@ -236,7 +281,9 @@ def test_regeneration_through_a_server_matches_in_process_and_resumes(tmp_path, 
     for a, b in zip(local, served):
         assert b["prompt"] == a["prompt"] and b["response"] == a["response"] and b["eos"] == a["eos"]
         # this server returns text only: its tokens are the text re-tokenized (not always the generated ones)
-        assert b["retokenized"] is True and b["response_ids"] == tok(b["response"], add_special_tokens=False)["input_ids"]
+        assert (
+            b["retokenized"] is True and b["response_ids"] == tok(b["response"], add_special_tokens=False)["input_ids"]
+        )
         assert b["prompt_ids"] == tok(b["prompt"], add_special_tokens=False)["input_ids"]
 
     lines = (tmp_path / "served" / "data.jsonl").read_text().splitlines()
@@ -246,7 +293,11 @@ def test_regeneration_through_a_server_matches_in_process_and_resumes(tmp_path, 
     regenerate.main(parse_recipe({**recipe, "output_dir": str(crashed)}))
     assert (crashed / "data.jsonl").read_text().splitlines() == lines
 
-    sampled = {**recipe, "output_dir": str(tmp_path / "sampled"), "generation": {**recipe["generation"], "temperature": 1.0}}
+    sampled = {
+        **recipe,
+        "output_dir": str(tmp_path / "sampled"),
+        "generation": {**recipe["generation"], "temperature": 1.0},
+    }
     regenerate.main(parse_recipe(sampled))
     assert len((tmp_path / "sampled" / "data.jsonl").read_text().splitlines()) == 6
 
@@ -257,7 +308,9 @@ def test_an_unreachable_server_is_a_clear_error_before_any_prompt(tmp_path, tiny
 
     recipe = regenerate_recipe(tmp_path / "x", tiny_target_dir).model_dump(mode="json")
     recipe["server"] = {"base_url": "http://127.0.0.1:9/v1", "model": "m", "timeout_s": 2}
-    with pytest.raises(RecipeError, match="server.base_url: no OpenAI-compatible server answered at http://127.0.0.1:9/v1"):
+    with pytest.raises(
+        RecipeError, match="server.base_url: no OpenAI-compatible server answered at http://127.0.0.1:9/v1"
+    ):
         regenerate.main(parse_recipe(recipe))
     assert not (tmp_path / "x" / "data.jsonl").exists()
     with pytest.raises(RecipeError, match="server.base_url"):

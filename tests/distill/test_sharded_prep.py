@@ -56,7 +56,11 @@ def run_world(n: int, fn) -> list:
 
 def tree_digest(folder: Path) -> dict[str, str]:
     """sha256 of every file under ``folder`` by relative path."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -89,12 +93,16 @@ class Killed(Exception):
 def test_shard_bounds_cover_the_items_in_order_evenly():
     for n, world, per in [(11, 3, 100), (11, 3, 3), (2, 3, 100), (0, 3, 5), (8192 * 2 + 1, 2, 8192), (5, 1, 2)]:
         bounds = shard_bounds(n, world, per)
-        assert [lo for lo, _ in bounds] == [0, *(hi for _, hi in bounds[:-1])][:len(bounds)] and (bounds[-1][1] if bounds else 0) == n
+        assert [lo for lo, _ in bounds] == [0, *(hi for _, hi in bounds[:-1])][: len(bounds)] and (
+            bounds[-1][1] if bounds else 0
+        ) == n
         sizes = [hi - lo for lo, hi in bounds]
         assert all(0 < s <= per for s in sizes) and (not sizes or max(sizes) - min(sizes) <= 1), (n, world, per, sizes)
         assert len(bounds) >= min(world, n)
     assert shard_bounds(11, 3, 100) == [(0, 3), (3, 7), (7, 11)]
-    assert shard_bounds(100, 1, 30) == shard_bounds(100, 3, 30)  # enough items: the layout is the world's business no more
+    assert shard_bounds(100, 1, 30) == shard_bounds(
+        100, 3, 30
+    )  # enough items: the layout is the world's business no more
 
 
 def test_run_sharded_deals_what_is_left_and_merges_once(tmp_path):
@@ -111,8 +119,14 @@ def test_run_sharded_deals_what_is_left_and_merges_once(tmp_path):
             shards[i].write_text(str(i))
             return i
 
-        result = run_sharded(ranks, 7, lambda i: shards[i].exists(), write,
-                             lambda: merges.append("".join(p.read_text() for p in shards)), "test")
+        result = run_sharded(
+            ranks,
+            7,
+            lambda i: shards[i].exists(),
+            write,
+            lambda: merges.append("".join(p.read_text() for p in shards)),
+            "test",
+        )
         return result, list(merges)
 
     results = run_world(3, job)
@@ -124,10 +138,13 @@ def test_run_sharded_deals_what_is_left_and_merges_once(tmp_path):
 
 def test_run_sharded_refuses_units_a_rank_cannot_see(tmp_path):
     """A rank that does not see another's finished unit (no shared filesystem) raises, and so do the others."""
+
     def job(ranks: Ranks):
         mine = tmp_path / f"rank{ranks.rank}"
         mine.mkdir(exist_ok=True)
-        return run_sharded(ranks, 2, lambda i: (mine / str(i)).exists(), lambda i: (mine / str(i)).touch(), lambda: None, "test")
+        return run_sharded(
+            ranks, 2, lambda i: (mine / str(i)).exists(), lambda i: (mine / str(i)).touch(), lambda: None, "test"
+        )
 
     with pytest.raises(RuntimeError, match="missing on others"):
         run_world(2, job)
@@ -198,7 +215,9 @@ def test_examples_of_three_ranks_are_one_ranks_bytes(tmp_path, monkeypatch, toke
     out = {}
     for world in (1, 3):
         monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / str(world)))
-        out[world] = run_world(world, lambda ranks: data_module._tokenized_examples(records, tokenizer_of(tokenizer_dir), cfg, "ex", ranks))
+        out[world] = run_world(
+            world, lambda ranks: data_module._tokenized_examples(records, tokenizer_of(tokenizer_dir), cfg, "ex", ranks)
+        )
     assert [counts for *_, counts in out[3]] == [[1, 1, 1]] * 3
     assert tree_digest(tmp_path / "1" / "examples") == tree_digest(tmp_path / "3" / "examples")
     ids, mask, _ = out[1][0]
@@ -227,8 +246,15 @@ class ScriptedAnswers:
         if type(self).calls == self.fail_at:
             raise Killed
         rng = np.random.default_rng(seed)
-        return [(p["prompt_ids"], rng.integers(5, 60, size=int(rng.integers(1, max_new_tokens + 1))).tolist(),
-                 bool(rng.integers(2)), {}) for p in prompts]
+        return [
+            (
+                p["prompt_ids"],
+                rng.integers(5, 60, size=int(rng.integers(1, max_new_tokens + 1))).tolist(),
+                bool(rng.integers(2)),
+                {},
+            )
+            for p in prompts
+        ]
 
 
 def answer_in(folder: Path, world: int, tokenizer_dir) -> list[list[dict]]:
@@ -236,10 +262,15 @@ def answer_in(folder: Path, world: int, tokenizer_dir) -> list[list[dict]]:
     from distill.regenerate import AnswerJob, answer_jobs
 
     prompts = [{"prompt": f"p{i}", "prompt_ids": [7, 8, i]} for i in range(7)]
-    jobs = [AnswerJob(folder / "a.jsonl", prompts, 0.7, 1), AnswerJob(folder / "b.jsonl", prompts[:3], 0.0, 2),
-            AnswerJob(folder / "c.jsonl", prompts[:1], 1.0, 3)]
-    return run_world(world, lambda ranks: answer_jobs(None, tokenizer_of(tokenizer_dir), jobs, max_new_tokens=6, batch_size=2,
-                                                      ranks=ranks))
+    jobs = [
+        AnswerJob(folder / "a.jsonl", prompts, 0.7, 1),
+        AnswerJob(folder / "b.jsonl", prompts[:3], 0.0, 2),
+        AnswerJob(folder / "c.jsonl", prompts[:1], 1.0, 3),
+    ]
+    return run_world(
+        world,
+        lambda ranks: answer_jobs(None, tokenizer_of(tokenizer_dir), jobs, max_new_tokens=6, batch_size=2, ranks=ranks),
+    )
 
 
 def test_regeneration_of_three_ranks_writes_one_processes_files_and_resumes(tmp_path, monkeypatch, tokenizer_dir):
@@ -264,7 +295,10 @@ def test_regeneration_of_three_ranks_writes_one_processes_files_and_resumes(tmp_
     monkeypatch.setattr(ScriptedAnswers, "fail_at", 3)
     with pytest.raises(Killed):
         answer_in(killed, 1, tokenizer_dir)
-    assert sorted(p.name for p in (killed / "a.jsonl.parts").iterdir()) == ["00000000-00000002.jsonl", "00000002-00000004.jsonl"]
+    assert sorted(p.name for p in (killed / "a.jsonl.parts").iterdir()) == [
+        "00000000-00000002.jsonl",
+        "00000002-00000004.jsonl",
+    ]
     lines = (tmp_path / "one" / "a.jsonl").read_text().splitlines()
     (killed / "a.jsonl.partial").write_text("\n".join(lines[4:6]) + "\n" + lines[6][:10])  # batch 4-5 complete, 6 torn
     monkeypatch.setattr(ScriptedAnswers, "fail_at", None)
@@ -299,8 +333,10 @@ def cache_in(folder: Path, world: int, target_dir: Path, fail_at: int | None = N
     from distill.feature_cache import write_feature_caches
 
     tokens = np.random.default_rng(0).integers(0, 97, 451).astype(np.uint16)
-    caches = [(PackedWindows(tokens, 9, shuffle=False), folder / "train", {"split": "train"}),
-              (PackedWindows(tokens[:91], 9, shuffle=False), folder / "val", {"split": "val"})]
+    caches = [
+        (PackedWindows(tokens, 9, shuffle=False), folder / "train", {"split": "train"}),
+        (PackedWindows(tokens[:91], 9, shuffle=False), folder / "val", {"split": "val"}),
+    ]
 
     # each rank's copy loaded here, one after another: transformers' loading patches process-wide state
     # (its init-skipping contexts) and is not thread-safe; loaded inside the threads, later loads in the
@@ -311,9 +347,16 @@ def cache_in(folder: Path, world: int, target_dir: Path, fail_at: int | None = N
         capture = FeatureCapture(targets[ranks.rank], [0, 2])
         if fail_at is not None:
             calls, run = [], capture.__call__
-            capture = type("Dying", (), {"layer_ids": capture.layer_ids,
-                                         "__call__": lambda self, ids: calls.append(1) or (len(calls) == fail_at and
-                                                                                         (_ for _ in ()).throw(Killed())) or run(ids)})()
+            capture = type(
+                "Dying",
+                (),
+                {
+                    "layer_ids": capture.layer_ids,
+                    "__call__": lambda self, ids: (
+                        calls.append(1) or (len(calls) == fail_at and (_ for _ in ()).throw(Killed())) or run(ids)
+                    ),
+                },
+            )()
         with torch.no_grad():
             return write_feature_caches(capture, caches, torch.float32, batch_size=3, shard_windows=8, ranks=ranks)
 
@@ -328,14 +371,19 @@ def test_feature_caches_of_three_ranks_are_one_ranks_bytes_and_resume(tmp_path, 
 
     assert cache_in(tmp_path / "one", 1, random_target) == [[8]]
     reference = tree_digest(tmp_path / "one")
-    assert sorted(reference) == ["train/manifest.json"] + [f"train/shard_{s:05d}.safetensors" for s in range(6)] + \
-        ["val/manifest.json", "val/shard_00000.safetensors", "val/shard_00001.safetensors"]
+    assert sorted(reference) == ["train/manifest.json"] + [f"train/shard_{s:05d}.safetensors" for s in range(6)] + [
+        "val/manifest.json",
+        "val/shard_00000.safetensors",
+        "val/shard_00001.safetensors",
+    ]
     counts = cache_in(tmp_path / "three", 3, random_target)
     assert counts == [[3, 3, 2]] * 3 and tree_digest(tmp_path / "three") == reference
     manifest = json.loads((tmp_path / "three" / "train" / "manifest.json").read_text())
     assert [s["windows"] for s in manifest["shards"]] == [9, 9, 9, 9, 9, 5] and manifest["num_windows"] == 50
     read = CachedFeatureWindows(tmp_path / "three" / "train", {"num_windows": 50, "layer_ids": [0, 2]}, shuffle=False)
-    assert torch.equal(read.collate([49]).input_ids[0], torch.from_numpy(np.random.default_rng(0).integers(0, 97, 451)[441:451]))
+    assert torch.equal(
+        read.collate([49]).input_ids[0], torch.from_numpy(np.random.default_rng(0).integers(0, 97, 451)[441:451])
+    )
 
     killed = tmp_path / "killed"
     with pytest.raises(Killed):
@@ -364,30 +412,45 @@ def test_two_ranks_regenerate_tokenize_and_cache_features_like_one(tmp_path, tin
     from ..conftest import drafter_recipe
 
     def recipe(name: str) -> dict:
-        raw = drafter_recipe(tmp_path / name, tiny_target_dir, "dflash", max_steps=2, eval_every=2, save_every=2,
-                             eval_batches=1).model_dump(mode="json")
-        raw["regenerate"] = {"train_prompts": 12, "val_prompts": 4, "prompt_tokens": 12, "max_new_tokens": 16,
-                             "temperatures": [0.0, 0.7], "batch_size": 4}
+        raw = drafter_recipe(
+            tmp_path / name, tiny_target_dir, "dflash", max_steps=2, eval_every=2, save_every=2, eval_batches=1
+        ).model_dump(mode="json")
+        raw["regenerate"] = {
+            "train_prompts": 12,
+            "val_prompts": 4,
+            "prompt_tokens": 12,
+            "max_new_tokens": 16,
+            "temperatures": [0.0, 0.7],
+            "batch_size": 4,
+        }
         raw["features"] = {"mode": "offline", "cache_dir": str(tmp_path / name / "features"), "dtype": "float32"}
         return raw
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache1"))
     train_drafter.main(parse_recipe(recipe("one")))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29523"]
-    done = run_cli("run", str(write_recipe(tmp_path / "two.yaml", recipe("two"))), launcher=torchrun,
-                   env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "DRAFTSMITH_CACHE": str(tmp_path / "cache2")})
+    done = run_cli(
+        "run",
+        str(write_recipe(tmp_path / "two.yaml", recipe("two"))),
+        launcher=torchrun,
+        env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "DRAFTSMITH_CACHE": str(tmp_path / "cache2")},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     one, two = (json.loads((tmp_path / run / "provenance.json").read_text()) for run in ("one", "two"))
     assert one["world_size"] == 1 and two["world_size"] == 2, "torchrun did not give 2 real ranks"
-    assert two["data"]["regenerated"]["batches_by_rank"] == [3, 2] and one["data"]["regenerated"]["batches_by_rank"] == [5]
+    assert two["data"]["regenerated"]["batches_by_rank"] == [3, 2] and one["data"]["regenerated"][
+        "batches_by_rank"
+    ] == [5]
     assert two["data"]["tokenized_by_rank"] == {"train": [1, 1], "val": [1, 1]}
     assert two["data"]["features_by_rank"] == [1, 1] and one["data"]["features_by_rank"] == [2]
     key = two["data"]["regenerated"]["key"]
     assert key == one["data"]["regenerated"]["key"]
-    for a, b in [(tmp_path / "cache1" / "regenerated" / key, tmp_path / "cache2" / "regenerated" / key),
-                 (tmp_path / "cache1" / "examples", tmp_path / "cache2" / "examples"),
-                 (tmp_path / "one" / "features", tmp_path / "two" / "features")]:
+    for a, b in [
+        (tmp_path / "cache1" / "regenerated" / key, tmp_path / "cache2" / "regenerated" / key),
+        (tmp_path / "cache1" / "examples", tmp_path / "cache2" / "examples"),
+        (tmp_path / "one" / "features", tmp_path / "two" / "features"),
+    ]:
         answers = tree_digest(a)
         answers.pop("manifest.json", None)  # it records tokens/s and who did what
         expected = tree_digest(b)
@@ -404,16 +467,32 @@ def test_the_regenerate_recipe_on_two_ranks_writes_one_processes_file(tmp_path, 
     from recipes.registry import parse_recipe
 
     def recipe(name: str) -> dict:
-        return {"recipe": "regenerate", "output_dir": str(tmp_path / name), "seed": 1, "target": {"path": str(tiny_target_dir)},
-                "prompts": {"from_corpus": 10, "prompt_tokens": 12}, "generation": {"max_new_tokens": 10, "batch_size": 2, "temperature": 1.0},
-                "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}, "torch_threads": 1}
+        return {
+            "recipe": "regenerate",
+            "output_dir": str(tmp_path / name),
+            "seed": 1,
+            "target": {"path": str(tiny_target_dir)},
+            "prompts": {"from_corpus": 10, "prompt_tokens": 12},
+            "generation": {"max_new_tokens": 10, "batch_size": 2, "temperature": 1.0},
+            "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
+            "torch_threads": 1,
+        }
 
     regenerate.main(parse_recipe(recipe("one")))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29524"]
-    done = run_cli("run", str(write_recipe(tmp_path / "two.yaml", recipe("two"))), launcher=torchrun,
-                   env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+    done = run_cli(
+        "run",
+        str(write_recipe(tmp_path / "two.yaml", recipe("two"))),
+        launcher=torchrun,
+        env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["batches_by_rank"] == [3, 2] and summary["records"] == 10
     assert (tmp_path / "two" / "data.jsonl").read_bytes() == (tmp_path / "one" / "data.jsonl").read_bytes()
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["data.jsonl", "provenance.json", "recipe.yaml", "summary.json"]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "data.jsonl",
+        "provenance.json",
+        "recipe.yaml",
+        "summary.json",
+    ]

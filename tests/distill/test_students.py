@@ -79,10 +79,11 @@ def test_a_student_drafts_losslessly(students, tiny_target_dir, arch, mode):
     for doc in docs[:3]:
         prompt = torch.tensor(tok(doc[:300])["input_ids"][:24])
         reference, _ = plain_generate(target, prompt, 40)
-        for steps in ((None, 1) if arch == "parcae" else (None,)):
+        for steps in (None, 1) if arch == "parcae" else (None,):
             kwargs = {"num_steps": steps} if steps else {}
-            out, stats = speculative_generate(target, student, prompt, 40, proposer=LMProposer(student, 4, **kwargs),
-                                              mode=mode, tree_budget=6)
+            out, stats = speculative_generate(
+                target, student, prompt, 40, proposer=LMProposer(student, 4, **kwargs), mode=mode, tree_budget=6
+            )
             assert out == reference
             accepted += sum(stats.accepted_by_position)
     assert accepted > 0, "a distilled student should get some drafts accepted"
@@ -93,15 +94,34 @@ def test_eval_recipe_runs_a_student_and_parcae_self_speculation(students, tmp_pa
 
     student_folder = students["llama"][2] / "model"
     parcae_folder = students["parcae"][2] / "model"
-    common = {"recipe": "eval", "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
-              "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}
-    report = evaluate.main(parse_recipe({**common, "output_dir": str(tmp_path / "student"), "target": {"path": str(tiny_target_dir)},
-                                         "drafter": str(student_folder),
-                                         "decoding": {"max_new_tokens": 16, "drafter": {"draft_length": 3}}}))
+    common = {
+        "recipe": "eval",
+        "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
+        "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
+    }
+    report = evaluate.main(
+        parse_recipe(
+            {
+                **common,
+                "output_dir": str(tmp_path / "student"),
+                "target": {"path": str(tiny_target_dir)},
+                "drafter": str(student_folder),
+                "decoding": {"max_new_tokens": 16, "drafter": {"draft_length": 3}},
+            }
+        )
+    )
     assert report["lossless"] is True and len(report["acceptance_by_position"]) == 3
-    report = evaluate.main(parse_recipe({**common, "output_dir": str(tmp_path / "self"), "target": {"path": str(parcae_folder)},
-                                         "drafter": str(parcae_folder),
-                                         "decoding": {"max_new_tokens": 16, "drafter": {"draft_length": 3, "draft_recurrence": 1}}}))
+    report = evaluate.main(
+        parse_recipe(
+            {
+                **common,
+                "output_dir": str(tmp_path / "self"),
+                "target": {"path": str(parcae_folder)},
+                "drafter": str(parcae_folder),
+                "decoding": {"max_new_tokens": 16, "drafter": {"draft_length": 3, "draft_recurrence": 1}},
+            }
+        )
+    )
     assert report["lossless"] is True and report["drafter_kind"] == "parcae"
 
 
@@ -120,7 +140,9 @@ def test_a_student_starts_from_the_targets_layers():
     two = build_causal_lm(ModelConfig(num_layers=2, **cfg), 50)
     init_from_target_layers(two, target, [0, 2])
     assert torch.equal(two.model.layers[1].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
-    assert torch.equal(two.lm_head.weight, target.lm_head.weight) and torch.equal(two.model.norm.weight, target.model.norm.weight)
+    assert torch.equal(two.lm_head.weight, target.lm_head.weight) and torch.equal(
+        two.model.norm.weight, target.model.norm.weight
+    )
     narrow = build_causal_lm(ModelConfig(num_layers=2, **{**cfg, "hidden_size": 16}), 50)
     with pytest.raises(RecipeError, match="init_from_target_layers: the student's model.embed_tokens.weight"):
         init_from_target_layers(narrow, target, [0, 2])

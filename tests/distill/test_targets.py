@@ -21,7 +21,9 @@ def tiny_folder(tmp_path_factory):
     from distill.data import build_tokenizer, load_text_splits
 
     folder = tmp_path_factory.mktemp("tiny-target")
-    tok = build_tokenizer(TokenizerConfig(vocab_size=400), load_text_splits(DataConfig(max_documents=30, val_fraction=0.1)))
+    tok = build_tokenizer(
+        TokenizerConfig(vocab_size=400), load_text_splits(DataConfig(max_documents=30, val_fraction=0.1))
+    )
     model = build_causal_lm(tiny_target().model_copy(update={"arch": "qwen3"}), len(tok), special_token_ids(tok))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -48,18 +50,28 @@ def test_missing_local_target_is_a_recipe_error(tmp_path):
 
 def test_flops_count_tied_head_once():
     tied = build_causal_lm(ModelConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128), 1000)
-    untied = build_causal_lm(ModelConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128,
-                                         tie_word_embeddings=False), 1000)
+    untied = build_causal_lm(
+        ModelConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, tie_word_embeddings=False), 1000
+    )
     assert matmul_params(tied) == matmul_params(untied)  # the head is one matmul either way; lookups are free
     assert flops_per_token(tied, 128) == 3 * flops_per_token(tied, 128, training=False)
 
 
 def test_shipped_testbed_target_is_complete_and_as_good_as_recorded():
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "recipe.yaml", "provenance.json", "training_summary.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "recipe.yaml",
+        "provenance.json",
+        "training_summary.json",
+    ):
         assert (SHIPPED_TARGET / name).exists(), f"shipped target lacks {name}"
     record = json.loads((SHIPPED_TARGET / "training_summary.json").read_text())
     prov = json.loads((SHIPPED_TARGET / "provenance.json").read_text())
-    assert prov["shipped"]["dtype"] == "float16" and prov["data"]["text_fingerprint"] == record["data"]["text_fingerprint"]
+    assert (
+        prov["shipped"]["dtype"] == "float16" and prov["data"]["text_fingerprint"] == record["data"]["text_fingerprint"]
+    )
     model, tok = load_target(TargetConfig(path="testbed"))
     assert tok.mask_token == "<|mask|>" and model.config.vocab_size == len(tok)
     # greedy continuation of Python source should look like Python

@@ -67,9 +67,17 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path):
         return loss, logs
 
     cfg = TrainConfig(max_steps=5, micro_batch_size=2, eval_every=100, save_every=100, log_every=1)
-    trainer = Trainer(accelerator=Accelerator(cpu=True), model=model, train_cfg=cfg, optim_cfg=OptimConfig(warmup_steps=0),
-                      output_dir=tmp_path, data=data, loss_fn=poisoned_loss, flops_per_token=1.0,
-                      evaluate_fn=lambda m: {"val_loss": 1.0})
+    trainer = Trainer(
+        accelerator=Accelerator(cpu=True),
+        model=model,
+        train_cfg=cfg,
+        optim_cfg=OptimConfig(warmup_steps=0),
+        output_dir=tmp_path,
+        data=data,
+        loss_fn=poisoned_loss,
+        flops_per_token=1.0,
+        evaluate_fn=lambda m: {"val_loss": 1.0},
+    )
     for _ in range(3):
         trainer.train_step()
     after = list(trainer.model.parameters())
@@ -83,7 +91,9 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path):
 
 def test_schedules():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = build_scheduler(opt, OptimConfig(lr=1.0, schedule="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1), 100)
+    sched = build_scheduler(
+        opt, OptimConfig(lr=1.0, schedule="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1), 100
+    )
     lrs = []
     for _ in range(100):
         lrs.append(sched.get_last_lr()[0])
@@ -122,10 +132,10 @@ def _read_wandb_records(path):
         if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
         if pos + 7 + length > len(data):  # the service is still writing this fragment
             break
-        buf += data[pos + 7:pos + 7 + length]
+        buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST fragment
             record = pb.Record()
@@ -140,17 +150,25 @@ def _read_wandb_records(path):
 
 def test_wandb_offline_run_files(tmp_path):
     out = tmp_path / "run"
-    recipe = tiny_lm_recipe(out, train={"max_steps": 4, "eval_every": 2, "save_every": 4, "log_every": 2},
-                            wandb={"enabled": True, "project": "draftsmith-tests", "name": "tiny"})
+    recipe = tiny_lm_recipe(
+        out,
+        train={"max_steps": 4, "eval_every": 2, "save_every": 4, "log_every": 2},
+        wandb={"enabled": True, "project": "draftsmith-tests", "name": "tiny"},
+    )
     train_lm.main(parse_recipe(recipe))
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((out / "wandb").iterdir())
     assert (out / "wandb_run_id").read_text().strip() in runs[0].name
     records = wandb_records(next(runs[0].glob("run-*.wandb")))
-    config = {item.key: json.loads(item.value_json) for r in records if r.HasField("config") for item in r.config.update}
+    config = {
+        item.key: json.loads(item.value_json) for r in records if r.HasField("config") for item in r.config.update
+    }
     assert config["recipe"] == "train_lm" and config["train"]["max_steps"] == 4
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.HasField("history")]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.HasField("history")
+    ]
     logged = set().union(*history)
     assert {"train/loss", "perf/tokens_per_s", "perf/mfu", "val_loss", "val_ppl"} <= logged, logged
 

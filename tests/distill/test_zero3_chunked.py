@@ -33,7 +33,9 @@ def random_target(tmp_path_factory):
     folder = tmp_path_factory.mktemp("random-target")
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TARGET)
     torch.manual_seed(0)
-    build_causal_lm(tiny_target().model_copy(update={"num_layers": 4}), len(tokenizer), special_token_ids(tokenizer)).save_pretrained(folder)
+    build_causal_lm(
+        tiny_target().model_copy(update={"num_layers": 4}), len(tokenizer), special_token_ids(tokenizer)
+    ).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -42,8 +44,17 @@ def train(out, target, kind: str, loss_chunk: int | None = None) -> tuple[dict[s
     """The final weights and the per-step losses of a 4-step run (online features), ``loss_chunk`` positions at a time."""
     from recipes import train_drafter
 
-    recipe = drafter_recipe(out, target, kind, drafter={"loss_chunk": loss_chunk}, max_steps=4, eval_every=4,
-                            save_every=4, eval_batches=1, log_every=1)
+    recipe = drafter_recipe(
+        out,
+        target,
+        kind,
+        drafter={"loss_chunk": loss_chunk},
+        max_steps=4,
+        eval_every=4,
+        save_every=4,
+        eval_batches=1,
+        log_every=1,
+    )
     train_drafter.main(recipe)
     log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return load_file(str(out / "model" / "model.safetensors")), [m["train/loss"] for m in log if "train/loss" in m]
@@ -75,7 +86,9 @@ def head_reads(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
-def test_chunked_drafter_loss_under_zero3_trains_like_the_whole_loss_without_deepspeed(tmp_path, random_target, zero3, head_reads, kind):
+def test_chunked_drafter_loss_under_zero3_trains_like_the_whole_loss_without_deepspeed(
+    tmp_path, random_target, zero3, head_reads, kind
+):
     """The whole loss without DeepSpeed, and 8 positions a chunk (each batch in many chunks, each recomputed
     in the backward) under ZeRO-3: the same losses and the same weights after 4 steps. The recomputations
     did run, in the backward, on the partitioned head, and found all of it."""
@@ -89,7 +102,9 @@ def test_chunked_drafter_loss_under_zero3_trains_like_the_whole_loss_without_dee
     # ZeRO-3 replaced torch's F.linear process-wide; the trainer hands the process back with torch's own
     assert torch.nn.functional.linear is torch._C._nn.linear
     recomputed = [r for r in head_reads if r[0]]
-    assert len(recomputed) >= 4 * 2 and all(zero3 for _, zero3, _ in head_reads), "no chunk was recomputed on a ZeRO-3 head"
+    assert len(recomputed) >= 4 * 2 and all(zero3 for _, zero3, _ in head_reads), (
+        "no chunk was recomputed on a ZeRO-3 head"
+    )
     whole = chunked["lm_head.weight"].numel() if "lm_head.weight" in chunked else reference["lm_head.weight"].numel()
     assert {n for *_, n in head_reads} == {whole}, "the head was a placeholder in a chunk"
     assert len(losses) == 4 and losses == pytest.approx(reference_losses, rel=1e-5)

@@ -23,7 +23,9 @@ def test_hooks_follow_the_output_of_layer_convention(tiny_target_dir):
     feats = FeatureCapture(target, [0, 2])(ids)
     hs = target(ids, output_hidden_states=True).hidden_states
     H = target.config.hidden_size
-    assert torch.equal(feats.aux[..., :H], hs[1]) and torch.equal(feats.aux[..., H:], hs[3])  # id i = hidden_states[i+1]
+    assert torch.equal(feats.aux[..., :H], hs[1]) and torch.equal(
+        feats.aux[..., H:], hs[3]
+    )  # id i = hidden_states[i+1]
     assert torch.allclose(feats.last, hs[-1])
     assert torch.allclose(target.lm_head(feats.last), target(ids).logits, atol=1e-5)
     with pytest.raises(ValueError, match="out of range"):
@@ -35,11 +37,15 @@ def test_hooks_follow_the_output_of_layer_convention(tiny_target_dir):
 def test_drafter_learns_and_beats_untrained(tmp_path, tiny_target_dir, kind):
     from recipes import train_drafter
 
-    untrained = train_drafter.main(drafter_recipe(tmp_path / "untrained", tiny_target_dir, kind, max_steps=1, eval_every=1))
+    untrained = train_drafter.main(
+        drafter_recipe(tmp_path / "untrained", tiny_target_dir, kind, max_steps=1, eval_every=1)
+    )
     reset_accelerate()
     out = tmp_path / "trained"
     trained = train_drafter.main(drafter_recipe(out, tiny_target_dir, kind))
-    losses = [m["train/loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m]
+    losses = [
+        m["train/loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m
+    ]
     assert losses[-1] < losses[0], losses
     assert trained["val_simulated_tau"] > untrained["val_simulated_tau"] + 0.05, (trained, untrained)
     assert 1.0 <= trained["val_simulated_tau"] <= 4.0 and 0 <= trained["val_acc_1"] <= 1
@@ -58,8 +64,12 @@ def test_a_drafter_trains_over_a_draft_vocabulary(tmp_path, tiny_target_dir, kin
     from serve_eval.proposers import make_proposer
 
     out = tmp_path / "run"
-    summary = train_drafter.main(drafter_recipe(out, tiny_target_dir, kind, {"draft_vocab": 128}, max_steps=60, eval_every=60))
-    losses = [m["train/loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m]
+    summary = train_drafter.main(
+        drafter_recipe(out, tiny_target_dir, kind, {"draft_vocab": 128}, max_steps=60, eval_every=60)
+    )
+    losses = [
+        m["train/loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m
+    ]
     assert losses[-1] < losses[0] and summary["val_simulated_tau"] >= 1.0, losses
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
     drafter = load_drafter(str(out / "model"), target, "cpu")
@@ -74,7 +84,9 @@ def test_a_drafter_trains_over_a_draft_vocabulary(tmp_path, tiny_target_dir, kin
         return got
 
     proposer.propose = propose
-    assert speculative_generate(target, drafter, prompt, 24, proposer=proposer)[0] == plain_generate(target, prompt, 24)[0]
+    assert (
+        speculative_generate(target, drafter, prompt, 24, proposer=proposer)[0] == plain_generate(target, prompt, 24)[0]
+    )
     assert bool(torch.isin(torch.cat(drafted), drafter.draft_vocab).all())
 
 
@@ -98,8 +110,12 @@ def test_save_load_round_trip_is_exact(tmp_path, tiny_target_dir, kind):
     feats = FeatureCapture(target, drafter.config.target_layer_ids)(ids)
     drafter.eval(), loaded.eval()
     kwargs = {} if kind == "eagle3" else {"anchors": torch.tensor([[3, 10], [5, 20]])}
-    torch.testing.assert_close(loaded(ids, feats.aux, feats.last, **kwargs).draft_logits,
-                               drafter(ids, feats.aux, feats.last, **kwargs).draft_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        loaded(ids, feats.aux, feats.last, **kwargs).draft_logits,
+        drafter(ids, feats.aux, feats.last, **kwargs).draft_logits,
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert torch.equal(loaded.embed_tokens.weight, target.get_input_embeddings().weight)
     assert not loaded.embed_tokens.weight.requires_grad and not loaded.lm_head.weight.requires_grad
 
@@ -111,8 +127,9 @@ def test_shipped_drafter_loads_its_embeddings_and_head_from_the_target(tmp_path,
     from recipes.evaluate import load_drafter
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
-    drafter = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, kind).drafter, target, str(tiny_target_dir),
-                            tok.mask_token_id).eval()
+    drafter = build_drafter(
+        drafter_recipe(tmp_path, tiny_target_dir, kind).drafter, target, str(tiny_target_dir), tok.mask_token_id
+    ).eval()
     drafters.save_without_target_io(drafter, tmp_path / "d", torch.float16)
     assert drafters.shares_target_io(tmp_path / "d") and not drafters.shares_target_io(tmp_path)
     from safetensors import safe_open
@@ -132,8 +149,17 @@ def test_block_sees_only_features_before_its_anchor(attention):
     from drafters import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(0)
-    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, target_layer_ids=[0],
-                       target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention)
+    cfg = DFlashConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        target_layer_ids=[0],
+        target_hidden_size=32,
+        mask_token_id=1,
+        block_size=4,
+        block_attention=attention,
+    )
     m = DFlashDrafter(cfg).eval()
     aux = torch.randn(1, 30, 32)
     anchors, tokens = torch.tensor([[10, 20]]), torch.tensor([[5, 7]])
@@ -151,10 +177,15 @@ def test_block_sees_only_features_before_its_anchor(attention):
     assert not torch.allclose(other[:, 0, 3], base[:, 0, 3]) and torch.equal(other[:, 1], base[:, 1])
 
 
-@pytest.mark.parametrize("attention,qk_norm,kv_heads,rope", [("bidirectional", False, 4, None), ("causal", False, 4, None),
-                                                             ("bidirectional", True, 2, None),
-                                                             ("bidirectional", True, 4, {"rope_type": "yarn", "factor": 2.0,
-                                                                                         "original_max_position_embeddings": 32})])
+@pytest.mark.parametrize(
+    "attention,qk_norm,kv_heads,rope",
+    [
+        ("bidirectional", False, 4, None),
+        ("causal", False, 4, None),
+        ("bidirectional", True, 2, None),
+        ("bidirectional", True, 4, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}),
+    ],
+)
 def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_heads, rope):
     """The decoding fast path (the context's keys/values appended in place, or projected in the block's
     own forward; the block written after them, no mask for bidirectional blocks; the lean operations:
@@ -166,22 +197,39 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
 
     torch.manual_seed(0)
     rope_parameters = {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}
-    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=64,
-                       target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention,
-                       num_hidden_layers=2, qk_norm=qk_norm, rope_parameters=rope_parameters, max_position_embeddings=64)
+    cfg = DFlashConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        intermediate_size=64,
+        target_layer_ids=[0],
+        target_hidden_size=32,
+        mask_token_id=1,
+        block_size=4,
+        block_attention=attention,
+        num_hidden_layers=2,
+        qk_norm=qk_norm,
+        rope_parameters=rope_parameters,
+        max_position_embeddings=64,
+    )
     m = DFlashDrafter(cfg).eval()
     for norm in (m.norm, m.hidden_norm):
         norm.weight.data.uniform_(0.5, 1.5)  # not ones: the fused norm must scale by its weight
     assert m.layers[0].attn.static_rope
     if rope:
-        dynamic = DFlashConfig(**{**cfg.to_dict(), "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}})
+        dynamic = DFlashConfig(
+            **{**cfg.to_dict(), "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}
+        )
         assert not DFlashDrafter(dynamic).layers[0].attn.static_rope
     aux = torch.randn(1, 300, 32)
     cache, done = ContextCache(spare=cfg.block_size), 0
     fused = copy.deepcopy(m).fuse_projections()  # one product for q, k, v and one for gate, up: every other block
     assert fused.layers[1].attn.qkv_proj.weight.shape == (32 + 2 * kv_heads * 8, 32)
     with torch.no_grad():
-        for i, anchor in enumerate((7, 9, 70, 71, 140, 290)):  # 7, 2, 61, 1, 69 and 150 new positions; buffers grow past 64
+        for i, anchor in enumerate(
+            (7, 9, 70, 71, 140, 290)
+        ):  # 7, 2, 61, 1, 69 and 150 new positions; buffers grow past 64
             new = aux[:, done:anchor]
             if i % 3 == 1:  # appended first; otherwise read by the block's own forward
                 cache.append(m.context_kv(new, torch.arange(done, anchor)[None], lean=True))
@@ -200,9 +248,19 @@ def test_the_fused_projection_path_needs_fused_projections():
     """project_qkv reads the product fuse_projections makes: without it, an error that says what to call."""
     from drafters import DFlashConfig, DFlashDrafter
 
-    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                       target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4, num_hidden_layers=1,
-                       max_position_embeddings=64)
+    cfg = DFlashConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        target_layer_ids=[0],
+        target_hidden_size=32,
+        mask_token_id=1,
+        block_size=4,
+        num_hidden_layers=1,
+        max_position_embeddings=64,
+    )
     attn = DFlashDrafter(cfg).layers[0].attn
     with pytest.raises(RuntimeError, match=r"fuse_projections\(\) first"):
         attn.project_qkv(torch.zeros(1, 2, 32), torch.arange(2)[None], queries=1)
@@ -222,10 +280,22 @@ def test_static_decoding_block_equals_the_cached_one(attention, fused):
     from drafters.cache import ContextCache
 
     torch.manual_seed(0)
-    cfg = DFlashConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                       target_layer_ids=[0], target_hidden_size=32, mask_token_id=1, block_size=4, block_attention=attention,
-                       num_hidden_layers=2, qk_norm=True, rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
-                       max_position_embeddings=64)
+    cfg = DFlashConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        target_layer_ids=[0],
+        target_hidden_size=32,
+        mask_token_id=1,
+        block_size=4,
+        block_attention=attention,
+        num_hidden_layers=2,
+        qk_norm=True,
+        rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
+        max_position_embeddings=64,
+    )
     m = DFlashDrafter(cfg).eval()
     if fused:
         m.fuse_projections()
@@ -241,15 +311,15 @@ def test_static_decoding_block_equals_the_cached_one(attention, fused):
             features = torch.zeros(R, 4, 32)
             expected = []
             for r, n in enumerate(ns):
-                features[r, :n] = aux[r, pos[r]:pos[r] + n]
-                arriving = aux[r:r + 1, pos[r]:pos[r] + n] if n else None
+                features[r, :n] = aux[r, pos[r] : pos[r] + n]
+                arriving = aux[r : r + 1, pos[r] : pos[r] + n] if n else None
                 expected.append(m.decode_hidden(tokens[r], pos[r] + n, cached[r], arriving))
             got = m.decode_static(tokens, torch.tensor([[p, n] for p, n in zip(pos, ns)]), features, keys, values)
             torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
             pos = [p + n for p, n in zip(pos, ns)]
             for r in range(R):
                 for a, b in zip(cached[r].keys + cached[r].values, keys + values):
-                    torch.testing.assert_close(b[r:r + 1, :, :pos[r]], a[:, :, :pos[r]], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(b[r : r + 1, :, : pos[r]], a[:, :, : pos[r]], rtol=1e-5, atol=1e-5)
         assert len(set(pos)) > 1  # the rows drifted apart
 
 
@@ -283,7 +353,11 @@ def test_offline_cache_trains_like_online_and_refuses_a_mismatch(tmp_path, tiny_
     assert [m.get("train/loss") for m in online_log] == [m.get("train/loss") for m in offline_log]
     assert online["val_simulated_tau"] == offline["val_simulated_tau"]
     with pytest.raises(FeatureCacheMismatch, match="layer_ids"):
-        run(tmp_path / "other", {"mode": "offline", "cache_dir": str(cache), "dtype": "float32"}, target_layer_ids=[0, 1, 2])
+        run(
+            tmp_path / "other",
+            {"mode": "offline", "cache_dir": str(cache), "dtype": "float32"},
+            target_layer_ids=[0, 1, 2],
+        )
 
 
 def test_confidence_calibration_fits_known_temperatures_and_offsets():
@@ -305,8 +379,9 @@ def test_confidence_calibration_fits_known_temperatures_and_offsets():
     from distill.drafter_eval import build_drafter
     from distill.models import build_causal_lm
 
-    target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
-                                         max_position_embeddings=64), 12)
+    target = build_causal_lm(
+        ModelConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, max_position_embeddings=64), 12
+    )
     drafter = build_drafter(DrafterSection(kind="dspark", block_size=3, target_layer_ids=[0, 1]), target, "toy", 11)
     logits = torch.tensor([[0.5, -2.0]])
     assert torch.allclose(drafter.calibrated(logits), logits.sigmoid())
@@ -363,7 +438,9 @@ def test_loss_in_chunks_equals_one_pass_and_holds_no_full_logits(tmp_path, tiny_
             assert grads.keys() == part_grads.keys() and grads
             for n in grads:
                 torch.testing.assert_close(part_grads[n], grads[n], rtol=1e-4, atol=1e-6, msg=n)
-            per_block = 1 if kind == "eagle3" else drafter_recipe(tmp_path, tiny_target_dir, kind).drafter.block_size - 1
+            per_block = (
+                1 if kind == "eagle3" else drafter_recipe(tmp_path, tiny_target_dir, kind).drafter.block_size - 1
+            )
             assert kept > 4 * per_block  # one pass keeps every position's logits ...
             assert part_kept == 0  # ... chunks keep none (each is recomputed in backward)
 
@@ -376,8 +453,9 @@ def test_init_from_starts_training_from_a_saved_drafter(tmp_path, tiny_target_di
     from distill.drafter_eval import build_drafter
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
-    first = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, target, str(tiny_target_dir),
-                          tok.mask_token_id)
+    first = build_drafter(
+        drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, target, str(tiny_target_dir), tok.mask_token_id
+    )
     with torch.no_grad():
         first.fc.weight.add_(1.0)  # anything a fresh init would not give
     drafters.save_without_target_io(first, tmp_path / "first", torch.float32)
@@ -386,8 +464,10 @@ def test_init_from_starts_training_from_a_saved_drafter(tmp_path, tiny_target_di
     second = build_drafter(parse_recipe(recipe).drafter, target, str(tiny_target_dir), tok.mask_token_id)
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for key, value, expected in (("kind", "dspark", "model_type 'draftsmith_dflash' where this recipe builds 'draftsmith_dspark'"),
-                                 ("block_size", 8, "block_size 4 where this recipe builds 8")):
+    for key, value, expected in (
+        ("kind", "dspark", "model_type 'draftsmith_dflash' where this recipe builds 'draftsmith_dspark'"),
+        ("block_size", 8, "block_size 4 where this recipe builds 8"),
+    ):
         bad = {**recipe, "drafter": {**recipe["drafter"], key: value}}
         with pytest.raises(RecipeError, match=f"drafter.init_from .*{expected}"):
             parse_recipe(bad)
@@ -395,7 +475,9 @@ def test_init_from_starts_training_from_a_saved_drafter(tmp_path, tiny_target_di
         parse_recipe({**recipe, "drafter": {**recipe["drafter"], "init_from": str(tmp_path / "missing")}})
 
 
-@pytest.mark.parametrize("kind,attention", [("dflash", "bidirectional"), ("dflash", "causal"), ("dspark", "bidirectional")])
+@pytest.mark.parametrize(
+    "kind,attention", [("dflash", "bidirectional"), ("dflash", "causal"), ("dspark", "bidirectional")]
+)
 def test_flex_block_mask_gives_the_dense_masks_logits(tmp_path, tiny_target_dir, kind, attention):
     """``mask_implementation: flex`` (a GPU's default for training) against the dense mask SDPA reads
     (a CPU's): the same logits, flex run here by its eager reference (torch has no flex backward on
@@ -448,8 +530,9 @@ def test_attention_kernel_is_chosen_the_transformers_way(tmp_path, tiny_target_d
     from drafters.layers import DraftAttention
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
-    drafter = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, kind).drafter, target, str(tiny_target_dir),
-                            tok.mask_token_id).eval()
+    drafter = build_drafter(
+        drafter_recipe(tmp_path, tiny_target_dir, kind).drafter, target, str(tiny_target_dir), tok.mask_token_id
+    ).eval()
     assert drafter.config._attn_implementation == "sdpa"
     ids = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(0))
     feats = FeatureCapture(target, drafter.config.target_layer_ids)(ids)
@@ -476,15 +559,27 @@ def test_rope_parameters_come_from_the_target(tmp_path, tiny_target_dir):
     from drafters.layers import DraftAttention
 
     target, tok = load_target(TargetConfig(path=str(tiny_target_dir)))
-    scaled = AutoModelForCausalLM.from_config(type(target.config)(**{
-        **target.config.to_dict(), "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}))
-    drafter = build_drafter(drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, scaled, str(tiny_target_dir),
-                            tok.mask_token_id)
+    scaled = AutoModelForCausalLM.from_config(
+        type(target.config)(
+            **{
+                **target.config.to_dict(),
+                "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+            }
+        )
+    )
+    drafter = build_drafter(
+        drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, scaled, str(tiny_target_dir), tok.mask_token_id
+    )
     assert drafter.config.rope_parameters["rope_type"] == "linear" and drafter.config.rope_parameters["factor"] == 4.0
     rotary = next(m for m in drafter.modules() if isinstance(m, DraftAttention)).rotary
     torch.testing.assert_close(rotary.inv_freq, scaled.model.rotary_emb.inv_freq)
-    plain = next(m for m in build_drafter(drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, target,
-                                          str(tiny_target_dir), tok.mask_token_id).modules() if isinstance(m, DraftAttention))
+    plain = next(
+        m
+        for m in build_drafter(
+            drafter_recipe(tmp_path, tiny_target_dir, "dflash").drafter, target, str(tiny_target_dir), tok.mask_token_id
+        ).modules()
+        if isinstance(m, DraftAttention)
+    )
     torch.testing.assert_close(rotary.inv_freq * 4.0, plain.rotary.inv_freq)  # linear scaling divides the frequencies
     drafter.save_pretrained(tmp_path / "d")
     loaded = next(m for m in AutoModel.from_pretrained(tmp_path / "d").modules() if isinstance(m, DraftAttention))

@@ -46,11 +46,17 @@ def drafter_folder(tmp_path, target, val_windows, kind, qk_norm=True, **section)
     from distill.drafter_eval import build_drafter, evaluate_drafter
 
     model, tok = target
-    block = dict(kind=kind, num_layers=1, block_size=4, num_anchors=8, markov_rank=16, qk_norm=qk_norm and kind != "eagle3")
+    block = dict(
+        kind=kind, num_layers=1, block_size=4, num_anchors=8, markov_rank=16, qk_norm=qk_norm and kind != "eagle3"
+    )
     block.update(section)
     torch.manual_seed(0)
-    drafter = scrambled(build_drafter(DrafterSection(**block), model, str(target_path(model)), tok.mask_token_id), 1).eval()
-    metrics = evaluate_drafter(drafter, FeatureCapture(model, drafter.config.target_layer_ids), val_windows, 4, max_batches=2)
+    drafter = scrambled(
+        build_drafter(DrafterSection(**block), model, str(target_path(model)), tok.mask_token_id), 1
+    ).eval()
+    metrics = evaluate_drafter(
+        drafter, FeatureCapture(model, drafter.config.target_layer_ids), val_windows, 4, max_batches=2
+    )
     folder = tmp_path / f"{kind}_run" / "checkpoints" / "best"
     drafter.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -63,10 +69,15 @@ def target_path(model):
 
 
 def export_recipe(folder, out, target_dir, **extra):
-    raw = {"recipe": "export", "output_dir": str(out), "drafter": str(folder), "target": {"path": str(target_dir)},
-           "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 24},
-           "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
-           "gate": {"max_new_tokens": 16}}
+    raw = {
+        "recipe": "export",
+        "output_dir": str(out),
+        "drafter": str(folder),
+        "target": {"path": str(target_dir)},
+        "prompts": {"from_corpus": 3, "split": "val", "prompt_tokens": 24},
+        "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
+        "gate": {"max_new_tokens": 16},
+    }
     for key, value in extra.items():
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
     return parse_recipe(raw)
@@ -109,7 +120,11 @@ def test_every_kind_exports_reloads_and_passes_the_gate(exports, kind, target):
     acc = gate["checks"]["acceptance"]
     assert acc["lossless"] and acc["measured_tau"] >= 1.0 and acc["prompts"] == 3
     assert acc["simulated_tau"] == pytest.approx(
-        json.loads((folder.parent / f"{kind}_run" / "checkpoints" / "best" / "trainer_state.json").read_text())["val_simulated_tau"], abs=1e-4)
+        json.loads((folder.parent / f"{kind}_run" / "checkpoints" / "best" / "trainer_state.json").read_text())[
+            "val_simulated_tau"
+        ],
+        abs=1e-4,
+    )
     # the manifest on disk is the one returned; the card states the gate, the numbers and how to serve
     assert json.loads((folder / "export.json").read_text())["gate"]["passed"]
     card = (folder / "README.md").read_text()
@@ -139,7 +154,9 @@ def speculators_or_skip():
     try:
         import speculators  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"the speculators library is not installed ({e}); `make install` installs it (see docs/guides/publishing.md)")
+        pytest.skip(
+            f"the speculators library is not installed ({e}); `make install` installs it (see docs/guides/publishing.md)"
+        )
     return speculators
 
 
@@ -152,8 +169,12 @@ def test_speculators_library_loads_the_export_with_no_missing_or_unexpected_weig
     folder, _, drafter = exports[kind]
     path = str(folder / "speculators")
     config = SpeculatorModelConfig.from_pretrained(path)
-    assert type(config).__name__ == {"dflash": "DFlashSpeculatorConfig", "dspark": "DSparkSpeculatorConfig",
-                                     "eagle3": "Eagle3SpeculatorConfig"}[kind]
+    assert (
+        type(config).__name__
+        == {"dflash": "DFlashSpeculatorConfig", "dspark": "DSparkSpeculatorConfig", "eagle3": "Eagle3SpeculatorConfig"}[
+            kind
+        ]
+    )
     model = SpeculatorModel.from_pretrained(path).eval()
     on_disk = load_file(str(folder / "speculators" / "model.safetensors"))
     model_keys = set(model.state_dict())
@@ -180,9 +201,14 @@ def assert_same_maths(spec, drafter, target_model, kind, vocab=None):
     tl = spec.config.transformer_layer_config
     tl._attn_implementation = "eager"
     ids = torch.randint(0, drafter.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
-    ours_aux = __import__("distill.base.features", fromlist=["FeatureCapture"]).FeatureCapture(
-        target_model, drafter.config.target_layer_ids)(ids).aux
-    spec_ids = spec.config.aux_hidden_state_layer_ids if kind != "eagle3" else spec.config.eagle_aux_hidden_state_layer_ids
+    ours_aux = (
+        __import__("distill.base.features", fromlist=["FeatureCapture"])
+        .FeatureCapture(target_model, drafter.config.target_layer_ids)(ids)
+        .aux
+    )
+    spec_ids = (
+        spec.config.aux_hidden_state_layer_ids if kind != "eagle3" else spec.config.eagle_aux_hidden_state_layer_ids
+    )
     spec_aux = features_from_inputs(target_model, ids, spec_ids)
     assert torch.equal(spec_aux, ours_aux)
     if kind == "eagle3":
@@ -198,7 +224,7 @@ def assert_same_maths(spec, drafter, target_model, kind, vocab=None):
         assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
         return
     K, a = drafter.config.block_size, 12
-    anchor_tokens = ids[:, a:a + 1]
+    anchor_tokens = ids[:, a : a + 1]
     hidden = drafter.block_hidden(ours_aux[:, :a], anchor_tokens, torch.tensor([[a]]))[:, 0]  # [1, K, H]
     noise = torch.full((1, K), drafter.config.mask_token_id)
     noise[:, 0] = anchor_tokens[:, 0]
@@ -209,14 +235,16 @@ def assert_same_maths(spec, drafter, target_model, kind, vocab=None):
         h = layer(hidden_states=h, target_hidden=ctx, attention_mask=None, position_embeddings=spec.rotary_emb(h, pos))
     theirs_hidden = spec.norm(h)
     assert torch.allclose(hidden, theirs_hidden, atol=1e-5), (hidden - theirs_hidden).abs().max()
-    prev = ids[:, a:a + K - 1]  # teacher-forced previous tokens for block positions 1..K-1
+    prev = ids[:, a : a + K - 1]  # teacher-forced previous tokens for block positions 1..K-1
     if kind == "dflash":
         ours, theirs = pick(drafter.lm_head(hidden[:, 1:])), spec.lm_head(theirs_hidden[:, 1:])
     else:
         ours, ours_conf = drafter.heads(hidden[:, 1:], prev)
         ours = pick(ours)
         code = spec.markov_head.prev_embeddings(prev)
-        theirs = spec.lm_head(theirs_hidden[:, 1:]) + spec.markov_head.block_bias(prev_token_ids=prev, hidden_states=theirs_hidden[:, 1:], prev_emb=code)
+        theirs = spec.lm_head(theirs_hidden[:, 1:]) + spec.markov_head.block_bias(
+            prev_token_ids=prev, hidden_states=theirs_hidden[:, 1:], prev_emb=code
+        )
         theirs_conf = spec.confidence_head(torch.cat([theirs_hidden[:, 1:], code], dim=-1))
         assert torch.allclose(ours_conf, theirs_conf, atol=1e-5)
     assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
@@ -236,9 +264,22 @@ def test_shifted_layer_index_is_refused(tmp_path, target, val_windows, tiny_targ
         export_drafter(export_recipe(folder, out, tiny_target_dir), *target)
     assert not out.exists() and (tmp_path / "export.tmp").exists()  # nothing published; the attempt kept for inspection
     # the command line refuses with status 3; the override publishes it, marked as failed
-    args = ["export", "--drafter", str(folder), "--target", str(tiny_target_dir), "--output-dir", str(out),
-            "--prompts-from-corpus", "2", "--max-new-tokens", "8"]
-    monkeypatch.setattr("distill.regenerate.load_prompts", lambda section, data, seed, tok: [{"prompt": "import os\n"}] * 2)
+    args = [
+        "export",
+        "--drafter",
+        str(folder),
+        "--target",
+        str(tiny_target_dir),
+        "--output-dir",
+        str(out),
+        "--prompts-from-corpus",
+        "2",
+        "--max-new-tokens",
+        "8",
+    ]
+    monkeypatch.setattr(
+        "distill.regenerate.load_prompts", lambda section, data, seed, tok: [{"prompt": "import os\n"}] * 2
+    )
     assert cli_main(args) == 3 and not out.exists()
     assert cli_main(args + ["--allow-failed-gate"]) == 0
     manifest = json.loads((out / "export.json").read_text())
@@ -264,12 +305,19 @@ def test_formats_that_cannot_express_a_drafter_are_refused_up_front(tmp_path, ta
 
     folder, drafter = drafter_folder(tmp_path, target, val_windows, "dflash", qk_norm=False)
     reasons = formats_for(drafter.config)
-    assert reasons["transformers"] is None and "qk_norm" in reasons["speculators"] and "EAGLE-3 drafters only" in reasons["sglang_eagle3"]
+    assert (
+        reasons["transformers"] is None
+        and "qk_norm" in reasons["speculators"]
+        and "EAGLE-3 drafters only" in reasons["sglang_eagle3"]
+    )
     with pytest.raises(ExportError, match="qk_norm"):
         export_drafter(export_recipe(folder, tmp_path / "e1", tiny_target_dir, formats=["speculators"]), *target)
     assert not (tmp_path / "e1").exists() and not (tmp_path / "e1.tmp").exists()  # refused before writing anything
     manifest = export_drafter(export_recipe(folder, tmp_path / "e2", tiny_target_dir), *target)  # default: what it can
-    assert manifest["formats"]["speculators"]["folder"] is None and "qk_norm" in manifest["formats"]["speculators"]["not_exported"]
+    assert (
+        manifest["formats"]["speculators"]["folder"] is None
+        and "qk_norm" in manifest["formats"]["speculators"]["not_exported"]
+    )
     assert "not exported" in (tmp_path / "e2" / "README.md").read_text()
 
 
@@ -279,10 +327,18 @@ def test_upload_plan_and_push_offline(exports, tmp_path, tiny_target_dir):
     folder, _, _ = exports["eagle3"]
     plan = upload_plan(folder, "me/tiny-eagle3", private=True, revision="v1")
     dest = {d: s for s, d in plan["files"]}
-    assert dest["config.json"].endswith("speculators/config.json")  # the primary format sits at the root (vllm serve REPO)
+    assert dest["config.json"].endswith(
+        "speculators/config.json"
+    )  # the primary format sits at the root (vllm serve REPO)
     assert dest["model.safetensors"].endswith("speculators/model.safetensors")
-    assert {"README.md", "export.json", "transformers/config.json", "transformers/tokenizer.json",
-            "sglang_eagle3/config.json", "sglang_eagle3/model.safetensors"} <= dest.keys()
+    assert {
+        "README.md",
+        "export.json",
+        "transformers/config.json",
+        "transformers/tokenizer.json",
+        "sglang_eagle3/config.json",
+        "sglang_eagle3/model.safetensors",
+    } <= dest.keys()
     assert not any(d.startswith("speculators/") for d in dest)
     assert len(dest) == len(plan["files"])
     ops = commit_operations(plan)
@@ -314,7 +370,9 @@ def test_export_recipe_is_validated_before_any_work(exports, tmp_path):
     base = {"recipe": "export", "output_dir": str(tmp_path / "o"), "drafter": folder}
     with pytest.raises(RecipeError, match=r"push_to_hub.*needs push_to_hub.repo_id"):
         parse_recipe({**base, "push_to_hub": {"enabled": True}})
-    with pytest.raises(RecipeError, match=r"key 'push_to_hub.repo_id' = 'nope': repo_id 'nope' is not of the form owner/name"):
+    with pytest.raises(
+        RecipeError, match=r"key 'push_to_hub.repo_id' = 'nope': repo_id 'nope' is not of the form owner/name"
+    ):
         parse_recipe({**base, "push_to_hub": {"repo_id": "nope"}})
     with pytest.raises(RecipeError, match=r"key 'drafter' = .*has no config.json"):
         parse_recipe({**base, "drafter": str(tmp_path)})
@@ -337,34 +395,59 @@ def test_tracked_runs_carry_checkpoints_tables_and_links(tmp_path, tiny_target_d
 
     tracked_target = tmp_path / "target_run" / "model"
     shutil.copytree(tiny_target_dir, tracked_target)
-    (tracked_target.parent / "wandb_run.json").write_text(json.dumps({"id": "tgt123", "project": "p", "entity": None,
-                                                                     "name": "target", "url": None}))
+    (tracked_target.parent / "wandb_run.json").write_text(
+        json.dumps({"id": "tgt123", "project": "p", "entity": None, "name": "target", "url": None})
+    )
     out = tmp_path / "drafter_run"
-    recipe = parse_recipe({
-        "recipe": "train_drafter", "output_dir": str(out), "target": {"path": str(tracked_target)},
-        "drafter": {"kind": "eagle3", "num_layers": 1, "block_size": 3},
-        "data": {"source": "stdlib", "seq_len": 32, "max_documents": 40, "val_fraction": 0.1},
-        "train": {"max_steps": 2, "micro_batch_size": 2, "eval_every": 2, "eval_batches": 1, "save_every": 2, "log_every": 1,
-                  "torch_threads": 1},
-        "wandb": {"enabled": True, "project": "draftsmith-tests", "name": "tiny-drafter"}})
+    recipe = parse_recipe(
+        {
+            "recipe": "train_drafter",
+            "output_dir": str(out),
+            "target": {"path": str(tracked_target)},
+            "drafter": {"kind": "eagle3", "num_layers": 1, "block_size": 3},
+            "data": {"source": "stdlib", "seq_len": 32, "max_documents": 40, "val_fraction": 0.1},
+            "train": {
+                "max_steps": 2,
+                "micro_batch_size": 2,
+                "eval_every": 2,
+                "eval_batches": 1,
+                "save_every": 2,
+                "log_every": 1,
+                "torch_threads": 1,
+            },
+            "wandb": {"enabled": True, "project": "draftsmith-tests", "name": "tiny-drafter"},
+        }
+    )
     train_drafter.main(recipe)
     reset_accelerate()
     run_record = json.loads((out / "wandb_run.json").read_text())
     records = wandb_records(next(next((out / "wandb").glob("offline-run-*")).glob("run-*.wandb")))
-    config = {item.key: json.loads(item.value_json) for r in records if r.HasField("config") for item in r.config.update}
+    config = {
+        item.key: json.loads(item.value_json) for r in records if r.HasField("config") for item in r.config.update
+    }
     assert config["upstream_runs"]["target"]["id"] == "tgt123" and config["drafter"]["kind"] == "eagle3"
-    artifacts = [r.artifact for r in records if r.HasField("artifact") and r.artifact.type == "model"]  # (tables are artifacts too)
+    artifacts = [
+        r.artifact for r in records if r.HasField("artifact") and r.artifact.type == "model"
+    ]  # (tables are artifacts too)
     aliases = {a for art in artifacts for a in art.aliases}
     assert {"best", "latest", "step-2"} <= aliases
     assert all(art.name == run_record["model_artifact"] for art in artifacts)
     files = {entry.path for art in artifacts for entry in art.manifest.contents}
     assert "model.safetensors" in files and not any("optimizer" in f for f in files)  # weights, not optimizer state
-    logged = set().union(*[{item.key or "/".join(item.nested_key) for item in r.history.item} for r in records if r.HasField("history")])
+    logged = set().union(
+        *[{item.key or "/".join(item.nested_key) for item in r.history.item} for r in records if r.HasField("history")]
+    )
     assert {"best/acceptance_by_position/_type", "val_simulated_tau"} <= logged, logged  # a wandb table (nested keys)
 
     export_out = tmp_path / "export"
-    manifest = export_drafter(export_recipe(out / "checkpoints" / "best", export_out, tracked_target,
-                                            wandb={"enabled": True, "project": "draftsmith-tests"}))
+    manifest = export_drafter(
+        export_recipe(
+            out / "checkpoints" / "best",
+            export_out,
+            tracked_target,
+            wandb={"enabled": True, "project": "draftsmith-tests"},
+        )
+    )
     link = manifest["wandb_run"]["upstream_runs"]
     assert link["drafter"]["id"] == run_record["id"] and link["target"]["id"] == "tgt123"
     export_records = wandb_records(next((tmp_path / "export.wandb" / "wandb").glob("offline-run-*/run-*.wandb")))
@@ -377,8 +460,9 @@ def test_tracked_runs_carry_checkpoints_tables_and_links(tmp_path, tiny_target_d
 def pruned_exports(tmp_path_factory, target, val_windows, tiny_target_dir):
     """Each kind exported with a draft vocabulary of half the target's tokens."""
     size = target[0].config.vocab_size // 2
-    exported = export_every_kind(tmp_path_factory, target, val_windows, tiny_target_dir, "pruned",
-                                 draft_vocab=size, draft_vocab_prompts=4)
+    exported = export_every_kind(
+        tmp_path_factory, target, val_windows, tiny_target_dir, "pruned", draft_vocab=size, draft_vocab_prompts=4
+    )
     return {kind: (folder, manifest, size) for kind, (folder, manifest, _) in exported.items()}
 
 
@@ -395,11 +479,16 @@ def test_draft_vocabularies_export_as_serving_engines_load_them(pruned_exports, 
     folder, manifest, size = pruned_exports[kind]
     gate = manifest["gate"]
     assert gate["passed"] and gate["logits_max_abs_diff"] == 0.0, gate
-    assert manifest["draft_vocab"]["size"] == size and "draft vocabulary | " + str(size) in (folder / "README.md").read_text()
+    assert (
+        manifest["draft_vocab"]["size"] == size
+        and "draft vocabulary | " + str(size) in (folder / "README.md").read_text()
+    )
     reloaded = AutoModel.from_pretrained(folder / "transformers")
     ids = reloaded.draft_vocab
     assert reloaded.config.draft_vocab_size == size == len(ids) and bool((ids[1:] > ids[:-1]).all())
-    assert torch.isneginf(reloaded.lm_head(torch.randn(2, reloaded.config.hidden_size))[:, ~torch.isin(torch.arange(2 * size), ids)]).all()
+    assert torch.isneginf(
+        reloaded.lm_head(torch.randn(2, reloaded.config.hidden_size))[:, ~torch.isin(torch.arange(2 * size), ids)]
+    ).all()
     state = load_file(str(folder / "speculators" / "model.safetensors"))
     assert json.loads((folder / "speculators" / "config.json").read_text())["draft_vocab_size"] == size
     assert torch.equal(torch.arange(size) + state["d2t"], ids) and torch.equal(state["t2d"].nonzero().view(-1), ids)

@@ -26,7 +26,10 @@ def test_terms_equal_their_definitions():
     q, p = _logits(0), _logits(1)
     labels = torch.randint(0, 11, q.shape[:-1], generator=torch.Generator().manual_seed(2))
     P, Q = p.softmax(-1), q.softmax(-1)
-    assert torch.allclose(position_loss("ce", q, p, labels), F.cross_entropy(q.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels))
+    assert torch.allclose(
+        position_loss("ce", q, p, labels),
+        F.cross_entropy(q.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels),
+    )
     assert torch.allclose(position_loss("kl", q, p, labels), (P * (P.log() - Q.log())).sum(-1), atol=1e-6)
     assert torch.allclose(position_loss("tv", q, p, labels), 0.5 * (P - Q).abs().sum(-1), atol=1e-6)
     assert torch.allclose(position_loss("lk", q, p, labels), -torch.minimum(P, Q).sum(-1).log(), atol=1e-6)
@@ -82,8 +85,18 @@ def _scores(chunk, terms, weighting, seed=0, M=6, S=5, H=8, V=13):
     target_hidden = torch.randn(2, M // 2, S, H, generator=g)
     labels = torch.randint(0, V, (2, M // 2, S), generator=g)
     scored = torch.rand(2, M // 2, S, generator=g) > 0.2
-    sc = block_scores(terms, weighting, 4.0, lambda h: h @ head.T, lambda t: t @ head.T, (hidden,), target_hidden,
-                      labels, scored, chunk)
+    sc = block_scores(
+        terms,
+        weighting,
+        4.0,
+        lambda h: h @ head.T,
+        lambda t: t @ head.T,
+        (hidden,),
+        target_hidden,
+        labels,
+        scored,
+        chunk,
+    )
     sc.loss.backward()
     ref, _, w = block_loss(terms, weighting, 4.0, hidden.detach() @ head.T, target_hidden @ head.T, labels, scored)
     return sc, hidden.grad, ref
@@ -126,7 +139,9 @@ def test_losses_over_a_draft_vocabulary():
     scored = torch.rand(2, 3, 5, generator=g) > 0.2
     full = lambda t: t @ head.weight.T  # noqa: E731
     for term in ("ce", "kl", "tv", "lk"):
-        sc = block_scores({term: 1.0}, "exp", 4.0, restricted, full, (hidden,), target_hidden, labels, scored, None, vocab)
+        sc = block_scores(
+            {term: 1.0}, "exp", 4.0, restricted, full, (hidden,), target_hidden, labels, scored, None, vocab
+        )
         assert torch.isfinite(sc.loss)
         q, p = restricted(hidden).detach(), full(target_hidden)
         w = position_weights(5, 4.0)
@@ -140,5 +155,7 @@ def test_losses_over_a_draft_vocabulary():
         torch.testing.assert_close(sc.loss, expected)
         torch.testing.assert_close(sc.accept, acceptance_probability(p, q))
         assert torch.equal(sc.target_tokens, p.argmax(-1)) and bool(torch.isin(sc.draft_tokens, vocab).all())
-        chunked = block_scores({term: 1.0}, "exp", 4.0, restricted, full, (hidden,), target_hidden, labels, scored, 5, vocab)
+        chunked = block_scores(
+            {term: 1.0}, "exp", 4.0, restricted, full, (hidden,), target_hidden, labels, scored, 5, vocab
+        )
         torch.testing.assert_close(chunked.loss, sc.loss)

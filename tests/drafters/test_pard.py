@@ -21,7 +21,9 @@ def test_mask_blocks_attend_to_their_prefix_and_their_own_earlier_masks():
     inputs = torch.arange(10, 20)[None]
     scored = torch.ones(1, 10, dtype=torch.bool)
     scored[0, :3] = False  # a prompt: anchors need a + 1 scored
-    blocks = mask_blocks(inputs, scored, MASK, draft_tokens=4, anchors=2, keep=1.0, generator=torch.Generator().manual_seed(0))
+    blocks = mask_blocks(
+        inputs, scored, MASK, draft_tokens=4, anchors=2, keep=1.0, generator=torch.Generator().manual_seed(0)
+    )
     L, M = 10, blocks.source.shape[1]
     assert blocks.input_ids[0, L:][blocks.valid[0]].eq(MASK).all() and torch.equal(blocks.input_ids[0, :L], inputs[0])
     attend = blocks.attention_mask[0, 0]
@@ -50,13 +52,16 @@ def test_a_mask_slot_in_training_computes_what_decoding_computes():
     """The training layout (window + appended blocks, one 4D mask) and the decoding forward (the prefix,
     then K - 1 masks after the cached tokens) give the same logits for every draft of a block."""
     torch.manual_seed(0)
-    model = build_causal_lm(ModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                                        max_position_embeddings=64), 40).eval()
+    model = build_causal_lm(
+        ModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=64), 40
+    ).eval()
     inputs = torch.randint(6, 40, (1, 24))
     scored = torch.zeros(1, 24, dtype=torch.bool)
     scored[0, 12] = True  # one anchor: a = 11
     blocks = mask_blocks(inputs, scored, MASK, 5, 1, 1.0)
-    train = model(input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask).logits[0]
+    train = model(
+        input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask
+    ).logits[0]
     decode = model(input_ids=torch.cat([inputs[0, :12], torch.full((4,), MASK)])[None]).logits[0]
     torch.testing.assert_close(train[[11, 24, 25, 26, 27]], decode[11:16], atol=1e-5, rtol=1e-5)
 
@@ -98,8 +103,9 @@ def test_a_pard_student_drafts_a_block_a_forward_losslessly(pard_student, tiny_t
         reference, _ = plain_generate(target, prompt, 40)
         proposer = make_proposer(model)
         assert isinstance(proposer, PardProposer) and proposer.block_size == 5
-        out, stats = speculative_generate(target, model, prompt, 40, proposer=proposer, mode=mode, tree_budget=6,
-                                          budget=Budget({1: 1.0, 8: 1.4}))
+        out, stats = speculative_generate(
+            target, model, prompt, 40, proposer=proposer, mode=mode, tree_budget=6, budget=Budget({1: 1.0, 8: 1.4})
+        )
         assert out == reference
         target_forwards += stats.target_forwards - 1  # the prefill drafts nothing
         accepted += sum(stats.accepted_by_position)

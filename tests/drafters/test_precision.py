@@ -25,7 +25,9 @@ from ..conftest import reset_accelerate
 BF16 = torch.bfloat16
 VOCAB, SEQ, MASK_ID = 64, 32, 1
 ANCHORS = torch.tensor([[2, 9, 20, 25], [4, 15, 22, 26]])
-CASES = [(kind, qk_norm, mask) for kind in ("dflash", "dspark") for qk_norm in (False, True) for mask in ("dense", "flex")]
+CASES = [
+    (kind, qk_norm, mask) for kind in ("dflash", "dspark") for qk_norm in (False, True) for mask in ("dense", "flex")
+]
 CASES += [("eagle3", qk_norm, "dense") for qk_norm in (False, True)]  # EAGLE-3's test-time-training mask is dense only
 
 
@@ -34,8 +36,14 @@ def target():
     """A random 3-layer target whose logits are far from uniform (weights of std 0.5), so losses depend on
     what the drafter computes."""
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=32, num_layers=3, num_heads=4, intermediate_size=64, max_position_embeddings=128,
-                      initializer_range=0.5)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        initializer_range=0.5,
+    )
     return build_causal_lm(cfg, VOCAB).eval()
 
 
@@ -50,7 +58,9 @@ def batch(target):
 def make_drafter(target, kind: str, qk_norm: bool, mask: str):
     """A drafter of ``kind`` for ``target`` whose trainable weights are drawn with std 0.15 (attention far
     from uniform: its dtype shows in the loss), training mode."""
-    section = DrafterSection(kind=kind, block_size=4, num_anchors=4, markov_rank=8, qk_norm=qk_norm, target_layer_ids=[0, 1, 2])
+    section = DrafterSection(
+        kind=kind, block_size=4, num_anchors=4, markov_rank=8, qk_norm=qk_norm, target_layer_ids=[0, 1, 2]
+    )
     drafter = build_drafter(section, target, "tiny", MASK_ID).train()
     drafter.config.mask_implementation = mask
     gen = torch.Generator().manual_seed(2)
@@ -85,6 +95,7 @@ def kernel_dtypes(monkeypatch):
         def call(q, k, v, *args, **kwargs):
             seen.append((q.dtype, k.dtype, v.dtype))
             return kernel(q, k, v, *args, **kwargs)
+
         return call
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy(F.scaled_dot_product_attention))
@@ -103,8 +114,9 @@ def assert_trained_in_bf16(drafter, loss, reference: float, seen: list) -> None:
     bf16, for queries, keys and values at every attention call."""
     assert torch.isfinite(loss) and abs(loss.item() - reference) <= 5e-2 * abs(reference), (loss.item(), reference)
     trainable = [(name, p) for name, p in drafter.named_parameters() if p.requires_grad]
-    assert trainable and all(p.grad is not None and torch.isfinite(p.grad).all() for _, p in trainable), \
-        [name for name, p in trainable if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert trainable and all(p.grad is not None and torch.isfinite(p.grad).all() for _, p in trainable), [
+        name for name, p in trainable if p.grad is None or not torch.isfinite(p.grad).all()
+    ]
     assert seen and set(seen) == {(BF16, BF16, BF16)}, set(seen)
 
 
@@ -182,8 +194,18 @@ def train_two_steps(out, target_dir, monkeypatch) -> tuple[dict, list[float]]:
     from ..conftest import drafter_recipe
 
     monkeypatch.setattr(distill.trainer, "measured_matmul_peak", lambda *args: 1e10)
-    recipe = drafter_recipe(out, target_dir, "dflash", {"qk_norm": True}, max_steps=2, eval_every=2, save_every=2,
-                            log_every=1, eval_batches=1, mixed_precision="bf16")
+    recipe = drafter_recipe(
+        out,
+        target_dir,
+        "dflash",
+        {"qk_norm": True},
+        max_steps=2,
+        eval_every=2,
+        save_every=2,
+        log_every=1,
+        eval_batches=1,
+        mixed_precision="bf16",
+    )
     summary = train_drafter.main(recipe)
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return summary, [m["train/loss"] for m in logs if "train/loss" in m]
@@ -206,7 +228,9 @@ def test_train_drafter_recipe_trains_under_bf16_autocast(tmp_path, tiny_target_d
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("distributed")
-def test_train_drafter_recipe_trains_under_deepspeed_bf16(tmp_path, tiny_target_dir, monkeypatch, kernel_dtypes, request):
+def test_train_drafter_recipe_trains_under_deepspeed_bf16(
+    tmp_path, tiny_target_dir, monkeypatch, kernel_dtypes, request
+):
     """The same recipe under DeepSpeed ZeRO-2 (in process, ``accelerate_configs/cpu_zero2.yaml``) with
     ``bf16``: the engine casts the drafter's weights to bf16 and runs it without autocast, and the fp32
     target's features are read in bf16."""

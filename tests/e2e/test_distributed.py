@@ -29,7 +29,15 @@ def launcher(config: Path) -> list[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(port),
+    ]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -87,7 +95,9 @@ def test_two_cpu_ranks_equal_one_rank_with_double_accumulation(tmp_path):
 @pytest.mark.slow
 def test_recipe_runs_under_accelerate_launch(tmp_path):
     out = tmp_path / "run"
-    path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(out, train={"max_steps": 2, "eval_every": 2, "save_every": 2}))
+    path = write_recipe(
+        tmp_path / "r.yaml", tiny_lm_recipe(out, train={"max_steps": 2, "eval_every": 2, "save_every": 2})
+    )
     r = run_cli("run", str(path), launcher=launcher(REPO / "accelerate_configs" / "cpu.yaml"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
@@ -112,7 +122,11 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     if stage == 2:
         train_lm.main(parse_recipe(tiny_lm_recipe(reference, **base)))
     else:
-        done = run_cli("run", str(write_recipe(tmp_path / "ref.yaml", tiny_lm_recipe(reference, **base))), launcher=launcher(config))
+        done = run_cli(
+            "run",
+            str(write_recipe(tmp_path / "ref.yaml", tiny_lm_recipe(reference, **base))),
+            launcher=launcher(config),
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / f"zero{stage}"
     path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(out, **base))
@@ -122,8 +136,15 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     strategy = json.loads((out / "provenance.json").read_text())["strategy"]
-    assert strategy == {"distributed_type": "DEEPSPEED", "num_processes": 1, "model_wrapper": "DeepSpeedEngine",
-                        "mixed_precision": "no", "device": "cpu", "compiled": False, "zero_stage": stage}
+    assert strategy == {
+        "distributed_type": "DEEPSPEED",
+        "num_processes": 1,
+        "model_wrapper": "DeepSpeedEngine",
+        "mixed_precision": "no",
+        "device": "cpu",
+        "compiled": False,
+        "zero_stage": stage,
+    }
     if stage == 2:
         single = json.loads((reference / "provenance.json").read_text())["strategy"]
         assert single["distributed_type"] != "DEEPSPEED" and single["model_wrapper"] != "DeepSpeedEngine"
@@ -131,12 +152,16 @@ def test_deepspeed_zero_really_runs_resumes_and_trains_like_one_process(tmp_path
     if "lm_head.weight" in b.keys() - a.keys():  # DeepSpeed's gathered state dict holds the tied head apart
         assert torch.equal(b.pop("lm_head.weight"), b["model.embed_tokens.weight"])
     assert a.keys() == b.keys()
-    losses = lambda run: [round(json.loads(line)["train/loss"], 4) for line in (run / "metrics.jsonl").read_text().splitlines()  # noqa: E731
-                          if "train/loss" in line]
+
+    def losses(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [round(json.loads(line)["train/loss"], 4) for line in lines if "train/loss" in line]
+
     assert losses(out) == losses(reference) and losses(out)[-1] < losses(out)[0]
     for k in a:
-        assert b[k].dtype == torch.float32 and torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), \
+        assert b[k].dtype == torch.float32 and torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), (
             f"{k}: max difference {(a[k] - b[k]).abs().max():.2e}"
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, FSDP is accelerate's to run")
@@ -160,8 +185,17 @@ def test_fsdp_wraps_every_drafter_layer(kind):
 
     config_cls, model_cls = DRAFTERS[kind]
     with torch.device("meta"):
-        model = model_cls(config_cls(vocab_size=64, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-                                     target_layer_ids=[0, 1, 2], mask_token_id=0, block_size=4))
+        model = model_cls(
+            config_cls(
+                vocab_size=64,
+                hidden_size=32,
+                num_attention_heads=2,
+                intermediate_size=64,
+                target_layer_ids=[0, 1, 2],
+                mask_token_id=0,
+                block_size=4,
+            )
+        )
     wrapped = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
     assert wrapped and all(any(p.requires_grad for p in m.parameters()) for m in wrapped)
 
@@ -225,7 +259,9 @@ def test_a_drafter_on_two_cpu_ranks_trains_and_evaluates_like_one_rank(tmp_path,
     r1 = run_cli("run", str(tmp_path / "one.yaml"))
     assert r1.returncode == 0, r1.stderr[-3000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519"]
-    r2 = run_cli("run", str(tmp_path / "two.yaml"), launcher=torchrun, env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+    r2 = run_cli(
+        "run", str(tmp_path / "two.yaml"), launcher=torchrun, env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    )
     assert r2.returncode == 0, r2.stderr[-3000:]
     s1, s2 = (json.loads((o / "summary.json").read_text()) for o in (one, two))
     assert s1["world_size"] == 1 and s2["world_size"] == 2, "torchrun did not give 2 real ranks"

@@ -16,8 +16,6 @@ import re
 from functools import cache, lru_cache
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PACKAGES = ("distill", "drafters", "parcae", "serve_eval", "recipes")
@@ -25,14 +23,36 @@ TOP_DIRS = (*PACKAGES, "tests", "docs", "accelerate_configs", ".ci")
 FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "cpp", "safetensors", "npy", "txt"}
 SKIP_DIRS = {".venv", "runs", ".git", "tests", "__pycache__", ".pytest_cache"}
 
-_ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth",
-             "eleventh", "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth", "seventeenth",
-             "eighteenth", "nineteenth", "twentieth"]
+_ORDINALS = [
+    "first",
+    "second",
+    "third",
+    "fourth",
+    "fifth",
+    "sixth",
+    "seventh",
+    "eighth",
+    "ninth",
+    "tenth",
+    "eleventh",
+    "twelfth",
+    "thirteenth",
+    "fourteenth",
+    "fifteenth",
+    "sixteenth",
+    "seventeenth",
+    "eighteenth",
+    "nineteenth",
+    "twentieth",
+]
 _ORDINALS += [f"twenty-{o}" for o in _ORDINALS[:9]] + ["thirtieth"]
 _GAP = r"(?:\s|#|//|\*)+"  # words may wrap onto the next line of a comment
 HISTORY = [
     re.compile(rf"\b({'|'.join(_ORDINALS)}|\d+(st|nd|rd|th)){_GAP}(work{_GAP})?sessions?\b", re.I),
-    re.compile(rf"\b(this|that|the last|last|the next|the previous|an earlier|the same|three|two|several){_GAP}sessions?\b", re.I),
+    re.compile(
+        rf"\b(this|that|the last|last|the next|the previous|an earlier|the same|three|two|several){_GAP}sessions?\b",
+        re.I,
+    ),
     re.compile(r"\bsession'?s (start|end)\b|\b(start|end) of (the|this) session\b", re.I),
     re.compile(r"\btonight\b|\bthis morning\b|\byesterday\b", re.I),
     re.compile(r"\bwe tried\b|\bwe then\b", re.I),
@@ -209,7 +229,7 @@ def _module_exists(dotted: str) -> bool:
             continue
         if (path / f"{part}.py").exists():
             path = path / f"{part}.py"
-            rest = parts[i + 1:]
+            rest = parts[i + 1 :]
             break
         rest = parts[i:]
         path = path / "__init__.py"
@@ -262,7 +282,10 @@ def _flags() -> dict[str, frozenset[str]]:
 
     for action in _parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return {name: frozenset(s for a in sub._actions for s in a.option_strings) for name, sub in action.choices.items()}
+            return {
+                name: frozenset(s for a in sub._actions for s in a.option_strings)
+                for name, sub in action.choices.items()
+            }
     return {}
 
 
@@ -274,7 +297,9 @@ def _cited(path: Path) -> list[str]:
     """What ``path`` cites that does not exist, one message each."""
     text = _strip_urls(path.read_text())
     spans = _code_spans(text)
-    configs = {p.name for p in (ROOT / "recipes" / "configs").glob("*.yaml")} | {p.name for p in (ROOT / "accelerate_configs").glob("*.yaml")}
+    configs = {p.name for p in (ROOT / "recipes" / "configs").glob("*.yaml")} | {
+        p.name for p in (ROOT / "accelerate_configs").glob("*.yaml")
+    }
     missing = []
     for m in re.finditer(rf"(?<![\w./-])((?:{'|'.join(re.escape(d) for d in TOP_DIRS)})/[\w./-]*)", text):
         cited = m.group(1).rstrip(".,:;/")

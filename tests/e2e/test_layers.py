@@ -22,7 +22,9 @@ PACKAGES = ("distill", "drafters", "parcae", "serve_eval", "recipes")
 
 
 def layer(module: str) -> str:
-    return "distill.base" if module == "distill.base" or module.startswith("distill.base.") else module.partition(".")[0]
+    return (
+        "distill.base" if module == "distill.base" or module.startswith("distill.base.") else module.partition(".")[0]
+    )
 
 
 ALLOWED = {  # layer -> the project layers it may import
@@ -81,7 +83,9 @@ def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path, monk
     pkg = tmp_path / "drafters"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "x.py").write_text("def f():\n    from serve_eval.engine import measure\n\nfrom .core import y\nfrom distill import base\n")
+    (pkg / "x.py").write_text(
+        "def f():\n    from serve_eval.engine import measure\n\nfrom .core import y\nfrom distill import base\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     found = {n: line for line, n in project_imports(pkg / "x.py")}
     assert found == {"serve_eval.engine": 2, "drafters.core": 4, "distill.base": 5}

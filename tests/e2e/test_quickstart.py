@@ -16,12 +16,20 @@ from ..conftest import tiny_lm_recipe, write_recipe
 TARGET_KEYS = {"checkpoint", "val_loss", "val_ppl", "train_seconds", "tokens_per_s", "mfu"}
 
 
-
 def test_quickstart_with_the_shipped_target(tmp_path):
     out = tmp_path / "qs"
     tiny_eval = ["prompts.from_corpus=2", "prompts.prompt_tokens=16", "decoding.max_new_tokens=16"]
-    summary = quickstart.main(parse_recipe({"recipe": "quickstart", "output_dir": str(out), "target": {"eval_batches": 2},
-                                            "shipped_drafter": {"overrides": tiny_eval}, "drafter": {"enabled": False}}))
+    summary = quickstart.main(
+        parse_recipe(
+            {
+                "recipe": "quickstart",
+                "output_dir": str(out),
+                "target": {"eval_batches": 2},
+                "shipped_drafter": {"overrides": tiny_eval},
+                "drafter": {"enabled": False},
+            }
+        )
+    )
     saved = json.loads((out / "summary.json").read_text())
     target = saved["target"]
     assert target == summary["target"] and target.keys() >= TARGET_KEYS
@@ -33,30 +41,68 @@ def test_quickstart_with_the_shipped_target(tmp_path):
     for mode in ("chain", "tree", "chain_full_draft", "chain_lookup", "tree_lookup"):
         row = shipped[mode]  # a trained drafter's drafts are kept: more than one token a target forward
         assert row["lossless"] is True and row["prompts"] == 2 and shipped[f"{mode}_tau"] == row["tau"] > 1, (mode, row)
-        assert shipped[f"{mode}_speedup"] == row["speedup"] == pytest.approx(row["tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-3)
-    assert shipped["simulated_minus_measured_tau"] == round(shipped["simulated_tau"] - shipped["chain_full_draft_tau"], 4)
-    assert shipped["tree_budget"] == quickstart.best_tree_budget(json.loads((SHIPPED_DRAFTERS["dflash"] / "results.json").read_text()))
+        assert (
+            shipped[f"{mode}_speedup"]
+            == row["speedup"]
+            == pytest.approx(row["tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-3)
+        )
+    assert shipped["simulated_minus_measured_tau"] == round(
+        shipped["simulated_tau"] - shipped["chain_full_draft_tau"], 4
+    )
+    assert shipped["tree_budget"] == quickstart.best_tree_budget(
+        json.loads((SHIPPED_DRAFTERS["dflash"] / "results.json").read_text())
+    )
 
 
 @pytest.mark.slow
 def test_quickstart_trains_its_target_when_asked(tmp_path):
     out = tmp_path / "qs"
-    train_recipe = write_recipe(tmp_path / "tiny.yaml", tiny_lm_recipe(tmp_path / "ignored", model={"num_layers": 4},
-                                                                        train={"max_steps": 4}))
-    tiny_drafter = ["data.max_documents=40", "data.val_fraction=0.1", "data.seq_len=64", "drafter.block_size=4",
-                    "regenerate.train_prompts=8", "regenerate.val_prompts=4", "regenerate.prompt_tokens=12",
-                    "regenerate.max_new_tokens=12", "regenerate.batch_size=4", f"features.cache_dir={out / 'features'}",
-                    "train.max_steps=4", "train.eval_every=2", "train.eval_batches=2", "train.micro_batch_size=4",
-                    "train.torch_threads=1"]
-    recipe = parse_recipe({"recipe": "quickstart", "output_dir": str(out),
-                           "target": {"source": "train", "train_recipe": str(train_recipe)},
-                           "drafter": {"overrides": tiny_drafter},
-                           "eval": {"overrides": ["prompts.from_corpus=2", "prompts.prompt_tokens=12",
-                                                  "decoding.max_new_tokens=12", "data.max_documents=40",
-                                                  "data.val_fraction=0.1"]},
-                           "export": {"overrides": ["prompts.from_corpus=2", "prompts.prompt_tokens=12",
-                                                    "gate.max_new_tokens=12", "data.max_documents=40",
-                                                    "data.val_fraction=0.1"]}})
+    train_recipe = write_recipe(
+        tmp_path / "tiny.yaml", tiny_lm_recipe(tmp_path / "ignored", model={"num_layers": 4}, train={"max_steps": 4})
+    )
+    tiny_drafter = [
+        "data.max_documents=40",
+        "data.val_fraction=0.1",
+        "data.seq_len=64",
+        "drafter.block_size=4",
+        "regenerate.train_prompts=8",
+        "regenerate.val_prompts=4",
+        "regenerate.prompt_tokens=12",
+        "regenerate.max_new_tokens=12",
+        "regenerate.batch_size=4",
+        f"features.cache_dir={out / 'features'}",
+        "train.max_steps=4",
+        "train.eval_every=2",
+        "train.eval_batches=2",
+        "train.micro_batch_size=4",
+        "train.torch_threads=1",
+    ]
+    recipe = parse_recipe(
+        {
+            "recipe": "quickstart",
+            "output_dir": str(out),
+            "target": {"source": "train", "train_recipe": str(train_recipe)},
+            "drafter": {"overrides": tiny_drafter},
+            "eval": {
+                "overrides": [
+                    "prompts.from_corpus=2",
+                    "prompts.prompt_tokens=12",
+                    "decoding.max_new_tokens=12",
+                    "data.max_documents=40",
+                    "data.val_fraction=0.1",
+                ]
+            },
+            "export": {
+                "overrides": [
+                    "prompts.from_corpus=2",
+                    "prompts.prompt_tokens=12",
+                    "gate.max_new_tokens=12",
+                    "data.max_documents=40",
+                    "data.val_fraction=0.1",
+                ]
+            },
+        }
+    )
     summary = quickstart.main(recipe)
     target = summary["target"]
     assert target["source"] == "trained in this run" and target["checkpoint"] == str(out / "target" / "model")
@@ -70,11 +116,15 @@ def test_quickstart_trains_its_target_when_asked(tmp_path):
     assert saved["drafter"] == drafter
     evaluation = saved["eval"]
     assert evaluation["lossless"] is True and evaluation["prompts"] == 2
-    assert evaluation["speedup"] == pytest.approx(evaluation["tokens_per_s"] / evaluation["baseline_tokens_per_s"], rel=1e-3)
+    assert evaluation["speedup"] == pytest.approx(
+        evaluation["tokens_per_s"] / evaluation["baseline_tokens_per_s"], rel=1e-3
+    )
     export = saved["export"]  # stage 4: the drafter exported behind the parity gate
     assert export["gate"]["passed"] and export["gate"]["logits_max_abs_diff"] == 0.0
     assert export["formats"]["transformers"] == str(out / "export" / "transformers")
-    assert export["formats"]["speculators"] == str(out / "export" / "speculators")  # the recipe has qk_norm: vLLM loads it
+    assert export["formats"]["speculators"] == str(
+        out / "export" / "speculators"
+    )  # the recipe has qk_norm: vLLM loads it
     assert (out / "export" / "README.md").exists() and (out / "export" / "export.json").exists()
 
 
@@ -87,4 +137,6 @@ def test_a_shipped_drafter_that_does_not_exist_is_refused_before_any_compute(tmp
     monkeypatch.setitem(testbed.SHIPPED_DRAFTERS, "eagle3", tmp_path / "not_shipped")
     with pytest.raises(RecipeError, match="no eagle3 drafter is shipped"):
         parse_recipe({"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": "eagle3"}})
-    parse_recipe({"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": "eagle3", "enabled": False}})
+    parse_recipe(
+        {"recipe": "quickstart", "output_dir": "unused", "shipped_drafter": {"kind": "eagle3", "enabled": False}}
+    )

@@ -25,9 +25,20 @@ VOCAB = 97
 
 
 def tiny(injection: str = "diagonal", **kw) -> ParcaeForCausalLM:
-    cfg = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, n_prelude=1, n_core=2,
-               n_coda=1, mean_recurrence=3, mean_backprop_depth=2, injection_type=injection, tie_word_embeddings=True,
-               max_position_embeddings=128)
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        mean_recurrence=3,
+        mean_backprop_depth=2,
+        injection_type=injection,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+    )
     return ParcaeForCausalLM(ParcaeConfig(**{**cfg, **kw}))
 
 
@@ -145,8 +156,9 @@ def test_self_speculation_is_lossless(mode):
     prompt = torch.randint(0, VOCAB, (10,))
     reference, _ = plain_generate(model, prompt, 30)
     for draft_steps in (1, 2):
-        out, stats = speculative_generate(model, model, prompt, 30, proposer=LMProposer(model, 4, num_steps=draft_steps),
-                                          mode=mode, tree_budget=6)
+        out, stats = speculative_generate(
+            model, model, prompt, 30, proposer=LMProposer(model, 4, num_steps=draft_steps), mode=mode, tree_budget=6
+        )
         assert out == reference
     # at full depth the drafter is the target: every draft is accepted
     out, stats = speculative_generate(model, model, prompt, 30, proposer=LMProposer(model, 4), mode="chain")
@@ -156,10 +168,20 @@ def test_self_speculation_is_lossless(mode):
 def test_train_lm_trains_parcae_and_writes_the_test_time_curve(tmp_path):
     from recipes import train_lm
 
-    parcae = {"prelude_layers": 1, "core_layers": 1, "coda_layers": 1, "mean_recurrence": 2, "backprop_depth": 1,
-              "eval_recurrences": [1]}
-    recipe = tiny_lm_recipe(tmp_path, model={"arch": "parcae", "num_layers": 3, "parcae": parcae},
-                            train={"max_steps": 8, "eval_every": 8, "eval_batches": 2}, data={"max_documents": 16})
+    parcae = {
+        "prelude_layers": 1,
+        "core_layers": 1,
+        "coda_layers": 1,
+        "mean_recurrence": 2,
+        "backprop_depth": 1,
+        "eval_recurrences": [1],
+    }
+    recipe = tiny_lm_recipe(
+        tmp_path,
+        model={"arch": "parcae", "num_layers": 3, "parcae": parcae},
+        train={"max_steps": 8, "eval_every": 8, "eval_batches": 2},
+        data={"max_documents": 16},
+    )
     summary = train_lm.main(parse_recipe(recipe))
     assert [r["recurrence"] for r in summary["recurrence_curve"]] == [1, 2, 4]
     assert summary["val_loss"] == summary["val_loss_T2"]  # the default depth is the training mean
@@ -171,14 +193,18 @@ def test_train_lm_trains_parcae_and_writes_the_test_time_curve(tmp_path):
 
 
 def test_parcae_recipe_errors_name_the_keys(tmp_path):
-    bad = tiny_lm_recipe(tmp_path, model={"arch": "parcae", "num_layers": 3,
-                                          "parcae": {"prelude_layers": 1, "core_layers": 2, "coda_layers": 1}})
+    bad = tiny_lm_recipe(
+        tmp_path,
+        model={"arch": "parcae", "num_layers": 3, "parcae": {"prelude_layers": 1, "core_layers": 2, "coda_layers": 1}},
+    )
     with pytest.raises(RecipeError, match=r"model.num_layers \(3\) must equal parcae.prelude_layers"):
         parse_recipe(bad)
     with pytest.raises(RecipeError, match="only read when model.arch = parcae"):
         parse_recipe(tiny_lm_recipe(tmp_path, model={"parcae": {"core_layers": 2}}))
     with pytest.raises(RecipeError, match="model.parcae.injection"):
-        parse_recipe(tiny_lm_recipe(tmp_path, model={"arch": "parcae", "num_layers": 4, "parcae": {"injection": "diag"}}))
+        parse_recipe(
+            tiny_lm_recipe(tmp_path, model={"arch": "parcae", "num_layers": 4, "parcae": {"injection": "diag"}})
+        )
 
 
 @pytest.mark.slow
@@ -191,10 +217,23 @@ def test_a_killed_parcae_run_resumes_to_identical_weights(tmp_path):
 
     from ..conftest import run_cli, write_recipe
 
-    model = {"arch": "parcae", "num_layers": 3, "parcae": {"prelude_layers": 1, "core_layers": 1, "coda_layers": 1,
-                                                           "mean_recurrence": 3, "backprop_depth": 1, "eval_recurrences": [1]}}
-    sections = dict(model=model, train={"max_steps": 8, "save_every": 4, "eval_every": 8, "eval_batches": 2},
-                    data={"max_documents": 16})
+    model = {
+        "arch": "parcae",
+        "num_layers": 3,
+        "parcae": {
+            "prelude_layers": 1,
+            "core_layers": 1,
+            "coda_layers": 1,
+            "mean_recurrence": 3,
+            "backprop_depth": 1,
+            "eval_recurrences": [1],
+        },
+    }
+    sections = dict(
+        model=model,
+        train={"max_steps": 8, "save_every": 4, "eval_every": 8, "eval_batches": 2},
+        data={"max_documents": 16},
+    )
     train_lm.main(parse_recipe(tiny_lm_recipe(tmp_path / "reference", **sections)))
     path = write_recipe(tmp_path / "r.yaml", tiny_lm_recipe(tmp_path / "killed", **sections))
     assert run_cli("run", str(path), env={"DRAFTSMITH_FAULT": "kill_after_step:6"}).returncode == -9

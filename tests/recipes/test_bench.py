@@ -18,11 +18,19 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     from recipes.bench_scale import main, pad_mlp
 
     recipe = tmp_path / "eval.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "recipe": "eval", "output_dir": str(tmp_path / "unused"), "target": {"path": str(tiny_target_dir)},
-        "drafter": str(trained_drafters["dflash"].folder), "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
-        "decoding": {"max_new_tokens": 16, "cpu": {"compile": "off"}, "batches": {"sizes": [2]}},
-        "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1}}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "recipe": "eval",
+                "output_dir": str(tmp_path / "unused"),
+                "target": {"path": str(tiny_target_dir)},
+                "drafter": str(trained_drafters["dflash"].folder),
+                "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 16},
+                "decoding": {"max_new_tokens": 16, "cpu": {"compile": "off"}, "batches": {"sizes": [2]}},
+                "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
+            }
+        )
+    )
     out = tmp_path / "out"
     rows = main(["--recipe", str(recipe), "--factors", "2", "1", "--output", str(out)])
     assert [r["factor"] for r in rows] == [1, 2] and all(r["same_logits"] and r["lossless"] for r in rows)
@@ -35,11 +43,18 @@ def test_the_scale_benchmark_pads_the_target_into_the_same_function(tmp_path, ti
     copy = AutoModelForCausalLM.from_pretrained(out / "targets" / "x2")
     mlp = copy.model.layers[0].mlp
     width = mlp.up_proj.out_features // 2
-    assert width == copy.config.intermediate_size // 2 and not mlp.up_proj.weight[width:].any() and not mlp.down_proj.weight[:, width:].any()
+    assert (
+        width == copy.config.intermediate_size // 2
+        and not mlp.up_proj.weight[width:].any()
+        and not mlp.down_proj.weight[:, width:].any()
+    )
     made = (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns
     assert pad_mlp(tiny_target_dir, out / "targets" / "x2", 2) == out / "targets" / "x2"  # made once
     assert (out / "targets" / "x2" / "model.safetensors").stat().st_mtime_ns == made
-    for bad in (["--recipe", "recipes/configs/dflash_testbed.yaml"], ["--recipe", str(recipe), "decoding.budget.adaptive=false"]):
+    for bad in (
+        ["--recipe", "recipes/configs/dflash_testbed.yaml"],
+        ["--recipe", str(recipe), "decoding.budget.adaptive=false"],
+    ):
         with pytest.raises(SystemExit) as exit_:
             main([*bad, "--output", str(out)])
         assert exit_.value.code == 2

@@ -70,8 +70,14 @@ def _decoding_leaves(model, prefix=()):
     from pydantic import BaseModel
 
     for name, field in model.model_fields.items():
-        section = next((a for a in (field.annotation, *typing.get_args(field.annotation))
-                        if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        section = next(
+            (
+                a
+                for a in (field.annotation, *typing.get_args(field.annotation))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
+            None,
+        )
         yield from _decoding_leaves(section, (*prefix, name)) if section else [((*prefix, name), field)]
 
 
@@ -97,8 +103,19 @@ def test_every_decoding_option_has_an_eval_flag_named_by_its_key():
         assert field.description and action.help.startswith(field.description.replace("%", "%%"))
         if typing.get_origin(field.annotation) is typing.Literal:
             assert list(action.choices) == list(typing.get_args(field.annotation))
-    for flag in ("--kv-format", "--batches-sizes", "--vocab-size", "--ssd-enabled", "--no-ssd-enabled", "--cpu-int8",
-                 "--lookup-tokens", "--no-budget-adaptive", "--output-dir", "--record-served", "--drafter"):
+    for flag in (
+        "--kv-format",
+        "--batches-sizes",
+        "--vocab-size",
+        "--ssd-enabled",
+        "--no-ssd-enabled",
+        "--cpu-int8",
+        "--lookup-tokens",
+        "--no-budget-adaptive",
+        "--output-dir",
+        "--record-served",
+        "--drafter",
+    ):
         assert flag in options, flag
     assert options["--drafter"].required  # the one key the eval recipe needs that the command does not supply
 
@@ -120,8 +137,11 @@ def _another_value(field):
 
 
 # what a leaf set alone needs beside it to make a valid recipe (checks across keys)
-COMPANIONS = {"ssd.enabled": ["--drafter", str(CONFIGS.parent.parent / "distill/assets/testbed_pard"), "--no-budget-adaptive"],
-              "budget.verify_drafts": ["--no-budget-adaptive"], "kv.rotate": ["--kv-format", "int8"]}
+COMPANIONS = {
+    "ssd.enabled": ["--drafter", str(CONFIGS.parent.parent / "distill/assets/testbed_pard"), "--no-budget-adaptive"],
+    "budget.verify_drafts": ["--no-budget-adaptive"],
+    "kv.rotate": ["--kv-format", "int8"],
+}
 
 
 def test_each_eval_flag_reaches_the_validated_recipe(tmp_path, monkeypatch):
@@ -143,13 +163,34 @@ def test_each_eval_flag_reaches_the_validated_recipe(tmp_path, monkeypatch):
         for part in path:
             section = getattr(section, part)
         assert section == value, (key, section, value)
-    assert cli.main(["eval", "--drafter", drafter, "--output-dir", str(tmp_path / "x"), "--seed", "3", "--record-served",
-                     "--kv-format", "int4", "decoding.kv.rotate=true", "prompts.prompt_tokens=32", "--mode", "tree"]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--drafter",
+                drafter,
+                "--output-dir",
+                str(tmp_path / "x"),
+                "--seed",
+                "3",
+                "--record-served",
+                "--kv-format",
+                "int4",
+                "decoding.kv.rotate=true",
+                "prompts.prompt_tokens=32",
+                "--mode",
+                "tree",
+            ]
+        )
+        == 0
+    )
     recipe = got.pop()
     assert (recipe.output_dir, recipe.seed, recipe.record_served) == (str(tmp_path / "x"), 3, True)
     assert (recipe.decoding.kv.format, recipe.decoding.kv.rotate, recipe.decoding.mode) == ("int4", True, "tree")
     assert recipe.prompts.prompt_tokens == 32 and recipe.prompts.from_corpus == 16 and recipe.target.path == "testbed"
-    assert cli.main(["eval", "--drafter", drafter]) == 0  # nothing given: the schema's defaults, the command's output_dir
+    assert (
+        cli.main(["eval", "--drafter", drafter]) == 0
+    )  # nothing given: the schema's defaults, the command's output_dir
     recipe = got.pop()
     assert recipe.decoding == DecodingSection() and recipe.output_dir == cli.EVAL_DEFAULTS["output_dir"]
     assert cli.main(["eval", "--drafter", drafter, "--kv-format", "int8", "decoding.kv.format=fp8"]) == 0
@@ -167,7 +208,9 @@ def test_the_eval_examples_parse():
     import shlex
 
     options = _eval_options()
-    lines = [line.split("#")[0] for line in cli.EXAMPLES["eval"].splitlines() if line.strip().startswith("draftsmith eval")]
+    lines = [
+        line.split("#")[0] for line in cli.EXAMPLES["eval"].splitlines() if line.strip().startswith("draftsmith eval")
+    ]
     assert len(lines) > 5
     for line in lines:
         flags = [w for w in shlex.split(line) if w.startswith("--")]

@@ -18,12 +18,27 @@ from recipes.registry import load_recipe, parse_recipe, run_recipe
 from ..conftest import REPO, reset_accelerate, run_cli, tiny_lm_recipe
 
 #: published parameter counts of the shipped targets (Gemma 3: its language model, the vision tower aside)
-PUBLISHED = {"Qwen/Qwen3-8B": 8.2e9, "meta-llama/Llama-3.1-8B-Instruct": 8.0e9, "google/gemma-3-12b-it": 11.8e9,
-             "Qwen/Qwen3-30B-A3B": 30.5e9}
-REAL_TARGET_RECIPES = sorted({p for pattern in ("*_8b.yaml", "*_12b.yaml", "*_30b*.yaml")
-                              for p in (REPO / "recipes" / "configs").glob(pattern)})
-TABLE_KEYS = {*MEMORY_KEYS, "total", "bytes", "num_processes", "zero_stage", "mixed_precision", "formulas",
-              "loss_positions_held", "loss_positions_per_batch", "trainable_parameters"}
+PUBLISHED = {
+    "Qwen/Qwen3-8B": 8.2e9,
+    "meta-llama/Llama-3.1-8B-Instruct": 8.0e9,
+    "google/gemma-3-12b-it": 11.8e9,
+    "Qwen/Qwen3-30B-A3B": 30.5e9,
+}
+REAL_TARGET_RECIPES = sorted(
+    {p for pattern in ("*_8b.yaml", "*_12b.yaml", "*_30b*.yaml") for p in (REPO / "recipes" / "configs").glob(pattern)}
+)
+TABLE_KEYS = {
+    *MEMORY_KEYS,
+    "total",
+    "bytes",
+    "num_processes",
+    "zero_stage",
+    "mixed_precision",
+    "formulas",
+    "loss_positions_held",
+    "loss_positions_per_batch",
+    "trainable_parameters",
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,27 +50,45 @@ def moe_target(tmp_path_factory):
 
     from ..families import save_family
 
-    return save_family("qwen3_moe", tmp_path_factory.mktemp("moe-target"), AutoTokenizer.from_pretrained(SHIPPED_TARGET))
+    return save_family(
+        "qwen3_moe", tmp_path_factory.mktemp("moe-target"), AutoTokenizer.from_pretrained(SHIPPED_TARGET)
+    )
 
 
 def kind_recipe(kind: str, target, out) -> dict:
     """A raw recipe of ``kind`` against ``target``: drafters (dflash, dspark, eagle3), students (plain,
     PARD, Parcae) and train_lm."""
-    common = {"output_dir": str(out), "data": {"source": "stdlib", "seq_len": 64, "max_documents": 4},
-              "train": {"micro_batch_size": 2, "mixed_precision": "bf16"}}
+    common = {
+        "output_dir": str(out),
+        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 4},
+        "train": {"micro_batch_size": 2, "mixed_precision": "bf16"},
+    }
     if kind in ("dflash", "dspark", "eagle3"):
-        return {"recipe": "train_drafter", **common, "target": {"path": str(target)},
-                "drafter": {"kind": kind, "block_size": 4, "num_anchors": 8, "loss_chunk": 6}}
+        return {
+            "recipe": "train_drafter",
+            **common,
+            "target": {"path": str(target)},
+            "drafter": {"kind": kind, "block_size": 4, "num_anchors": 8, "loss_chunk": 6},
+        }
     if kind == "train_lm":
         return tiny_lm_recipe(out, train={"mixed_precision": "bf16", "micro_batch_size": 2})
-    student = {"arch": "llama", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64,
-               "max_position_embeddings": 128}
+    student = {
+        "arch": "llama",
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 128,
+    }
     raw = {"recipe": "distill_student", **common, "target": {"path": str(target)}, "student": student}
     if kind == "pard":
         raw["pard"] = {"draft_tokens": 4, "anchors": 3}
     if kind == "parcae":
-        student.update(arch="parcae", num_layers=3, parcae={"prelude_layers": 1, "core_layers": 1, "coda_layers": 1,
-                                                            "mean_recurrence": 3, "backprop_depth": 2})
+        student.update(
+            arch="parcae",
+            num_layers=3,
+            parcae={"prelude_layers": 1, "core_layers": 1, "coda_layers": 1, "mean_recurrence": 3, "backprop_depth": 2},
+        )
     return raw
 
 
@@ -99,11 +132,36 @@ def test_training_state_follows_the_launch():
     def state(mp, gpus, stage):
         return training_state(model, mp, Launch(gpus, stage))
 
-    assert state("bf16", 4, 0) == {"frozen_weights": 160, "trainable_weights": 440, "gradients": 440, "adamw_states": 880}
-    assert state("bf16", 4, 1) == {"frozen_weights": 80, "trainable_weights": 220, "gradients": 220, "adamw_states": 12 * 110 / 4}
-    assert state("bf16", 4, 2) == {"frozen_weights": 80, "trainable_weights": 220, "gradients": 55, "adamw_states": 12 * 110 / 4}
-    assert state("bf16", 4, 3) == {"frozen_weights": 20, "trainable_weights": 55, "gradients": 55, "adamw_states": 12 * 110 / 4}
-    assert state("no", 2, 2) == {"frozen_weights": 160, "trainable_weights": 440, "gradients": 220, "adamw_states": 8 * 110 / 2}
+    assert state("bf16", 4, 0) == {
+        "frozen_weights": 160,
+        "trainable_weights": 440,
+        "gradients": 440,
+        "adamw_states": 880,
+    }
+    assert state("bf16", 4, 1) == {
+        "frozen_weights": 80,
+        "trainable_weights": 220,
+        "gradients": 220,
+        "adamw_states": 12 * 110 / 4,
+    }
+    assert state("bf16", 4, 2) == {
+        "frozen_weights": 80,
+        "trainable_weights": 220,
+        "gradients": 55,
+        "adamw_states": 12 * 110 / 4,
+    }
+    assert state("bf16", 4, 3) == {
+        "frozen_weights": 20,
+        "trainable_weights": 55,
+        "gradients": 55,
+        "adamw_states": 12 * 110 / 4,
+    }
+    assert state("no", 2, 2) == {
+        "frozen_weights": 160,
+        "trainable_weights": 440,
+        "gradients": 220,
+        "adamw_states": 8 * 110 / 2,
+    }
     with pytest.raises(ValueError, match="zero_stage"):
         Launch(8, 4)
 
@@ -143,7 +201,9 @@ def test_the_qwen3_8b_student_estimate_by_hand():
 
 def test_every_real_target_has_a_shipped_config():
     assert shipped_target_ids() == sorted(PUBLISHED)
-    assert {path.relative_to(SHIPPED_TARGET_CONFIGS).as_posix() for path in SHIPPED_TARGET_CONFIGS.glob("*/*")} == set(PUBLISHED)
+    assert {path.relative_to(SHIPPED_TARGET_CONFIGS).as_posix() for path in SHIPPED_TARGET_CONFIGS.glob("*/*")} == set(
+        PUBLISHED
+    )
 
 
 @pytest.mark.parametrize("path", REAL_TARGET_RECIPES, ids=lambda p: p.stem)
@@ -177,8 +237,14 @@ def test_the_command_line_prints_the_table_and_keeps_real_runs_strict():
     assert bad.returncode == 2 and "--zero-stage" in bad.stderr
     flags = run_cli("run", "dflash_llama31_8b", "--num-processes", "2")
     assert flags.returncode == 2 and "--dry-run" in flags.stderr
-    no_mask = run_cli("run", "dflash_llama31_8b", "drafter.mask_token_id=null", "--dry-run")  # the config names no mask token
-    assert no_mask.returncode == 2 and "error: drafter.mask_token_id" in no_mask.stderr and "Traceback" not in no_mask.stderr
+    no_mask = run_cli(
+        "run", "dflash_llama31_8b", "drafter.mask_token_id=null", "--dry-run"
+    )  # the config names no mask token
+    assert (
+        no_mask.returncode == 2
+        and "error: drafter.mask_token_id" in no_mask.stderr
+        and "Traceback" not in no_mask.stderr
+    )
 
 
 def test_a_student_trains_with_the_kd_loss_in_chunks(tmp_path, monkeypatch):
@@ -191,8 +257,15 @@ def test_a_student_trains_with_the_kd_loss_in_chunks(tmp_path, monkeypatch):
     raw = kind_recipe("student", "testbed", tmp_path)
     raw["distill"] = {"divergence": "forward_kl", "ce_weight": 0.1, "loss_chunk": 16}
     raw["data"] = {"source": "stdlib", "seq_len": 32, "max_documents": 20, "val_fraction": 0.1}
-    raw["train"] = {"max_steps": 2, "micro_batch_size": 2, "eval_every": 2, "eval_batches": 1, "save_every": 2, "log_every": 1,
-                    "torch_threads": 1}
+    raw["train"] = {
+        "max_steps": 2,
+        "micro_batch_size": 2,
+        "eval_every": 2,
+        "eval_batches": 1,
+        "save_every": 2,
+        "log_every": 1,
+        "torch_threads": 1,
+    }
     reset_accelerate()
     summary = distill_student.main(parse_recipe(raw))
     assert chunks == [16] and summary["steps"] == 2

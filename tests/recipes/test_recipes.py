@@ -29,7 +29,9 @@ def test_every_recipe_kind_has_a_shipped_config_and_every_config_ships():
 def needs_hub_weights(path) -> bool:
     """The recipe names a hub target or tokenizer (GPU-cluster recipes)."""
     raw = yaml.safe_load(path.read_text())
-    names = [raw[section].get("path") or "" for section in ("target", "tokenizer") if isinstance(raw.get(section), dict)]
+    names = [
+        raw[section].get("path") or "" for section in ("target", "tokenizer") if isinstance(raw.get(section), dict)
+    ]
     return any(HUB_ID.match(name) and not (REPO / name).exists() for name in names)
 
 
@@ -59,7 +61,9 @@ def test_every_recipe_validates_and_dry_runs(path, monkeypatch, testbed_drafter)
             load_recipe(path)
         return
     # eval and export recipes name a drafter that a training run makes; here, an untrained one stands in
-    overrides = [f"drafter={testbed_drafter}"] if yaml.safe_load(path.read_text())["recipe"] in ("eval", "export") else []
+    overrides = (
+        [f"drafter={testbed_drafter}"] if yaml.safe_load(path.read_text())["recipe"] in ("eval", "export") else []
+    )
     raw = yaml.safe_load(path.read_text())
     if raw["recipe"] == "quantize" and not (REPO / raw["model"]).exists():  # a drafter a training run makes
         overrides = [f"model={testbed_drafter}"]
@@ -111,11 +115,30 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     from serve_eval.session import TargetSession
 
     originals = (TargetSession.step, BlockProposer.propose, Budget.chain_length)
-    report = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "24", "--cpu-compile", "off",
-                   "--attention", "both"])
+    report = main(
+        [
+            "--drafter",
+            "distill/assets/testbed_dflash",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "24",
+            "--cpu-compile",
+            "off",
+            "--attention",
+            "both",
+        ]
+    )
     parts = report["ms_per_step"]  # (eager: a compiled draft is one graph, timed as proposer.propose)
-    assert {"proposer.propose", "proposer.observe", "  drafter.decode_hidden", "budget.chain_length", "target.verify",
-            "target.keep", "target.prefill"} <= set(parts)
+    assert {
+        "proposer.propose",
+        "proposer.observe",
+        "  drafter.decode_hidden",
+        "budget.chain_length",
+        "target.verify",
+        "target.keep",
+        "target.prefill",
+    } <= set(parts)
     assert 0 < parts["  drafter.decode_hidden"] < parts["proposer.propose"] < report["spec_step_ms"]
     assert parts["proposer.propose"] + parts["target.verify"] < report["spec_step_ms"]
     out, both = capsys.readouterr().out, attention.available()  # (sdpa alone where the kernel does not build)
@@ -131,8 +154,20 @@ def test_the_step_profiler_compares_the_lean_forward_with_the_models(capsys):
     from recipes.profile_step import main
     from serve_eval.cpu.lean import lean_forward
 
-    main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--cpu-compile", "off",
-          "--forward", "both"])
+    main(
+        [
+            "--drafter",
+            "distill/assets/testbed_dflash",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--cpu-compile",
+            "off",
+            "--forward",
+            "both",
+        ]
+    )
     out = capsys.readouterr().out
     assert out.count("plain steps)") == 2 and "forward lean" in out and "forward module" in out
     assert "speedup lean / module" in out
@@ -152,9 +187,14 @@ def test_the_step_profiler_splits_a_batched_run(capsys):
     from serve_eval.session import TargetSession
 
     originals = (TargetSession.step, BlockProposer.propose, Budget.record_step, measure.generate)
-    report = main(["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--cpu-compile", "off"])
+    report = main(
+        ["--drafter", "distill/assets/testbed_dflash", "--batch", "2", "--max-new-tokens", "12", "--cpu-compile", "off"]
+    )
     assert report["batch"] == 2 and report["prompts"] == 16 and report["speedup"] > 0
-    assert 0 < report["prefills_s"]["plain"] < report["plain_s"] and 0 < report["prefills_s"]["speculative"] < report["spec_s"]
+    assert (
+        0 < report["prefills_s"]["plain"] < report["plain_s"]
+        and 0 < report["prefills_s"]["speculative"] < report["spec_s"]
+    )
     parts = report["ms_per_spec_step"]
     assert parts["target steps"] > 0 and parts["draft"] > 0 and parts["scheduler.choose"] > 0
     assert set(report["by_rows"]) <= {1, 2} and 2 in report["by_rows"]
@@ -195,7 +235,9 @@ def test_the_linear_benchmark_frames_the_kernel_by_both_limits(capsys):
     assert three["gflops"] == pytest.approx(3 * one["gflops"] * one["ms"] / three["ms"], rel=0.02)  # 3x the FLOPs
     assert one["gbytes_s"] == pytest.approx(three["gbytes_s"] * three["ms"] / one["ms"], rel=0.02)  # the same bytes
     for r in rows:
-        assert r["ms"] > 0 and r["of_peak"] == pytest.approx(rows[0]["of_peak"] * r["gflops"] / rows[0]["gflops"], rel=0.02)
+        assert r["ms"] > 0 and r["of_peak"] == pytest.approx(
+            rows[0]["of_peak"] * r["gflops"] / rows[0]["gflops"], rel=0.02
+        )
     out = capsys.readouterr().out
     assert out.count("of the peak") == 2 and "57 Linears" in out and "in fp16" in out
     for bad in (["--rows", "0"], ["--repeats", "0"]):
@@ -208,10 +250,25 @@ def test_the_vocabulary_sweep_reports_tau_per_setting(capsys):
     row per setting, its share of the first's tau, the per-step head's size; a malformed entry exits 2."""
     from recipes.vocab_tau import main, parse_vocab
 
-    rows = main(["--drafter", "distill/assets/testbed_dflash", "--prompts", "2", "--max-new-tokens", "16", "--seeds", "2",
-                 "--vocab", "full", "0:256:16"])
+    rows = main(
+        [
+            "--drafter",
+            "distill/assets/testbed_dflash",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--seeds",
+            "2",
+            "--vocab",
+            "full",
+            "0:256:16",
+        ]
+    )
     assert [r["vocab"] for r in rows] == ["full", "0:256:16"] and rows[0]["share"] == 1.0
-    assert all(1.0 <= r["tau"] <= 8 for r in rows) and rows[1]["share"] == pytest.approx(rows[1]["tau"] / rows[0]["tau"], abs=1e-3)
+    assert all(1.0 <= r["tau"] <= 8 for r in rows) and rows[1]["share"] == pytest.approx(
+        rows[1]["tau"] / rows[0]["tau"], abs=1e-3
+    )
     assert rows[1]["per_step"] == {"static": 0, "candidates": 256, "rank": 16, "size": 256}
     assert "of full" in capsys.readouterr().out
     assert parse_vocab("full") is None and parse_vocab("1024") == (1024, 0, 64) and parse_vocab("8:4") == (8, 4, 64)
@@ -234,13 +291,26 @@ def test_gpu_drafter_recipes_fit_an_80_gb_device(name, monkeypatch):
 
     monkeypatch.delenv("HF_HUB_OFFLINE")  # validate the hub id's form; nothing is fetched
     recipe = load_recipe(REPO / "recipes" / "configs" / f"{name}.yaml")
-    qwen3_8b = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    qwen3_8b = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(qwen3_8b, dtype=torch.bfloat16)
-        estimates = [memory_estimate(recipe, target, build_drafter(recipe.drafter.model_copy(update={"loss_chunk": c}),
-                                                                     target, "Qwen/Qwen3-8B", 151669))
-                     for c in (recipe.drafter.loss_chunk, None)]
+        estimates = [
+            memory_estimate(
+                recipe,
+                target,
+                build_drafter(recipe.drafter.model_copy(update={"loss_chunk": c}), target, "Qwen/Qwen3-8B", 151669),
+            )
+            for c in (recipe.drafter.loss_chunk, None)
+        ]
     chunked, whole = estimates
     assert recipe.drafter.loss_chunk and chunked["total"] < 80 < whole["total"], (chunked, whole)
     assert chunked["loss_positions_held"] == recipe.drafter.loss_chunk < whole["loss_positions_held"]

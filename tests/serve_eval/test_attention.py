@@ -28,8 +28,10 @@ def _reference(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
-@pytest.mark.parametrize("B,H,Hk,n,L,D", [(1, 5, 5, 1, 205, 64), (1, 5, 5, 6, 37, 64), (2, 4, 2, 3, 19, 16),
-                                          (3, 2, 1, 33, 70, 40), (1, 2, 2, 64, 64, 8)])
+@pytest.mark.parametrize(
+    "B,H,Hk,n,L,D",
+    [(1, 5, 5, 1, 205, 64), (1, 5, 5, 6, 37, 64), (2, 4, 2, 3, 19, 16), (3, 2, 1, 33, 70, 40), (1, 2, 2, 64, 64, 8)],
+)
 @pytest.mark.parametrize("kind", ["causal-bool", "causal-float", "random-bool", "none"])
 def test_the_kernel_computes_attention(B, H, Hk, n, L, D, kind):
     q, k, v = _qkv(B, H, Hk, n, L, D)
@@ -40,7 +42,7 @@ def test_the_kernel_computes_attention(B, H, Hk, n, L, D, kind):
         mask = torch.zeros(n, L).masked_fill(~causal, float("-inf"))[None, None]
     else:
         mask = None if kind == "none" else causal[None, None]
-    out = torch.ops.draftsmith_attn.attention(q, k, v, mask, D ** -0.5)
+    out = torch.ops.draftsmith_attn.attention(q, k, v, mask, D**-0.5)
     assert out.shape == (B, n, H, D) and out.is_contiguous()
     torch.testing.assert_close(out, _reference(q, k, v, mask), rtol=1e-5, atol=2e-6)
 
@@ -54,7 +56,7 @@ def test_a_query_gets_the_same_bits_whatever_queries_share_the_call():
     together = torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.125)
     for i in range(n):
         end = L - n + i + 1
-        alone = torch.ops.draftsmith_attn.attention(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], None, 0.125)
+        alone = torch.ops.draftsmith_attn.attention(q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], None, 0.125)
         assert torch.equal(alone[:, 0], together[:, i])
     # causal order without a mask (a verify's chain: no mask built per layer) reads the same positions
     assert torch.equal(torch.ops.draftsmith_attn.attention(q, k, v, None, 0.125, True), together)
@@ -72,12 +74,14 @@ def test_positions_after_the_last_one_the_mask_shows_are_not_read():
     mask = torch.zeros(B, 1, n, L, dtype=torch.bool)
     for b, end in enumerate(ends):
         mask[b, 0] = torch.ones(n, L, dtype=torch.bool).tril(end - 1)
-        k[b, :, end + n:], v[b, :, end + n:] = float("nan"), float("nan")
+        k[b, :, end + n :], v[b, :, end + n :] = float("nan"), float("nan")
     out = torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.125)
     for b, end in enumerate(ends):
         cut = slice(0, end + n - 1)
-        alone = torch.ops.draftsmith_attn.attention(q[b:b + 1], k[b:b + 1, :, cut], v[b:b + 1, :, cut], mask[b:b + 1, ..., cut], 0.125)
-        assert torch.equal(out[b:b + 1], alone), b
+        alone = torch.ops.draftsmith_attn.attention(
+            q[b : b + 1], k[b : b + 1, :, cut], v[b : b + 1, :, cut], mask[b : b + 1, ..., cut], 0.125
+        )
+        assert torch.equal(out[b : b + 1], alone), b
 
 
 def test_each_query_reads_only_the_positions_its_own_mask_shows():
@@ -91,8 +95,8 @@ def test_each_query_reads_only_the_positions_its_own_mask_shows():
     together = torch.ops.draftsmith_attn.attention(q, k, v, mask, 0.125)
     assert torch.equal(together[:, :1], torch.ops.draftsmith_attn.attention(q[:, :, :1], k, v, None, 0.125))
     for i in range(1, n):
-        alone = torch.ops.draftsmith_attn.attention(q[:, :, i:i + 1], k[:, :, :1], v[:, :, :1], None, 0.125)
-        assert torch.equal(together[:, i:i + 1], alone)
+        alone = torch.ops.draftsmith_attn.attention(q[:, :, i : i + 1], k[:, :, :1], v[:, :, :1], None, 0.125)
+        assert torch.equal(together[:, i : i + 1], alone)
     k[:, :, 9:], v[:, :, 9:] = float("nan"), float("nan")  # past the first group of eight, and a bit
     assert torch.equal(torch.ops.draftsmith_attn.attention(q[:, :, 1:], k, v, mask[:, :, 1:], 0.125), together[:, 1:])
 
@@ -112,15 +116,19 @@ def test_calls_it_does_not_serve_go_to_sdpa(monkeypatch):
     called = []
     monkeypatch.setattr(attn, "sdpa_attention_forward", lambda *a, **k: called.append(1) or ("sdpa", None))
     module = torch.nn.Module()
-    for q, k in [(_qkv(1, 2, 2, attn.MAX_QUERIES + 1, 80, 16)[0], torch.zeros(1, 2, 80, 16)),
-                 (torch.zeros(1, 2, 1, 16, dtype=torch.float64), torch.zeros(1, 2, 5, 16, dtype=torch.float64)),
-                 (torch.zeros(1, 2, 1, 12), torch.zeros(1, 2, 5, 12)),
-                 (torch.zeros(1, 2, 1, 16, requires_grad=True), torch.zeros(1, 2, 5, 16))]:
+    for q, k in [
+        (_qkv(1, 2, 2, attn.MAX_QUERIES + 1, 80, 16)[0], torch.zeros(1, 2, 80, 16)),
+        (torch.zeros(1, 2, 1, 16, dtype=torch.float64), torch.zeros(1, 2, 5, 16, dtype=torch.float64)),
+        (torch.zeros(1, 2, 1, 12), torch.zeros(1, 2, 5, 12)),
+        (torch.zeros(1, 2, 1, 16, requires_grad=True), torch.zeros(1, 2, 5, 16)),
+    ]:
         assert attn.attention(module, q, k, k, None)[0] == "sdpa"
     assert len(called) == 4
     q, k, v = _qkv(1, 2, 2, 4, 9, 16)  # a short causal prefill (no mask: causal order) is served here
     out, _ = attn.attention(module, q, k, v, None)
-    torch.testing.assert_close(out, _reference(q, k, v, torch.ones(4, 9, dtype=torch.bool).tril(5)), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(
+        out, _reference(q, k, v, torch.ones(4, 9, dtype=torch.bool).tril(5)), rtol=1e-5, atol=2e-6
+    )
 
 
 def test_a_target_on_the_kernel_decodes_as_before_and_the_loop_stays_lossless(tiny_target_dir):
@@ -172,7 +180,9 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
             hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
             expected = reference.decode_hidden(torch.tensor(7), 13, on_sdpa, aux[:, 10:13])
             torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), expected, rtol=1e-5, atol=1e-5
+            )
         assert graph.calls == 1
 
 

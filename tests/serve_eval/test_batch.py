@@ -49,7 +49,9 @@ def test_batched_decoding_equals_greedy_per_row(target_and_prompts, trained_draf
     for budget, slots in ((cheap, None), (dear, None), (cheap, 3)):
         assert generate(target, prompts, MAX_NEW, eos, proposer=proposer, budget=budget, slots=slots)[0] == reference
     assert {n for step in cheap.by_rows for n in step} == {K} and cheap.batch_summary(4)["drafted_fraction"] == 1.0
-    assert {n for step in dear.by_rows for n in step} == {1} and dear.batch_summary(4)["drafted_fraction"] < 0.5  # the off switch, with probes
+    assert {n for step in dear.by_rows for n in step} == {1} and dear.batch_summary(4)[
+        "drafted_fraction"
+    ] < 0.5  # the off switch, with probes
 
 
 def test_batched_lookup_copies_equal_greedy(target_and_prompts, trained_drafters):
@@ -65,8 +67,12 @@ def test_batched_lookup_copies_equal_greedy(target_and_prompts, trained_drafters
     for lookup in (K - 1, 2 * K):
         assert generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter), lookup=lookup)[0] == reference
         budget = Budget({1: 1.0, 4 * K: 1.2}, min_drafts=1)
-        assert generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter), budget=budget, slots=2,
-                        lookup=lookup)[0] == reference
+        assert (
+            generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter), budget=budget, slots=2, lookup=lookup)[
+                0
+            ]
+            == reference
+        )
         assert budget.copied_rows and budget.batch_summary(2)["copied_fraction"] > 0
         assert sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
         assert max(n for step in budget.by_rows for n in step) <= K
@@ -83,22 +89,30 @@ def test_a_batch_size_is_judged_before_it_drafts(target_and_prompts, trained_dra
     K = drafter.config.block_size
     seconds = measure_draft_seconds(drafter, 4, context=16, repeats=2)
     assert 0 < seconds < 1
-    steps = measure_verify_costs(target_and_prompts[0], range(1, K + 1), None, context=16, repeats=2, rows=4, plain=True)
+    steps = measure_verify_costs(
+        target_and_prompts[0], range(1, K + 1), None, context=16, repeats=2, rows=4, plain=True
+    )
     assert sorted(steps) == list(range(K + 1)) and all(0 < t < 1 for t in steps.values())  # 0: a plain step
     table = {1: 1.0, 4 * K: 2.0}
     proxy = Budget(table).costs
     dearer = {n: 1.5 * proxy.verify_seconds(4 * n) for n in range(1, K + 1)}
     dearer[2] = 9.0  # one noisy timing: the median ratio ignores it
     measured = Budget(table, step_seconds=dearer, rows=4).costs
-    assert measured.tokens_seconds(4, 4 * 3) == pytest.approx(dearer[3])  # drafted steps: the table x the measured ratio
+    assert measured.tokens_seconds(4, 4 * 3) == pytest.approx(
+        dearer[3]
+    )  # drafted steps: the table x the measured ratio
     assert measured.tokens_seconds(2, 2 * 3) == pytest.approx(1.5 * proxy.verify_seconds(6))
     assert measured.tokens_seconds(2, 2) == proxy.verify_seconds(2)  # no plain step timed: the table's cost
     # batched steps timed 3x slower than the one-row table (a machine slower while they ran): drafted
     # and plain steps, timed in the same rounds, scale alike, and so does the prediction
-    slow = Budget(table, step_seconds={n: 3 * t for n, t in {**dearer, 0: 1.2 * proxy.verify_seconds(4)}.items()}, rows=4).costs
+    slow = Budget(
+        table, step_seconds={n: 3 * t for n, t in {**dearer, 0: 1.2 * proxy.verify_seconds(4)}.items()}, rows=4
+    ).costs
     assert slow.tokens_seconds(4, 4) == pytest.approx(3 * 1.2 * proxy.verify_seconds(4))
     assert slow.tokens_seconds(2, 2) == pytest.approx(3 * 1.2 * proxy.verify_seconds(2))
-    assert slow.tokens_seconds(4, 12) / slow.tokens_seconds(4, 4) == pytest.approx(dearer[3] / (1.2 * proxy.verify_seconds(4)))
+    assert slow.tokens_seconds(4, 12) / slow.tokens_seconds(4, 4) == pytest.approx(
+        dearer[3] / (1.2 * proxy.verify_seconds(4))
+    )
     for costs, pays in (({1: 1.0, 4 * K: 4.0 * K}, False), ({1: 1.0, 4 * K: 1.2}, True)):
         budget = Budget(costs)
         for _ in range(50):  # drafts at every depth kept 90% of the time
@@ -148,9 +162,13 @@ def test_a_batch_whose_measured_rates_flip_stays_greedy(target_and_prompts, trai
     monkeypatch.setattr(DraftSwitch, "should_draft", lambda self, predicted=None: next(turns) % 2 == 0)
     budget = Budget({1: 1.0, 4 * K: 1.2}, min_drafts=1)  # the prediction says draft
     reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts[:3]]
-    assert generate(target, prompts[:3], MAX_NEW, proposer=make_proposer(drafter), budget=budget, slots=2)[0] == reference
+    assert (
+        generate(target, prompts[:3], MAX_NEW, proposer=make_proposer(drafter), budget=budget, slots=2)[0] == reference
+    )
     switch = budget.switch_for(2)
-    assert 0 < budget.batch_summary(2)["drafted_fraction"] < 1 and switch.stats[True].seen and switch.plain  # both ran, recorded
+    assert (
+        0 < budget.batch_summary(2)["drafted_fraction"] < 1 and switch.stats[True].seen and switch.plain
+    )  # both ran, recorded
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
@@ -171,14 +189,18 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
     head[0], head[1, :8] = feats[0][0, :15], feats[1][0, :8]  # row 1 keeps 8 of its 15 slots
     tail[0], tail[1] = feats[0][0, 15:], feats[1][0, 8:]
     batch.start([rows[0][:15], rows[1][:8]], head, torch.stack([rows[0][15], rows[1][8]]))
-    batch.observe([15, 8], [rows[0][15:20], rows[1][8:13]], tail)  # five verified a row (the count is what matters): queued
+    batch.observe(
+        [15, 8], [rows[0][15:20], rows[1][8:13]], tail
+    )  # five verified a row (the count is what matters): queued
     batch._flush()
     assert batch.context.lengths.tolist() == [20, 13]
     # row 1's, queued when it finishes (row 0 kept none of these)
     batch.observe([20, 13], [rows[0][:0], rows[1][:2]], torch.randn(2, 3, feats[0].shape[-1]))
     rows[1] = prompts[2][:17]
     feats[1] = capture(rows[1][None]).aux
-    batch.put(torch.tensor([1]), [rows[1]], torch.cat([feats[1], torch.zeros(1, 3, feats[1].shape[-1])], dim=1), rows[1][-1:])
+    batch.put(
+        torch.tensor([1]), [rows[1]], torch.cat([feats[1], torch.zeros(1, 3, feats[1].shape[-1])], dim=1), rows[1][-1:]
+    )
     batch._flush()
     assert batch.context.lengths.tolist() == [20, 17]
     anchors = torch.stack([p[-1] for p in rows])
@@ -194,9 +216,14 @@ def steps_match_alone(target, batch, alone, steps: int, n: int) -> None:
     """``steps`` steps of ``n`` random tokens a row, each row keeping a random count of them: the
     batch's logits equal those of each row's own session (``alone``) every step."""
     for _ in range(steps):
-        ids, counts = torch.randint(0, target.config.vocab_size, (len(alone), n)), torch.randint(1, n + 1, (len(alone),))
+        ids, counts = (
+            torch.randint(0, target.config.vocab_size, (len(alone), n)),
+            torch.randint(1, n + 1, (len(alone),)),
+        )
         together = batch.step(ids)[0]
-        torch.testing.assert_close(together, torch.cat([a.step(ids[i:i + 1])[0] for i, a in enumerate(alone)]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            together, torch.cat([a.step(ids[i : i + 1])[0] for i, a in enumerate(alone)]), atol=1e-5, rtol=1e-5
+        )
         batch.keep(counts)
         for a, c in zip(alone, counts):
             a.keep(c[None])

@@ -138,7 +138,11 @@ def test_tree_size_truncates_a_best_first_tree_to_a_tree_and_records_its_walk():
     tree = build_best_first_tree(log_probs, 10)
     assert all(p < i for i, p in enumerate(tree.parents.tolist()))  # pop order: parents first
     budget = Budget({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5})
-    q, parents, depths = log_probs[tree.depths - 1, tree.tokens].exp().tolist(), tree.parents.tolist(), tree.depths.tolist()
+    q, parents, depths = (
+        log_probs[tree.depths - 1, tree.tokens].exp().tolist(),
+        tree.parents.tolist(),
+        tree.depths.tolist(),
+    )
     n = budget.tree_size(q, parents, depths)
     reach = []
     for qi, p in zip(q, parents):
@@ -192,8 +196,11 @@ def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst(monkeypatc
     def runner(key):
         def run():
             order.append(key)
-            clock[0] += 0.001 if calls[key] == 0 else 0.03 if calls[key] in slow[key] else 0.002  # the warm-up: not counted
+            clock[0] += (
+                0.001 if calls[key] == 0 else 0.03 if calls[key] in slow[key] else 0.002
+            )  # the warm-up: not counted
             calls[key] += 1
+
         return run
 
     runs = {key: (runner(key), None) for key in "ab"}
@@ -201,7 +208,10 @@ def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst(monkeypatc
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     calls.clear()
     least = timing.interleaved_seconds(runs, 4, "cpu", least=True)
-    assert median == {"a": pytest.approx(0.03), "b": pytest.approx(0.002)}  # rounds 1-4 of a: 0.03 three times, then 0.002
+    assert median == {
+        "a": pytest.approx(0.03),
+        "b": pytest.approx(0.002),
+    }  # rounds 1-4 of a: 0.03 three times, then 0.002
     assert least == {"a": pytest.approx(0.002), "b": pytest.approx(0.002)}
 
 
@@ -213,10 +223,20 @@ def _toy_greedy_run():
     from serve_eval.loop import plain_generate
 
     torch.manual_seed(0)
-    target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
-                                         max_position_embeddings=128, initializer_range=0.4), 6).eval()
-    drafter = build_drafter(DrafterSection(kind="dflash", block_size=4, target_layer_ids=[0, 1, 2]), target, "toy",
-                            mask_token_id=5).eval()
+    target = build_causal_lm(
+        ModelConfig(
+            hidden_size=16,
+            num_layers=3,
+            num_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=128,
+            initializer_range=0.4,
+        ),
+        6,
+    ).eval()
+    drafter = build_drafter(
+        DrafterSection(kind="dflash", block_size=4, target_layer_ids=[0, 1, 2]), target, "toy", mask_token_id=5
+    ).eval()
     prompt = torch.tensor([1, 2, 3])
     return target, drafter, prompt, plain_generate(target, prompt, 30)[0]
 
@@ -247,7 +267,7 @@ def test_the_draft_switch_stops_drafting_where_it_does_not_pay_and_probes():
         switch.record(drafting, 0, 2.0 if drafting else 1.0)  # a draft that kept nothing, at twice a plain step
     gaps = [i for i, d in enumerate(decisions) if d]
     assert gaps[:5] == [0, 1, 2, 3, 4]  # one step after a kept draft (the start), four after a miss
-    assert [b - a - 1 for a, b in zip(gaps[4:], gaps[5:])] == [8, 16, 32, 64, 64, 64][:len(gaps) - 5]
+    assert [b - a - 1 for a, b in zip(gaps[4:], gaps[5:])] == [8, 16, 32, 64, 64, 64][: len(gaps) - 5]
     assert switch.summary()["skipped_steps"] == 300 - len(gaps)
     for _ in range(3):  # probes that pay: 4 tokens in 2 plain steps' time
         while not switch.should_draft():

@@ -48,7 +48,9 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
     graph_call, counts, tight = compiled.CompiledDraft.__call__, [], []
 
-    def checked(self, anchor, cache, arrived, propose):  # the eager block from a copy of the same cache, beside the graph's
+    def checked(
+        self, anchor, cache, arrived, propose
+    ):  # the eager block from a copy of the same cache, beside the graph's
         eager_cache = copy.deepcopy(cache)
         reference = drafter.decode_hidden(anchor, cache.length + arrived.shape[1], eager_cache, arrived)
         hidden, proposal = graph_call(self, anchor, cache, arrived, propose)
@@ -67,18 +69,30 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, backend=backend)[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}), backend=backend)[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}),
-                                    backend=backend)[0] == reference
+        assert (
+            speculative_generate(target, drafter, prompt, MAX_NEW, budget=Budget({1: 1.0, 8: 1.2}), backend=backend)[0]
+            == reference
+        )
+        assert (
+            speculative_generate(
+                target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}), backend=backend
+            )[0]
+            == reference
+        )
     assert len(counts) > 20 and len(set(counts)) > 2  # the graph drafted, after steps that kept various counts
     assert sum(tight) >= 0.95 * len(tight)
     longer, before = torch.cat([prompts[0]] * 3), len(counts)  # past the graph's caches: eager, still lossless
-    assert speculative_generate(target, drafter, longer, MAX_NEW, backend=backend)[0] == plain_generate(target, longer, MAX_NEW)[0]
+    assert (
+        speculative_generate(target, drafter, longer, MAX_NEW, backend=backend)[0]
+        == plain_generate(target, longer, MAX_NEW)[0]
+    )
     assert len(counts) == before
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prompts, trained_drafters, kind, monkeypatch):
+def test_batches_draft_from_the_compiled_graph_and_stay_lossless(
+    target_and_prompts, trained_drafters, kind, monkeypatch
+):
     """A drafter compiled for batches of two and three rows: batched greedy decoding (every draft
     verified or a scheduler's choice, rows of different lengths, fewer slots than prompts, rows leaving
     and joining) drafts from the graph whenever the batch has a compiled size, each graph draft equal
@@ -100,10 +114,14 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     def checked(self, anchors, counts, arriving, keys, values, propose):
         copies, guarded_copies = [b.clone() for b in keys + values], [b.clone() for b in keys + values]
         features = arriving.new_zeros(len(anchors), self.block_size, arriving.shape[2])
-        features[:, :arriving.shape[1]] = arriving
-        reference = drafter.decode_static(anchors, counts, features, copies[:len(keys)], copies[len(keys):])
-        guarded = self.graph(drafter, anchors, counts, features, guarded_copies[:len(keys)], guarded_copies[len(keys):], propose)
-        hidden, proposal = graph_run(self, anchors, counts, arriving, keys, values, propose)  # through run(): the same bits
+        features[:, : arriving.shape[1]] = arriving
+        reference = drafter.decode_static(anchors, counts, features, copies[: len(keys)], copies[len(keys) :])
+        guarded = self.graph(
+            drafter, anchors, counts, features, guarded_copies[: len(keys)], guarded_copies[len(keys) :], propose
+        )
+        hidden, proposal = graph_run(
+            self, anchors, counts, arriving, keys, values, propose
+        )  # through run(): the same bits
         assert torch.equal(hidden, guarded[0]) and all(torch.equal(a, b) for a, b in zip(keys + values, guarded_copies))
         close_to_rounding_or_an_int8_step(hidden, reference, tight)
         rows_seen.append(len(anchors))
@@ -113,9 +131,21 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(target_and_prom
     reference = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
     K = drafter.config.block_size
     for slots, budget in ((3, None), (2, None), (3, Budget({1: 1.0, 2: 1.1, 4 * K: 3.0}))):
-        assert generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter, backend=backend), budget=budget,
-                        slots=slots, backend=backend)[0] == reference
-    assert rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}  # a last row: the one-row graph
+        assert (
+            generate(
+                target,
+                prompts,
+                MAX_NEW,
+                proposer=make_proposer(drafter, backend=backend),
+                budget=budget,
+                slots=slots,
+                backend=backend,
+            )[0]
+            == reference
+        )
+    assert (
+        rows_seen.count(3) > 5 and rows_seen.count(2) > 5 and set(rows_seen) == {1, 2, 3}
+    )  # a last row: the one-row graph
     assert sum(tight) >= 0.95 * len(tight)
 
 
@@ -132,14 +162,24 @@ def test_a_batch_drafts_through_its_graph_after_steps_that_did_not_draft(trained
     backend = CpuBackend(prepack="off", int8="off", compile="off")
     backend.compile_draft(drafter, 48, rows=(2,))
     calls, run = [], compiled.CompiledDraft.run
-    monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(len(args[0])) or run(self, *args))
+    monkeypatch.setattr(
+        compiled.CompiledDraft, "run", lambda self, *args: calls.append(len(args[0])) or run(self, *args)
+    )
     torch.manual_seed(0)
     width = drafter.fc.in_features
-    start, steps, anchors = torch.randn(2, 12, width), [torch.randn(2, 1, width) for _ in range(5)], torch.tensor([3, 7])
+    start, steps, anchors = (
+        torch.randn(2, 12, width),
+        [torch.randn(2, 1, width) for _ in range(5)],
+        torch.tensor([3, 7]),
+    )
     drafts = []
     for d in (drafter, eager):
         proposer = BlockProposer(d, backend=backend)
-        proposer.start([torch.zeros(12, dtype=torch.long), torch.zeros(9, dtype=torch.long)], start, torch.zeros(2, dtype=torch.long))
+        proposer.start(
+            [torch.zeros(12, dtype=torch.long), torch.zeros(9, dtype=torch.long)],
+            start,
+            torch.zeros(2, dtype=torch.long),
+        )
         for i, features in enumerate(steps):  # plain steps: each row verified its bonus alone
             proposer.observe([12 + i, 9 + i], [torch.zeros(1, dtype=torch.long)] * 2, features)
         drafts.append(proposer.propose(anchors, [17, 14], [Sampler(), Sampler()]))
@@ -163,7 +203,9 @@ def test_one_row_drafts_through_its_graph_after_more_than_a_block_of_features(tr
     backend = CpuBackend(prepack="off", int8="off", compile="off")
     backend.compile_draft(drafter, 48)
     calls, run = [], compiled.CompiledDraft.run
-    monkeypatch.setattr(compiled.CompiledDraft, "run", lambda self, *args: calls.append(args[2].shape[1]) or run(self, *args))
+    monkeypatch.setattr(
+        compiled.CompiledDraft, "run", lambda self, *args: calls.append(args[2].shape[1]) or run(self, *args)
+    )
     torch.manual_seed(0)
     K = drafter.config.block_size
     features = [torch.randn(1, 3 * K + 2, drafter.fc.in_features), torch.randn(1, K + 1, drafter.fc.in_features)]
@@ -209,4 +251,6 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
             eager = copy.deepcopy(cache)
             assert graph.fits(cache.keys, cache.length + 3, 3)
             hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
-            torch.testing.assert_close(hidden, drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                hidden, drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4
+            )

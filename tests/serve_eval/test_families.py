@@ -63,7 +63,9 @@ def test_plain_decoding_equals_transformers_generate(targets, family):
     target = targets[family]
     for prompt in prompts(2):
         ours, _ = plain_generate(target, prompt, MAX_NEW)
-        theirs = target.generate(prompt[None], max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt):]
+        theirs = target.generate(prompt[None], max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[
+            0, len(prompt) :
+        ]
         assert ours == theirs.tolist()
 
 
@@ -84,7 +86,9 @@ def test_the_loop_is_lossless_for_every_drafter(targets, tokenizer, family):
         for wrong in (False, True):
             for mode in ("chain", "tree"):
                 scripted = ScriptedProposer(reference, len(prompt), 4, target.config.vocab_size, wrong)
-                out, stats = speculative_generate(target, d, prompt, MAX_NEW, proposer=scripted, mode=mode, tree_budget=3)
+                out, stats = speculative_generate(
+                    target, d, prompt, MAX_NEW, proposer=scripted, mode=mode, tree_budget=3
+                )
                 assert out == reference, (wrong, mode)
                 assert stats.tau == 1.0 if wrong else stats.tau > 3.0
 
@@ -112,15 +116,30 @@ def test_batches_are_lossless(targets, tokenizer, family):
     references = [plain_generate(target, p, MAX_NEW)[0] for p in batch]
     for kind in ("dflash", "dspark", "eagle3"):
         for mode in ("chain", "tree"):
-            outs, _ = generate(target, batch, MAX_NEW, proposer=make_proposer(drafter(target, kind, tokenizer)), slots=2,
-                               mode=mode, tree_budget=3)
+            outs, _ = generate(
+                target,
+                batch,
+                MAX_NEW,
+                proposer=make_proposer(drafter(target, kind, tokenizer)),
+                slots=2,
+                mode=mode,
+                tree_budget=3,
+            )
             assert outs == references, (kind, mode)
 
 
 def toy(family: str):
     """A 6-token family model with a window of 4, peaked enough that its distributions vary."""
-    return family_model(family, 6, window=4, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                        max_position_embeddings=64, initializer_range=0.4)
+    return family_model(
+        family,
+        6,
+        window=4,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        initializer_range=0.4,
+    )
 
 
 @pytest.mark.parametrize("family", WINDOWED + ["qwen3_moe"])
@@ -131,6 +150,7 @@ def test_sampling_follows_the_target_distribution(family):
     prompt = torch.tensor([1, 2, 3, 4, 5, 0, 1, 2])
     sampler = Sampler(temperature=1.0)
     with torch.no_grad():
+
         def probs(ids):
             return sampler.probs(target(torch.tensor([ids])).logits[0, -1]).double()
 
@@ -141,8 +161,12 @@ def test_sampling_follows_the_target_distribution(family):
             for t2 in range(6):
                 exact[t2] += p1[t1] * p2[t2] * probs(prompt.tolist() + [t1, t2])
     torch.manual_seed(0)
-    d = build_drafter(DrafterSection(kind="dflash", block_size=3, num_target_layers=2, target_layer_ids=[0, 1]), target, "toy",
-                      mask_token_id=5).eval()
+    d = build_drafter(
+        DrafterSection(kind="dflash", block_size=3, num_target_layers=2, target_layer_ids=[0, 1]),
+        target,
+        "toy",
+        mask_token_id=5,
+    ).eval()
     for mode in ("chain", "tree"):
         counts = torch.zeros(6, 6)
         sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1))
@@ -153,7 +177,9 @@ def test_sampling_follows_the_target_distribution(family):
     counts = torch.zeros(6, 6)  # batches: eight rows of the prompt, each with its own draws
     for b in range(50):
         samplers = [Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1000 * b + r)) for r in range(8)]
-        outs, _ = generate(target, [prompt] * 8, 3, samplers=samplers, proposer=make_proposer(d), mode="tree", tree_budget=4)
+        outs, _ = generate(
+            target, [prompt] * 8, 3, samplers=samplers, proposer=make_proposer(d), mode="tree", tree_budget=4
+        )
         for out in outs:
             counts[out[1], out[2]] += 1
     assert chi_square_pvalue(counts, exact) > ALPHA, "batch"
@@ -172,8 +198,15 @@ def test_a_multimodal_gemma3_checkpoint_serves_as_its_text_model(tmp_path, token
     with torch.no_grad():
         assert torch.equal(target(prompt[None]).logits, full(prompt[None]).logits)
     reference, _ = plain_generate(target, prompt, MAX_NEW)
-    assert reference == full.generate(prompt[None], max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt):].tolist()
-    assert speculative_generate(target, drafter(target, "dflash", tokenizer), prompt, MAX_NEW, mode="tree")[0] == reference
+    assert (
+        reference
+        == full.generate(prompt[None], max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
+    )
+    assert (
+        speculative_generate(target, drafter(target, "dflash", tokenizer), prompt, MAX_NEW, mode="tree")[0] == reference
+    )
 
 
 def train(recipe: dict):
@@ -185,11 +218,24 @@ def train(recipe: dict):
 
 def short_run(out, target_dir, recipe: str, **sections) -> dict:
     """Two steps of a training recipe on 12 stdlib files, evaluated and saved once."""
-    return {"recipe": recipe, "output_dir": str(out), "seed": 0, "target": {"path": str(target_dir)},
-            "data": {"source": "stdlib", "seq_len": 64, "max_documents": 12, "val_fraction": 0.1},
-            "optim": {"lr": 3e-3, "warmup_steps": 1},
-            "train": {"max_steps": 2, "micro_batch_size": 4, "eval_every": 2, "eval_batches": 1, "save_every": 2, "log_every": 1,
-                      "torch_threads": 1}, **sections}
+    return {
+        "recipe": recipe,
+        "output_dir": str(out),
+        "seed": 0,
+        "target": {"path": str(target_dir)},
+        "data": {"source": "stdlib", "seq_len": 64, "max_documents": 12, "val_fraction": 0.1},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {
+            "max_steps": 2,
+            "micro_batch_size": 4,
+            "eval_every": 2,
+            "eval_batches": 1,
+            "save_every": 2,
+            "log_every": 1,
+            "torch_threads": 1,
+        },
+        **sections,
+    }
 
 
 @pytest.mark.slow
@@ -200,35 +246,67 @@ def test_every_drafter_trains_and_exports_behind_the_parity_gate(tmp_path, folde
     passes (equal logits, measured tau as simulated)."""
     from transformers import AutoModel
 
-    for kind, features in (("dflash", {"mode": "online"}), ("dspark", {"mode": "online"}),
-                           ("eagle3", {"mode": "offline", "cache_dir": str(tmp_path / "cache"), "dtype": "float32"})):
+    for kind, features in (
+        ("dflash", {"mode": "online"}),
+        ("dspark", {"mode": "online"}),
+        ("eagle3", {"mode": "offline", "cache_dir": str(tmp_path / "cache"), "dtype": "float32"}),
+    ):
         block = {"qk_norm": True} if kind != "eagle3" else {}
         run = tmp_path / kind
-        summary = train(short_run(run, folders[family], "train_drafter", features={**features, "max_windows": 16},
-                                  drafter={"kind": kind, "num_layers": 1, "block_size": 4, "num_anchors": 8, "markov_rank": 16, **block}))
+        summary = train(
+            short_run(
+                run,
+                folders[family],
+                "train_drafter",
+                features={**features, "max_windows": 16},
+                drafter={"kind": kind, "num_layers": 1, "block_size": 4, "num_anchors": 8, "markov_rank": 16, **block},
+            )
+        )
         assert summary["steps"] == 2 and summary["val_simulated_tau"] >= 1.0, (kind, summary)
-        manifest = train({"recipe": "export", "output_dir": str(tmp_path / f"{kind}_export"), "seed": 0,
-                          "drafter": str(run / "checkpoints" / "best"), "target": {"path": str(folders[family])},
-                          "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 40},
-                          "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
-                          "gate": {"max_new_tokens": 24}, "torch_threads": 1})
+        manifest = train(
+            {
+                "recipe": "export",
+                "output_dir": str(tmp_path / f"{kind}_export"),
+                "seed": 0,
+                "drafter": str(run / "checkpoints" / "best"),
+                "target": {"path": str(folders[family])},
+                "prompts": {"from_corpus": 2, "split": "val", "prompt_tokens": 40},
+                "data": {"source": "stdlib", "max_documents": 40, "val_fraction": 0.1},
+                "gate": {"max_new_tokens": 24},
+                "torch_threads": 1,
+            }
+        )
         exported = {fmt for fmt, rec in manifest["formats"].items() if rec["folder"]}
-        assert manifest["gate"]["passed"] and exported == ({"transformers", "speculators", "sglang_eagle3"} if kind == "eagle3"
-                                                           else {"transformers", "speculators"}), (kind, manifest["formats"])
-        assert AutoModel.from_pretrained(tmp_path / f"{kind}_export" / "transformers").config.model_type == f"draftsmith_{kind}"
+        assert manifest["gate"]["passed"] and exported == (
+            {"transformers", "speculators", "sglang_eagle3"} if kind == "eagle3" else {"transformers", "speculators"}
+        ), (kind, manifest["formats"])
+        assert (
+            AutoModel.from_pretrained(tmp_path / f"{kind}_export" / "transformers").config.model_type
+            == f"draftsmith_{kind}"
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_pard_student_of_the_targets_family_trains_and_drafts_losslessly(tmp_path, folders, targets, tokenizer, family):
+def test_a_pard_student_of_the_targets_family_trains_and_drafts_losslessly(
+    tmp_path, folders, targets, tokenizer, family
+):
     """``student.arch: target``: a one-layer student of the target's own family, started from its first layer
     (PARD's layer dropping), distilled with PARD's mask blocks (each windowed layer gets its window), then
     drafting K tokens a forward in the loop."""
     from transformers import AutoModelForCausalLM
 
-    summary = train(short_run(tmp_path, folders[family], "distill_student", student={"arch": "target", "num_layers": 1},
-                              init_from_target_layers=[0], distill={"divergence": "forward_kl", "ce_weight": 0.0},
-                              pard={"draft_tokens": 4, "anchors": 4, "keep": 0.6}))
+    summary = train(
+        short_run(
+            tmp_path,
+            folders[family],
+            "distill_student",
+            student={"arch": "target", "num_layers": 1},
+            init_from_target_layers=[0],
+            distill={"divergence": "forward_kl", "ce_weight": 0.0},
+            pard={"draft_tokens": 4, "anchors": 4, "keep": 0.6},
+        )
+    )
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     assert type(student) is type(targets[family]) and student.config.num_hidden_layers == 1 and summary["steps"] == 2
     prompt = prompts(1)[0]
@@ -252,5 +330,13 @@ def test_a_family_the_loop_cannot_run_is_refused_at_validation(tmp_path, folders
         (folder / name).write_bytes((folders["llama3"] / name).read_bytes())
     Llama4TextConfig(num_hidden_layers=4).save_pretrained(folder)
     with pytest.raises(RecipeError, match="chunked_attention layers; the decoding loop supports"):
-        parse_recipe({"recipe": "eval", "output_dir": str(tmp_path / "out"), "target": {"path": str(folder)},
-                      "drafter": str(REPO / "distill/assets/testbed_dflash"), "prompts": {"from_corpus": 2}, "data": {"source": "stdlib"}})
+        parse_recipe(
+            {
+                "recipe": "eval",
+                "output_dir": str(tmp_path / "out"),
+                "target": {"path": str(folder)},
+                "drafter": str(REPO / "distill/assets/testbed_dflash"),
+                "prompts": {"from_corpus": 2},
+                "data": {"source": "stdlib"},
+            }
+        )

@@ -36,7 +36,11 @@ def test_int8_linear_is_its_codes_exactly_and_close_to_the_float_linear(shape, b
     x = torch.randn(*shape)
     reference = Int8Linear.from_linear(linear, kernel="int_mm")
     assert reference.kernel == "int_mm" and not hasattr(reference, "panels")
-    assert reference.codes.dtype == torch.int8 and reference.codes.shape == (shape[-1], 50) and reference.codes.abs().max() == 127
+    assert (
+        reference.codes.dtype == torch.int8
+        and reference.codes.shape == (shape[-1], 50)
+        and reference.codes.abs().max() == 127
+    )
     y = reference(x)
     assert y.shape == (*shape[:-1], 50) and torch.equal(y, _torch_arithmetic(reference, x))
     rows = x.reshape(-1, shape[-1]).double()
@@ -77,7 +81,7 @@ def test_a_row_of_the_operator_is_its_own_and_a_row_of_zeros_is_the_bias(isa):
     y = int8(x)
     assert torch.equal(y[[3, 7]], linear.bias.detach().expand(2, -1))
     for r in range(11):
-        assert torch.equal(int8(x[r:r + 1]), y[r:r + 1]), r
+        assert torch.equal(int8(x[r : r + 1]), y[r : r + 1]), r
 
 
 def test_a_compiled_graph_holds_the_operator_and_bad_shapes_are_refused():
@@ -117,8 +121,13 @@ def test_int8_drafter_converts_heads_or_everything():
             self.lm_head = nn.Linear(8, 32, bias=False)
 
     head_only = int8_drafter(Toy(), "head")
-    assert head_only == {"which": "head", "linears": 1, "weight_bytes": 32 * 8 * 4, "int8_bytes": 32 * 8 + 32 * 4,
-                         "kernel": int8_module.native_op()}
+    assert head_only == {
+        "which": "head",
+        "linears": 1,
+        "weight_bytes": 32 * 8 * 4,
+        "int8_bytes": 32 * 8 + 32 * 4,
+        "kernel": int8_module.native_op(),
+    }
     toy = Toy()
     assert int8_drafter(toy, "all")["linears"] == 2
     assert isinstance(toy.layer[0], Int8Linear) and isinstance(toy.lm_head, Int8Linear)
@@ -150,4 +159,7 @@ def test_int8_drafters_stay_lossless(target_and_prompts, trained_drafters, kind)
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert speculative_generate(target, drafter, prompt, MAX_NEW)[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+        assert (
+            speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0]
+            == reference
+        )

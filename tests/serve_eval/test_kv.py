@@ -41,7 +41,7 @@ def test_fp8_codes_keep_a_relative_error_of_e4m3():
     x = states(4, 64)
     error = (dequantize(quantize(x, spec), spec) - x).abs()
     group_max = x.abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True).expand(-1, -1, 32).flatten(-2)
-    assert bool((error <= x.abs() * 2 ** -4 + group_max * 2 ** -9 + 1e-6).all())  # 3 mantissa bits; subnormals
+    assert bool((error <= x.abs() * 2**-4 + group_max * 2**-9 + 1e-6).all())  # 3 mantissa bits; subnormals
 
 
 def test_rotation_is_orthogonal_and_spreads_outliers():
@@ -63,7 +63,7 @@ def test_a_position_reads_the_same_whatever_the_chunking(spec):
     for chunks in ([1] * 40, [7, 1, 12, 20], [40]):
         layer, start = QuantizedLayer(spec), 0
         for n in chunks:
-            k, v = layer.update(keys[:, :, start:start + n], values[:, :, start:start + n])
+            k, v = layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
             start += n
         reads.append((k, v))
     for k, v in reads[1:]:
@@ -91,7 +91,9 @@ def test_crops_row_selection_and_moves_act_on_codes_as_on_floats(spec):
     assert torch.equal(k[:, :, 11:], expect[0]) and torch.equal(v[:, :, 11:], expect[1])
 
 
-@pytest.mark.parametrize("spec", [None, *FORMATS], ids=lambda s: "full" if s is None else f"{s.format}{'-rot' if s.rotate else ''}")
+@pytest.mark.parametrize(
+    "spec", [None, *FORMATS], ids=lambda s: "full" if s is None else f"{s.format}{'-rot' if s.rotate else ''}"
+)
 def test_rows_written_at_slots_of_their_own_and_put_from_another_layer(spec):
     """A batch's cache calls (:mod:`serve_eval.session`): each row writing at slots of its own
     (``write_at``) and a row starting over as another layer's row (``put_rows``, longer than the
@@ -111,8 +113,10 @@ def test_rows_written_at_slots_of_their_own_and_put_from_another_layer(spec):
     k, v = layer.read()
     for row, (source, tokens) in enumerate([(0, [*range(13)]), (2, [*range(10, 80)]), (2, [*range(7), 10, 11, 12])]):
         fresh = make()
-        expect = fresh.update(keys[source:source + 1, :, tokens], values[source:source + 1, :, tokens])
-        assert torch.equal(k[row:row + 1, :, :len(tokens)], expect[0]) and torch.equal(v[row:row + 1, :, :len(tokens)], expect[1])
+        expect = fresh.update(keys[source : source + 1, :, tokens], values[source : source + 1, :, tokens])
+        assert torch.equal(k[row : row + 1, :, : len(tokens)], expect[0]) and torch.equal(
+            v[row : row + 1, :, : len(tokens)], expect[1]
+        )
 
 
 def test_cache_bytes_per_token_follow_the_format():
@@ -177,8 +181,12 @@ def test_quantized_kv_caches_stay_lossless(target_and_prompts, trained_drafters,
         for prompt in prompts:
             reference, _ = plain_generate(target, prompt, MAX_NEW, kv=kv)
             assert speculative_generate(target, drafter, prompt, MAX_NEW, kv=kv)[0] == reference
-            assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", kv=kv,
-                                        budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+            assert (
+                speculative_generate(
+                    target, drafter, prompt, MAX_NEW, mode="tree", kv=kv, budget=Budget({1: 1.0, 16: 1.3})
+                )[0]
+                == reference
+            )
         rows = [prompts[0], prompts[1][:17], prompts[2][:9]]
         expected = [plain_generate(target, p, MAX_NEW, kv=kv)[0] for p in rows]
         for slots in (None, 2):  # 2: the third prompt takes a finished row's place, codes copied in place

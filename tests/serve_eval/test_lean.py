@@ -20,8 +20,17 @@ from serve_eval.session import TargetSession
 
 def _target(arch: str, **changes):
     torch.manual_seed(0)
-    cfg = ModelConfig(**{"arch": arch, "hidden_size": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
-                         "intermediate_size": 96, **changes})
+    cfg = ModelConfig(
+        **{
+            "arch": arch,
+            "hidden_size": 64,
+            "num_layers": 3,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "intermediate_size": 96,
+            **changes,
+        }
+    )
     return build_causal_lm(cfg, 300).eval()
 
 
@@ -44,8 +53,16 @@ def _same(a, b) -> None:
             assert torch.equal(a[1].last, b[1].last)
 
 
-@pytest.mark.parametrize("arch, kv, served", [("llama", "full", False), ("qwen3", "full", False), ("llama", "int8", False),
-                                               ("qwen3", "full", True), ("llama", "full", True)])
+@pytest.mark.parametrize(
+    "arch, kv, served",
+    [
+        ("llama", "full", False),
+        ("qwen3", "full", False),
+        ("llama", "int8", False),
+        ("qwen3", "full", True),
+        ("llama", "full", True),
+    ],
+)
 def test_one_row_steps_equal_the_models_forward(arch, kv, served):
     """A prefill, decode steps, a verified chain cut back, and a tree: the same bits either way,
     with transformers' kernels and (``served``) with the prepacked Linears and our attention kernel."""
@@ -110,8 +127,13 @@ def test_a_model_without_logits_to_keep_gives_each_rows_own_logits():
             self.inner, self.config = target, target.config
 
         def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, use_cache=True):
-            return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                              cache=cache, use_cache=use_cache)
+            return self.inner(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=use_cache,
+            )
 
     ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(7)[None].expand(2, 7)

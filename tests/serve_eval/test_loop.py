@@ -19,7 +19,13 @@ class ScriptedProposer(PerRow):
     """Proposes the baseline's own continuation (always accepted) or a wrong token (always rejected)."""
 
     def __init__(self, reference: list[int], prompt_len: int, block_size: int, vocab: int, wrong: bool):
-        self.reference, self.prompt_len, self.block_size, self.vocab, self.wrong = reference, prompt_len, block_size, vocab, wrong
+        self.reference, self.prompt_len, self.block_size, self.vocab, self.wrong = (
+            reference,
+            prompt_len,
+            block_size,
+            vocab,
+            wrong,
+        )
 
     def row(self):
         return _Script(self)
@@ -40,7 +46,7 @@ class _Script:
     def propose(self, anchor, anchor_pos, sampler):
         s = self.script
         i = anchor_pos - s.prompt_len + 1  # reference index of the token after the anchor
-        nxt = (s.reference + [0] * s.block_size)[i:i + s.block_size - 1]
+        nxt = (s.reference + [0] * s.block_size)[i : i + s.block_size - 1]
         tokens = (torch.tensor(nxt) + int(s.wrong)) % s.vocab
         return tokens, torch.nn.functional.one_hot(tokens, s.vocab).float() * 100  # trees: the same chain first
 
@@ -63,7 +69,9 @@ def test_greedy_speculative_equals_greedy(target_and_prompts, trained_drafters, 
         K = drafter.config.block_size
         for wrong, mode in ((True, "chain"), (False, "chain"), (True, "tree"), (False, "tree")):
             scripted = ScriptedProposer(reference, len(prompt), K, len(tok), wrong)
-            out, s = speculative_generate(target, drafter, prompt, MAX_NEW, proposer=scripted, mode=mode, tree_budget=K - 1)
+            out, s = speculative_generate(
+                target, drafter, prompt, MAX_NEW, proposer=scripted, mode=mode, tree_budget=K - 1
+            )
             assert out == reference, f"wrong={wrong}, {mode}"
             if wrong:  # every draft rejected: one token per target forward
                 assert s.tau == 1.0 and sum(s.accepted_by_position) == 0
@@ -139,11 +147,13 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     feats = FeatureCapture(target, drafter.config.target_layer_ids)(seq)
     a = prompts[0].shape[0]  # the first bonus token's position
     proposer = make_proposer(drafter)
-    proposer.start([seq[0, :a - 3]], feats.aux[:, :a - 3], seq[0, a - 3:a - 2])  # positions < a - 3, then a - 3's token
-    proposer.observe([a - 3], [seq[0, a - 2:a + 1]], feats.aux[:, a - 3:a])
+    proposer.start(
+        [seq[0, : a - 3]], feats.aux[:, : a - 3], seq[0, a - 3 : a - 2]
+    )  # positions < a - 3, then a - 3's token
+    proposer.observe([a - 3], [seq[0, a - 2 : a + 1]], feats.aux[:, a - 3 : a])
     from serve_eval.sampling import Sampler
 
-    proposal = proposer.propose(seq[0, a:a + 1], [a], [Sampler()])
+    proposal = proposer.propose(seq[0, a : a + 1], [a], [Sampler()])
     decoded, logits = proposal.tokens[0], proposal.logits[0]
     if kind == "eagle3":
         out = drafter(seq, feats.aux, feats.last)  # chain starting at t = a - 1
@@ -155,7 +165,9 @@ def test_decoding_drafts_match_training_drafts(target_and_prompts, trained_draft
     if kind != "dspark":  # DSpark's training logits follow the answer's tokens, its drafts its own
         torch.testing.assert_close(logits, trained_logits, rtol=1e-4, atol=1e-4)
     if kind == "dspark":
-        trained = drafter.propose(drafter.block_hidden(feats.aux, seq[:, a:a + 1], torch.tensor([[a]])), seq[:, a:a + 1])[0][0, 0]
+        trained = drafter.propose(
+            drafter.block_hidden(feats.aux, seq[:, a : a + 1], torch.tensor([[a]])), seq[:, a : a + 1]
+        )[0][0, 0]
     assert torch.equal(decoded, trained)
 
 
@@ -194,8 +206,9 @@ def test_greedy_drafts_with_lookup_equal_greedy(target_and_prompts, trained_draf
         for prompt in [*prompts, repetitive]:
             reference, base = plain_generate(target, prompt, MAX_NEW)
             for b in (None, budget):
-                ours, stats = speculative_generate(target, trained_drafters[kind], prompt, MAX_NEW, mode=mode,
-                                                   tree_budget=4, lookup=8, budget=b)
+                ours, stats = speculative_generate(
+                    target, trained_drafters[kind], prompt, MAX_NEW, mode=mode, tree_budget=4, lookup=8, budget=b
+                )
                 assert ours == reference, mode
         assert budget.lookup is not None and sum(budget.lookup.trials) > budget.lookup.prior * len(budget.lookup.trials)
 
@@ -218,10 +231,19 @@ def test_greedy_choices_come_from_the_backend(target_and_prompts, trained_drafte
     target, _, prompts = target_and_prompts
     backend = CountingBackend()
     reference, _ = plain_generate(target, prompts[0], MAX_NEW)
-    ours, stats = speculative_generate(target, trained_drafters["dflash"], prompts[0], MAX_NEW, mode=mode,
-                                       budget=Budget({1: 1.0, 2: 1.02, 16: 1.3}), backend=backend)
+    ours, stats = speculative_generate(
+        target,
+        trained_drafters["dflash"],
+        prompts[0],
+        MAX_NEW,
+        mode=mode,
+        budget=Budget({1: 1.0, 2: 1.02, 16: 1.3}),
+        backend=backend,
+    )
     assert ours == reference
-    assert backend.calls >= 2 * (stats.target_forwards - 1)  # each step: the drafts' top probabilities and the verification
+    assert backend.calls >= 2 * (
+        stats.target_forwards - 1
+    )  # each step: the drafts' top probabilities and the verification
     calls = backend.calls
     assert plain_generate(target, prompts[0], MAX_NEW, backend=backend)[0] == reference
     assert backend.calls - calls == MAX_NEW

@@ -21,8 +21,10 @@ from serve_eval.loop import plain_generate, speculative_generate
 
 from ..conftest import KINDS, MAX_NEW
 
-KERNELS = [pytest.param("panels", marks=pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")),
-           pytest.param("onednn", marks=pytest.mark.skipif(not prepack.onednn_available(), reason="no oneDNN Linear ops"))]
+KERNELS = [
+    pytest.param("panels", marks=pytest.mark.skipif(not prepack.panels_available(), reason="no AVX2 or no compiler")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not prepack.onednn_available(), reason="no oneDNN Linear ops")),
+]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -54,8 +56,10 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call():
     packed = PrepackedLinear(nn.Linear(320, 100), "panels")
     x = torch.randn(40, 320)
     with torch.no_grad():
-        alone = torch.cat([packed(x[i:i + 1]) for i in range(40)])
-        for rows in range(1, 41):  # tiles of 6 rows, the last one or two across panels, AVX-512's of up to 12: every split
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(40)])
+        for rows in range(
+            1, 41
+        ):  # tiles of 6 rows, the last one or two across panels, AVX-512's of up to 12: every split
             assert torch.equal(packed(x[:rows]), alone[:rows])
         threads = torch.get_num_threads()
         try:  # panels split over threads: each panel is one thread's, so the bits stay
@@ -136,8 +140,14 @@ def test_the_last_level_cache_is_read_from_sysfs_or_unknown(tmp_path, monkeypatc
     sysfs, real_path = "/sys/devices/system/cpu/cpu0/cache", prepack.Path
     listed = any((folder / "level").exists() for folder in real_path(sysfs).glob("index*"))
     assert (prepack.last_level_cache_bytes() is not None) == listed
-    for name, level, size in [("index0", "1", "32K"), ("index1", "1", "48K"), ("index2", "2", "1280K"), ("index3", "3", "30M"),
-                              ("index4", "4", "?"), ("index5", None, "64M")]:  # index4, index5: unreadable
+    for name, level, size in [
+        ("index0", "1", "32K"),
+        ("index1", "1", "48K"),
+        ("index2", "2", "1280K"),
+        ("index3", "3", "30M"),
+        ("index4", "4", "?"),
+        ("index5", None, "64M"),
+    ]:  # index4, index5: unreadable
         (tmp_path / name).mkdir()
         (tmp_path / name / "size").write_text(size + "\n")
         if level is not None:
@@ -162,8 +172,16 @@ def test_prepack_converts_every_fp32_linear_of_a_model():
 
     toy = Toy()
     kernel = "panels" if prepack.panels_available() else "onednn"
-    panels = {"panel_bytes": (16 * 8 + 32 * 8) * 4, "fp16_panels": 0} if kernel == "panels" else {}  # random fp32 values: fp32 panels
-    assert prepack_linears(toy) == {"kernel": kernel, "linears": 2, "weight_bytes": (8 * 8 + 32 * 8) * 4, **panels, "streamed": False}
+    panels = (
+        {"panel_bytes": (16 * 8 + 32 * 8) * 4, "fp16_panels": 0} if kernel == "panels" else {}
+    )  # random fp32 values: fp32 panels
+    assert prepack_linears(toy) == {
+        "kernel": kernel,
+        "linears": 2,
+        "weight_bytes": (8 * 8 + 32 * 8) * 4,
+        **panels,
+        "streamed": False,
+    }
     assert isinstance(toy.layer[0], PrepackedLinear) and isinstance(toy.lm_head, PrepackedLinear)
     assert toy.lm_head.kernel == kernel and not toy.lm_head.stream  # 1.3 KB: they stay cached
     assert type(toy.layer[2]) is nn.Linear  # fp16: not what the kernels were measured for
@@ -232,7 +250,10 @@ def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters,
     references = [plain_generate(packed, prompt, MAX_NEW)[0] for prompt in prompts]
     for prompt, reference in zip(prompts, references):
         assert speculative_generate(packed, drafter, prompt, MAX_NEW)[0] == reference
-        assert speculative_generate(packed, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+        assert (
+            speculative_generate(packed, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0]
+            == reference
+        )
     assert generate(packed, prompts, MAX_NEW, proposer=make_proposer(drafter))[0] == references
     # rows that verify different numbers of tokens: the panel kernel skips the padding (prepack.only_rows)
     backend = CpuBackend(prepack="panels" if panels_available() else "off", int8="off", compile="off")
@@ -245,5 +266,8 @@ def test_a_prepacked_target_stays_lossless(target_and_prompts, trained_drafters,
             return self.by_rows[-1]
 
     budget = Ragged({1: 1.0, 2: 1.05, 4 * K: 2.5}, min_drafts=10**6)
-    assert generate(packed, prompts, MAX_NEW, proposer=make_proposer(drafter), budget=budget, backend=backend)[0] == references
+    assert (
+        generate(packed, prompts, MAX_NEW, proposer=make_proposer(drafter), budget=budget, backend=backend)[0]
+        == references
+    )
     assert any(len(set(step)) > 1 for step in budget.by_rows)

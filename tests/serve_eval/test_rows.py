@@ -25,8 +25,17 @@ V = 64
 
 def lm(seed: int, layers: int = 2, vocab: int = V, scale: float = 0.2):
     torch.manual_seed(seed)
-    return build_causal_lm(ModelConfig(hidden_size=32, num_layers=layers, num_heads=4, intermediate_size=64,
-                                       max_position_embeddings=256, initializer_range=scale), vocab).eval()
+    return build_causal_lm(
+        ModelConfig(
+            hidden_size=32,
+            num_layers=layers,
+            num_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            initializer_range=scale,
+        ),
+        vocab,
+    ).eval()
 
 
 def rows_of(count: int = 4) -> list[torch.Tensor]:
@@ -44,8 +53,11 @@ def proposer_of(kind: str, target):
         torch.manual_seed(0)
         section = DrafterSection(kind=kind, block_size=4, num_target_layers=3, target_layer_ids=[0, 1, 2])
         return make_proposer(build_drafter(section, target, "toy", mask_token_id=3).eval())
-    return {"self": lambda: LMProposer(target, 3), "lm": lambda: LMProposer(lm(5, layers=1), 3),
-            "pard": lambda: PardProposer(lm(6, layers=1), 4, mask_token_id=3)}[kind]()
+    return {
+        "self": lambda: LMProposer(target, 3),
+        "lm": lambda: LMProposer(lm(5, layers=1), 3),
+        "pard": lambda: PardProposer(lm(6, layers=1), 4, mask_token_id=3),
+    }[kind]()
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark", "eagle3", "self", "lm", "pard"])
@@ -64,8 +76,18 @@ def test_every_drafter_kind_decodes_batches_losslessly(kind):
     for mode in ("chain", "tree"):
         for budget in (None, Budget({1: 1.0, 2: 1.02, 4 * K: 1.5})):
             for slots, lookup in ((None, 0), (2, 0), (3, 5)):
-                outs, stats = generate(target, prompts, 24, eos, proposer=proposer, budget=budget, mode=mode, tree_budget=5,
-                                       slots=slots, lookup=lookup)
+                outs, stats = generate(
+                    target,
+                    prompts,
+                    24,
+                    eos,
+                    proposer=proposer,
+                    budget=budget,
+                    mode=mode,
+                    tree_budget=5,
+                    slots=slots,
+                    lookup=lookup,
+                )
                 assert outs == reference, (mode, budget is not None, slots, lookup)
                 steps[mode, budget is not None, slots, lookup] = stats.row_steps
     if kind == "self":  # the target drafting for itself: every draft kept, fewer steps than tokens
@@ -80,8 +102,17 @@ def test_batches_sample_each_rows_target_distribution(toy_target, mode, monkeypa
     torch.manual_seed(2)
     section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
     dflash = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
-    student = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
-                                          max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+    student = build_causal_lm(
+        ModelConfig(
+            hidden_size=8,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=16,
+            max_position_embeddings=64,
+            initializer_range=0.4,
+        ),
+        VOCAB,
+    ).eval()
     exact = exact_joint(toy_target, Sampler(temperature=1.0))
     rows = [PROMPT, torch.tensor([4, 1, 0, 2, 3]), PROMPT]
 
@@ -90,8 +121,17 @@ def test_batches_sample_each_rows_target_distribution(toy_target, mode, monkeypa
         gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
         for _ in range(SAMPLES // 2):
             samplers = [Sampler(temperature=1.0, generator=g) for g in gens]
-            outs, _ = generate(toy_target, rows, 3, samplers=samplers, proposer=proposer, budget=budget, mode=mode,
-                               tree_budget=4, slots=2)
+            outs, _ = generate(
+                toy_target,
+                rows,
+                3,
+                samplers=samplers,
+                proposer=proposer,
+                budget=budget,
+                mode=mode,
+                tree_budget=4,
+                slots=2,
+            )
             for out in outs[::2]:
                 counts[out[1], out[2]] += 1
         return counts
@@ -100,12 +140,14 @@ def test_batches_sample_each_rows_target_distribution(toy_target, mode, monkeypa
         assert chi_square_pvalue(joint(proposer), exact) > ALPHA
     assert chi_square_pvalue(joint(make_proposer(dflash), Budget({1: 1.0, 3: 1.3, 6: 2.0, 9: 2.4})), exact) > ALPHA
     if mode == "tree":  # the test's power, once
+
         def first_child(tree, logits, sampler, probs):
             kids = tree.children()
             path = [0]
             while kids[path[-1]]:
                 path.append(min(kids[path[-1]].values()))
             return path, sampler.choose(logits[path[-1]])
+
         monkeypatch.setattr(verify, "walk_tree", first_child)
         assert chi_square_pvalue(joint(make_proposer(dflash)), exact) < 1e-6
 
@@ -116,9 +158,11 @@ def test_a_tree_step_per_row_reads_what_each_row_reads_alone():
     row's cache as if it had read the path alone (the next step's logits agree)."""
     target = lm(0)
     prompts = rows_of(3)
-    trees = [DraftTree(torch.tensor([6, 7, 8]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2])),
-             DraftTree.chain(torch.tensor([9, 10])),
-             DraftTree(torch.tensor([11, 12, 13, 14]), torch.tensor([-1, 0, 0, 1]), torch.tensor([1, 2, 2, 3]))]
+    trees = [
+        DraftTree(torch.tensor([6, 7, 8]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2])),
+        DraftTree.chain(torch.tensor([9, 10])),
+        DraftTree(torch.tensor([11, 12, 13, 14]), torch.tensor([-1, 0, 0, 1]), torch.tensor([1, 2, 2, 3])),
+    ]
     paths = [[0, 1, 3], [0, 1], [0, 1, 3]]
     batch, alone = TargetSession(target), [TargetSession(target) for _ in prompts]
     batch.prefill(prompts)
@@ -128,13 +172,15 @@ def test_a_tree_step_per_row_reads_what_each_row_reads_alone():
     ids, depths = torch.zeros(3, n, dtype=torch.long), torch.zeros(3, n, dtype=torch.long)
     ancestors = torch.zeros(3, n, n, dtype=torch.bool)
     for r, tree in enumerate(trees):
-        ids[r, 0], ids[r, 1:len(tree) + 1] = 5, tree.tokens
-        depths[r, 1:len(tree) + 1] = tree.depths
-        ancestors[r, :len(tree) + 1, :len(tree) + 1] = tree.ancestor_mask()
+        ids[r, 0], ids[r, 1 : len(tree) + 1] = 5, tree.tokens
+        depths[r, 1 : len(tree) + 1] = tree.depths
+        ancestors[r, : len(tree) + 1, : len(tree) + 1] = tree.ancestor_mask()
     together, _ = batch.step_tree(ids, depths, ancestors, torch.tensor([len(t) + 1 for t in trees]))
     for r, (a, tree) in enumerate(zip(alone, trees)):
-        own, _ = a.step_tree(ids[r:r + 1, :len(tree) + 1], depths[r, :len(tree) + 1], ancestors[r, :len(tree) + 1, :len(tree) + 1])
-        torch.testing.assert_close(together[r, :len(tree) + 1], own[0], atol=1e-5, rtol=1e-5)
+        own, _ = a.step_tree(
+            ids[r : r + 1, : len(tree) + 1], depths[r, : len(tree) + 1], ancestors[r, : len(tree) + 1, : len(tree) + 1]
+        )
+        torch.testing.assert_close(together[r, : len(tree) + 1], own[0], atol=1e-5, rtol=1e-5)
     batch.keep_paths(paths)
     fresh = [TargetSession(target) for _ in prompts]
     for f, p, path, row in zip(fresh, prompts, paths, ids):
@@ -143,4 +189,4 @@ def test_a_tree_step_per_row_reads_what_each_row_reads_alone():
     after = torch.tensor([[20], [21], [22]])
     together, _ = batch.step(after)
     for r, f in enumerate(fresh):
-        torch.testing.assert_close(together[r], f.step(after[r:r + 1])[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(together[r], f.step(after[r : r + 1])[0][0], atol=1e-5, rtol=1e-5)

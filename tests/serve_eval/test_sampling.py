@@ -35,8 +35,14 @@ VARIED_COSTS = {1: 1.0, 2: 1.4, 3: 1.7, 6: 2.6}  # seconds per verified tokens: 
 @pytest.fixture(scope="module")
 def toy_target():
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32, max_position_embeddings=64,
-                      initializer_range=0.4)  # large weights: peaked, varied distributions
+    cfg = ModelConfig(
+        hidden_size=16,
+        num_layers=3,
+        num_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        initializer_range=0.4,
+    )  # large weights: peaked, varied distributions
     return build_causal_lm(cfg, VOCAB).eval()
 
 
@@ -102,9 +108,14 @@ def sampled_joint(target, drafter, sampler_args, verify=None, walk=None, plain=F
     return counts
 
 
-@pytest.mark.parametrize("kind,sampler_args", [("dflash", {"temperature": 1.0}),
-                                               ("dspark", {"temperature": 0.8, "top_k": 4}),
-                                               ("eagle3", {"temperature": 1.0, "top_p": 0.9})])
+@pytest.mark.parametrize(
+    "kind,sampler_args",
+    [
+        ("dflash", {"temperature": 1.0}),
+        ("dspark", {"temperature": 0.8, "top_k": 4}),
+        ("eagle3", {"temperature": 1.0, "top_p": 0.9}),
+    ],
+)
 def test_speculative_sampling_matches_the_target_distribution(toy_target, kind, sampler_args, monkeypatch):
     torch.manual_seed(1)
     section = DrafterSection(kind=kind, block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])
@@ -161,17 +172,29 @@ def test_a_compiled_drafter_samples_the_target_distribution(toy_target, kind, mo
     exact = exact_joint(toy_target, Sampler(**args))
     counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
     for _ in range(SAMPLES // 2):  # batches of two rows, drafted by the two-row graph
-        outs, _ = generate(toy_target, [PROMPT, PROMPT], 3, samplers=[Sampler(**args, generator=g) for g in gens],
-                           proposer=make_proposer(drafter, backend=backend), backend=backend)
+        outs, _ = generate(
+            toy_target,
+            [PROMPT, PROMPT],
+            3,
+            samplers=[Sampler(**args, generator=g) for g in gens],
+            proposer=make_proposer(drafter, backend=backend),
+            backend=backend,
+        )
         for out in outs:
             counts[out[1], out[2]] += 1
     assert chi_square_pvalue(counts, exact) > ALPHA
     batched = graph.calls
     calls = itertools.count()
     monkeypatch.setattr(DraftSwitch, "should_draft", lambda self: next(calls) % 4 != 0)
-    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, budget=Budget(VARIED_COSTS), backend=backend), exact) > ALPHA
+    assert (
+        chi_square_pvalue(sampled_joint(toy_target, drafter, args, budget=Budget(VARIED_COSTS), backend=backend), exact)
+        > ALPHA
+    )
     monkeypatch.undo()
-    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, backend=backend), exact) > ALPHA
+    assert (
+        chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, backend=backend), exact)
+        > ALPHA
+    )
     assert batched > SAMPLES // 4  # the graphs drafted (a sequence's first draft is eager; 3 tokens)
     assert graph.calls - batched > SAMPLES // 10
 
@@ -186,7 +209,10 @@ def test_tree_sampling_matches_the_target_distribution(toy_target, args):
     exact = exact_joint(toy_target, Sampler(**args))
     assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5), exact) > ALPHA
     budget = Budget(VARIED_COSTS)
-    assert chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, budget=budget), exact) > ALPHA
+    assert (
+        chi_square_pvalue(sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, budget=budget), exact)
+        > ALPHA
+    )
     assert len(set(budget.chosen)) > 1  # trees of several sizes were verified
     if "top_k" not in args:  # the test's power, once (the walk is shared)
         broken = sampled_joint(toy_target, drafter, args, mode="tree", tree_budget=5, walk=follow_the_best_child)
@@ -247,8 +273,15 @@ def test_batched_lookup_copies_sample_the_target_distribution(toy_target, monkey
     def joint(budget=None) -> torch.Tensor:
         counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
         for _ in range(SAMPLES // 2):
-            outs, _ = generate(toy_target, [PROMPT, PROMPT], 3, samplers=[Sampler(**args, generator=g) for g in gens],
-                               proposer=make_proposer(drafter), budget=budget, lookup=4)
+            outs, _ = generate(
+                toy_target,
+                [PROMPT, PROMPT],
+                3,
+                samplers=[Sampler(**args, generator=g) for g in gens],
+                proposer=make_proposer(drafter),
+                budget=budget,
+                lookup=4,
+            )
             for out in outs:
                 counts[out[1], out[2]] += 1
         return counts
@@ -271,13 +304,30 @@ def test_causal_lm_drafters_sample_the_target_distribution(toy_target, drafter_k
     torch.manual_seed(3)
     if drafter_kind == "student":
         target = toy_target
-        drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
-                                              max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+        drafter = build_causal_lm(
+            ModelConfig(
+                hidden_size=8,
+                num_layers=1,
+                num_heads=2,
+                intermediate_size=16,
+                max_position_embeddings=64,
+                initializer_range=0.4,
+            ),
+            VOCAB,
+        ).eval()
         proposer = LMProposer(drafter, 2)
     else:
-        target = drafter = ParcaeForCausalLM(ParcaeConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2,
-                                                          intermediate_size=32, n_core=1, mean_recurrence=3,
-                                                          initializer_range=0.4)).eval()
+        target = drafter = ParcaeForCausalLM(
+            ParcaeConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                num_attention_heads=2,
+                intermediate_size=32,
+                n_core=1,
+                mean_recurrence=3,
+                initializer_range=0.4,
+            )
+        ).eval()
         proposer = LMProposer(drafter, 2, num_steps=1)
     args = {"temperature": 1.0}
     exact = exact_joint(target, Sampler(**args))
@@ -300,10 +350,28 @@ def test_budgets_choose_causally_for_drafts_drawn_one_after_another(monkeypatch)
     # drafted and plain steps' measured rates) then choose the same way however busy the machine is
     ticks = itertools.count()
     monkeypatch.setattr(loop, "device_clock", lambda device: lambda: next(ticks) * 1e-3)
-    target = build_causal_lm(ModelConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
-                                         max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
-    drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
-                                          max_position_embeddings=64, initializer_range=0.8), VOCAB).eval()
+    target = build_causal_lm(
+        ModelConfig(
+            hidden_size=16,
+            num_layers=3,
+            num_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+            initializer_range=0.4,
+        ),
+        VOCAB,
+    ).eval()
+    drafter = build_causal_lm(
+        ModelConfig(
+            hidden_size=8,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=16,
+            max_position_embeddings=64,
+            initializer_range=0.8,
+        ),
+        VOCAB,
+    ).eval()
     args = {"temperature": 1.0}
     exact = exact_joint(target, Sampler(**args))
 
@@ -311,8 +379,9 @@ def test_budgets_choose_causally_for_drafts_drawn_one_after_another(monkeypatch)
         counts, budget = torch.zeros(VOCAB, VOCAB), Budget({1: 1.0, 2: 1.5, 3: 1.55})
         sampler = Sampler(**args, generator=torch.Generator().manual_seed(1))
         for _ in range(4000):
-            out, _ = speculative_generate(target, drafter, PROMPT, 3, sampler=sampler,
-                                          proposer=LMProposer(drafter, 2), budget=budget)
+            out, _ = speculative_generate(
+                target, drafter, PROMPT, 3, sampler=sampler, proposer=LMProposer(drafter, 2), budget=budget
+            )
             counts[out[1], out[2]] += 1
         return counts, budget
 
@@ -327,7 +396,10 @@ def test_budgets_choose_causally_for_drafts_drawn_one_after_another(monkeypatch)
 def test_plain_sampling_matches_too(toy_target):
     """The baseline uses the same sampler; the same test validates the test's own arithmetic."""
     args = {"temperature": 1.0}
-    assert chi_square_pvalue(sampled_joint(toy_target, None, args, plain=True), exact_joint(toy_target, Sampler(**args))) > ALPHA
+    assert (
+        chi_square_pvalue(sampled_joint(toy_target, None, args, plain=True), exact_joint(toy_target, Sampler(**args)))
+        > ALPHA
+    )
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
@@ -336,7 +408,9 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert Sampler(temperature=1.0, top_k=1).probs(torch.tensor([0.1, 2.0, 0.3])).tolist() == [0.0, 1.0, 0.0]
 
 
-@pytest.mark.parametrize("kind,sampler_args", [("dflash", {"temperature": 1.0}), ("dspark", {"temperature": 0.8, "top_k": 4})])
+@pytest.mark.parametrize(
+    "kind,sampler_args", [("dflash", {"temperature": 1.0}), ("dspark", {"temperature": 0.8, "top_k": 4})]
+)
 def test_batched_speculative_sampling_matches_the_target_per_row(toy_target, kind, sampler_args, monkeypatch):
     """Two rows of the test prompt with a longer one between them (ragged), each row with its own
     generator: both counted rows follow the target's distribution, with every draft verified and with
@@ -352,8 +426,15 @@ def test_batched_speculative_sampling_matches_the_target_per_row(toy_target, kin
         counts = torch.zeros(VOCAB, VOCAB)
         gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
         for _ in range(SAMPLES // 2):
-            outs, _ = generate(toy_target, rows, 3, samplers=[Sampler(**sampler_args, generator=g) for g in gens],
-                               proposer=make_proposer(drafter), budget=budget, slots=slots)
+            outs, _ = generate(
+                toy_target,
+                rows,
+                3,
+                samplers=[Sampler(**sampler_args, generator=g) for g in gens],
+                proposer=make_proposer(drafter),
+                budget=budget,
+                slots=slots,
+            )
             for out in outs[::2]:  # the third row waits for a slot when there are two
                 counts[out[1], out[2]] += 1
         return counts
@@ -411,8 +492,17 @@ def test_pard_drafts_sample_the_target_distribution(toy_target, mode):
     from serve_eval.proposers import PardProposer
 
     torch.manual_seed(3)
-    drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
-                                          max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+    drafter = build_causal_lm(
+        ModelConfig(
+            hidden_size=8,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=16,
+            max_position_embeddings=64,
+            initializer_range=0.4,
+        ),
+        VOCAB,
+    ).eval()
     if mode.endswith("per-step vocabulary"):
         speculate_vocab(drafter, torch.tensor([0]), candidates=2, rank=2)
         mode = "chain"
@@ -421,7 +511,16 @@ def test_pard_drafts_sample_the_target_distribution(toy_target, mode):
     counts = torch.zeros(VOCAB, VOCAB)
     sampler = Sampler(**args, generator=torch.Generator().manual_seed(1))
     for _ in range(SAMPLES):
-        out, _ = speculative_generate(toy_target, drafter, PROMPT, 3, sampler=sampler, mode=mode, tree_budget=4,
-                                      proposer=PardProposer(drafter, 3, VOCAB - 1), budget=Budget(VARIED_COSTS))
+        out, _ = speculative_generate(
+            toy_target,
+            drafter,
+            PROMPT,
+            3,
+            sampler=sampler,
+            mode=mode,
+            tree_budget=4,
+            proposer=PardProposer(drafter, 3, VOCAB - 1),
+            budget=Budget(VARIED_COSTS),
+        )
         counts[out[1], out[2]] += 1
     assert chi_square_pvalue(counts, exact) > ALPHA

@@ -31,8 +31,17 @@ def test_fan_out_shares_the_branches_as_the_power_law_says():
 
 def lm(seed: int, vocab: int = 64, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return build_causal_lm(ModelConfig(hidden_size=32, num_layers=layers, num_heads=4, intermediate_size=64,
-                                       max_position_embeddings=256, initializer_range=0.2), vocab).eval()
+    return build_causal_lm(
+        ModelConfig(
+            hidden_size=32,
+            num_layers=layers,
+            num_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+        ),
+        vocab,
+    ).eval()
 
 
 class CheckedSpeculator(Speculator):
@@ -42,8 +51,8 @@ class CheckedSpeculator(Speculator):
     def resolve(self, n, token):
         answer = super().resolve(n, token)
         p = self.proposer
-        expected = p.sequence[:self.anchor + 1] + self.drafts.tolist()  # the bonus, then drafts it has read
-        assert p.cache.get_seq_length() == len(p.read) and p.read == expected[:len(p.read)]
+        expected = p.sequence[: self.anchor + 1] + self.drafts.tolist()  # the bonus, then drafts it has read
+        assert p.cache.get_seq_length() == len(p.read) and p.read == expected[: len(p.read)]
         fresh = DynamicCache()
         p.model(input_ids=torch.tensor([p.read]), cache=fresh, use_cache=True)
         for mine, ref in zip(p.cache.layers, fresh.layers):
@@ -105,8 +114,17 @@ def test_a_worker_process_builds_while_the_target_verifies():
 @pytest.mark.parametrize("kind,backup", [("lm", "none"), ("pard", "draft")])
 def test_ssd_samples_the_target_distribution(toy_target, kind, backup):  # noqa: F811
     torch.manual_seed(3)
-    drafter = build_causal_lm(ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
-                                          max_position_embeddings=64, initializer_range=0.4), VOCAB).eval()
+    drafter = build_causal_lm(
+        ModelConfig(
+            hidden_size=8,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=16,
+            max_position_embeddings=64,
+            initializer_range=0.4,
+        ),
+        VOCAB,
+    ).eval()
     proposer = PardProposer(drafter, 2, mask_token_id=VOCAB - 1) if kind == "pard" else LMProposer(drafter, 1)
     args = {"temperature": 1.0}
     sampler = Sampler(**args, generator=torch.Generator().manual_seed(1))
@@ -128,17 +146,25 @@ def test_an_eval_measures_ssd_beside_plain_speculative_decoding():
 
     target = lm(0)
     prompts = [torch.randint(4, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 9)]
-    dec = DecodingSection(max_new_tokens=24, budget={"adaptive": False}, drafter={"draft_length": 3},
-                          ssd={"enabled": True, "branches": 4, "concurrent": False})
+    dec = DecodingSection(
+        max_new_tokens=24,
+        budget={"adaptive": False},
+        drafter={"draft_length": 3},
+        ssd={"enabled": True, "branches": 4, "concurrent": False},
+    )
     report = measure(target, target, prompts, dec, None, lambda i: Sampler(), None)
     ssd = report["ssd"]
     assert report["lossless"] is True and ssd["speculative_decoding"]["tau"] > 1 and ssd["hit_rate"] > 0.5
-    sd = ssd["speculative_decoding"]  # the target drafting for itself: every draft kept, 4 tokens a step, 7 forwards a prompt
+    sd = ssd[
+        "speculative_decoding"
+    ]  # the target drafting for itself: every draft kept, 4 tokens a step, 7 forwards a prompt
     assert sd["tau"] == round(2 * 24 / (2 * 7), 4) and report["acceptance_by_position"] == [1.0, 1.0, 1.0]
     assert sd["speedup"] == pytest.approx(sd["tokens_per_s"] / report["baseline_tokens_per_s"], rel=1e-3)
     assert ssd["over_speculative_decoding"] == pytest.approx(report["tokens_per_s"] / sd["tokens_per_s"], rel=1e-3)
     steps = round(2 * 24 / report["tau"]) - 2  # every forward but each prompt's prefill
-    modeled = (2 * 24 - 2) / (1e-3 * ssd["modeled_separate_device_ms_per_step"] * steps)  # tokens a second, drafting apart
+    modeled = (2 * 24 - 2) / (
+        1e-3 * ssd["modeled_separate_device_ms_per_step"] * steps
+    )  # tokens a second, drafting apart
     assert ssd["modeled_separate_device_speedup"] == pytest.approx(modeled / report["baseline_tokens_per_s"], rel=1e-3)
     with pytest.raises(ValueError, match="ssd verifies every draft of a chain"):
         DecodingSection(ssd={"enabled": True})  # per-step budgets are on by default

@@ -40,10 +40,12 @@ def test_ancestor_mask_and_walk():
 
     tree = DraftTree(torch.tensor([5, 7, 6]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]))
     mask = tree.ancestor_mask()
-    assert mask.tolist() == [[True, False, False, False],
-                             [True, True, False, False],
-                             [True, False, True, False],
-                             [True, True, False, True]]
+    assert mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, False, True, False],
+        [True, True, False, True],
+    ]
     logits = torch.full((4, 10), -1.0)
     logits[0, 5] = logits[1, 6] = logits[3, 2] = 1.0  # the target picks 5, then 6, then 2
     path, nxt = walk_tree(tree, logits, Sampler())
@@ -70,8 +72,8 @@ def test_ngram_index_grown_piecewise_answers_as_a_scan_back():
     def scan(seq, length, max_ngram):
         for n in range(min(max_ngram, len(seq) - 1), 0, -1):
             for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == seq[len(seq) - n:]:
-                    return seq[start + n:start + n + length]
+                if seq[start : start + n] == seq[len(seq) - n :]:
+                    return seq[start + n : start + n + length]
         return []
 
     rng = random.Random(0)
@@ -106,7 +108,9 @@ def test_greedy_tree_decoding_equals_greedy(target_and_prompts, trained_drafters
     forwards = 0
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
-        ours, stats = speculative_generate(target, trained_drafters[kind], prompt, MAX_NEW, mode="tree", tree_budget=budget)
+        ours, stats = speculative_generate(
+            target, trained_drafters[kind], prompt, MAX_NEW, mode="tree", tree_budget=budget
+        )
         assert ours == reference
         forwards += stats.target_forwards
     # trees of a trained drafter keep drafts (over all prompts: the tiny target's answers can be runs of
@@ -118,7 +122,13 @@ def test_tree_beats_chain_on_acceptance(target_and_prompts, trained_drafters):
     """A 32-node tree holds the alternatives a chain lacks: over the prompts it needs fewer target forwards
     than the chain of the same drafter (not every prompt: the steps fall at other positions)."""
     target, _, prompts = target_and_prompts
-    chain = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW)[1].target_forwards for p in prompts)
-    tree = sum(speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW, mode="tree", tree_budget=32)[1].target_forwards
-               for p in prompts)
+    chain = sum(
+        speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW)[1].target_forwards for p in prompts
+    )
+    tree = sum(
+        speculative_generate(target, trained_drafters["dflash"], p, MAX_NEW, mode="tree", tree_budget=32)[
+            1
+        ].target_forwards
+        for p in prompts
+    )
     assert tree < chain, (tree, chain)

@@ -39,7 +39,10 @@ def test_draft_vocabularies_stay_lossless_and_draft_only_their_tokens(target_and
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, proposer=proposer)[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
+        assert (
+            speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0]
+            == reference
+        )
     tokens = torch.cat(drafted)
     assert len(tokens) and bool(torch.isin(tokens, ids).all()), "a token outside the draft vocabulary was drafted"
 
@@ -68,7 +71,9 @@ def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target
     proposer = make_proposer(drafter)
     inner = proposer.propose
 
-    def propose(*args, **kwargs):  # a draft's tokens against the subsets its head calls chose (one a position or a block)
+    def propose(
+        *args, **kwargs
+    ):  # a draft's tokens against the subsets its head calls chose (one a position or a block)
         start = len(subsets)
         out = inner(*args, **kwargs)
         drafted.append((out.tokens[0], torch.cat(subsets[start:])))
@@ -78,6 +83,13 @@ def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, proposer=proposer)[0] == reference
-        assert speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0] == reference
-    assert all(bool(torch.isin(tokens, ids).all()) for tokens, ids in drafted), "a token outside its subsets was drafted"
-    assert len({tuple(ids.tolist()) for ids in subsets}) > 1 and all(len(ids) == head.summary()["size"] for ids in subsets)
+        assert (
+            speculative_generate(target, drafter, prompt, MAX_NEW, mode="tree", budget=Budget({1: 1.0, 16: 1.3}))[0]
+            == reference
+        )
+    assert all(bool(torch.isin(tokens, ids).all()) for tokens, ids in drafted), (
+        "a token outside its subsets was drafted"
+    )
+    assert len({tuple(ids.tolist()) for ids in subsets}) > 1 and all(
+        len(ids) == head.summary()["size"] for ids in subsets
+    )
