@@ -217,23 +217,14 @@ def test_interleaved_timing_rotates_the_order_and_least_drops_a_burst(monkeypatc
 
 def _toy_greedy_run():
     """A toy target, an untrained DFlash drafter for it, a prompt and the target's 30 greedy tokens."""
-    from distill.config import DrafterSection, ModelConfig
+    from distill.config import DrafterSection
     from distill.drafter_eval import build_drafter
-    from distill.models import build_causal_lm
     from serve_eval.loop import plain_generate
 
+    from .test_sampling import toy_lm
+
     torch.manual_seed(0)
-    target = build_causal_lm(
-        ModelConfig(
-            hidden_size=16,
-            num_layers=3,
-            num_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=128,
-            initializer_range=0.4,
-        ),
-        6,
-    ).eval()
+    target = toy_lm(16, 3, 32, positions=128)
     drafter = build_drafter(
         DrafterSection(kind="dflash", block_size=4, target_layer_ids=[0, 1, 2]), target, "toy", mask_token_id=5
     ).eval()

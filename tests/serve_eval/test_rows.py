@@ -18,7 +18,7 @@ from serve_eval.sampling import Sampler
 from serve_eval.session import TargetSession
 from serve_eval.tree import DraftTree
 
-from .test_sampling import ALPHA, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, toy_target  # noqa: F401
+from .test_sampling import ALPHA, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, toy_lm, toy_target  # noqa: F401
 
 V = 64
 
@@ -102,17 +102,7 @@ def test_batches_sample_each_rows_target_distribution(toy_target, mode, monkeypa
     torch.manual_seed(2)
     section = DrafterSection(kind="dflash", block_size=3, target_layer_ids=[0, 1, 2])
     dflash = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
-    student = build_causal_lm(
-        ModelConfig(
-            hidden_size=8,
-            num_layers=1,
-            num_heads=2,
-            intermediate_size=16,
-            max_position_embeddings=64,
-            initializer_range=0.4,
-        ),
-        VOCAB,
-    ).eval()
+    student = toy_lm(8, 1, 16)
     exact = exact_joint(toy_target, Sampler(temperature=1.0))
     rows = [PROMPT, torch.tensor([4, 1, 0, 2, 3]), PROMPT]
 

@@ -32,18 +32,23 @@ ALPHA = 1e-4
 VARIED_COSTS = {1: 1.0, 2: 1.4, 3: 1.7, 6: 2.6}  # seconds per verified tokens: some steps verify 0 drafts, some all
 
 
+def toy_lm(hidden_size: int, num_layers: int, intermediate_size: int, positions: int = 64):
+    """A tiny causal LM over ``VOCAB`` with large weights: peaked, varied distributions."""
+    cfg = ModelConfig(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=2,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=positions,
+        initializer_range=0.4,
+    )
+    return build_causal_lm(cfg, VOCAB).eval()
+
+
 @pytest.fixture(scope="module")
 def toy_target():
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        hidden_size=16,
-        num_layers=3,
-        num_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        initializer_range=0.4,
-    )  # large weights: peaked, varied distributions
-    return build_causal_lm(cfg, VOCAB).eval()
+    return toy_lm(16, 3, 32)
 
 
 def exact_joint(target, sampler: Sampler, kv=None) -> torch.Tensor:
@@ -304,17 +309,7 @@ def test_causal_lm_drafters_sample_the_target_distribution(toy_target, drafter_k
     torch.manual_seed(3)
     if drafter_kind == "student":
         target = toy_target
-        drafter = build_causal_lm(
-            ModelConfig(
-                hidden_size=8,
-                num_layers=1,
-                num_heads=2,
-                intermediate_size=16,
-                max_position_embeddings=64,
-                initializer_range=0.4,
-            ),
-            VOCAB,
-        ).eval()
+        drafter = toy_lm(8, 1, 16)
         proposer = LMProposer(drafter, 2)
     else:
         target = drafter = ParcaeForCausalLM(
@@ -492,17 +487,7 @@ def test_pard_drafts_sample_the_target_distribution(toy_target, mode):
     from serve_eval.proposers import PardProposer
 
     torch.manual_seed(3)
-    drafter = build_causal_lm(
-        ModelConfig(
-            hidden_size=8,
-            num_layers=1,
-            num_heads=2,
-            intermediate_size=16,
-            max_position_embeddings=64,
-            initializer_range=0.4,
-        ),
-        VOCAB,
-    ).eval()
+    drafter = toy_lm(8, 1, 16)
     if mode.endswith("per-step vocabulary"):
         speculate_vocab(drafter, torch.tensor([0]), candidates=2, rank=2)
         mode = "chain"

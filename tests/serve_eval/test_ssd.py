@@ -18,7 +18,7 @@ from serve_eval.proposers import LMProposer, PardProposer
 from serve_eval.sampling import Sampler
 from serve_eval.ssd import Speculator, fan_out, open_speculation, ssd_generate
 
-from .test_sampling import ALPHA, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, toy_target  # noqa: F401
+from .test_sampling import ALPHA, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, toy_lm, toy_target  # noqa: F401
 
 
 def test_fan_out_shares_the_branches_as_the_power_law_says():
@@ -114,17 +114,7 @@ def test_a_worker_process_builds_while_the_target_verifies():
 @pytest.mark.parametrize("kind,backup", [("lm", "none"), ("pard", "draft")])
 def test_ssd_samples_the_target_distribution(toy_target, kind, backup):  # noqa: F811
     torch.manual_seed(3)
-    drafter = build_causal_lm(
-        ModelConfig(
-            hidden_size=8,
-            num_layers=1,
-            num_heads=2,
-            intermediate_size=16,
-            max_position_embeddings=64,
-            initializer_range=0.4,
-        ),
-        VOCAB,
-    ).eval()
+    drafter = toy_lm(8, 1, 16)
     proposer = PardProposer(drafter, 2, mask_token_id=VOCAB - 1) if kind == "pard" else LMProposer(drafter, 1)
     args = {"temperature": 1.0}
     sampler = Sampler(**args, generator=torch.Generator().manual_seed(1))
