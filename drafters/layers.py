@@ -182,9 +182,8 @@ class DraftAttention(nn.Module):
             raise RuntimeError("project_qkv reads qkv_proj: call fuse_projections() first")
         qkv = self.qkv_proj(x)
         qk = qkv[..., :k_end].view(B, L, H + self.kv_heads, D)  # queries of every row (the context's: unused)
-        if (
-            self.q_norm is not None and self.k_norm is not None
-        ):  # both norms in one: normalised, then each head scaled by its norm's weight
+        # both norms in one: normalised, then each head scaled by its norm's weight
+        if self.q_norm is not None and self.k_norm is not None:
             if self.qk_norm_weight is None or qk.dtype != torch.float32:  # (transformers' norm computes in fp32)
                 qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
             else:

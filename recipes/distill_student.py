@@ -111,9 +111,8 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
     if recipe.init_from_target_layers:
         init_from_target_layers(student, target, recipe.init_from_target_layers)
     pard = recipe.pard
-    if (
-        pard is not None
-    ):  # recorded in the config: the loop drafts K tokens a forward (serve_eval.proposers.PardProposer)
+    # recorded in the config: the loop drafts K tokens a forward (serve_eval.proposers.PardProposer)
+    if pard is not None:
         mask_id = pard.mask_token_id if pard.mask_token_id is not None else tokenizer.mask_token_id
         if mask_id is None:
             raise RecipeError("pard: the target's tokenizer has no mask token; set pard.mask_token_id")

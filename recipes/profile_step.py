@@ -165,9 +165,8 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
     proposer_class = type(proposers.make_proposer(drafter))
     for name in ("propose", "observe"):
         _timed(proposer_class, name, f"proposer.{name}", totals, calls, undo)
-    if (
-        proposer_class is proposers.BlockProposer and compiled == "off"
-    ):  # compiled, the draft is one graph: timed as a whole
+    # compiled, the draft is one graph: timed as a whole
+    if proposer_class is proposers.BlockProposer and compiled == "off":
         for name in ("decode_hidden", "propose"):
             for each, _ in drafters.values():
                 _timed(each, name, f"  drafter.{name}", totals, calls, undo)

@@ -58,9 +58,8 @@ def evaluate_lm(
     nll = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
-    for start, real in rank_batches(
-        n, batch_size, rank, world
-    ):  # as many forwards on every rank (ZeRO-3 / FSDP gathers)
+    # as many forwards on every rank (ZeRO-3 / FSDP gathers)
+    for start, real in rank_batches(n, batch_size, rank, world):
         inputs, labels = inputs_and_labels(windows.collate(list(range(start, min(start + batch_size, n)))).to(device))
         logits = model(input_ids=inputs, **forward_kwargs).logits.float()
         if real:

@@ -137,9 +137,8 @@ class CompiledDraft:
         drafter = self._drafter()
         cfg = drafter.config
         propose = self.proposes_for(greedy=not sampled)
-        with (
-            torch.inference_mode()
-        ):  # as the loop drafts and makes its caches: inference tensors, as the guards see them
+        # as the loop drafts and makes its caches: inference tensors, as the guards see them
+        with torch.inference_mode():
             like = torch.zeros((), dtype=drafter.dtype, device=drafter.device)
             buffers = [
                 like.new_zeros(rows, cfg.num_key_value_heads, self.positions, cfg.head_dim)

@@ -68,9 +68,10 @@ _SOURCE = Path(__file__).with_name("int8_op.cpp")
 def native_op() -> str | None:
     """The instruction set ``draftsmith_int8::linear`` (:file:`int8_op.cpp`) runs on here (``avx512-vnni``,
     ``avx2``), or None where it cannot be built (not an x86 CPU with AVX2, no compiler: ``torch._int_mm`` serves)."""
+    # its scalings rounded one by one, as torch's
     if not native.avx2_operator(
         _SOURCE, "serve_eval.cpu.int8: the C++ int8 operator", "torch._int_mm", ("-ffp-contract=off",)
-    ):  # its scalings rounded one by one, as torch's
+    ):
         return None
     torch.library.register_fake("draftsmith_int8::linear", _fake)
     return torch.ops.draftsmith_int8.allow_vnni(True)

@@ -227,9 +227,8 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
     fused = copy.deepcopy(m).fuse_projections()  # one product for q, k, v and one for gate, up: every other block
     assert fused.layers[1].attn.qkv_proj.weight.shape == (32 + 2 * kv_heads * 8, 32)
     with torch.no_grad():
-        for i, anchor in enumerate(
-            (7, 9, 70, 71, 140, 290)
-        ):  # 7, 2, 61, 1, 69 and 150 new positions; buffers grow past 64
+        # 7, 2, 61, 1, 69 and 150 new positions; buffers grow past 64
+        for i, anchor in enumerate((7, 9, 70, 71, 140, 290)):
             new = aux[:, done:anchor]
             if i % 3 == 1:  # appended first; otherwise read by the block's own forward
                 cache.append(m.context_kv(new, torch.arange(done, anchor)[None], lean=True))

@@ -48,9 +48,8 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
     graph_call, counts, tight = compiled.CompiledDraft.__call__, [], []
 
-    def checked(
-        self, anchor, cache, arrived, propose
-    ):  # the eager block from a copy of the same cache, beside the graph's
+    # the eager block from a copy of the same cache, beside the graph's
+    def checked(self, anchor, cache, arrived, propose):
         eager_cache = copy.deepcopy(cache)
         reference = drafter.decode_hidden(anchor, cache.length + arrived.shape[1], eager_cache, arrived)
         hidden, proposal = graph_call(self, anchor, cache, arrived, propose)

@@ -57,9 +57,8 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call():
     x = torch.randn(40, 320)
     with torch.no_grad():
         alone = torch.cat([packed(x[i : i + 1]) for i in range(40)])
-        for rows in range(
-            1, 41
-        ):  # tiles of 6 rows, the last one or two across panels, AVX-512's of up to 12: every split
+        # tiles of 6 rows, the last one or two across panels, AVX-512's of up to 12: every split
+        for rows in range(1, 41):
             assert torch.equal(packed(x[:rows]), alone[:rows])
         threads = torch.get_num_threads()
         try:  # panels split over threads: each panel is one thread's, so the bits stay

@@ -71,9 +71,8 @@ def test_per_step_vocabularies_stay_lossless_and_draft_from_their_subsets(target
     proposer = make_proposer(drafter)
     inner = proposer.propose
 
-    def propose(
-        *args, **kwargs
-    ):  # a draft's tokens against the subsets its head calls chose (one a position or a block)
+    # a draft's tokens against the subsets its head calls chose (one a position or a block)
+    def propose(*args, **kwargs):
         start = len(subsets)
         out = inner(*args, **kwargs)
         drafted.append((out.tokens[0], torch.cat(subsets[start:])))
