@@ -173,9 +173,6 @@ def _parser(eval_flags_too: bool = True) -> argparse.ArgumentParser:
         help="held-out snippets when --prompts is not given: prompts.from_corpus, split val (default: 16)",
     )
     if eval_flags_too:
-        from distill.runtime import quiet_third_party
-
-        quiet_third_party()  # before the schema's imports (torch, transformers)
         from distill.config.flags import add_flags
 
         add_flags(ev, list(eval_flags()), EVAL_DEFAULTS)
@@ -260,10 +257,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status
         parser.error(
             "--num-processes and --zero-stage size the --dry-run estimate; a real run takes its launch from accelerate"
         )
-
-    from distill.runtime import quiet_third_party
-
-    quiet_third_party()
     from distill.config import RecipeError, apply_overrides, set_key
     from distill.config.flags import given
     from distill.config.targets import allow_shipped_target_configs

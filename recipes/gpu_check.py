@@ -209,7 +209,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from distill.runtime import quiet_third_party
-
-    quiet_third_party()
     sys.exit(main())

@@ -367,7 +367,4 @@ def _profile_batch(args, target, drafter, prompts, dec, undo: list, backend) -> 
 
 
 if __name__ == "__main__":
-    from distill.runtime import quiet_third_party
-
-    quiet_third_party()
     main()

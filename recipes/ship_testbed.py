@@ -134,7 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from distill.runtime import quiet_third_party
-
-    quiet_third_party()
     main()

@@ -108,7 +108,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from distill.runtime import quiet_third_party
-
-    quiet_third_party()
     main()

@@ -24,7 +24,7 @@ OFFLINE = {
 }
 os.environ.update(OFFLINE)
 
-from distill.runtime import quiet_third_party  # noqa: E402  (what the command line does first)
+from distill.quiet import quiet_third_party  # noqa: E402  (what the command line does first)
 
 quiet_third_party()
 

@@ -215,3 +215,20 @@ def test_the_eval_examples_parse():
     for line in lines:
         flags = [w for w in shlex.split(line) if w.startswith("--")]
         assert all(f in options for f in flags), (line, [f for f in flags if f not in options])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["recipes.cli", "ls"], ["recipes.cli", "validate", "eval_testbed"], ["recipes.profile_step", "--help"]],
+)
+def test_commands_print_no_third_party_noise(argv):
+    """A command's console is its own: torchao's kernels that do not load here, torch's notes on torchao's
+    enums and the like are turned off before anything imports them (a fresh process, as a user runs it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
