@@ -58,7 +58,7 @@ class BlockDrafter(DrafterBase):
         """Subclasses add their own modules here, before weights are initialised."""
 
     def fuse_projections(self) -> BlockDrafter:
-        """Serve :meth:`decode_hidden` from fused products (:meth:`InjectedLayer.fuse_projections`): per
+        """Serve :meth:`decode` from fused products (:meth:`InjectedLayer.fuse_projections`): per
         layer one for queries, keys and values and one for the MLP's gate and up, three fewer calls a
         layer. Copies of the weights, made once for serving; returns the drafter."""
         for layer in self.layers:
@@ -100,63 +100,31 @@ class BlockDrafter(DrafterBase):
             x = layer(x, x_pos, kv, mask)
         return self.norm(x).view(B, N, K, -1)
 
-    def decode_hidden(
-        self, anchor_token: torch.Tensor, anchor_pos: int, cache: ContextCache, features: torch.Tensor | None = None
+    def decode(
+        self, anchor_tokens: torch.Tensor, counts: torch.Tensor, features: torch.Tensor, cache: ContextCache
     ) -> torch.Tensor:
-        """:meth:`block_hidden` [1, 1, K, H] of one block at ``anchor_pos`` whose context (every position
-        before it) is in ``cache``, followed by ``features`` [1, n, F] of the positions the cache does not
-        hold yet, which this call adds to it (each layer projects them and the block in one product):
-        the decoding fast path, with no mask for bidirectional blocks (the whole context is visible)
-        and no copy of the context's keys and values."""
-        cfg = self.config
-        K = cfg.block_size
-        start = cache.length
-        cache.check_anchor(anchor_pos, features)
-        device = anchor_token.device
-        tokens = torch.full((1, K), cfg.mask_token_id, dtype=torch.long, device=device)
-        tokens[0, 0] = anchor_token
-        x = self.embed_tokens(tokens)
-        kv_pos = torch.arange(start, anchor_pos + K, device=device)[None]
-        ctx = None if features is None else rms(self.hidden_norm, self.fc(features))
-        mask = None
-        if self.causal_blocks:  # every context key, and block keys up to the query's own position
-            mask = torch.ones(K, anchor_pos + K, dtype=torch.bool, device=device)
-            mask[:, anchor_pos:] = torch.ones(K, K, dtype=torch.bool, device=device).tril()
-        cache.ensure(anchor_pos + K, x.new_empty(1, cfg.num_key_value_heads, 0, cfg.head_dim), len(self.layers))
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            x = layer.decode(x, kv_pos, keys, values, start, mask, ctx)
-        cache.length = anchor_pos
-        return rms(self.norm, x).view(1, 1, K, -1)
+        """The decoding forward: the block after each of ``R`` rows' cached context, [R, 1, K, H], as
+        :meth:`block_hidden` gives it for that row alone over its whole context. Its shapes do not change
+        from call to call, so it runs eagerly and as one compiled graph alike (:mod:`serve_eval.cpu.compiled`
+        compiles this function).
 
-    def decode_static(
-        self,
-        anchor_tokens: torch.Tensor,
-        counts: torch.Tensor,
-        features: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """:meth:`decode_hidden` in shapes that do not change from call to call, for a compiled graph
-        (:mod:`serve_eval.cpu.compiled`), for ``R`` rows at once (a batch's, or one): each row's block
-        hidden states, [R, 1, K, H], as :meth:`decode_hidden` gives them for that row alone.
-
-        ``anchor_tokens`` [R]; ``counts`` [R, 2] = ``[start, n]`` per row (a tensor, so that the graph
-        does not specialise on them): row ``r``'s cache holds ``start`` positions and ``n`` more arrive,
-        ``0 <= n <= K``, in the first ``n`` rows of ``features[r]`` [K, F] (the rest padding).
-        ``keys`` / ``values``: the cache's buffers, each [R, kv_heads, S, D] with ``S > start + n + K``,
-        zero where nothing was written. Per layer and row:
+        ``anchor_tokens`` [R]; ``counts`` [R, 2] = ``[start, n]`` per row (a tensor, so that a graph does
+        not specialise on them): row ``r``'s ``cache`` holds ``start`` positions and ``n`` more arrive,
+        ``0 <= n <= K``, in the first ``n`` rows of ``features[r]`` [K, F] (the rest padding). The cache's
+        buffers [R, kv_heads, S, D] must hold ``S > start + n + K`` slots for every row
+        (:meth:`ContextCache.ensure`) and be zero where nothing was written. Per layer and row:
 
         * the rows ``[features ; block]`` are projected together, 2K of them, and written to slots
           ``start + i`` (feature ``i < n``), the last slot ``S - 1`` (padding: never a position, never
           visible) and ``a + k`` (block row ``k``, anchor ``a = start + n``);
         * the block's queries attend over the whole buffer, masked to the slots below ``a + K``
-          (bidirectional blocks) or below ``a + k + 1`` (causal ones): what :meth:`decode_hidden`'s
-          slices select, so the keys a query sees and their values are the same.
+          (bidirectional blocks) or below ``a + k + 1`` (causal ones).
 
-        A padding entry changes no other (each entry's products and norms are its own); the caller advances
-        each row's cache length to its ``a``."""
+        A padding entry changes no other (each entry's products and norms are its own). The cache's
+        lengths are the caller's: it advances each row's to its ``a``."""
         cfg = self.config
         K = cfg.block_size
+        keys, values = cache.keys, cache.values
         S = keys[0].shape[2]
         rows = torch.arange(K, device=features.device)
         start, n = counts[:, :1], counts[:, 1:]
@@ -166,11 +134,10 @@ class BlockDrafter(DrafterBase):
         kv_pos = torch.cat([start + rows, anchor_pos + rows], dim=1)  # [R, 2K]
         slots = torch.cat([torch.where(rows < n, start + rows, S - 1), anchor_pos + rows], dim=1)
         last = anchor_pos + 1 + rows if self.causal_blocks else (anchor_pos + K).expand(-1, K)
-        mask = (
-            torch.arange(S, device=features.device) < last[:, None, :, None]
-        )  # [R, 1, K, S]: query k sees slots below last
+        # [R, 1, K, S]: query k sees the slots below its last
+        mask = torch.arange(S, device=features.device) < last[:, None, :, None]
         for layer, k, v in zip(self.layers, keys, values):
-            x = layer.decode(x, kv_pos, k, v, 0, mask, ctx, slots=slots)
+            x = layer.decode(x, kv_pos, k, v, slots, mask, ctx)
         return rms(self.norm, x).view(features.shape[0], 1, K, -1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):

@@ -317,40 +317,23 @@ class InjectedLayer(nn.Module):
             x, h, x_pos, torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2), mask
         )
 
-    def decode(
-        self,
-        x,
-        kv_pos,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        length: int,
-        mask,
-        ctx=None,
-        slots: torch.Tensor | None = None,
-    ):
-        """:meth:`forward` for one block after a cached context of ``length`` positions, without
-        copying the context: ``keys`` / ``values`` are :class:`ContextCache` buffers. ``ctx`` (the
-        projected features of the positions between the cache and the block, or None) is projected to
-        keys and values together with the block, one matrix product for both; their entries are
-        written after the context, the block's last (scratch space, overwritten by the next call).
-        ``kv_pos``: the positions of ``[ctx ; block]``.
-
-        ``slots`` (static shapes, :meth:`BlockDrafter.decode_static`): the buffer entries ``[ctx ; block]``
-        go to instead, and attention reads the whole buffers (``mask`` hides what it must not see)."""
+    def decode(self, x, kv_pos, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, mask, ctx):
+        """:meth:`forward` for a block after a cached context, without copying the context: ``keys`` /
+        ``values`` are :class:`~drafters.cache.ContextCache` buffers [R, heads, S, D]. ``ctx`` (the
+        projected features of the positions between the cache and the block) is projected to keys and
+        values together with the block, one matrix product for both; the entries ``[ctx ; block]`` (at
+        positions ``kv_pos``) are written to the buffer ``slots`` [R, 2K] and attention reads the whole
+        buffers, ``mask`` hiding what a query must not see (:meth:`BlockDrafter.decode`)."""
         h = rms(self.input_norm, x)
-        kv_in = h if ctx is None else torch.cat([ctx, h], dim=1)
-        end = length + kv_in.shape[1]
-        seen = end if slots is None else keys.shape[2]
+        kv_in = torch.cat([ctx, h], dim=1)
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
-            _store(keys, values, k, v, length, end, slots)
-            return self._attend_and_mlp(
-                x, h, kv_pos[:, -x.shape[1] :], keys[:, :, :seen], values[:, :, :seen], mask, lean=True
-            )
+            _store(keys, values, k, v, slots)
+            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1] :], keys, values, mask, lean=True)
         # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
-        q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=seen)
-        _store(keys, values, k, v, length, end, slots)
-        x = x + self.attn.attend_queries(q, keys[:, :, :seen], values[:, :, :seen], mask, lean=True)
+        q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=keys.shape[2])
+        _store(keys, values, k, v, slots)
+        x = x + self.attn.attend_queries(q, keys, values, mask, lean=True)
         gate, up = self.gate_up_proj(rms(self.post_norm, x)).chunk(2, dim=-1)
         return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
@@ -359,19 +342,7 @@ class InjectedLayer(nn.Module):
         return x + self.mlp(rms(self.post_norm, x, lean))
 
 
-def _store(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    length: int,
-    end: int,
-    slots: torch.Tensor | None,
-) -> None:
-    """Write keys and values [B, heads, L, D] into cache buffers [B, heads, S, D]: after the context
-    (``length:end``), or row by row to ``slots`` [B, L]."""
-    if slots is None:
-        keys[:, :, length:end], values[:, :, length:end] = k, v
-        return
+def _store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write keys and values [R, heads, L, D] into cache buffers [R, heads, S, D], row by row to ``slots`` [R, L]."""
     batch = torch.arange(slots.shape[0], device=slots.device)[:, None]
     keys[batch, :, slots], values[batch, :, slots] = k.transpose(1, 2), v.transpose(1, 2)

@@ -6,7 +6,7 @@
 Loads the eval recipe (``recipes/configs/eval_testbed.yaml`` unless ``--recipe``), decodes each prompt
 plainly and speculatively (chain, per-step budgets, 1 thread), and prints milliseconds per
 speculative step for the drafter's parts (the proposer's ``propose`` and ``observe`` and, for block
-drafters, the layer forward ``decode_hidden``, which also reads the newly verified context, and the heads) and the
+drafters, the decoding forward ``decode``, which also reads the newly verified context, and the heads) and the
 budget's bookkeeping, beside the plain step and the step as a whole. The timers wrap the methods as
 they run, so what is printed is what the loop spends (the target's ``verify`` and ``rollback`` in
 speculative decoding only; its prefill spread over the steps); the first prompt warms up and is not
@@ -167,7 +167,7 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
         _timed(proposer_class, name, f"proposer.{name}", totals, calls, undo)
     # compiled, the draft is one graph: timed as a whole
     if proposer_class is proposers.BlockProposer and compiled == "off":
-        for name in ("decode_hidden", "propose"):
+        for name in ("decode", "propose"):
             for each, _ in drafters.values():
                 _timed(each, name, f"  drafter.{name}", totals, calls, undo)
     for name in ("chain_length", "causal_length"):

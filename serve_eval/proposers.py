@@ -96,10 +96,9 @@ class Proposer:
 
 class BlockProposer(Proposer):
     """DFlash / DSpark over R rows: each row's context keys and values in one :class:`ContextCache`, its
-    newly verified features queued until the next draft, whose forward reads them with the block (one
-    row: :meth:`~drafters.block.BlockDrafter.decode_hidden`'s one product per layer, or the compiled
-    graph, which reads up to ``K`` of them; several rows: the graph compiled for that many, else the
-    features appended first and :meth:`~drafters.block.BlockDrafter.block_hidden`)."""
+    newly verified features queued until the next draft, whose forward (the drafter's one decoding
+    forward, :meth:`~drafters.block.BlockDrafter.decode`, compiled where the backend built its graph) reads
+    up to ``K`` of them with the block, one product a layer."""
 
     def __init__(self, drafter, confidence_threshold: float = 0.0, backend: Backend = TORCH):
         self.drafter = drafter
@@ -179,97 +178,63 @@ class BlockProposer(Proposer):
         self.pending = []
 
     # -- drafts ------------------------------------------------------------------------------------
+    def _arriving(self, R: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The features the next draft reads with its block, [R, m, F] with ``m <= K`` (or None), and how
+        many of them are each row's own [R]; features queued before them are appended to the context
+        first (one product for a run of entries every row keeps whole)."""
+        K = self.block_size
+        pending = self.pending
+        if len(pending) > 1 and all(counts is None for _, counts in pending):
+            pending = [(torch.cat([aux for aux, _ in pending], dim=1), None)]
+        self.pending = pending[:-1]
+        self._flush()
+        if not pending:
+            return None, torch.zeros(R, dtype=torch.long)
+        aux, counts = pending[-1]
+        m = aux.shape[1]
+        counts = torch.full((R,), m) if counts is None else counts
+        if m > K:  # a prompt's features, or a step's after undrafted ones: all but the last K into the context
+            self._append(aux[:, : m - K], counts.clamp(max=m - K))
+            aux, counts = aux[:, m - K :], (counts - (m - K)).clamp_min(0)
+        return aux, counts
+
     @torch.inference_mode()
     def propose(self, anchors, positions, samplers, stop=None) -> Proposal:
-        if len(anchors) == 1:
-            return self._propose_one(anchors[0], positions[0], samplers[0])
-        return self._propose_rows(anchors, samplers)
-
-    def _read(self, features: torch.Tensor) -> None:
-        """One row's context appends ``features`` [1, n, F] of its next positions (the context projection alone)."""
-        start = self.context.length
-        positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
-        self.context.append(self.drafter.context_kv(features, positions, lean=True))
-
-    def _propose_one(self, anchor: torch.Tensor, anchor_pos: int, sampler: Sampler) -> Proposal:
-        """One row: compiled, a draft reads up to ``K`` arriving features in its graph (more are read into the
-        context first); eager, :meth:`~drafters.block.BlockDrafter.decode_hidden` reads them all."""
-        pending, self.pending = (
-            [aux if counts is None else aux[:, : int(counts[0])] for aux, counts in self.pending],
-            [],
-        )
-        arrived = None if not pending else pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)
-        arriving = None if arrived is None else arrived.shape[1]
-        compiled, K, context = self.compiled, self.block_size, self.context
-        if compiled is not None and arrived is not None and arrived.shape[1] > K:  # a prompt's, or undrafted steps'
-            self._read(arrived[:, :-K])
-            arrived, arriving = arrived[:, -K:], K
-        if (
-            compiled is not None
-            and arrived is not None
-            and arriving
-            and compiled.fits(context.keys, context.length + arriving, arriving)
-        ):
-            context.check_anchor(anchor_pos, arrived)
-            hidden, proposal = compiled(anchor, context, arrived, compiled.proposes_for(sampler.greedy))
-        else:
-            hidden, proposal = self.drafter.decode_hidden(anchor, anchor_pos, context, arrived), None
-        tokens, logits, confidence = _proposal(
-            self.drafter, hidden, proposal, anchor.view(1, 1), sampler.choose, sampler.greedy
-        )
-        lengths = None
-        if confidence is not None and self.confidence_threshold > 0:
-            low = (confidence[0, 0] < self.confidence_threshold).nonzero()
-            if len(low):
-                lengths = [max(1, int(low[0]))]  # always draft at least one token
-        return Proposal(tokens[:, 0], logits[:, 0], lengths)
-
-    def _propose_rows(self, anchors: torch.Tensor, samplers: list[Sampler]) -> Proposal:
-        """Several rows: one compiled graph reads the last step's features and every row's block where it
-        fits (features queued by several steps are appended first, in one product where they can be),
-        else the features are appended and the drafter's ``block_hidden`` reads the contexts."""
-        graph, context, proposal = self.compiled, self.context, None
+        """Every row's block through the drafter's one decoding forward (:meth:`~drafters.block.BlockDrafter.decode`):
+        the backend's compiled graph of it where it :meth:`~serve_eval.cpu.compiled.CompiledDraft.fits`,
+        else eagerly, reading up to ``K`` newly verified features with the block."""
+        drafter, context, graph = self.drafter, self.context, self.compiled
+        R, K = len(anchors), self.block_size
         greedy = samplers[0].greedy
-        if len(self.pending) > 1:
-            self._flush()
-        aux, counts = self.pending[0] if self.pending else (None, None)
-        R = len(anchors)
-        counts = (
-            torch.zeros(R, dtype=torch.long)
-            if aux is None
-            else torch.full((R,), aux.shape[1])
-            if counts is None
-            else counts
-        )
-        anchors = anchors.to(self.drafter.device)
-        if graph is not None and graph.fits(
-            context.keys, int((context.lengths + counts).max()), 0 if aux is None else aux.shape[1]
-        ):
-            if aux is None:
-                aux = context.keys[0].new_zeros(R, 0, self.drafter.fc.in_features)
-            hidden, proposal = graph.run(
-                anchors,
-                torch.stack([context.lengths, counts], dim=1).to(aux.device),
-                aux,
-                context.keys,
-                context.values,
-                graph.proposes_for(greedy),
+        aux, counts = self._arriving(R)
+        lengths = context.lengths
+        if (lengths + counts).tolist() != list(positions):
+            raise ValueError(
+                f"the context cache holds {lengths.tolist()} positions and {counts.tolist()} arrive; "
+                f"the blocks are anchored at {list(positions)}"
             )
-            context.lengths, self.pending = context.lengths + counts, []
+        anchors = anchors.to(drafter.device)
+        features = torch.zeros(R, K, drafter.fc.in_features, dtype=drafter.dtype, device=drafter.device)
+        if aux is not None:
+            features[:, : aux.shape[1]] = aux
+        starts = torch.stack([lengths, counts], dim=1).to(drafter.device)
+        end = int((lengths + counts).max())
+        if graph is not None and graph.fits(context, end, 0 if aux is None else aux.shape[1]):
+            hidden, proposal = graph.run(anchors, starts, features, context, graph.proposes_for(greedy))
         else:
-            self._flush()
-            hidden = self.drafter.block_hidden(
-                None, anchors[:, None], context.lengths.to(anchors.device)[:, None], context.view()
-            )
+            kv = features.new_empty(R, drafter.config.num_key_value_heads, 0, drafter.config.head_dim)
+            context.ensure(end + K + 1, kv, len(drafter.layers))
+            hidden, proposal = drafter.decode(anchors, starts, features, context), None
+        context.lengths = lengths + counts
         tokens, logits, confidence = _proposal(
-            self.drafter, hidden, proposal, anchors[:, None], lambda x: choose_rows(samplers, x), greedy
+            drafter, hidden, proposal, anchors[:, None], lambda x: choose_rows(samplers, x), greedy
         )
-        lengths = None
+        cut = None
         if confidence is not None and self.confidence_threshold > 0:
             low = confidence[:, 0] < self.confidence_threshold  # [R, K-1]
             first = torch.where(low.any(1), low.int().argmax(1), torch.full((R,), low.shape[1]))
-            lengths = first.clamp_min(1).tolist()
-        return Proposal(tokens[:, 0], logits[:, 0], lengths)
+            cut = first.clamp_min(1).tolist()  # always draft at least one token
+        return Proposal(tokens[:, 0], logits[:, 0], cut)
 
 
 class PerRow(Proposer):

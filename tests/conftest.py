@@ -183,6 +183,43 @@ def tiny_dflash(block_attention: str = "causal", num_key_value_heads: int = 4):
     return DFlashDrafter(cfg).eval().fuse_projections()
 
 
+def decode_one(drafter, token, anchor_pos: int, cache, arriving=None):
+    """One row's block at ``anchor_pos`` through the drafter's decoding forward
+    (:meth:`~drafters.block.BlockDrafter.decode`), as the loop runs it: of the ``arriving`` features
+    [1, n, F], all but the last K are appended to ``cache`` first; the cache then holds the block's context."""
+    import torch
+
+    K, cfg = drafter.config.block_size, drafter.config
+    n = 0 if arriving is None else arriving.shape[1]
+    if n > K:
+        start = cache.length
+        kv = drafter.context_kv(arriving[:, : n - K], torch.arange(start, start + n - K)[None], lean=True)
+        cache.append(kv)
+        arriving, n = arriving[:, n - K :], K
+    cache.check_anchor(anchor_pos, arriving)
+    features = torch.zeros(1, K, drafter.fc.in_features, dtype=drafter.dtype)
+    if n:
+        features[:, :n] = arriving
+    like = features.new_empty(1, cfg.num_key_value_heads, 0, cfg.head_dim)
+    cache.ensure(anchor_pos + K + 1, like, len(drafter.layers))
+    hidden = drafter.decode(torch.as_tensor(token).view(1), torch.tensor([[cache.length, n]]), features, cache)
+    cache.length = anchor_pos
+    return hidden
+
+
+def graph_one(graph, token: int, cache, arriving):
+    """:func:`decode_one` through a compiled draft's graph (its proposal off): the block after ``cache``
+    and the ``arriving`` features [1, n, F], ``n <= K``; the cache then holds them."""
+    import torch
+
+    n = arriving.shape[1]
+    features = torch.zeros(1, graph.block_size, arriving.shape[2], dtype=arriving.dtype)
+    features[:, :n] = arriving
+    hidden, _ = graph.run(torch.tensor([token]), torch.tensor([[cache.length, n]]), features, cache, propose=False)
+    cache.length += n
+    return hidden
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe))
     return path

@@ -3,9 +3,8 @@
 Eager, one draft of a small block drafter is ~100 small operations (norms, rotations, the int8 row
 scaling, masks, the head's argmax) around a few products; on a CPU the operations cost as much as the
 products. ``torch.compile`` (inductor's C++ kernels) fuses them, but only where the graph holds still,
-so the draft is traced through :meth:`drafters.BlockDrafter.decode_static` (shapes that do not change
-from step to step; its block equals :meth:`~drafters.BlockDrafter.decode_hidden`'s) and the int8
-products through an operator of their own (:mod:`serve_eval.cpu.int8`). What varies from step to step
+so the graph is the drafter's one decoding forward, :meth:`drafters.BlockDrafter.decode` (its shapes
+do not change from step to step; eager, the loop runs the same function) and the int8 products through an operator of their own (:mod:`serve_eval.cpu.int8`). What varies from step to step
 is data:
 
 * per row, the cache length and the number of arriving features, ``counts`` = ``[start, n]``, a tensor;
@@ -72,11 +71,10 @@ def resolve(setting: str, device: str, drafter) -> str:
     return setting
 
 
-def _draft(drafter, anchors, counts, features, keys, values, propose: bool):
-    hidden = drafter.decode_static(anchors, counts, features, keys, values)
-    return hidden, drafter.propose(
-        hidden, anchors[:, None]
-    ) if propose else None  # greedy: (tokens, logits, confidence)
+def _draft(drafter, anchors, counts, features, cache, propose: bool):
+    """The drafter's decoding forward and, with ``propose``, its greedy proposal (tokens, logits, confidence)."""
+    hidden = drafter.decode(anchors, counts, features, cache)
+    return hidden, drafter.propose(hidden, anchors[:, None]) if propose else None
 
 
 def _own_graph():
@@ -125,7 +123,7 @@ class CompiledDraft:
         for count in sorted(counts)[: torch._dynamo.config.recompile_limit]:  # Dynamo keeps that many graphs of a code
             self.warm(count, sampled)
         return {
-            "graph": "decode_static" + (" + propose" if self.proposes else ""),
+            "graph": "decode" + (" + propose" if self.proposes else ""),
             "sampled_proposal": self.proposes_for(greedy=False),
             "cache_positions": self.positions,
             "rows": sorted(self.rows),
@@ -139,20 +137,15 @@ class CompiledDraft:
         propose = self.proposes_for(greedy=not sampled)
         # as the loop drafts and makes its caches: inference tensors, as the guards see them
         with torch.inference_mode():
-            like = torch.zeros((), dtype=drafter.dtype, device=drafter.device)
-            buffers = [
-                like.new_zeros(rows, cfg.num_key_value_heads, self.positions, cfg.head_dim)
-                for _ in range(2 * len(drafter.layers))
-            ]
-            zeros = torch.zeros(rows, dtype=torch.long, device=drafter.device)
-            self.run(
-                zeros,
-                torch.stack([zeros, zeros + 1], dim=1),
-                like.new_zeros(rows, 1, drafter.fc.in_features),
-                buffers[::2],
-                buffers[1::2],
-                propose,
+            cache = ContextCache(spare=self.block_size, capacity=self.positions)
+            cache.start(rows)
+            like = torch.zeros(
+                rows, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=drafter.dtype, device=drafter.device
             )
+            cache.ensure(self.positions, like, len(drafter.layers))
+            zeros = torch.zeros(rows, dtype=torch.long, device=drafter.device)
+            features = like.new_zeros(rows, self.block_size, drafter.fc.in_features)
+            self.run(zeros, torch.stack([zeros, zeros + 1], dim=1), features, cache, propose)
         self.rows.add(rows)
         self.calls = 0
 
@@ -162,10 +155,11 @@ class CompiledDraft:
         graph's logits). A sampled DSpark chain conditions on its own draws: the graph gives the block."""
         return self.proposes and (greedy or not self.conditional)
 
-    def fits(self, keys: list[torch.Tensor], end: int, arriving: int) -> bool:
-        """Whether a draft can be the graph's: context buffers ``keys`` of the graph's length, for as many
-        rows as a graph compiled up front, at most K features ``arriving``, and room after the longest
-        row's context (``end``, arrived features counted) for the block and the padding slot."""
+    def fits(self, cache: ContextCache, end: int, arriving: int) -> bool:
+        """Whether a draft can be the graph's: ``cache``'s buffers of the graph's length, for as many rows
+        as a graph compiled up front, at most K features ``arriving``, and room after the longest row's
+        context (``end``, arrived features counted) for the block and the padding slot."""
+        keys = cache.keys
         return (
             bool(keys)
             and keys[0].shape[0] in self.rows
@@ -175,49 +169,13 @@ class CompiledDraft:
         )
 
     def run(
-        self,
-        anchors: torch.Tensor,
-        counts: torch.Tensor,
-        arriving: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        propose: bool,
+        self, anchors: torch.Tensor, counts: torch.Tensor, features: torch.Tensor, cache: ContextCache, propose: bool
     ):
-        """The graph's draft for ``R`` rows: anchors [R], ``counts`` [R, 2] = each row's cached length and
-        the number of the ``arriving`` features [R, m, F] (``m <= K``) that are its own; returns the
+        """:func:`_draft` as the graph runs it, for ``R`` rows: :meth:`~drafters.BlockDrafter.decode`'s
         hidden states [R, 1, K, H] and, with ``propose``, the greedy proposal over them, as
-        :meth:`~drafters.BlockDrafter.propose` gives it. The buffers then hold the arrived positions.
+        :meth:`~drafters.BlockDrafter.propose` gives it. ``features`` [R, K, F]: a buffer of their own (the
+        graphs are compiled for its strides; a view's, even one torch calls contiguous, would not match).
         Inputs unlike the warm-up's (e.g. caches made outside inference mode) compile a graph of their own."""
-        # padded with zero rows (not multiplied) into a fresh buffer: the graphs were compiled for its strides (a
-        # view's, even one torch calls contiguous, would not match them)
-        features = arriving.new_zeros(arriving.shape[0], self.block_size, arriving.shape[2])
-        features[:, : arriving.shape[1]] = arriving
-        out = self.graph(self._drafter(), anchors, counts, features, keys, values, propose)
+        out = self.graph(self._drafter(), anchors, counts, features, cache, propose)
         self.calls += 1
         return out
-
-    def __call__(self, anchor: torch.Tensor, cache: ContextCache, arrived: torch.Tensor, propose: bool):
-        """The block after ``cache`` and the ``arrived`` features [1, n, F] (where it :meth:`fits`): its hidden
-        states [1, 1, K, H] and, with ``propose``, the drafter's greedy proposal over them (tokens,
-        logits and confidence, as :meth:`~drafters.BlockDrafter.propose` gives them); the cache
-        then holds the arrived positions, as after :meth:`~drafters.BlockDrafter.decode_hidden`."""
-        start, n = cache.length, arrived.shape[1]
-        out = self.run(
-            anchor.view(1),
-            torch.tensor([[start, n]], device=arrived.device),
-            arrived,
-            cache.keys,
-            cache.values,
-            propose,
-        )
-        cache.length = start + n
-        return out
-
-
-def proposal(drafter, hidden: torch.Tensor, graphs: tuple | None, anchors: torch.Tensor, choose, greedy: bool):
-    """The drafter's proposal (tokens, logits, confidence) over a block's ``hidden`` states: the graph's
-    own where it gave one (``graphs``; its tokens drawn from its logits when sampling, as
-    :meth:`CompiledDraft.proposes_for` allows), else the drafter's ``propose`` with ``choose``."""
-    if graphs is None:
-        return drafter.propose(hidden, anchors, choose)
-    return graphs if greedy else (choose(graphs[1]), *graphs[1:])

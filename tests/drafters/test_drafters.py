@@ -14,7 +14,7 @@ from distill.config import TargetConfig
 from distill.models import load_target
 from recipes.registry import parse_recipe
 
-from ..conftest import KINDS, drafter_recipe, reset_accelerate
+from ..conftest import KINDS, decode_one, drafter_recipe, reset_accelerate
 
 
 def test_hooks_follow_the_output_of_layer_convention(tiny_target_dir):
@@ -235,12 +235,12 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
                 new = None
             done = anchor
             token = torch.tensor(5 + anchor % 7)
-            fast = (fused if i % 2 else m).decode_hidden(token, anchor, cache, new)
+            fast = decode_one(fused if i % 2 else m, token, anchor, cache, new)
             assert cache.length == anchor
             reference = m.block_hidden(aux[:, :anchor], token.view(1, 1), torch.tensor([[anchor]]))
             torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="anchored at"):
-            m.decode_hidden(torch.tensor(5), done + 1, cache)
+            decode_one(m, 5, done + 1, cache)
 
 
 def test_the_fused_projection_path_needs_fused_projections():
@@ -270,11 +270,12 @@ def test_the_fused_projection_path_needs_fused_projections():
 
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_static_decoding_block_equals_the_cached_one(attention, fused):
-    """decode_static (one shape for every step: features padded to K rows, the padding written to the
-    buffers' last slot, attention over whole zero-initialised buffers under a mask), for three rows at
-    once whose contexts drift apart (0..K features arriving per row and step), gives each row
-    decode_hidden's block for that row alone and leaves the same context in its buffers."""
+def test_decoding_rows_equal_each_rows_block_over_its_whole_context(attention, fused):
+    """decode (one shape for every step: features padded to K rows, the padding written to the buffers'
+    last slot, attention over whole zero-initialised buffers under a mask), for three rows at once whose
+    contexts drift apart (0..K features arriving per row and step), gives each row the block that
+    block_hidden computes for that row alone over its whole context, and leaves each row's context
+    keys and values in its buffers."""
     from drafters import DFlashConfig, DFlashDrafter
     from drafters.cache import ContextCache
 
@@ -296,12 +297,14 @@ def test_static_decoding_block_equals_the_cached_one(attention, fused):
         max_position_embeddings=64,
     )
     m = DFlashDrafter(cfg).eval()
+    reference = copy.deepcopy(m)
     if fused:
         m.fuse_projections()
     R = 3
     aux = torch.randn(R, 200, 32)
-    cached = [ContextCache(spare=4) for _ in range(R)]
-    keys, values = ([torch.zeros(R, 2, 200, cfg.head_dim) for _ in m.layers] for _ in range(2))
+    cache = ContextCache(spare=4, capacity=200)
+    cache.start(R)
+    cache.ensure(200, torch.zeros(R, 2, 0, cfg.head_dim), len(m.layers))
     pos = [0] * R
     with torch.no_grad():
         for step in range(40):
@@ -311,14 +314,16 @@ def test_static_decoding_block_equals_the_cached_one(attention, fused):
             expected = []
             for r, n in enumerate(ns):
                 features[r, :n] = aux[r, pos[r] : pos[r] + n]
-                arriving = aux[r : r + 1, pos[r] : pos[r] + n] if n else None
-                expected.append(m.decode_hidden(tokens[r], pos[r] + n, cached[r], arriving))
-            got = m.decode_static(tokens, torch.tensor([[p, n] for p, n in zip(pos, ns)]), features, keys, values)
+                a = pos[r] + n
+                expected.append(reference.block_hidden(aux[r : r + 1, :a], tokens[r].view(1, 1), torch.tensor([[a]])))
+            got = m.decode(tokens, torch.tensor([[p, n] for p, n in zip(pos, ns)]), features, cache)
             torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
             pos = [p + n for p, n in zip(pos, ns)]
-            for r in range(R):
-                for a, b in zip(cached[r].keys + cached[r].values, keys + values):
-                    torch.testing.assert_close(b[r : r + 1, :, : pos[r]], a[:, :, : pos[r]], rtol=1e-5, atol=1e-5)
+        for r in range(R):
+            context = reference.context_kv(aux[r : r + 1, : pos[r]], torch.arange(pos[r])[None])
+            for (k, v), keys, values in zip(context, cache.keys, cache.values):
+                torch.testing.assert_close(keys[r : r + 1, :, : pos[r]], k, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(values[r : r + 1, :, : pos[r]], v, rtol=1e-5, atol=1e-5)
         assert len(set(pos)) > 1  # the rows drifted apart
 
 

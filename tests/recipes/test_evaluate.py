@@ -86,7 +86,7 @@ def test_eval_recipe_reports_tau_speedup_and_losslessness(tmp_path, tiny_target_
         "draft_compiled"
     ]  # and the draft compiled as one graph, over caches for 16 + 24 positions and a block
     vocab = decoding.get("vocab", {})
-    assert graph["graph"] == "decode_static" + ("" if "candidates" in vocab else " + propose")
+    assert graph["graph"] == "decode" + ("" if "candidates" in vocab else " + propose")
     assert graph["cache_positions"] == 16 + 24 + 4 + 1 and graph["graph_drafts"] > 10
     if "size" in vocab:  # the heads restricted to the 128 tokens the target's answers use most
         record = report["draft_vocab"]

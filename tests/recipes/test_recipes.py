@@ -133,13 +133,13 @@ def test_the_step_profiler_times_the_loop_pieces(capsys):
     assert {
         "proposer.propose",
         "proposer.observe",
-        "  drafter.decode_hidden",
+        "  drafter.decode",
         "budget.chain_length",
         "target.verify",
         "target.keep",
         "target.prefill",
     } <= set(parts)
-    assert 0 < parts["  drafter.decode_hidden"] < parts["proposer.propose"] < report["spec_step_ms"]
+    assert 0 < parts["  drafter.decode"] < parts["proposer.propose"] < report["spec_step_ms"]
     assert parts["proposer.propose"] + parts["target.verify"] < report["spec_step_ms"]
     out, both = capsys.readouterr().out, attention.available()  # (sdpa alone where the kernel does not build)
     assert out.count("plain steps)") == (2 if both else 1) and "attention sdpa" in out

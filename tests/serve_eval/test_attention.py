@@ -162,7 +162,7 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
     from drafters.cache import ContextCache
     from serve_eval.cpu import CpuBackend
 
-    from ..conftest import tiny_dflash
+    from ..conftest import decode_one, graph_one, tiny_dflash
 
     torch.manual_seed(0)
     aux = torch.randn(1, 40, 32)
@@ -175,14 +175,12 @@ def test_a_block_drafter_on_the_kernel_drafts_as_on_sdpa_eager_and_compiled():
         graph = backend.draft_graph(drafter)
         cache = ContextCache(spare=4, capacity=graph.positions)
         with torch.inference_mode():
-            drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
+            decode_one(drafter, 3, 10, cache, aux[:, :10])
             on_sdpa, eager = copy.deepcopy(cache), copy.deepcopy(cache)
-            hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
-            expected = reference.decode_hidden(torch.tensor(7), 13, on_sdpa, aux[:, 10:13])
+            hidden = graph_one(graph, 7, cache, aux[:, 10:13])
+            expected = decode_one(reference, 7, 13, on_sdpa, aux[:, 10:13])
             torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(
-                drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), expected, rtol=1e-5, atol=1e-5
-            )
+            torch.testing.assert_close(decode_one(drafter, 7, 13, eager, aux[:, 10:13]), expected, rtol=1e-5, atol=1e-5)
         assert graph.calls == 1
 
 

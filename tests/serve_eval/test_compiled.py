@@ -45,26 +45,28 @@ def test_compiled_drafts_equal_eager_ones_and_stay_lossless(target_and_prompts, 
     int8_drafter(drafter, "all")
     backend = CpuBackend(prepack="off", int8="off", compile="off")
     record = backend.compile_draft(drafter, max(len(p) for p in prompts) + MAX_NEW)
-    assert record["graph"] == "decode_static + propose" and record["sampled_proposal"] == (kind == "dflash")
-    graph_call, counts, tight = compiled.CompiledDraft.__call__, [], []
+    assert record["graph"] == "decode + propose" and record["sampled_proposal"] == (kind == "dflash")
+    graph_run, counts, tight = compiled.CompiledDraft.run, [], []
 
-    # the eager block from a copy of the same cache, beside the graph's
-    def checked(self, anchor, cache, arrived, propose):
+    # the eager forward on a copy of the same cache, beside the graph's
+    def checked(self, anchors, starts, features, cache, propose):
         eager_cache = copy.deepcopy(cache)
-        reference = drafter.decode_hidden(anchor, cache.length + arrived.shape[1], eager_cache, arrived)
-        hidden, proposal = graph_call(self, anchor, cache, arrived, propose)
+        reference = drafter.decode(anchors, starts, features, eager_cache)
+        hidden, proposal = graph_run(self, anchors, starts, features, cache, propose)
         close_to_rounding_or_an_int8_step(hidden, reference, tight)
-        assert cache.length == eager_cache.length and propose
+        for graphs, eager in zip(cache.keys + cache.values, eager_cache.keys + eager_cache.values):
+            close_to_rounding_or_an_int8_step(graphs, eager, tight)  # the same entries written
+        assert len(anchors) == 1 and propose
         tokens, logits, confidence = proposal  # greedy: each position's logits after the graph's own drafts
         drafts = iter(tokens.unbind(-1))  # the eager proposal over the graph's block, fed the graph's drafts
-        _, expected, expected_confidence = drafter.propose(hidden, anchor.view(1, 1), lambda _: next(drafts))
+        _, expected, expected_confidence = drafter.propose(hidden, anchors[:, None], lambda _: next(drafts))
         close_to_rounding_or_an_int8_step(logits, expected, tight)
         close_to_rounding_or_an_int8_step(confidence, expected_confidence, tight)  # DFlash: None, None
         assert torch.equal(tokens, logits.argmax(-1))
-        counts.append(arrived.shape[1])
+        counts.append(int(starts[0, 1]))
         return hidden, proposal
 
-    monkeypatch.setattr(compiled.CompiledDraft, "__call__", checked)
+    monkeypatch.setattr(compiled.CompiledDraft, "run", checked)
     for prompt in prompts:
         reference, _ = plain_generate(target, prompt, MAX_NEW)
         assert speculative_generate(target, drafter, prompt, MAX_NEW, backend=backend)[0] == reference
@@ -95,7 +97,7 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(
     """A drafter compiled for batches of two and three rows: batched greedy decoding (every draft
     verified or a scheduler's choice, rows of different lengths, fewer slots than prompts, rows leaving
     and joining) drafts from the graph whenever the batch has a compiled size, each graph draft equal
-    to the eager decode_static on the same buffers, and every row equals plain decoding."""
+    to the eager forward on the same buffers, and every row equals plain decoding."""
     import copy
 
     from serve_eval.cpu import compiled
@@ -110,18 +112,9 @@ def test_batches_draft_from_the_compiled_graph_and_stay_lossless(
     assert backend.compile_draft(drafter, max(map(len, prompts)) + MAX_NEW, rows=(3,))["rows"] == [1, 2, 3]
     graph_run, rows_seen, tight = compiled.CompiledDraft.run, [], []
 
-    def checked(self, anchors, counts, arriving, keys, values, propose):
-        copies, guarded_copies = [b.clone() for b in keys + values], [b.clone() for b in keys + values]
-        features = arriving.new_zeros(len(anchors), self.block_size, arriving.shape[2])
-        features[:, : arriving.shape[1]] = arriving
-        reference = drafter.decode_static(anchors, counts, features, copies[: len(keys)], copies[len(keys) :])
-        guarded = self.graph(
-            drafter, anchors, counts, features, guarded_copies[: len(keys)], guarded_copies[len(keys) :], propose
-        )
-        hidden, proposal = graph_run(
-            self, anchors, counts, arriving, keys, values, propose
-        )  # through run(): the same bits
-        assert torch.equal(hidden, guarded[0]) and all(torch.equal(a, b) for a, b in zip(keys + values, guarded_copies))
+    def checked(self, anchors, starts, features, cache, propose):
+        reference = drafter.decode(anchors, starts, features, copy.deepcopy(cache))
+        hidden, proposal = graph_run(self, anchors, starts, features, cache, propose)
         close_to_rounding_or_an_int8_step(hidden, reference, tight)
         rows_seen.append(len(anchors))
         return hidden, proposal
@@ -235,7 +228,7 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
 
     from drafters.cache import ContextCache
 
-    from ..conftest import tiny_dflash
+    from ..conftest import decode_one, graph_one, tiny_dflash
 
     torch.manual_seed(0)
     aux = torch.randn(1, 40, 32)
@@ -246,10 +239,8 @@ def test_each_compiled_drafter_has_a_graph_of_its_own():
         graph = backend.draft_graph(drafter)
         cache = ContextCache(spare=4, capacity=graph.positions)
         with torch.inference_mode():
-            drafter.decode_hidden(torch.tensor(3), 10, cache, aux[:, :10])
+            decode_one(drafter, 3, 10, cache, aux[:, :10])
             eager = copy.deepcopy(cache)
-            assert graph.fits(cache.keys, cache.length + 3, 3)
-            hidden, _ = graph(torch.tensor(7), cache, aux[:, 10:13], propose=False)
-            torch.testing.assert_close(
-                hidden, drafter.decode_hidden(torch.tensor(7), 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4
-            )
+            assert graph.fits(cache, cache.length + 3, 3)
+            hidden = graph_one(graph, 7, cache, aux[:, 10:13])
+            torch.testing.assert_close(hidden, decode_one(drafter, 7, 13, eager, aux[:, 10:13]), rtol=1e-4, atol=1e-4)
