@@ -1,12 +1,12 @@
 """Decode-time context cache over R rows: per drafter layer, the keys and values of each row's verified
 context in buffers [R, heads, S, head_dim], row ``r`` holding its first ``lengths[r]`` positions, which
-:class:`drafters.layers.InjectedLayer`'s decode paths (one row) and the decoding loop's batched drafts
-read and write in place.
+the block drafter's decoding forward (:meth:`drafters.block.BlockDrafter.decode`) reads and writes in
+place.
 
 Buffers grow by doubling (a write in place instead of a copy of the whole context every step), hold
 ``capacity`` slots from the start where a compiled draft is built for one length, and are zero where
-nothing was written: a compiled draft attends over whole buffers with the unwritten slots masked, and a
-masked NaN would still reach the output (0 * NaN). A row writes past its length freely (a draft's own
+nothing was written: the decoding forward attends over whole buffers with the unwritten slots masked,
+and a masked NaN would still reach the output (0 * NaN). A row writes past its length freely (a draft's own
 entries, positions not yet counted): those slots are never attended before the row's next write covers
 them.
 """
@@ -61,15 +61,6 @@ class ContextCache:
             self.values[layer][:, :, start:end] = v
         return end
 
-    def check_anchor(self, anchor_pos: int, arriving: torch.Tensor | None) -> None:
-        """A block anchored at ``anchor_pos`` must follow the cached positions and the ``arriving``
-        features [1, n, F] (or None) directly: a ValueError otherwise."""
-        n = 0 if arriving is None else arriving.shape[1]
-        if self.length + n != anchor_pos:
-            raise ValueError(
-                f"the context cache holds {self.length} positions and {n} arrive, the block is anchored at {anchor_pos}"
-            )
-
     # -- buffers -----------------------------------------------------------------------------------
     def ensure(self, end: int, like: torch.Tensor, layers: int) -> None:
         """Buffers for ``layers`` layers with room for ``end`` slots, shaped and typed like ``like``
@@ -113,11 +104,6 @@ class ContextCache:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.lengths = self.lengths[rows]
-
-    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The per-layer keys and values up to the longest row, [R, heads, C, head_dim]."""
-        C = max(self._lengths)
-        return [(k[:, :, :C], v[:, :, :C]) for k, v in zip(self.keys, self.values)]
 
 
 def grown(old: torch.Tensor | None, like: torch.Tensor, needed: int, filled: int, capacity: int = 0) -> torch.Tensor:

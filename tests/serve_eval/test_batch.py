@@ -210,6 +210,8 @@ def test_a_batched_block_drafts_what_each_row_drafts_alone(target_and_prompts, t
         alone.start([p], f, p[-1:])
         logits = alone.propose(p[-1:], [len(p)], [Sampler()]).logits
         assert torch.allclose(batched[i], logits[0], atol=1e-4)
+        with pytest.raises(ValueError, match="anchored at"):  # a block follows its row's context directly
+            alone.propose(p[-1:], [len(p) + 1], [Sampler()])
 
 
 def steps_match_alone(target, batch, alone, steps: int, n: int) -> None:
