@@ -36,6 +36,10 @@ class ContextCache:
     def lengths(self, value) -> None:
         self._lengths = value.tolist() if isinstance(value, torch.Tensor) else list(value)
 
+    def row_lengths(self) -> list[int]:
+        """Each row's length, as Python ints."""
+        return list(self._lengths)
+
     @property
     def length(self) -> int:
         return self._lengths[0]

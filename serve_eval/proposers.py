@@ -178,10 +178,10 @@ class BlockProposer(Proposer):
         self.pending = []
 
     # -- drafts ------------------------------------------------------------------------------------
-    def _arriving(self, R: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _arriving(self, R: int) -> tuple[torch.Tensor | None, list[int]]:
         """The features the next draft reads with its block, [R, m, F] with ``m <= K`` (or None), and how
-        many of them are each row's own [R]; features queued before them are appended to the context
-        first (one product for a run of entries every row keeps whole)."""
+        many of them are each row's own; features queued before them are appended to the context first
+        (one product for a run of entries every row keeps whole)."""
         K = self.block_size
         pending = self.pending
         if len(pending) > 1 and all(counts is None for _, counts in pending):
@@ -189,13 +189,13 @@ class BlockProposer(Proposer):
         self.pending = pending[:-1]
         self._flush()
         if not pending:
-            return None, torch.zeros(R, dtype=torch.long)
-        aux, counts = pending[-1]
+            return None, [0] * R
+        aux, kept = pending[-1]
         m = aux.shape[1]
-        counts = torch.full((R,), m) if counts is None else counts
+        counts = [m] * R if kept is None else kept.tolist()
         if m > K:  # a prompt's features, or a step's after undrafted ones: all but the last K into the context
-            self._append(aux[:, : m - K], counts.clamp(max=m - K))
-            aux, counts = aux[:, m - K :], (counts - (m - K)).clamp_min(0)
+            self._append(aux[:, : m - K], torch.tensor([min(c, m - K) for c in counts]))
+            aux, counts = aux[:, m - K :], [max(c - (m - K), 0) for c in counts]
         return aux, counts
 
     @torch.inference_mode()
@@ -207,25 +207,26 @@ class BlockProposer(Proposer):
         R, K = len(anchors), self.block_size
         greedy = samplers[0].greedy
         aux, counts = self._arriving(R)
-        lengths = context.lengths
-        if (lengths + counts).tolist() != list(positions):
+        lengths = context.row_lengths()
+        ends = [length + count for length, count in zip(lengths, counts)]
+        if ends != [int(p) for p in positions]:
             raise ValueError(
-                f"the context cache holds {lengths.tolist()} positions and {counts.tolist()} arrive; "
-                f"the blocks are anchored at {list(positions)}"
+                f"the context cache holds {lengths} positions and {counts} arrive; the blocks are anchored at "
+                f"{[int(p) for p in positions]}"
             )
         anchors = anchors.to(drafter.device)
         features = torch.zeros(R, K, drafter.fc.in_features, dtype=drafter.dtype, device=drafter.device)
         if aux is not None:
             features[:, : aux.shape[1]] = aux
-        starts = torch.stack([lengths, counts], dim=1).to(drafter.device)
-        end = int((lengths + counts).max())
+        starts = torch.tensor(list(zip(lengths, counts)), device=drafter.device)  # [R, 2]
+        end = max(ends)
         if graph is not None and graph.fits(context, end, 0 if aux is None else aux.shape[1]):
             hidden, proposal = graph.run(anchors, starts, features, context, graph.proposes_for(greedy))
         else:
             kv = features.new_empty(R, drafter.config.num_key_value_heads, 0, drafter.config.head_dim)
             context.ensure(end + K + 1, kv, len(drafter.layers))
             hidden, proposal = drafter.decode(anchors, starts, features, context), None
-        context.lengths = lengths + counts
+        context.lengths = ends
         tokens, logits, confidence = _proposal(
             drafter, hidden, proposal, anchors[:, None], lambda x: choose_rows(samplers, x), greedy
         )
