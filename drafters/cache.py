@@ -16,16 +16,11 @@ from __future__ import annotations
 import torch
 
 
-class ContextCache:
-    """Keys and values of R rows' verified contexts (see the module docstring). ``spare``: slots a
-    one-row write keeps free after its end (one block's entries); ``length``: the one row's length."""
+class RowLengths:
+    """Each row's length, kept as Python ints (one row's are read and written every step): the drafter's
+    context cache and the target's session count their rows alike."""
 
-    def __init__(self, spare: int, capacity: int = 0):
-        self.spare = spare
-        self.capacity = capacity  # buffers of exactly this many slots while the contexts fit them
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self._lengths = [0]  # python ints: one row's are read and written every step
+    _lengths: list[int]
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -42,11 +37,24 @@ class ContextCache:
 
     @property
     def length(self) -> int:
+        """One row's length (setting it makes the rows that one row)."""
         return self._lengths[0]
 
     @length.setter
     def length(self, value: int) -> None:
         self._lengths = [int(value)]
+
+
+class ContextCache(RowLengths):
+    """Keys and values of R rows' verified contexts (see the module docstring). ``spare``: slots a
+    one-row write keeps free after its end (one block's entries); ``length``: the one row's length."""
+
+    def __init__(self, spare: int, capacity: int = 0):
+        self.spare = spare
+        self.capacity = capacity  # buffers of exactly this many slots while the contexts fit them
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._lengths = [0]
 
     # -- one row ---------------------------------------------------------------------------------
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

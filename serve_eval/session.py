@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 
 from distill.base.features import FeatureCapture, TargetFeatures
+from drafters.cache import RowLengths
 
 from .backend import TORCH, Backend
 from .kv import InPlaceLayer, KVQuant, RowWrites, inplace_cache, keep_entries
 
 
-class TargetSession:
+class TargetSession(RowLengths):
     """``target`` over R rows with a KV cache (quantized as ``kv`` says, :mod:`serve_eval.kv`), stepped as
     ``backend`` serves it (:mod:`serve_eval.backend`) and, with ``capture``, the features a drafter reads.
     ``lengths`` [R]: each row's verified tokens."""
@@ -33,30 +34,12 @@ class TargetSession:
         self.run = backend.target_forward(target, capture)
         self.cache = inplace_cache(target.config, kv)
         self._layers = [layer for layer in self.cache.layers if isinstance(layer, InPlaceLayer)]  # the loop's own
-        self._lengths: list[int] = []  # python ints: one row's are read and written every step
+        self._lengths = []
         self._row_writes = False  # whether the cache's layers write per row (several rows, or were)
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """Each row's length [R]."""
-        return torch.tensor(self._lengths, dtype=torch.long)
-
-    @lengths.setter
-    def lengths(self, value) -> None:
-        self._lengths = value.tolist() if isinstance(value, torch.Tensor) else list(value)
-
-    def row_lengths(self) -> list[int]:
-        """Each row's length, as Python ints."""
-        return list(self._lengths)
 
     @property
     def rows(self) -> int:
         return len(self._lengths)
-
-    @property
-    def length(self) -> int:
-        """One row's length."""
-        return self._lengths[0]
 
     # -- one row: a contiguous cache, the model's own causal mask ----------------------------------
     def _contiguous(self) -> None:
