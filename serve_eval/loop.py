@@ -131,14 +131,8 @@ class _Rows:
         max_new: int,
         eos: int | None,
     ):
-        self.target, self.capture, self.kv, self.backend, self.max_new, self.eos = (
-            target,
-            capture,
-            kv,
-            backend,
-            max_new,
-            eos,
-        )
+        self.target, self.capture, self.kv, self.backend = target, capture, kv, backend
+        self.max_new, self.eos = max_new, eos
         self.prompts, self.samplers, self.slots, self.outs, self.proposers = prompts, samplers, slots, outs, proposers
         self.queue = list(range(len(prompts)))
         self.session: TargetSession | None = None
