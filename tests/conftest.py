@@ -161,25 +161,32 @@ def student_recipe(out, target_dir, arch="llama", **train):
     )
 
 
-def tiny_dflash(block_attention: str = "causal", num_key_value_heads: int = 4):
-    """A one-layer DFlash drafter of 32 channels over a 32-channel target, random, fused for decoding."""
-    from drafters import DFlashConfig, DFlashDrafter
+def tiny_dflash_config(**overrides):
+    """A DFlash config of 32 channels over a 32-channel target (4 heads, K = 4, 64 positions); ``overrides``
+    change any field."""
+    from drafters import DFlashConfig
 
-    cfg = DFlashConfig(
+    fields = dict(
         vocab_size=50,
         hidden_size=32,
         num_attention_heads=4,
-        num_key_value_heads=num_key_value_heads,
+        num_key_value_heads=2,
         intermediate_size=64,
         target_layer_ids=[0],
         target_hidden_size=32,
         mask_token_id=1,
         block_size=4,
-        block_attention=block_attention,
         num_hidden_layers=1,
-        qk_norm=True,
         max_position_embeddings=64,
     )
+    return DFlashConfig(**{**fields, **overrides})
+
+
+def tiny_dflash(block_attention: str = "causal", num_key_value_heads: int = 4):
+    """A one-layer DFlash drafter of 32 channels over a 32-channel target, random, fused for decoding."""
+    from drafters import DFlashDrafter
+
+    cfg = tiny_dflash_config(block_attention=block_attention, num_key_value_heads=num_key_value_heads, qk_norm=True)
     return DFlashDrafter(cfg).eval().fuse_projections()
 
 

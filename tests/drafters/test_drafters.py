@@ -14,7 +14,7 @@ from distill.config import TargetConfig
 from distill.models import load_target
 from recipes.registry import parse_recipe
 
-from ..conftest import KINDS, decode_one, drafter_recipe, reset_accelerate
+from ..conftest import KINDS, decode_one, drafter_recipe, reset_accelerate, tiny_dflash_config
 
 
 def test_hooks_follow_the_output_of_layer_convention(tiny_target_dir):
@@ -197,21 +197,12 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
 
     torch.manual_seed(0)
     rope_parameters = {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}
-    cfg = DFlashConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_attention_heads=4,
+    cfg = tiny_dflash_config(
         num_key_value_heads=kv_heads,
-        intermediate_size=64,
-        target_layer_ids=[0],
-        target_hidden_size=32,
-        mask_token_id=1,
-        block_size=4,
         block_attention=attention,
         num_hidden_layers=2,
         qk_norm=qk_norm,
         rope_parameters=rope_parameters,
-        max_position_embeddings=64,
     )
     m = DFlashDrafter(cfg).eval()
     for norm in (m.norm, m.hidden_norm):
@@ -243,21 +234,9 @@ def test_cached_decoding_block_equals_the_training_block(attention, qk_norm, kv_
 
 def test_the_fused_projection_path_needs_fused_projections():
     """project_qkv reads the product fuse_projections makes: without it, an error that says what to call."""
-    from drafters import DFlashConfig, DFlashDrafter
+    from drafters import DFlashDrafter
 
-    cfg = DFlashConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        target_layer_ids=[0],
-        target_hidden_size=32,
-        mask_token_id=1,
-        block_size=4,
-        num_hidden_layers=1,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_dflash_config()
     attn = DFlashDrafter(cfg).layers[0].attn
     with pytest.raises(RuntimeError, match=r"fuse_projections\(\) first"):
         attn.project_qkv(torch.zeros(1, 2, 32), torch.arange(2)[None], queries=1)
@@ -274,25 +253,15 @@ def test_decoding_rows_equal_each_rows_block_over_its_whole_context(attention, f
     contexts drift apart (0..K features arriving per row and step), gives each row the block that
     block_hidden computes for that row alone over its whole context, and leaves each row's context
     keys and values in its buffers."""
-    from drafters import DFlashConfig, DFlashDrafter
+    from drafters import DFlashDrafter
     from drafters.cache import ContextCache
 
     torch.manual_seed(0)
-    cfg = DFlashConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        target_layer_ids=[0],
-        target_hidden_size=32,
-        mask_token_id=1,
-        block_size=4,
+    cfg = tiny_dflash_config(
         block_attention=attention,
         num_hidden_layers=2,
         qk_norm=True,
         rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
-        max_position_embeddings=64,
     )
     m = DFlashDrafter(cfg).eval()
     reference = copy.deepcopy(m)
