@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .chat import conversation_pieces, read_conversation, tokenized
 from .checkpoint import Ranks, fsync_path, run_sharded, shard_bounds, write_file_atomically
 from .checks import jsonl_records
 from .config import DATA_SUFFIXES, DataConfig, RecipeError, TokenizerConfig
@@ -93,15 +94,16 @@ class TextSplits:
     description: str
 
 
-#: columns of regenerated records (:mod:`distill.regenerate`) kept when present: the exact tokens
-TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids", "eos")
+#: columns kept when present: the exact tokens of regenerated records (:mod:`distill.regenerate`), and
+#: the tool definitions a conversation is rendered with
+EXTRA_COLUMNS = ("prompt_ids", "response_ids", "eos", "tools")
 
 
 def _columns_needed(cfg: DataConfig) -> list[str]:
     return {
         "text": [cfg.text_field],
         "prompt_response": [cfg.prompt_field, cfg.response_field],
-        "messages": [cfg.messages_field],
+        "messages": [cfg.turns_field],
     }[cfg.format]
 
 
@@ -152,7 +154,7 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             if column not in ds.column_names:
                 raise RecipeError(
                     f"data: column '{column}' (format '{cfg.format}') is not in the data "
-                    f"(columns: {ds.column_names}); set data.text_field / prompt_field / response_field / messages_field"
+                    f"(columns: {ds.column_names}); set data.text_field / prompt_field / response_field / messages_field (or data.chat_schema)"
                 )
         if cfg.max_documents:
             ds = ds.select(range(min(cfg.max_documents, len(ds))))
@@ -161,7 +163,7 @@ def load_text_splits(cfg: DataConfig, seed: int = 0) -> TextSplits:
             ds, val_ds = parts["train"], parts["test"]
         cols = _columns_needed(cfg)
         if cfg.format != "text":
-            cols += [c for c in TOKEN_ID_COLUMNS if c in ds.column_names and c in val_ds.column_names]
+            cols += [c for c in EXTRA_COLUMNS if c in ds.column_names and c in val_ds.column_names]
         train_r, val_r = (DatasetColumn(d, cols, cfg.format == "text") for d in (ds, val_ds))
         desc = f"{cfg.source} ({cfg.format}): {len(train_r)} train / {len(val_r)} held-out records"
         fp = fingerprint_texts(
@@ -392,74 +394,79 @@ class PackedWindows:
 
 
 def chat_messages(record: dict, cfg: DataConfig) -> list[dict]:
+    """A record's conversation as OpenAI-style messages (:func:`distill.chat.read_conversation`)."""
     if cfg.format == "messages":
-        return list(record[cfg.messages_field])
+        return read_conversation(record[cfg.turns_field], cfg.chat_schema)
     return [
         {"role": "user", "content": record[cfg.prompt_field]},
         {"role": "assistant", "content": record[cfg.response_field]},
     ]
 
 
-def encode_example(record: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[int]]:
-    """Token ids of a prompt + response and a mask that is 1 on the (final) response only.
+def encode_example(
+    record: dict, tokenizer, cfg: DataConfig, template_kwargs: dict | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """The training examples of one record: token ids and a mask that is 1 on the tokens to score.
 
     Records of :mod:`distill.regenerate` carry the token ids the target read and wrote; those are used
-    as they are (EOS only where the target ended the response). Otherwise, with a chat template the conversation is rendered by it, the prompt being every turn before the
-    last with the generation prompt appended; without one (the testbed) prompt and response are
-    concatenated as they are and the response ends with EOS.
+    as they are (EOS only where the target ended the response). Otherwise the conversation (a prompt and
+    its response, or ``messages``) is rendered by the chat template with ``template_kwargs`` and every
+    assistant turn is scored (``cfg.assistant_turns``), each in the context the target wrote it in: one
+    example, or one per rewrite of the history (:func:`distill.chat.conversation_pieces`).
     """
     if "prompt_ids" in record and "response_ids" in record:  # regenerated: the exact tokens the target read and wrote
         prompt_ids, response_ids = list(record["prompt_ids"]), list(record["response_ids"])
         response_ids += [tokenizer.eos_token_id] if record.get("eos", True) else []
-        return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+        return [(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))]
     messages = chat_messages(record, cfg)
-    if messages[-1]["role"] != "assistant":
-        raise ValueError(f"the last message must be the assistant's response, got role {messages[-1]['role']!r}")
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages, tokenize=False)
-        if not full.startswith(prompt):
-            raise ValueError("the chat template does not render the prompt as a prefix of the conversation")
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
-    else:
-        prompt_ids = tokenizer("".join(m["content"] for m in messages[:-1]), add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
-    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+    tools = record.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools  # tables often keep them as JSON text
+    examples = conversation_pieces(tokenizer, messages, template_kwargs, cfg.assistant_turns, tools)
+    return [tokenized(tokenizer, pieces) for pieces in examples]
 
 
 def tokenize_examples(
-    records: Sequence[dict], tokenizer, cfg: DataConfig, name: str = "examples", ranks: Ranks | None = None
+    records: Sequence[dict],
+    tokenizer,
+    cfg: DataConfig,
+    name: str = "examples",
+    ranks: Ranks | None = None,
+    template_kwargs: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Every record as one window of ``seq_len + 1`` tokens (truncated or padded) and its loss mask;
-    cached on disk and memory-mapped, written row by row (a :class:`DatasetColumn` is read in batches).
-    With ``ranks`` every rank encodes its shards (module doc); every rank returns the whole arrays."""
-    return _tokenized_examples(records, tokenizer, cfg, name, ranks)[:2]
+    """Every example of the records (:func:`encode_example`: one per record, or one per rewrite of a
+    conversation's history) as one window of ``seq_len + 1`` tokens (truncated or padded) and its loss
+    mask, in record order; cached on disk and memory-mapped, written row by row (a
+    :class:`DatasetColumn` is read in batches). With ``ranks`` every rank encodes its shards (module
+    doc); every rank returns the whole arrays."""
+    return _tokenized_examples(records, tokenizer, cfg, name, ranks, template_kwargs)[:2]
 
 
 def _tokenized_examples(
-    records: Sequence[dict], tokenizer, cfg: DataConfig, name: str, ranks: Ranks | None
+    records: Sequence[dict], tokenizer, cfg: DataConfig, name: str, ranks: Ranks | None, template_kwargs: dict | None
 ) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """:func:`tokenize_examples` and the number of shards each rank encoded (all 0: read from the cache)."""
     ranks = ranks or Ranks()
     width = cfg.seq_len + 1
     key = _records_key(
-        records, tokenizer_fingerprint(tokenizer), f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}"
+        records,
+        tokenizer_fingerprint(tokenizer),
+        f"{cfg.format}/{width}/{getattr(tokenizer, 'chat_template', None)}",
+        f"{cfg.chat_schema}/{cfg.turns_field}/{cfg.assistant_turns}/{json.dumps(template_kwargs or {}, sort_keys=True)}",
     )
     folder = cache_dir() / "examples" / f"{name}-{key}"
     counts = [0] * ranks.world
     if not (folder / "mask.npy").exists():
-        counts = _encode_examples(records, tokenizer, cfg, folder, ranks)
+        counts = _encode_examples(records, tokenizer, cfg, folder, ranks, template_kwargs)
     else:
         shutil.rmtree(_parts_folder(folder), ignore_errors=True)  # left by a kill between the merge and its cleanup
     return np.load(folder / "ids.npy", mmap_mode="r"), np.load(folder / "mask.npy", mmap_mode="r"), counts
 
 
-def _encode_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, folder: Path, ranks: Ranks) -> list[int]:
-    """Write ``folder/{ids,mask}.npy`` from per-rank shards (each a folder of its rows' ``ids.npy`` and
-    ``mask.npy``); the number of shards each rank encoded."""
+def _encode_examples(
+    records: Sequence[dict], tokenizer, cfg: DataConfig, folder: Path, ranks: Ranks, template_kwargs: dict | None
+) -> list[int]:
+    """Write ``folder/{ids,mask}.npy`` from per-rank shards (each a folder of its examples' ``ids.npy``
+    and ``mask.npy``); the number of shards each rank encoded."""
     width = cfg.seq_len + 1
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bounds = shard_bounds(len(records), ranks.world, SHARD_RECORDS)
@@ -469,14 +476,21 @@ def _encode_examples(records: Sequence[dict], tokenizer, cfg: DataConfig, folder
 
     def write(i: int) -> None:
         lo, hi = bounds[i]
-        write_file_atomically(shards[i], lambda tmp: _write_example_rows(records, lo, hi, tokenizer, cfg, pad, tmp))
+        rows = [
+            example
+            for batch in _record_batches(records, lo, hi)
+            for record in batch
+            for example in encode_example(record, tokenizer, cfg, template_kwargs)
+        ]
+        write_file_atomically(shards[i], lambda tmp: _write_example_rows(rows, width, pad, tmp))
 
     def merge() -> None:
+        sizes = [len(np.load(shard / "mask.npy", mmap_mode="r")) for shard in shards]
         with atomic_dir(folder) as tmp:
-            ids, mask = _example_arrays(tmp, len(records), width, pad)
-            for (lo, hi), shard in zip(bounds, shards):
-                ids[lo:hi] = np.load(shard / "ids.npy", mmap_mode="r")
-                mask[lo:hi] = np.load(shard / "mask.npy", mmap_mode="r")
+            ids, mask = _example_arrays(tmp, sum(sizes), width, pad)
+            for at, size, shard in zip(itertools.accumulate([0, *sizes]), sizes, shards):
+                ids[at : at + size] = np.load(shard / "ids.npy", mmap_mode="r")
+                mask[at : at + size] = np.load(shard / "mask.npy", mmap_mode="r")
             ids.flush(), mask.flush()
             del ids, mask
             for f in ("ids.npy", "mask.npy"):
@@ -498,19 +512,12 @@ def _example_arrays(folder: Path, rows: int, width: int, pad: int) -> tuple[np.n
     return ids, mask
 
 
-def _write_example_rows(
-    records: Sequence[dict], lo: int, hi: int, tokenizer, cfg: DataConfig, pad: int, folder: Path
-) -> None:
-    """Records ``lo .. hi-1`` encoded (:func:`encode_example`) into ``folder/{ids,mask}.npy``, row by row."""
-    width = cfg.seq_len + 1
-    ids, mask = _example_arrays(folder, hi - lo, width, pad)
-    row = 0
-    for batch in _record_batches(records, lo, hi):
-        for record in batch:
-            tokens, scored = encode_example(record, tokenizer, cfg)
-            ids[row, : min(width, len(tokens))] = tokens[:width]
-            mask[row, : min(width, len(scored))] = scored[:width]
-            row += 1
+def _write_example_rows(rows: list[tuple[list[int], list[int]]], width: int, pad: int, folder: Path) -> None:
+    """Encoded examples (:func:`encode_example`), truncated or padded to ``width``, into ``folder/{ids,mask}.npy``."""
+    ids, mask = _example_arrays(folder, len(rows), width, pad)
+    for row, (tokens, scored) in enumerate(rows):
+        ids[row, : min(width, len(tokens))] = tokens[:width]
+        mask[row, : min(width, len(scored))] = scored[:width]
     ids.flush(), mask.flush()
 
 
@@ -551,16 +558,18 @@ def make_windows(
     seed: int = 0,
     max_windows: int | None = None,
     ranks: Ranks | None = None,
+    template_kwargs: dict | None = None,
 ) -> PackedWindows:
     """Training windows (shuffled per epoch) or held-out windows (in order) for one split, tokenized by
-    every rank of ``ranks`` (module doc). ``prepared_by_rank`` on the result: the shards each rank
+    every rank of ``ranks`` (module doc); chat data rendered with ``template_kwargs``
+    (``target.chat_template_kwargs``). ``prepared_by_rank`` on the result: the shards each rank
     tokenized (all 0 when the split came from the cache)."""
     shuffle = split == "train"
     if cfg.format == "text":
         tokens, counts = _tokenized_stream(records, tokenizer, split, ranks)
         windows = PackedWindows(tokens, cfg.seq_len, seed, shuffle, max_windows)
     else:
-        ids, mask, counts = _tokenized_examples(records, tokenizer, cfg, split, ranks)
+        ids, mask, counts = _tokenized_examples(records, tokenizer, cfg, split, ranks, template_kwargs)
         windows = ExampleWindows(ids, mask, seed, shuffle, max_windows)
     windows.prepared_by_rank = counts
     return windows

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from . import chat
 from .checkpoint import Ranks, run_sharded, write_file_atomically
 from .testbed import cache_dir, fingerprint_texts
 
@@ -82,28 +83,29 @@ def load_prompts(section, data_cfg, seed: int, tokenizer) -> list[dict]:
     return corpus_prompts(docs, section.from_corpus, section.prompt_tokens, tokenizer, seed)
 
 
-def encoded_prompts(section, data_cfg, seed: int, tokenizer, device="cpu") -> list[torch.Tensor]:
+def encoded_prompts(
+    section, data_cfg, seed: int, tokenizer, device="cpu", template_kwargs: dict | None = None
+) -> list[torch.Tensor]:
     """:func:`load_prompts` as the token ids the target reads, one 1-D tensor each."""
     return [
-        torch.tensor(prompt_token_ids(p, tokenizer), device=device)
+        torch.tensor(prompt_token_ids(p, tokenizer, template_kwargs), device=device)
         for p in load_prompts(section, data_cfg, seed, tokenizer)
     ]
 
 
-def render(prompt: dict, tokenizer) -> str:
-    """The text the target continues: its chat template when it has one, else the raw prompt."""
+def render(prompt: dict, tokenizer, template_kwargs: dict | None = None) -> str:
+    """The text the target continues: the conversation by its chat template (with ``template_kwargs``,
+    ``target.chat_template_kwargs``) and the generation prompt, else the raw prompt."""
     messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(m["content"] for m in messages)
+    return chat.render(tokenizer, messages, template_kwargs, generation_prompt=True)
 
 
-def prompt_token_ids(prompt: dict, tokenizer) -> list[int]:
+def prompt_token_ids(prompt: dict, tokenizer, template_kwargs: dict | None = None) -> list[int]:
     """The tokens the target reads for ``prompt``: the cut corpus tokens themselves when there is no
     chat template, else the rendered conversation's."""
-    if "prompt_ids" in prompt and not getattr(tokenizer, "chat_template", None):
+    if "prompt_ids" in prompt and not chat.has_template(tokenizer):
         return list(prompt["prompt_ids"])
-    return tokenizer(render(prompt, tokenizer), add_special_tokens=False)["input_ids"]
+    return tokenizer(render(prompt, tokenizer, template_kwargs), add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -188,10 +190,11 @@ def answer_prompts(
     desc: str = "regenerating",
     server=None,
     ranks: Ranks | None = None,
+    template_kwargs: dict | None = None,
 ) -> dict:
     """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc), in-process
-    or through ``server`` (a :class:`~distill.config.ServerSection`; ``target`` may then be None).
-    Returns :func:`answer_jobs`' record of the file."""
+    or through ``server`` (a :class:`~distill.config.ServerSection`; ``target`` may then be None), the
+    prompts rendered with ``template_kwargs``. Returns :func:`answer_jobs`' record of the file."""
     job = AnswerJob(Path(out_file), prompts, temperature, seed, desc)
     return answer_jobs(
         target,
@@ -203,6 +206,7 @@ def answer_prompts(
         batch_size=batch_size,
         server=server,
         ranks=ranks,
+        template_kwargs=template_kwargs,
     )[0]
 
 
@@ -218,6 +222,7 @@ def answer_jobs(
     batch_size: int = 8,
     server=None,
     ranks: Ranks | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[dict]:
     """Every job's file of answers, the batches of all unfinished files divided among ``ranks`` (module
     doc); every rank must call this with the same jobs. Returns per job ``{"records", "response_tokens",
@@ -241,7 +246,11 @@ def answer_jobs(
         j, batch = units[i]
         job = pending[j]
         if answer is None:
-            answer = ServerAnswers(server, tokenizer) if server is not None else InProcessAnswers(target, tokenizer)
+            answer = (
+                ServerAnswers(server, tokenizer, template_kwargs)
+                if server is not None
+                else InProcessAnswers(target, tokenizer, template_kwargs)
+            )
         t0 = time.perf_counter()
         rows = answer(
             [job.prompts[k] for k in batch],
@@ -306,15 +315,15 @@ def _job_record(job: AnswerJob, pending: list[AnswerJob], done: list[list[tuple[
 class InProcessAnswers:
     """A batch of answers by ``target.generate`` (left-padded), seeded per batch."""
 
-    def __init__(self, target, tokenizer):
-        self.target, self.tokenizer = target, tokenizer
+    def __init__(self, target, tokenizer, template_kwargs: dict | None = None):
+        self.target, self.tokenizer, self.template_kwargs = target, tokenizer, template_kwargs
         self.device = next(target.parameters()).device
 
     def __call__(self, prompts, max_new_tokens, temperature, top_p, top_k, seed):
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         torch.manual_seed(seed)
-        ids = [prompt_token_ids(p, tok) for p in prompts]
+        ids = [prompt_token_ids(p, tok, self.template_kwargs) for p in prompts]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.device)  # left padding
         attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
@@ -343,12 +352,13 @@ class ServerAnswers:
     is a ``stop`` finish. The endpoint is asked for its models first: an unreachable server or an
     unknown model is an error before any prompt is sent."""
 
-    def __init__(self, server, tokenizer):
+    def __init__(self, server, tokenizer, template_kwargs: dict | None = None):
         from openai import OpenAI
 
         from .config import RecipeError
 
         self.server, self.tokenizer, self.device = server, tokenizer, torch.device("cpu")
+        self.template_kwargs = template_kwargs
         key = os.environ.get(server.api_key_env or "", "") or "EMPTY"
         self.client = OpenAI(base_url=server.base_url, api_key=key, timeout=server.timeout_s, max_retries=3)
         try:
@@ -368,7 +378,7 @@ class ServerAnswers:
         extra = {**server.extra_body, **({"top_k": top_k} if top_k and temperature > 0 else {})}
 
         def one(j: int):
-            text = render(prompts[j], tok)
+            text = render(prompts[j], tok, self.template_kwargs)
             sampling = (
                 {"temperature": temperature, "top_p": top_p, "seed": seed + j}
                 if temperature > 0
@@ -390,9 +400,13 @@ class ServerAnswers:
             return list(pool.map(one, range(len(prompts))))
 
 
-def regeneration_key(stage, target_fp: str, tokenizer_fp: str, data_fp: str, seed: int) -> str:
+def regeneration_key(
+    stage, target_fp: str, tokenizer_fp: str, data_fp: str, seed: int, template_kwargs: dict | None = None
+) -> str:
     # where the answers come from counts, not how the server is reached
     settings = stage.model_dump(mode="json", exclude={"server"})
+    if template_kwargs:
+        settings["chat_template_kwargs"] = template_kwargs
     if getattr(stage, "server", None) is not None:
         settings["server_model"] = stage.server.model
     settings = json.dumps(settings, sort_keys=True)
@@ -400,13 +414,21 @@ def regeneration_key(stage, target_fp: str, tokenizer_fp: str, data_fp: str, see
 
 
 def regenerated_splits(
-    stage, target, tokenizer, splits, seed: int, target_fp: str, tokenizer_fp: str, ranks: Ranks | None = None
+    stage,
+    target,
+    tokenizer,
+    splits,
+    seed: int,
+    target_fp: str,
+    tokenizer_fp: str,
+    ranks: Ranks | None = None,
+    template_kwargs: dict | None = None,
 ) -> dict:
     """Answer ``stage``'s train prompts (split over ``stage.temperatures``) and held-out prompts (greedy),
     or reuse the cached answers; with ``ranks`` every rank answers its share of all the files' batches
     (module doc) and returns the record. Returns the record: files, key, counts, response tokens,
     tokens/s and the batches each rank answered."""
-    key = regeneration_key(stage, target_fp, tokenizer_fp, splits.fingerprint, seed)
+    key = regeneration_key(stage, target_fp, tokenizer_fp, splits.fingerprint, seed, template_kwargs)
     folder = cache_dir() / "regenerated" / key
     manifest = folder / "manifest.json"
     if manifest.exists():
@@ -438,6 +460,7 @@ def regenerated_splits(
         batch_size=stage.batch_size,
         server=stage.server,
         ranks=ranks,
+        template_kwargs=template_kwargs,
     )
     stats = {job.out_file.name: record for job, record in zip(jobs, done)}
     record = {
@@ -455,7 +478,9 @@ def regenerated_splits(
     return {**record, "reused": False}
 
 
-def training_splits(data, stage, target, tokenizer, seed: int, ranks: Ranks | None = None):
+def training_splits(
+    data, stage, target, tokenizer, seed: int, ranks: Ranks | None = None, template_kwargs: dict | None = None
+):
     """What a training recipe trains on: ``data``'s corpus, or with a ``regenerate:`` ``stage`` the
     target's own answers to prompts cut from it (regenerated now by every rank of ``ranks``, or read
     back from their cache: recipes with the same stage, corpus, target and seed share one). Returns the
@@ -466,7 +491,15 @@ def training_splits(data, stage, target, tokenizer, seed: int, ranks: Ranks | No
     splits, regenerated = load_text_splits(data, seed), None
     if stage is not None:
         regenerated = regenerated_splits(
-            stage, target, tokenizer, splits, seed, target_fingerprint(target), tokenizer_fingerprint(tokenizer), ranks
+            stage,
+            target,
+            tokenizer,
+            splits,
+            seed,
+            target_fingerprint(target),
+            tokenizer_fingerprint(tokenizer),
+            ranks,
+            template_kwargs,
         )
         splits = regenerated_text_splits(regenerated)
         data = data.model_copy(update={"format": "prompt_response"})

@@ -128,11 +128,12 @@ def main(recipe: DistillStudentRecipe, dry_run: bool = False) -> dict:
 
     ### Data, tokenized with the target's tokenizer
     ranks = Ranks.of(acc)  # every rank regenerates and tokenizes its share
+    chat = recipe.target.chat_template_kwargs
     splits, data_cfg, data_record = training_splits(
-        recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks
+        recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks, chat
     )
-    train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, ranks=ranks)
-    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed, ranks=ranks)
+    train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, ranks=ranks, template_kwargs=chat)
+    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed, ranks=ranks, template_kwargs=chat)
     data_record["tokenized_by_rank"] = {"train": train.prepared_by_rank, "val": val.prepared_by_rank}
     if acc.is_main_process:
         write_run_header(

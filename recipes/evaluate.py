@@ -177,7 +177,9 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
     target, tokenizer = load_target(recipe.target, device)
     same = same_folder(recipe.drafter, recipe.target.path)
     drafter = target if same else load_drafter(recipe.drafter, target, device)  # self-speculation shares weights
-    encoded = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
+    encoded = encoded_prompts(
+        recipe.prompts, recipe.data, recipe.seed, tokenizer, device, recipe.target.chat_template_kwargs
+    )
     vocab = dec.vocab
     if (vocab.size or vocab.candidates) and not isinstance(getattr(drafter, "lm_head", None), torch.nn.Linear):
         key = f"decoding.vocab.{'size' if vocab.size else 'candidates'}"  # the target drafting for itself: refused with the recipe

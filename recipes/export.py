@@ -151,7 +151,9 @@ def export_drafter(recipe, target=None, tokenizer=None) -> dict:  # noqa: PLR091
     record = source_record(recipe.drafter)
     simulated = recipe.gate.simulated_tau if recipe.gate.simulated_tau is not None else recorded_simulated_tau(record)
     verifier = recipe.verifier_name_or_path or cfg.target_name_or_path or recipe.target.path
-    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, device)
+    prompts = encoded_prompts(
+        recipe.prompts, recipe.data, recipe.seed, tokenizer, device, recipe.target.chat_template_kwargs
+    )
     vocab_record = (
         draft_vocabulary(
             trained,

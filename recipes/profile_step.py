@@ -141,9 +141,9 @@ def _profile(args, undo: list) -> dict:  # noqa: PLR0912, PLR0915 the profile's 
     set_threads(recipe.decoding.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
     drafter = load_drafter(recipe.drafter, target, "cpu")
-    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[
-        : None if args.batch else args.prompts
-    ]
+    prompts = encoded_prompts(
+        recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu", recipe.target.chat_template_kwargs
+    )[: None if args.batch else args.prompts]
     dec = recipe.decoding
     backend = CpuBackend(drafter, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile)
     backend.prepare(

@@ -46,7 +46,10 @@ def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
     target, tokenizer = load_target(recipe.target, state.device, weights=recipe.server is None and not dry_run)
     prompts = load_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer)
     if dry_run:
-        return {"prompts": len(prompts), "example": render(prompts[0], tokenizer)[:200]}
+        return {
+            "prompts": len(prompts),
+            "example": render(prompts[0], tokenizer, recipe.target.chat_template_kwargs)[:200],
+        }
 
     out = Path(recipe.output_dir)
     if ranks.is_main:
@@ -65,6 +68,7 @@ def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
         seed=recipe.seed,
         server=recipe.server,
         ranks=ranks,
+        template_kwargs=recipe.target.chat_template_kwargs,
     )
     summary = {"data": str(out / "data.jsonl"), "world_size": ranks.world, **stats}
     if ranks.is_main:

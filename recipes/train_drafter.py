@@ -178,9 +178,14 @@ def drafter_windows(recipe: TrainDrafterRecipe, target, tokenizer, ranks: Ranks 
     regenerated now or read from their cache) of ``seq_len + 1`` tokens; the drafter reads all of them
     (no shift: its targets come from the features). Regenerating and tokenizing are divided among
     ``ranks``; the record's ``tokenized_by_rank`` says how (per split, the shards each rank tokenized)."""
-    splits, data_cfg, record = training_splits(recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks)
-    train = make_windows(splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows, ranks)
-    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed, ranks=ranks)
+    chat = recipe.target.chat_template_kwargs
+    splits, data_cfg, record = training_splits(
+        recipe.data, recipe.regenerate, target, tokenizer, recipe.seed, ranks, chat
+    )
+    train = make_windows(
+        splits.train, tokenizer, data_cfg, "train", recipe.seed, recipe.features.max_windows, ranks, chat
+    )
+    val = make_windows(splits.val, tokenizer, data_cfg, "val", recipe.seed, ranks=ranks, template_kwargs=chat)
     record["tokenized_by_rank"] = {"train": train.prepared_by_rank, "val": val.prepared_by_rank}
     return train, val, record
 

@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dec = recipe.decoding
     set_threads(dec.torch_threads)
     target, tokenizer = load_target(recipe.target, "cpu")
-    prompts = encoded_prompts(recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu")[: args.prompts]
+    prompts = encoded_prompts(
+        recipe.prompts, recipe.data, recipe.seed, tokenizer, "cpu", recipe.target.chat_template_kwargs
+    )[: args.prompts]
     rows = []
     for name, vocab in entries:
         drafter = load_drafter(recipe.drafter, target, "cpu")  # afresh: each entry changes its head

@@ -153,10 +153,28 @@ class DataConfig(Strict):
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
-    messages_field: str = "messages"
+    chat_schema: Literal["openai", "sharegpt", "ultrachat"] = Field(
+        "openai",
+        description="format messages: how a record holds its turns. openai: [{role, content}] (tool_calls, "
+        "reasoning_content kept); sharegpt: [{from, value}] (human / gpt / system / function_call / observation); "
+        "ultrachat: [text, ...], user and assistant in turn",
+    )
+    messages_field: str | None = Field(
+        None, description="format messages: the column of turns; None = the schema's (messages / conversations / data)"
+    )
+    assistant_turns: Literal["all", "last"] = Field(
+        "all", description="format messages: score every assistant turn, or the last one only"
+    )
     seq_len: int = Field(256, gt=1)
     val_fraction: float = Field(0.02, gt=0, lt=0.5, description="held-out share when no val_files")
     max_documents: int | None = Field(None, gt=0, description="cap on documents read (tests)")
+
+    @property
+    def turns_field(self) -> str:
+        """The column that holds a conversation's turns (format messages)."""
+        from ..chat import SCHEMA_FIELDS
+
+        return self.messages_field or SCHEMA_FIELDS[self.chat_schema]
 
     @field_validator("train_files", "val_files")
     @classmethod
@@ -235,6 +253,11 @@ class TargetConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto: transformers' choice for the model (SDPA where it supports it; gpt-oss: eager)"
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to the chat template wherever a conversation is rendered (training data, regeneration, "
+        "evaluation prompts), e.g. {enable_thinking: false}; recorded with the trained drafter",
     )
     device_map: Literal["auto", "cpu"] | None = Field(
         None,

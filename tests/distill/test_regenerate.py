@@ -61,12 +61,12 @@ def test_chat_template_scores_the_response_only(tiny_target_dir):
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     cfg = DataConfig(source="hub", hub_name="unused/unused", format="prompt_response", seq_len=64)
     record = {"prompt": "def f(x):", "response": "    return x"}
-    ids, mask = encode_example(record, tok, cfg)  # no template: prompt + response + EOS
+    ((ids, mask),) = encode_example(record, tok, cfg)  # no template: prompt + response + EOS
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "    return x<|endoftext|>"
     tok.chat_template = CHAT_TEMPLATE
-    ids, mask = encode_example(record, tok, cfg)
+    ((ids, mask),) = encode_example(record, tok, cfg)
     assert tok.decode(ids).startswith("<|im_start|>user\ndef f(x):<|im_end|>\n<|im_start|>assistant\n")
-    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "    return x<|im_end|>\n"
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "    return x<|im_end|>"  # not the newline after it
 
 
 def test_drafter_recipe_regenerates_in_process_online_and_offline_alike(tmp_path, tiny_target_dir):
@@ -194,7 +194,7 @@ def test_regenerated_records_keep_the_exact_tokens(tmp_path, tiny_target_dir):
     cfg = DataConfig(source="hub", hub_name="unused/unused", format="prompt_response", seq_len=64)
     for r in records:
         assert len(r["prompt_ids"]) == 12 and len(r["response_ids"]) + r["eos"] <= 10
-        ids, mask = encode_example(r, tok, cfg)  # what training reads: exactly what the target read and wrote
+        ((ids, mask),) = encode_example(r, tok, cfg)  # what training reads: exactly what the target read and wrote
         assert ids == r["prompt_ids"] + r["response_ids"] + ([tok.eos_token_id] if r["eos"] else [])
         assert sum(mask) == len(r["response_ids"]) + r["eos"] and mask[:12] == [0] * 12
 

@@ -216,7 +216,8 @@ def test_examples_of_three_ranks_are_one_ranks_bytes(tmp_path, monkeypatch, toke
     for world in (1, 3):
         monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / str(world)))
         out[world] = run_world(
-            world, lambda ranks: data_module._tokenized_examples(records, tokenizer_of(tokenizer_dir), cfg, "ex", ranks)
+            world,
+            lambda ranks: data_module._tokenized_examples(records, tokenizer_of(tokenizer_dir), cfg, "ex", ranks, None),
         )
     assert [counts for *_, counts in out[3]] == [[1, 1, 1]] * 3
     assert tree_digest(tmp_path / "1" / "examples") == tree_digest(tmp_path / "3" / "examples")
