@@ -5,6 +5,7 @@
     draftsmith validate RECIPE [section.key=value ...]
     draftsmith eval --drafter DIR [--target testbed] [--mode chain|tree] [--kv-format int8] ... [section.key=value ...]
     draftsmith export --drafter DIR --output-dir OUT [--formats ...] [--push-to-hub OWNER/NAME]
+    draftsmith data show FILE --target T [--format messages] [--schema sharegpt] [--index I] [--json]
 
 RECIPE is a YAML path or the name of a shipped recipe (``draftsmith run dflash_testbed`` from any
 directory; ``draftsmith ls`` lists them). ``run`` validates the recipe (exit status 2 and nothing
@@ -68,6 +69,10 @@ EXAMPLES = {
   draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter
   draftsmith export --drafter distill/assets/testbed_eagle3 --output-dir runs/export_dv --draft-vocab 1024 \\
       --prompts-from-corpus 16 --max-new-tokens 128""",
+    "data": """examples:
+  draftsmith data show chat.jsonl --target Qwen/Qwen3-8B --index 3       # one conversation, each token's mask bit
+  draftsmith data show sharegpt.jsonl --target testbed --schema sharegpt --turns last
+  draftsmith data show chat.jsonl --target Qwen/Qwen3-8B --chat-template-kwargs '{"enable_thinking": false}' --json""",
 }
 
 
@@ -226,6 +231,18 @@ def _parser(eval_flags_too: bool = True) -> argparse.ArgumentParser:
     ex.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repository (owner/name)")
     ex.add_argument("--public", action="store_true", help="with --push-to-hub: a public repository")
     ex.add_argument("--revision", help="with --push-to-hub: the branch to commit to")
+    data = command("data", "look at training data as a recipe reads it")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    show = data_sub.add_parser(
+        "show",
+        help="one record's training examples, each token with its mask bit",
+        description="one record's training examples, each token with its mask bit (1: the loss scores it)",
+        epilog=EXAMPLES["data"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from recipes import data_show
+
+    data_show.add_arguments(show)
     return parser
 
 
@@ -264,6 +281,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status
 
     if args.command == "ls":
         return _ls(args.recipes)
+    if args.command == "data":
+        from recipes import data_show
+
+        try:
+            return data_show.main(args)
+        except RecipeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     try:
         if args.command == "eval":
