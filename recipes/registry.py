@@ -26,6 +26,7 @@ RECIPES = {
     "distill_student": "recipes.distill_student",
     "regenerate": "recipes.regenerate",
     "eval": "recipes.evaluate",
+    "bench": "recipes.bench",
     "quantize": "recipes.quantize",
     "export": "recipes.export",
     "quickstart": "recipes.quickstart",

