@@ -96,7 +96,7 @@ class TextSplits:
 
 #: columns kept when present: the exact tokens of regenerated records (:mod:`distill.regenerate`), and
 #: the tool definitions a conversation is rendered with
-EXTRA_COLUMNS = ("prompt_ids", "response_ids", "eos", "tools")
+EXTRA_COLUMNS = ("prompt_ids", "response_ids", "eos", "turns", "tools")
 
 
 def _columns_needed(cfg: DataConfig) -> list[str]:
@@ -409,20 +409,41 @@ def encode_example(
     """The training examples of one record: token ids and a mask that is 1 on the tokens to score.
 
     Records of :mod:`distill.regenerate` carry the token ids the target read and wrote; those are used
-    as they are (EOS only where the target ended the response). Otherwise the conversation (a prompt and
+    as they are (EOS only where the target ended the response; :func:`turn_examples`). Otherwise the conversation (a prompt and
     its response, or ``messages``) is rendered by the chat template with ``template_kwargs`` and every
     assistant turn is scored (``cfg.assistant_turns``), each in the context the target wrote it in: one
     example, or one per rewrite of the history (:func:`distill.chat.conversation_pieces`).
     """
+    if "turns" in record:  # a conversation regenerated turn by turn
+        return turn_examples(record["turns"], tokenizer.eos_token_id)
     if "prompt_ids" in record and "response_ids" in record:  # regenerated: the exact tokens the target read and wrote
-        prompt_ids, response_ids = list(record["prompt_ids"]), list(record["response_ids"])
-        response_ids += [tokenizer.eos_token_id] if record.get("eos", True) else []
-        return [(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))]
+        return turn_examples([record], tokenizer.eos_token_id)
     messages = chat_messages(record, cfg)
     tools = record.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools  # tables often keep them as JSON text
     examples = conversation_pieces(tokenizer, messages, template_kwargs, cfg.assistant_turns, tools)
     return [tokenized(tokenizer, pieces) for pieces in examples]
+
+
+def turn_examples(turns: Sequence[dict], eos: int) -> list[tuple[list[int], list[int]]]:
+    """Regenerated turns (``{prompt_ids, response_ids, eos}``, :func:`distill.regenerate.converse`) as
+    training examples of the exact tokens the target read and wrote, each response scored (with EOS
+    where the target ended it). A turn whose prompt continues the example so far (its history as
+    the target wrote it) extends that example; one that does not (the template rewrote the history, or
+    the text of an earlier answer tokenizes differently) starts a new one."""
+    examples: list[tuple[list[int], list[int]]] = []
+    ids: list[int] = []
+    mask: list[int] = []
+    for turn in turns:
+        prompt = list(turn["prompt_ids"])
+        response = list(turn["response_ids"]) + ([eos] if turn.get("eos", True) else [])
+        if ids and prompt[: len(ids)] == ids:
+            prompt = prompt[len(ids) :]
+        elif ids:
+            examples.append((ids, mask))
+            ids, mask = [], []
+        ids, mask = ids + prompt + response, mask + [0] * len(prompt) + [1] * len(response)
+    return [*examples, (ids, mask)] if ids else examples
 
 
 def tokenize_examples(

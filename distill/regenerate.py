@@ -166,13 +166,21 @@ class AnswerJob:
         self.log.unlink(missing_ok=True)
 
     def stats(self) -> dict:
-        """Records and response tokens (EOS counted where the target wrote it) of the finished file."""
-        records = tokens = 0
+        """Of the finished file: records, response tokens (EOS counted where the target wrote it), turns
+        answered, answers cut at ``max_new_tokens`` (truncated), turns a server failed to answer, and
+        turns skipped after a failed one."""
+        counts = dict.fromkeys(("records", "response_tokens", "turns", "truncated", "failed", "skipped"), 0)
         with open(self.out_file) as f:
             for line in f:
                 record = json.loads(line)
-                records, tokens = records + 1, tokens + len(record["response_ids"]) + record["eos"]
-        return {"records": records, "response_tokens": tokens}
+                turns = turn_records(record)
+                counts["records"] += 1
+                counts["response_tokens"] += response_tokens(record)
+                counts["turns"] += len(turns)
+                counts["truncated"] += sum(not t["eos"] for t in turns)
+                counts["failed"] += record.get("failed_turns", 0)
+                counts["skipped"] += record.get("skipped_turns", 0)
+        return counts
 
 
 def answer_prompts(
@@ -191,6 +199,7 @@ def answer_prompts(
     server=None,
     ranks: Ranks | None = None,
     template_kwargs: dict | None = None,
+    reasoning: str = "keep",
 ) -> dict:
     """The target's answers to ``prompts`` in ``out_file`` (resumable, see the module doc), in-process
     or through ``server`` (a :class:`~distill.config.ServerSection`; ``target`` may then be None), the
@@ -207,6 +216,7 @@ def answer_prompts(
         server=server,
         ranks=ranks,
         template_kwargs=template_kwargs,
+        reasoning=reasoning,
     )[0]
 
 
@@ -223,6 +233,7 @@ def answer_jobs(
     server=None,
     ranks: Ranks | None = None,
     template_kwargs: dict | None = None,
+    reasoning: str = "keep",
 ) -> list[dict]:
     """Every job's file of answers, the batches of all unfinished files divided among ``ranks`` (module
     doc); every rank must call this with the same jobs. Returns per job ``{"records", "response_tokens",
@@ -252,29 +263,20 @@ def answer_jobs(
                 else InProcessAnswers(target, tokenizer, template_kwargs)
             )
         t0 = time.perf_counter()
-        rows = answer(
+        records = converse(
+            answer,
+            tokenizer,
             [job.prompts[k] for k in batch],
             max_new_tokens,
             job.temperature,
             top_p,
             top_k,
-            job.seed * 1_000_003 + batch.start,
-        )  # per-batch seed: resumes and any number of ranks reproduce
+            job.seed * 1_000_003 + batch.start,  # per-batch seed: resumes and any number of ranks reproduce
+            reasoning,
+        )
         seconds = time.perf_counter() - t0
-        lines, new_tokens = [], 0
-        for k, (prompt_ids, new, ended, extra) in zip(batch, rows):
-            new_tokens += len(new) + ended
-            record = {
-                "id": k,
-                **job.prompts[k],
-                "prompt_ids": prompt_ids,
-                "response": tokenizer.decode(new, skip_special_tokens=True),
-                "response_ids": new,
-                "eos": ended,
-                "temperature": job.temperature,
-                **extra,
-            }
-            lines.append(json.dumps(record) + "\n")
+        new_tokens = sum(response_tokens(r) for r in records)
+        lines = [json.dumps({"id": k, **r, "temperature": job.temperature}) + "\n" for k, r in zip(batch, records)]
         write_file_atomically(job.batch_file(batch), lambda tmp: tmp.write_text("".join(lines)))
         progress.update(1)
         return j, new_tokens, seconds
@@ -312,6 +314,87 @@ def _job_record(job: AnswerJob, pending: list[AnswerJob], done: list[list[tuple[
     }
 
 
+def turn_records(record: dict) -> list[dict]:
+    """A record's answered turns, each ``{prompt_ids, response_ids, eos}``: its ``turns`` (a conversation
+    answered turn by turn), or the record itself (one prompt)."""
+    if "turns" in record:
+        return record["turns"]
+    return [record] if "response_ids" in record else []
+
+
+def response_tokens(record: dict) -> int:
+    return sum(len(t["response_ids"]) + bool(t["eos"]) for t in turn_records(record))
+
+
+def _turn_ends(messages: list[dict]) -> list[int]:
+    """Where each answer goes: the index of every assistant turn, and the end when the last turn is the user's."""
+    ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return ends + [len(messages)] if messages[-1]["role"] != "assistant" else ends
+
+
+def _answer_message(text: str, reasoning: str) -> dict:
+    """An answer's text as an assistant message: a leading ``<think>`` block as ``reasoning_content``
+    (``reasoning="keep"``) or gone (``"drop"``)."""
+    if "</think>" not in text:
+        return {"role": "assistant", "content": text}
+    thought, content = text.split("</think>", 1)
+    message = {"role": "assistant", "content": content.lstrip("\n")}
+    if reasoning == "keep":
+        message["reasoning_content"] = thought.split("<think>", 1)[-1].strip("\n")
+    return message
+
+
+def converse(
+    answer, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, seed, reasoning: str = "keep"
+) -> list[dict]:
+    """Each prompt answered by ``answer`` (:class:`InProcessAnswers`, :class:`ServerAnswers`). A prompt
+    (``prompt``, or ``messages`` ending with the user's turn) gets one answer: its record adds
+    ``prompt_ids``, ``response``, ``response_ids`` and ``eos``. A conversation with assistant turns gets
+    every one of them answered again, in order, each given the conversation so far with the target's
+    own earlier answers (system, user and tool turns kept): its record holds the new ``messages`` and
+    per answered turn ``{prompt_ids, response_ids, eos}`` in ``turns``; a turn the server failed to
+    answer ends the conversation there (``failed_turns``, ``skipped_turns``). Turn ``t`` of the batch
+    samples with seed ``seed + t``; the first turn of every prompt is answered in one call."""
+    originals = [list(p.get("messages") or [{"role": "user", "content": p["prompt"]}]) for p in prompts]
+    ends = [_turn_ends(m) for m in originals]
+    histories: list[list[dict]] = [[] for _ in prompts]
+    turns: list[list[dict]] = [[] for _ in prompts]
+    failed = [False] * len(prompts)
+    for t in range(max(map(len, ends))):
+        active = [i for i in range(len(prompts)) if t < len(ends[i]) and not failed[i]]
+        if not active:
+            break
+        for i in active:
+            start = ends[i][t - 1] + 1 if t else 0
+            histories[i] += originals[i][start : ends[i][t]]
+        # a first turn asked as given (corpus prompts carry the exact tokens they were cut from)
+        asked = [prompts[i] if t == 0 and "messages" not in prompts[i] else {"messages": histories[i]} for i in active]
+        rows = answer(asked, max_new_tokens, temperature, top_p, top_k, seed + t)
+        for i, row in zip(active, rows):
+            if row is None:
+                failed[i] = True
+                continue
+            prompt_ids, new, ended, extra = row
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            histories[i].append(_answer_message(text, reasoning))
+            turns[i].append({"prompt_ids": prompt_ids, "response": text, "response_ids": new, "eos": ended, **extra})
+    records = []
+    for i, prompt in enumerate(prompts):
+        if len(ends[i]) == 1 and turns[i]:  # one prompt, one answer: the record as it always was
+            records.append({**prompt, **turns[i][0]})
+            continue
+        answered = len(turns[i])
+        records.append(
+            {
+                **{k: v for k, v in prompt.items() if k not in ("messages", "prompt")},
+                "messages": histories[i] + (originals[i][ends[i][-1] + 1 :] if not failed[i] else []),
+                "turns": turns[i],
+                **({"failed_turns": 1, "skipped_turns": len(ends[i]) - answered - 1} if failed[i] else {}),
+            }
+        )
+    return records
+
+
 class InProcessAnswers:
     """A batch of answers by ``target.generate`` (left-padded), seeded per batch."""
 
@@ -345,12 +428,13 @@ class InProcessAnswers:
 
 
 class ServerAnswers:
-    """A batch of answers from an OpenAI-compatible completions endpoint, ``concurrency`` requests in
-    flight. Each prompt goes as the text the target would read (:func:`render`); its ``prompt_ids``
-    are that text tokenized. The response's token ids are the server's when it returns them (vLLM's
-    ``return_token_ids``), else its text re-tokenized (``retokenized: true`` in the record); ``eos``
-    is a ``stop`` finish. The endpoint is asked for its models first: an unreachable server or an
-    unknown model is an error before any prompt is sent."""
+    """A batch of answers from an OpenAI-compatible endpoint, ``concurrency`` requests in flight:
+    ``/v1/completions`` with the text the target would read (:func:`render`; ``prompt_ids`` are that
+    text tokenized) or, with ``server.api: chat``, ``/v1/chat/completions`` with the messages. The
+    response's token ids are the server's when it returns them (vLLM's ``return_token_ids``), else its
+    text re-tokenized (``retokenized: true`` in the record); ``eos`` is a ``stop`` finish. A request that
+    still fails after the client's retries answers None (a failed turn). The endpoint is asked for its
+    models first: an unreachable server or an unknown model is an error before any prompt is sent."""
 
     def __init__(self, server, tokenizer, template_kwargs: dict | None = None):
         from openai import OpenAI
@@ -374,30 +458,69 @@ class ServerAnswers:
     def __call__(self, prompts, max_new_tokens, temperature, top_p, top_k, seed):
         from concurrent.futures import ThreadPoolExecutor
 
-        tok, server = self.tokenizer, self.server
+        import openai
+
+        server = self.server
         extra = {**server.extra_body, **({"top_k": top_k} if top_k and temperature > 0 else {})}
 
         def one(j: int):
-            text = render(prompts[j], tok, self.template_kwargs)
             sampling = (
                 {"temperature": temperature, "top_p": top_p, "seed": seed + j}
                 if temperature > 0
                 else {"temperature": 0.0}
             )
-            response = self.client.completions.create(
-                model=server.model, prompt=text, max_tokens=max_new_tokens, extra_body=extra or None, **sampling
-            )
-            choice = response.choices[0]
-            ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
-            retokenized = ids is None
-            if retokenized:
-                ids = tok(choice.text, add_special_tokens=False)["input_ids"]
-            ids = [int(t) for t in ids if int(t) != tok.eos_token_id]
-            prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
-            return prompt_ids, ids, choice.finish_reason == "stop", {"retokenized": True} if retokenized else {}
+            try:
+                if server.api == "chat":
+                    return self._chat(prompts[j], max_new_tokens, extra, sampling)
+                return self._completion(prompts[j], max_new_tokens, extra, sampling)
+            except openai.APIError:  # after the client's retries: this turn is failed, the run goes on
+                return None
 
         with ThreadPoolExecutor(max_workers=min(server.concurrency, len(prompts))) as pool:
             return list(pool.map(one, range(len(prompts))))
+
+    def _ids(self, choice, text: str) -> tuple[list[int], dict]:
+        """The response's token ids (the server's, else its text re-tokenized) without EOS."""
+        tok = self.tokenizer
+        ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
+        retokenized = ids is None
+        if retokenized:
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        return [int(t) for t in ids if int(t) != tok.eos_token_id], {"retokenized": True} if retokenized else {}
+
+    def _completion(self, prompt: dict, max_new_tokens: int, extra: dict, sampling: dict):
+        """``/v1/completions``: the prompt rendered here with the target's template."""
+        text = render(prompt, self.tokenizer, self.template_kwargs)
+        response = self.client.completions.create(
+            model=self.server.model, prompt=text, max_tokens=max_new_tokens, extra_body=extra or None, **sampling
+        )
+        choice = response.choices[0]
+        ids, flags = self._ids(choice, choice.text)
+        prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return prompt_ids, ids, choice.finish_reason == "stop", flags
+
+    def _chat(self, prompt: dict, max_new_tokens: int, extra: dict, sampling: dict):
+        """``/v1/chat/completions``: the server applies the template (``chat_template_kwargs`` sent along,
+        as vLLM and SGLang read them); reasoning the server returns apart is put back in front of the
+        answer as a ``<think>`` block. ``prompt_ids`` are the server's when it returns them, else the
+        conversation rendered here."""
+        messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+        body = {**extra, **({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {})}
+        response = self.client.chat.completions.create(
+            model=self.server.model,
+            messages=messages,
+            max_tokens=max_new_tokens,
+            extra_body=body or None,
+            **sampling,
+        )
+        choice = response.choices[0]
+        message = choice.message
+        thought = getattr(message, "reasoning_content", None) or (message.model_extra or {}).get("reasoning")
+        text = (f"<think>\n{thought}\n</think>\n\n" if thought else "") + (message.content or "")
+        ids, flags = self._ids(choice, text)
+        served = getattr(response, "prompt_token_ids", None) or (response.model_extra or {}).get("prompt_token_ids")
+        prompt_ids = list(served) if served else prompt_token_ids(prompt, self.tokenizer, self.template_kwargs)
+        return prompt_ids, ids, choice.finish_reason == "stop", flags
 
 
 def regeneration_key(

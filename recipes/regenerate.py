@@ -69,12 +69,14 @@ def main(recipe: RegenerateRecipe, dry_run: bool = False) -> dict:
         server=recipe.server,
         ranks=ranks,
         template_kwargs=recipe.target.chat_template_kwargs,
+        reasoning=gen.reasoning,
     )
     summary = {"data": str(out / "data.jsonl"), "world_size": ranks.world, **stats}
     if ranks.is_main:
         write_json_atomic(out / "summary.json", summary)
         print(
-            f"wrote {stats['records']} responses ({stats['response_tokens']} tokens, {stats['tokens_per_s']} tokens/s) "
-            f"to {out / 'data.jsonl'}"
+            f"wrote {stats['records']} records, {stats['turns']} answers ({stats['response_tokens']} tokens, "
+            f"{stats['tokens_per_s']} tokens/s; {stats['truncated']} cut at max_new_tokens, {stats['failed']} "
+            f"failed, {stats['skipped']} skipped after a failure) to {out / 'data.jsonl'}"
         )
     return summary

@@ -33,6 +33,28 @@ def served_record(
     }
 
 
+def summarize(per_prompt: list[dict]) -> dict:
+    """A group of :func:`measure`'s per-prompt rows as one measurement: tau (tokens per target forward),
+    acceptance by draft position, tokens/s of both loops and their ratio, losslessness (None when
+    sampled), each from the group's totals."""
+    total = lambda key: sum(row[key] for row in per_prompt)  # noqa: E731
+    accepted = [sum(col) for col in zip(*(row["accepted_by_position"] for row in per_prompt))]
+    drafted = [sum(col) for col in zip(*(row["drafted_by_position"] for row in per_prompt))]
+    tokens_per_s = total("tokens") / total("seconds")
+    baseline_tokens_per_s = total("baseline_tokens") / total("baseline_seconds")
+    same = [row["lossless"] for row in per_prompt]
+    return {
+        "prompts": len(per_prompt),
+        "tokens": total("tokens"),
+        "tau": round(total("tokens") / max(1, total("forwards")), 4),
+        "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
+        "tokens_per_s": round(tokens_per_s, 2),
+        "baseline_tokens_per_s": round(baseline_tokens_per_s, 2),
+        "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
+        "lossless": None if None in same else all(same),
+    }
+
+
 def _new_proposer(drafter, dec, backend: Backend):
     d = dec.drafter
     return make_proposer(
@@ -81,8 +103,7 @@ def measure(  # noqa: PLR0915 the report's parts, in order
         "sd_forwards": 0,
         "sd_s": 0.0,
     }
-    accepted, drafted = [0] * (K - 1), [0] * (K - 1)
-    per_prompt, lossless, verify_ms = [], True, []
+    per_prompt, verify_ms = [], []
     speculation = None
     if dec.ssd.enabled:
         from .ssd import open_speculation, ssd_generate, ssd_report  # (ssd plugs into the loop: imported when used)
@@ -126,7 +147,6 @@ def measure(  # noqa: PLR0915 the report's parts, in order
             same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
             if speculation is not None and same is not None:
                 same = same and sd_same
-            lossless = lossless and same if same is not None else None
             totals["tokens"] += stats.tokens
             totals["forwards"] += stats.target_forwards
             totals["spec_s"] += stats.total_seconds
@@ -134,8 +154,6 @@ def measure(  # noqa: PLR0915 the report's parts, in order
             totals["verify_s"] += stats.verify_seconds
             totals["base_tokens"] += base_stats.tokens
             totals["base_s"] += base_stats.total_seconds
-            accepted = [a + b for a, b in zip(accepted, stats.accepted_by_position)]
-            drafted = [a + b for a, b in zip(drafted, stats.drafted_by_position)]
             if served is not None:
                 served.append(served_record(i, prompt, ours, eos, stats, dec.temperature))
             per_prompt.append(
@@ -147,14 +165,19 @@ def measure(  # noqa: PLR0915 the report's parts, in order
                     "speedup": round(
                         (stats.tokens / stats.total_seconds) / (base_stats.tokens / base_stats.total_seconds), 4
                     ),
+                    # what summarize() adds up over any group of prompts (a set, a category)
+                    "forwards": stats.target_forwards,
+                    "seconds": round(stats.total_seconds, 6),
+                    "baseline_tokens": base_stats.tokens,
+                    "baseline_seconds": round(base_stats.total_seconds, 6),
+                    "accepted_by_position": stats.accepted_by_position,
+                    "drafted_by_position": stats.drafted_by_position,
                 }
             )
         ssd = None if speculation is None else ssd_report(speculation, totals, verify_ms, len(encoded))
     finally:
         if speculation is not None:
             speculation.close()
-    tokens_per_s = totals["tokens"] / totals["spec_s"]
-    baseline_tokens_per_s = totals["base_tokens"] / totals["base_s"]
     adaptive = None
     if budget is not None:  # the cost model's prediction beside what the steps measured (prefill excluded)
         adaptive = budget.summary()
@@ -169,11 +192,7 @@ def measure(  # noqa: PLR0915 the report's parts, in order
     return {
         "tree_budget": budget_nodes,
         "adaptive": adaptive,
-        "tau": round(totals["tokens"] / max(1, totals["forwards"]), 4),
-        "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
-        "tokens_per_s": round(tokens_per_s, 2),
-        "baseline_tokens_per_s": round(baseline_tokens_per_s, 2),
-        "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
+        **summarize(per_prompt),
         "time_split": {
             "draft_s": round(totals["draft_s"], 3),
             "verify_s": round(totals["verify_s"], 3),
@@ -181,7 +200,6 @@ def measure(  # noqa: PLR0915 the report's parts, in order
             "draft_fraction": round(totals["draft_s"] / totals["spec_s"], 4),
             "verify_fraction": round(totals["verify_s"] / totals["spec_s"], 4),
         },
-        "lossless": lossless,
         "per_prompt": per_prompt,
         **({"ssd": ssd} if ssd is not None else {}),
     }

@@ -519,6 +519,11 @@ class ServerSection(Strict):
     api_key_env: str | None = Field(
         "OPENAI_API_KEY", description="environment variable holding the key; unset: 'EMPTY'"
     )
+    api: Literal["completions", "chat"] = Field(
+        "completions",
+        description="completions: /v1/completions, the prompt rendered here with the target's template; "
+        "chat: /v1/chat/completions, the server applies its template (chat_template_kwargs sent along)",
+    )
     concurrency: int = Field(32, gt=0, description="requests in flight (the server batches them)")
     timeout_s: float = Field(600.0, gt=0)
     extra_body: dict[str, Any] = Field(default_factory=dict, description="server-specific request fields")
@@ -588,6 +593,11 @@ class GenerationSection(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     batch_size: int = Field(8, gt=0)
+    reasoning: Literal["keep", "drop"] = Field(
+        "keep",
+        description="conversations answered turn by turn: an answer's <think> block kept in the written "
+        "messages (reasoning_content) or dropped; the turns' token ids stay what the target wrote",
+    )
 
 
 class QuantMeasureSection(Strict):

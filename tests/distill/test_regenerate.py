@@ -315,3 +315,92 @@ def test_an_unreachable_server_is_a_clear_error_before_any_prompt(tmp_path, tiny
     assert not (tmp_path / "x" / "data.jsonl").exists()
     with pytest.raises(RecipeError, match="server.base_url"):
         parse_recipe({**recipe, "server": {"base_url": "localhost:8000", "model": "m"}})
+
+
+CONVERSATION = [
+    {"role": "user", "content": "def add(a, b):\n"},
+    {"role": "assistant", "content": "    pass  # an answer from elsewhere\n"},
+    {"role": "user", "content": "\n\ndef sub(a, b):\n"},
+    {"role": "assistant", "content": "    pass\n"},
+]
+
+
+def test_conversations_are_answered_turn_by_turn_after_the_targets_own_answers(tmp_path, tiny_target_dir):
+    """Every assistant turn is answered again given the target's own earlier answers; a one-prompt
+    record stays as it was; the summary counts turns and cut answers; training reads each turn's
+    exact tokens, the response scored."""
+    from transformers import AutoTokenizer
+
+    from recipes import regenerate
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in ({"messages": CONVERSATION}, {"prompt": "import os\n"})))
+    raw = regenerate_recipe(tmp_path / "out", tiny_target_dir).model_dump(mode="json")
+    raw["prompts"] = {"file": str(prompts)}
+    summary = regenerate.main(parse_recipe(raw))
+    conversation, single = [json.loads(line) for line in (tmp_path / "out" / "data.jsonl").read_text().splitlines()]
+    assert summary["records"] == 2 and summary["turns"] == 3 and summary["failed"] == summary["skipped"] == 0
+    assert summary["truncated"] == sum(not t["eos"] for t in [*conversation["turns"], single])
+    assert set(single) >= {"prompt", "prompt_ids", "response", "response_ids", "eos"} and "turns" not in single
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    first, second = conversation["turns"]
+    assert [m["role"] for m in conversation["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert conversation["messages"][1]["content"] == first["response"] != CONVERSATION[1]["content"]
+    # the second question is asked after the target's own first answer, greedily what generate writes
+    asked = CONVERSATION[0]["content"] + first["response"] + CONVERSATION[2]["content"]
+    assert second["prompt_ids"] == tok(asked, add_special_tokens=False)["input_ids"]
+    target = AutoModelForCausalLM_from(tiny_target_dir)
+    greedy = target.generate(torch.tensor([second["prompt_ids"]]), max_new_tokens=10, do_sample=False)[0]
+    written = greedy[len(second["prompt_ids"]) :].tolist()
+    assert written[: len(second["response_ids"])] == second["response_ids"]
+
+    cfg = DataConfig(source="hub", hub_name="unused/unused", format="messages", seq_len=64)
+    examples = encode_example(conversation, tok, cfg)
+    scored = [[t for t, m in zip(ids, mask) if m] for ids, mask in examples]
+    expected = [t["response_ids"] + [tok.eos_token_id] * t["eos"] for t in conversation["turns"]]
+    assert sum(scored, []) == sum(expected, [])  # every answer, each once, nothing else
+
+
+def AutoModelForCausalLM_from(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def test_a_failed_turn_ends_the_conversation_and_is_counted():
+    from distill.regenerate import converse
+
+    class Tok:
+        eos_token_id = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(96 + i) for i in ids)
+
+    calls = []
+
+    def answer(asked, max_new_tokens, temperature, top_p, top_k, seed):
+        calls.append((len(asked), seed))
+        # the second conversation's second turn fails (a server that gave up)
+        return [None if seed == 11 and k == 1 else ([1, 2], [k + 1, 3], True, {}) for k in range(len(asked))]
+
+    three_turns = CONVERSATION + [{"role": "user", "content": "more"}]
+    records = converse(answer, Tok(), [{"messages": CONVERSATION}, {"messages": three_turns}], 4, 0.0, 1.0, 0, 10)
+    assert calls == [(2, 10), (2, 11)]  # turn t of the batch samples with seed + t; nothing left to ask at t = 2
+    done, failed = records
+    assert len(done["turns"]) == 2 and "failed_turns" not in done
+    assert failed["failed_turns"] == 1 and failed["skipped_turns"] == 1 and len(failed["turns"]) == 1
+    assert [m["role"] for m in failed["messages"]] == ["user", "assistant", "user"]  # up to the failed turn
+    assert done["messages"][1]["content"] == "ac"  # the target's answer replaced the original
+
+
+def test_reasoning_is_kept_or_dropped():
+    from distill.regenerate import _answer_message
+
+    text = "<think>\nadd them\n</think>\n\nreturn a + b"
+    assert _answer_message(text, "keep") == {
+        "role": "assistant",
+        "content": "return a + b",
+        "reasoning_content": "add them",
+    }
+    assert _answer_message(text, "drop") == {"role": "assistant", "content": "return a + b"}
