@@ -427,8 +427,8 @@ def encode_example(
 
 def turn_examples(turns: Sequence[dict], eos: int) -> list[tuple[list[int], list[int]]]:
     """Regenerated turns (``{prompt_ids, response_ids, eos}``, :func:`distill.regenerate.converse`) as
-    training examples of the exact tokens the target read and wrote, each response scored (with EOS
-    where the target ended it). A turn whose prompt continues the example so far (its history as
+    training examples of the exact tokens the target read and wrote, each response scored (with the
+    token that ended it where the target did: ``stop_id``, else EOS). A turn whose prompt continues the example so far (its history as
     the target wrote it) extends that example; one that does not (the template rewrote the history, or
     the text of an earlier answer tokenizes differently) starts a new one."""
     examples: list[tuple[list[int], list[int]]] = []
@@ -436,7 +436,7 @@ def turn_examples(turns: Sequence[dict], eos: int) -> list[tuple[list[int], list
     mask: list[int] = []
     for turn in turns:
         prompt = list(turn["prompt_ids"])
-        response = list(turn["response_ids"]) + ([eos] if turn.get("eos", True) else [])
+        response = list(turn["response_ids"]) + ([turn.get("stop_id", eos)] if turn.get("eos", True) else [])
         if ids and prompt[: len(ids)] == ids:
             prompt = prompt[len(ids) :]
         elif ids:

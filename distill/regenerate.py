@@ -419,11 +419,20 @@ class InProcessAnswers:
             pad_token_id=pad,
             **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sampled else {}),
         )
+        # generate stops at the generation config's end tokens (a chat target's end of turn), the
+        # tokenizer's EOS among them or not; a stop other than the tokenizer's EOS is kept as stop_id
+        stops = self.target.generation_config.eos_token_id
+        stops = {tok.eos_token_id, *(stops if isinstance(stops, list) else [stops] if stops is not None else [])}
         rows = []
         for row, prompt_ids in enumerate(ids):
             new = outputs[row, width:].tolist()
-            ended = tok.eos_token_id in new
-            rows.append((prompt_ids, new[: new.index(tok.eos_token_id)] if ended else new, ended, {}))
+            end = next((k for k, t in enumerate(new) if t in stops), None)
+            if end is None:
+                rows.append((prompt_ids, new, False, {}))
+            else:
+                rows.append(
+                    (prompt_ids, new[:end], True, {} if new[end] == tok.eos_token_id else {"stop_id": new[end]})
+                )
         return rows
 
 

@@ -3,6 +3,7 @@ and a drafter trained on it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -228,22 +229,21 @@ def test_in_process_regeneration_is_cached_and_reused(tmp_path, tiny_target_dir,
         regenerated_splits(other, target, tok, splits, 0, *fps)
 
 
-@pytest.fixture(scope="module")
-def served_target(tiny_target_dir):
-    """``transformers serve`` with the tiny target on a loopback port: a real OpenAI-compatible server."""
+@contextlib.contextmanager
+def serving(folder):
+    """``transformers serve`` with the model in ``folder`` on a loopback port: a real OpenAI-compatible server."""
     import socket
     import subprocess
     import sys
     import time
     import urllib.request
-    from pathlib import Path
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cli = Path(sys.executable).with_name("transformers")
     proc = subprocess.Popen(
-        [str(cli), "serve", str(tiny_target_dir), "--host", "127.0.0.1", "--port", str(port)],
+        [str(cli), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -256,10 +256,16 @@ def served_target(tiny_target_dir):
                 time.sleep(0.5)
         else:
             pytest.fail("transformers serve did not start within 120 s")
-        yield {"base_url": f"http://127.0.0.1:{port}/v1", "model": str(tiny_target_dir)}
+        yield {"base_url": f"http://127.0.0.1:{port}/v1", "model": str(folder)}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served_target(tiny_target_dir):
+    with serving(tiny_target_dir) as server:
+        yield server
 
 
 @pytest.mark.slow
@@ -404,3 +410,58 @@ def test_reasoning_is_kept_or_dropped():
         "reasoning_content": "add them",
     }
     assert _answer_message(text, "drop") == {"role": "assistant", "content": "return a + b"}
+
+
+@pytest.mark.slow
+def test_chat_completions_answer_turn_by_turn_as_in_process(tmp_path):
+    """A chat target (a tiny random Llama with a ChatML template) served by ``transformers serve``:
+    regenerating a two-turn conversation through /v1/chat/completions (the server applies the template)
+    gives the answers the in-process run gives, turn by turn."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from distill.testbed import ASSETS
+    from recipes import regenerate
+
+    folder = tmp_path / "chat_target"
+    tok = AutoTokenizer.from_pretrained(ASSETS / "testbed_target")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    raw = regenerate_recipe(tmp_path / "local", folder).model_dump(mode="json")
+    raw["prompts"] = {"file": str(prompts)}
+    regenerate.main(parse_recipe(raw))
+    with serving(folder) as server:
+        regenerate.main(
+            parse_recipe({**raw, "output_dir": str(tmp_path / "served"), "server": {**server, "api": "chat"}})
+        )
+    local, served = (json.loads((tmp_path / run / "data.jsonl").read_text()) for run in ("local", "served"))
+    assert [t["response"] for t in served["turns"]] == [t["response"] for t in local["turns"]]
+    assert served["messages"] == local["messages"] and len(served["turns"]) == 2
+    assert [t["prompt_ids"] for t in served["turns"]] == [t["prompt_ids"] for t in local["turns"]]
+
+    # a chat target ends its turn with its own token, not the tokenizer's EOS (here: the token it writes
+    # first, so turn 1 ends at once): the record keeps it, and training scores the token written
+    asked = tok.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    first = int(model(asked["input_ids"]).logits[0, -1].argmax())
+    assert first != tok.eos_token_id
+    model.config.eos_token_id = model.generation_config.eos_token_id = first
+    model.save_pretrained(folder)
+    regenerate.main(parse_recipe({**raw, "output_dir": str(tmp_path / "ends")}))
+    ends = json.loads((tmp_path / "ends" / "data.jsonl").read_text())
+    turn = ends["turns"][0]
+    assert turn["eos"] and turn["response_ids"] == [] and turn["stop_id"] == first
+    (ids, mask), *_ = encode_example(ends, tok, DataConfig(source="hub", hub_name="unused/unused", format="messages"))
+    assert ids[: len(turn["prompt_ids"]) + 1] == [*turn["prompt_ids"], first] and mask[len(turn["prompt_ids"])] == 1
