@@ -35,6 +35,18 @@ def target_rope(config) -> dict:
     return dict(rope)
 
 
+def sliding_layers(section) -> dict:
+    """The drafter config's ``layer_types`` / ``sliding_window`` / ``sliding_block_attention`` of a drafter section."""
+    if section.sliding_window is None:
+        return {}
+    slides = [section.sliding_layers == "all" or i % 2 == 0 for i in range(section.num_layers)]
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in slides],
+        "sliding_window": section.sliding_window,
+        "sliding_block_attention": section.sliding_block_attention,
+    }
+
+
 def build_drafter(section, target, target_name: str, mask_token_id: int | None):
     """A randomly initialised drafter of ``section.kind`` sized for ``target``, with its embeddings and head."""
     tc = target.config
@@ -62,6 +74,7 @@ def build_drafter(section, target, target_name: str, mask_token_id: int | None):
         mask_token_id=mask_token_id,
         block_size=section.block_size,
         block_attention=section.block_attention,
+        **sliding_layers(section),
         num_anchors=section.num_anchors,
         qk_norm=section.qk_norm,
         loss_terms=section.loss,

@@ -54,6 +54,9 @@ class DrafterConfig(PretrainedConfig):
         mask_token_id: int | None = None,
         block_size: int = 8,
         block_attention: str = "bidirectional",
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        sliding_block_attention: str = "causal",
         num_anchors: int = 16,
         initializer_range: float = 0.02,
         qk_norm: bool = False,
@@ -65,8 +68,17 @@ class DrafterConfig(PretrainedConfig):
         draft_vocab_size: int | None = None,
         **kwargs,
     ):
-        if block_attention not in ("bidirectional", "causal"):
-            raise ValueError(f"block_attention must be 'bidirectional' or 'causal', got {block_attention!r}")
+        for key, value in (("block_attention", block_attention), ("sliding_block_attention", sliding_block_attention)):
+            if value not in ("bidirectional", "causal"):
+                raise ValueError(f"{key} must be 'bidirectional' or 'causal', got {value!r}")
+        if layer_types is not None:
+            if len(layer_types) != num_hidden_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+                raise ValueError(
+                    f"layer_types must name each of the {num_hidden_layers} layers 'full_attention' or "
+                    f"'sliding_attention', got {layer_types}"
+                )
+            if "sliding_attention" in layer_types and not (sliding_window and sliding_window > 0):
+                raise ValueError(f"sliding_attention layers need a sliding_window > 0, got {sliding_window}")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -87,7 +99,13 @@ class DrafterConfig(PretrainedConfig):
         self.target_name_or_path = target_name_or_path
         self.mask_token_id = mask_token_id
         self.block_size = block_size
+        # what a block's queries see, per layer: full_attention layers the whole context before the anchor
+        # and their block as block_attention says; sliding_attention layers the sliding_window positions
+        # before the anchor and their block as sliding_block_attention says (speculators' DFlash layers)
         self.block_attention = block_attention
+        self.layer_types = list(layer_types) if layer_types is not None else None
+        self.sliding_window = sliding_window
+        self.sliding_block_attention = sliding_block_attention
         self.num_anchors = num_anchors
         self.initializer_range = initializer_range
         self.qk_norm = qk_norm

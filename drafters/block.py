@@ -31,6 +31,15 @@ from .losses import BlockScores, block_scores
 from .masks import block_attention_mask, flex_block_mask, gather_positions, sample_anchors
 
 
+def layer_attention(cfg) -> list[tuple[bool, int | None]]:
+    """Per layer of a block drafter's config, ``(causal, window)``: whether its blocks attend causally,
+    and the context window it sees (None: the whole context before the anchor; ``config.layer_types``)."""
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    sliding_causal = getattr(cfg, "sliding_block_attention", "causal") == "causal"
+    full_causal = cfg.block_attention == "causal"
+    return [(sliding_causal, cfg.sliding_window) if t == "sliding_attention" else (full_causal, None) for t in types]
+
+
 class BlockDrafter(DrafterBase):
     """The parallel block backbone: ``fc`` + ``hidden_norm`` over target features, KV-injected layers.
 
@@ -66,8 +75,8 @@ class BlockDrafter(DrafterBase):
         return self
 
     @property
-    def causal_blocks(self) -> bool:
-        return self.config.block_attention == "causal"
+    def layer_attention(self) -> list[tuple[bool, int | None]]:
+        return layer_attention(self.config)
 
     def block_hidden(
         self, aux: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor, ctx_kv: list | None = None
@@ -91,13 +100,13 @@ class BlockDrafter(DrafterBase):
         ctx_len = ctx_kv[0][0].shape[2]
         impl = getattr(cfg, "mask_implementation", "auto")
         # auto: flex for training-sized batches of blocks on a GPU; decoding's few blocks keep the dense mask
-        mask: torch.Tensor | BlockMask
-        if impl == "flex" or (impl == "auto" and anchors.device.type == "cuda" and N * K > 128):
-            mask = flex_block_mask(anchors, ctx_len, K, self.causal_blocks)
-        else:
-            mask = block_attention_mask(anchors, ctx_len, K, self.causal_blocks)
-        for layer, kv in zip(self.layers, ctx_kv):
-            x = layer(x, x_pos, kv, mask)
+        flex = impl == "flex" or (impl == "auto" and anchors.device.type == "cuda" and N * K > 128)
+        make = flex_block_mask if flex else block_attention_mask
+        masks: dict[tuple, torch.Tensor | BlockMask] = {}  # one per kind of layer
+        for (causal, window), layer, kv in zip(self.layer_attention, self.layers, ctx_kv):
+            if (causal, window) not in masks:
+                masks[causal, window] = make(anchors, ctx_len, K, causal, window)
+            x = layer(x, x_pos, kv, masks[causal, window])
         return self.norm(x).view(B, N, K, -1)
 
     def decode(
@@ -118,7 +127,8 @@ class BlockDrafter(DrafterBase):
           ``start + i`` (feature ``i < n``), the last slot ``S - 1`` (padding: never a position, never
           visible) and ``a + k`` (block row ``k``, anchor ``a = start + n``);
         * the block's queries attend over the whole buffer, masked to the slots below ``a + K``
-          (bidirectional blocks) or below ``a + k + 1`` (causal ones).
+          (bidirectional blocks) or below ``a + k + 1`` (causal ones), and in a layer with a sliding
+          window ``W`` to the slots from ``a - W`` on (:attr:`layer_attention`).
 
         A padding entry changes no other (each entry's products and norms are its own). The cache's
         lengths are the caller's: it advances each row's to its ``a``."""
@@ -133,11 +143,14 @@ class BlockDrafter(DrafterBase):
         ctx = rms(self.hidden_norm, self.fc(features))
         kv_pos = torch.cat([start + rows, anchor_pos + rows], dim=1)  # [R, 2K]
         slots = torch.cat([torch.where(rows < n, start + rows, S - 1), anchor_pos + rows], dim=1)
-        last = anchor_pos + 1 + rows if self.causal_blocks else (anchor_pos + K).expand(-1, K)
-        # [R, 1, K, S]: query k sees the slots below its last
-        mask = torch.arange(S, device=features.device) < last[:, None, :, None]
-        for layer, k, v in zip(self.layers, keys, values):
-            x = layer.decode(x, kv_pos, k, v, slots, mask, ctx)
+        slot = torch.arange(S, device=features.device)
+        masks = {}  # one per kind of layer: [R, 1, K, S], query k sees the slots below its last (in its window)
+        for causal, window in set(self.layer_attention):
+            last = anchor_pos + 1 + rows if causal else (anchor_pos + K).expand(-1, K)
+            mask = slot < last[:, None, :, None]
+            masks[causal, window] = mask if window is None else mask & (slot >= (anchor_pos - window)[:, None, :, None])
+        for kind, layer, k, v in zip(self.layer_attention, self.layers, keys, values):
+            x = layer.decode(x, kv_pos, k, v, slots, masks[kind], ctx)
         return rms(self.norm, x).view(features.shape[0], 1, K, -1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, choose=None):

@@ -33,10 +33,16 @@ to those N rows (``lm_head``, which DFlash / DSpark then write too: the library 
 the checkpoint rather than rebuild it from the verifier; DSpark's ``markov_w2``). A drafter over the
 whole vocabulary writes ``draft_vocab_size = vocab_size`` (speculators: no tables; SGLang: the identity).
 
+**Attention** of block drafters round-trips both ways (:func:`speculators_attention`,
+:func:`read_speculators_attention`): full-context layers with bidirectional blocks, sliding-window
+layers (``layer_types``, ``sliding_window``) with causal or bidirectional blocks
+(``sliding_window_non_causal``), and causal blocks over the whole context (a sliding layer whose window
+holds every position).
+
 What a format cannot express is refused with :class:`ExportError`, never approximated:
 DFlash/DSpark layers without q/k norms (vLLM's DFlash layers are Qwen3 layers, which always apply
-them; train with ``drafter.qk_norm: true``), causal blocks (speculators' DFlash attends
-bidirectionally inside a block), EAGLE-3 with q/k norms in the SGLang Llama format. DSpark's Markov
+them; train with ``drafter.qk_norm: true``), sliding layers of two windows or two block attentions
+(the format has one of each), EAGLE-3 with q/k norms in the SGLang Llama format. DSpark's Markov
 head (``markov_head.markov_w1/w2``, vanilla) and confidence head (``confidence_head.proj``, fed
 ``[hidden ; markov code]``) map one to one onto speculators' ``dspark`` model; nothing is dropped.
 """
@@ -149,6 +155,61 @@ def sglang_name(key: str) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
+def speculators_attention(cfg, target_config) -> dict:
+    """A block drafter's per-layer attention (:func:`drafters.block.layer_attention`) as the speculators
+    format holds it: ``layer_types`` / ``sliding_window`` / ``use_sliding_window`` in the layer config
+    and ``sliding_window_non_causal``. There, a full-attention layer sees the whole context and its block
+    both ways; a sliding layer sees the window and its block causally unless ``sliding_window_non_causal``
+    (one window, one flag for all). A layer of ours with causal blocks over the whole context is a
+    sliding layer whose window holds every position. Anything else raises :class:`ExportError`."""
+    from .block import layer_attention
+
+    whole = getattr(target_config, "max_position_embeddings", None) or cfg.max_position_embeddings
+    layers = [(causal, window or (whole if causal else None)) for causal, window in layer_attention(cfg)]
+    sliding = {(causal, window) for causal, window in layers if window is not None}
+    if len(sliding) > 1:
+        raise ExportError(
+            f"{kind_of(cfg)} layers attending as {sorted(sliding, key=str)} (causal blocks, context window) cannot "
+            "be expressed in the speculators format: its sliding layers share one window and one block attention"
+        )
+    if not sliding:
+        return {"layer": {}, "sliding_window_non_causal": False}
+    ((causal, window),) = sliding
+    types = ["sliding_attention" if w is not None else "full_attention" for _, w in layers]
+    return {
+        "layer": {"layer_types": types, "sliding_window": window, "use_sliding_window": True},
+        "sliding_window_non_causal": not causal,
+    }
+
+
+def read_speculators_attention(config: dict) -> dict:
+    """The drafter config's ``block_attention`` / ``layer_types`` / ``sliding_window`` /
+    ``sliding_block_attention`` of a speculators config, read as the library reads it: its layer config
+    built by transformers (a Qwen3 config keeps ``sliding_window`` only with ``use_sliding_window``; a
+    sliding layer without a window attends as a full one)."""
+    from transformers import AutoConfig
+
+    layer = dict(config["transformer_layer_config"])
+    built = AutoConfig.for_model(layer.pop("model_type"), **layer)
+    window = getattr(built, "sliding_window", None)
+    types = list(getattr(built, "layer_types", None) or [])
+    if window is None or "sliding_attention" not in types:
+        return {"block_attention": "bidirectional"}
+    causal = not config.get("sliding_window_non_causal", False)
+    if (
+        causal
+        and window >= getattr(built, "max_position_embeddings", window + 1)
+        and set(types) == {"sliding_attention"}
+    ):
+        return {"block_attention": "causal"}  # a window that holds every position: causal blocks, whole context
+    return {
+        "block_attention": "bidirectional",
+        "layer_types": types,
+        "sliding_window": window,
+        "sliding_block_attention": "causal" if causal else "bidirectional",
+    }
+
+
 def _layer_config(cfg, target_config, model_type: str) -> dict:
     """The ``transformer_layer_config`` of a speculators export (a transformers Llama/Qwen3 config)."""
     return {
@@ -179,11 +240,7 @@ def check_expressible(cfg, fmt: str) -> None:
                 "DFlash layers are Qwen3 layers, which always normalise queries and keys; retrain with "
                 "drafter.qk_norm: true"
             )
-        if cfg.block_attention != "bidirectional":
-            raise ExportError(
-                f"{kind} with block_attention '{cfg.block_attention}' cannot be expressed in the speculators "
-                "format: its DFlash blocks attend bidirectionally"
-            )
+        speculators_attention(cfg, None)
     if fmt == "sglang_eagle3":
         if kind != "eagle3":
             raise ExportError(f"the SGLang EAGLE-3 format holds EAGLE-3 drafters only, not {kind}")
@@ -233,12 +290,14 @@ def speculators_config(cfg, target_config, verifier_name_or_path: str) -> dict:
         "tie_word_embeddings": False,
     }
     if kind in ("dflash", "dspark"):
+        attention = speculators_attention(cfg, target_config)
+        common["transformer_layer_config"].update(attention["layer"])
         block = {
             "architectures": ["DFlashSpeculator" if kind == "dflash" else "DSparkSpeculator"],
             "block_size": cfg.block_size,
             "aux_hidden_state_layer_ids": speculators_layer_ids(cfg),
             "mask_token_id": cfg.mask_token_id,
-            "sliding_window_non_causal": False,
+            "sliding_window_non_causal": attention["sliding_window_non_causal"],
             # the anchor is the target's bonus token; block positions 1..K-1 draft (K-1 tokens)
             "sample_from_anchor": False,
         }
@@ -416,6 +475,7 @@ def read_speculators(folder: Path, verifier) -> tuple[torch.nn.Module, dict]:
             "block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1
         ),
         qk_norm=layer["model_type"] == "qwen3",
+        **(read_speculators_attention(config) if kind != "eagle3" else {}),
         **extra,
     )
     drafter = model_cls(cfg).copy_target_io(verifier)

@@ -2,7 +2,8 @@
 values at block positions (notation: :mod:`drafters.block`).
 
 Attention (one mask, queries = all block tokens, keys = [features ; block tokens])
-    feature key ``j`` is visible to block ``n``'s queries iff ``j < a_n``; block keys are visible only
+    feature key ``j`` is visible to block ``n``'s queries iff ``j < a_n`` (and ``j >= a_n - W`` in a
+    layer with a sliding window ``W``); block keys are visible only
     inside the same block: all of them (``bidirectional``, DFlash's block diffusion) or those at
     ``k' <= k`` (``causal``, JetSpec-style causal drafting). Every query sees at least itself, so no row
     is fully masked. On a GPU the mask is a flex-attention ``BlockMask`` (``mask_implementation``
@@ -44,12 +45,17 @@ def sample_anchors(
     return anchors.sort(dim=1).values.to(device)
 
 
-def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, causal: bool) -> torch.Tensor:
+def block_attention_mask(
+    anchors: torch.Tensor, ctx_len: int, block_size: int, causal: bool, window: int | None = None
+) -> torch.Tensor:
     """Boolean mask [B, 1, N*K, ctx_len + N*K]: True where a block query may attend (see module doc)."""
     B, N = anchors.shape
     K = block_size
     dev = anchors.device
-    ctx_visible = torch.arange(ctx_len, device=dev)[None, None, :] < anchors[:, :, None]  # [B, N, T]
+    positions = torch.arange(ctx_len, device=dev)[None, None, :]
+    ctx_visible = positions < anchors[:, :, None]  # [B, N, T]
+    if window is not None:
+        ctx_visible &= positions >= anchors[:, :, None] - window
     ctx_visible = ctx_visible[:, :, None, :].expand(B, N, K, ctx_len).reshape(B, N * K, ctx_len)
     blk = torch.arange(N * K, device=dev)
     same_block = (blk[:, None] // K) == (blk[None, :] // K)
@@ -59,7 +65,9 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, c
     return mask[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, causal: bool) -> BlockMask:
+def flex_block_mask(
+    anchors: torch.Tensor, ctx_len: int, block_size: int, causal: bool, window: int | None = None
+) -> BlockMask:
     """:func:`block_attention_mask` as a flex-attention ``BlockMask``: only the key tiles a block's
     queries can see are computed (the context before its anchor, its own block)."""
     B, N = anchors.shape
@@ -71,7 +79,10 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, causal
         same = (kv >= ctx_len) & (block_kv // K == n)
         if causal:
             same = same & (block_kv % K <= q % K)
-        return ((kv < ctx_len) & (kv < anchors[b, n])) | same
+        before = (kv < ctx_len) & (kv < anchors[b, n])
+        if window is not None:
+            before = before & (kv >= anchors[b, n] - window)
+        return before | same
 
     return create_block_mask(visible, B, None, N * K, ctx_len + N * K, device=anchors.device)
 

@@ -368,7 +368,21 @@ class DrafterSection(Strict):
     num_heads: int | None = Field(None, gt=0, description="defaults to the target's")
     intermediate_size: int | None = Field(None, gt=0, description="defaults to the target's")
     block_size: int = Field(8, ge=2, description="tokens per block (anchor + K-1 drafts); EAGLE-3 drafts K-1 steps")
-    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    block_attention: Literal["bidirectional", "causal"] = Field(
+        "bidirectional", description="how a block's tokens see each other in full-context layers"
+    )
+    sliding_window: int | None = Field(
+        None,
+        gt=0,
+        description="block drafters: layers that see only the last N context positions before the anchor "
+        "(speculators' sliding_attention layers); None = every layer sees the whole context",
+    )
+    sliding_layers: Literal["all", "alternate"] = Field(
+        "all", description="with sliding_window: every layer slides, or every other one (the first slides)"
+    )
+    sliding_block_attention: Literal["bidirectional", "causal"] = Field(
+        "causal", description="with sliding_window: how a block's tokens see each other in the sliding layers"
+    )
     qk_norm: bool = Field(
         False,
         description="per-head RMSNorm on queries and keys (Qwen3-style); vLLM's DFlash/DSpark "
