@@ -250,3 +250,105 @@ class CachedFeatureWindows(PackedWindows):
         rows = lambda key: torch.stack([self._row(key, i) for i in indices])  # noqa: E731
         has_mask = "loss_mask" in self._locate(indices[0])[0].keys()  # noqa: SIM118 safe_open is not iterable
         return Batch(rows("input_ids").long(), rows("loss_mask") if has_mask else None, rows("aux"), rows("last"))
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM's hidden-states files (the speculators library's offline format)
+# --------------------------------------------------------------------------------------------------
+#
+# A serving engine extracts the target's hidden states as it prefills (vLLM's ``extract_hidden_states``,
+# written by ``speculators generate-offline-data``): one ``hs_{i}.safetensors`` per sample, ``token_ids``
+# [T] and ``hidden_states`` [T, n + 1, H], the states of ``n + 1`` layer ids in that library's convention
+# (id ``i`` is the input of decoder layer ``i``, i.e. the output of layer ``i - 1`` in draftsmith's; the
+# last id is the number of layers: the final state *before* the final norm). Sample ``i`` of a split is
+# window ``i`` of the recipe's token windows; its tokens must be the window's (a shorter sample is the
+# window before its padding).
+
+
+def vllm_layer_ids(target_layer_ids: list[int], num_layers: int) -> list[int]:
+    """The extractor's layer ids (speculators' convention) for a drafter reading ``target_layer_ids``
+    (draftsmith's): each shifted by one, then the final state."""
+    return [i + 1 for i in target_layer_ids] + [num_layers]
+
+
+def write_vllm_hidden_states(capture: FeatureCapture, windows: PackedWindows, folder: Path, dtype, device="cpu") -> int:
+    """``folder/hs_{i}.safetensors`` for every window ``i`` not written yet, as the extractor writes them,
+    from the target running here (each file written atomically: a killed run keeps what it finished).
+    Returns the number of files written."""
+    from distill.base.features import final_norm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pre_norm: dict = {}
+    hook = final_norm(capture.target).register_forward_pre_hook(lambda _m, args: pre_norm.update(state=args[0]))
+    written = 0
+    try:
+        for i in tqdm(range(len(windows)), desc=f"writing vLLM hidden states to {folder}", unit="sample", leave=False):
+            path = folder / f"hs_{i}.safetensors"
+            if path.exists():
+                continue
+            ids = windows.window(i)
+            feats = capture(ids[None].to(device))
+            layers = feats.aux[0].unflatten(-1, (len(capture.layer_ids), -1))  # [T, n, H]
+            states = torch.cat([layers, pre_norm["state"][0, :, None].to(layers.device)], dim=1)
+            tensors = {"token_ids": ids.to(torch.int64), "hidden_states": states.to(dtype).cpu().contiguous()}
+            write_file_atomically(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
+            written += 1
+    finally:
+        hook.remove()
+    return written
+
+
+class VllmFeatureWindows(PackedWindows):
+    """The recipe's token ``windows`` with their target features read from vLLM's hidden-states files in
+    ``folder`` (module section above): ``layer_ids`` are the ids the files were extracted with
+    (speculators' convention), converted here to the drafter's ``target_layer_ids``; the final state is
+    normed by the target's ``norm`` (the files hold it before the norm, training reads it after)."""
+
+    def __init__(self, windows: PackedWindows, folder: Path, layer_ids: list[int], target_layer_ids: list[int], norm):
+        wanted = vllm_layer_ids(target_layer_ids, layer_ids[-1])
+        missing = [i for i in wanted[:-1] if i not in layer_ids[:-1]]
+        if missing:
+            raise RecipeError(
+                f"features.vllm_layer_ids {layer_ids}: the drafter reads target layers {target_layer_ids} (outputs), "
+                f"ids {wanted[:-1]} in the extractor's convention (inputs), and {missing} were not extracted"
+            )
+        self.windows, self.folder, self.norm = windows, Path(folder), norm
+        self.rows = [layer_ids.index(i) for i in wanted[:-1]]  # the files' rows, in the drafter's order
+        self.seq_len, self.num_windows = windows.seq_len, len(windows)
+        self.seed, self.shuffle = windows.seed, windows.shuffle
+        self._perm_epoch, self._perm = -1, None
+        first = self.folder / "hs_0.safetensors"
+        if not first.exists():
+            raise RecipeError(f"features.cache_dir: {self.folder} holds no hs_0.safetensors (vLLM hidden states)")
+
+    def window(self, index: int) -> torch.Tensor:
+        return self.windows.window(index)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        return self.windows.token_counts(vocab_size)
+
+    def _features(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        path = self.folder / f"hs_{index}.safetensors"
+        check_safetensors(path, f"vLLM hidden states {self.folder}", hint=f"; re-extract sample {index}")
+        from safetensors.torch import load_file
+
+        loaded = load_file(str(path))
+        ids, states = loaded["token_ids"], loaded["hidden_states"]
+        window = self.windows.window(index)
+        T = len(ids)
+        if len(window) < T or not torch.equal(ids.long(), window[:T]):
+            raise RecipeError(
+                f"{path}: its token_ids are not window {index}'s tokens (the extraction ran on other data, another "
+                "tokenization or another order); extract the samples of this recipe's windows"
+            )
+        aux = states[:, self.rows].flatten(1)
+        with torch.no_grad():
+            last = self.norm(states[:, -1].to(self.norm.weight.dtype))
+        pad = len(window) - T  # positions past the sample: the window's padding, never scored
+        return torch.nn.functional.pad(aux, (0, 0, 0, pad)), torch.nn.functional.pad(last, (0, 0, 0, pad))
+
+    def collate(self, indices: list[int]) -> Batch:
+        batch = self.windows.collate(indices)
+        aux, last = zip(*(self._features(i) for i in indices))
+        batch.aux, batch.last = torch.stack(aux), torch.stack(last)
+        return batch

@@ -21,11 +21,12 @@ windows; ``checkpoints/best`` is the drafter with the highest tau. Launch::
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 
 import torch
 
-from distill.base.features import LAYER_ID_CONVENTION, FeatureCapture
+from distill.base.features import LAYER_ID_CONVENTION, FeatureCapture, decoder_layers, final_norm
 from distill.checkpoint import Ranks
 from distill.config import RecipeError, TrainDrafterRecipe
 from distill.data import make_windows
@@ -108,10 +109,10 @@ def cache_folder(recipe: TrainDrafterRecipe) -> Path:
 
 
 def caches_complete(recipe: TrainDrafterRecipe) -> bool:
-    """Whether features are offline and both splits' caches are written (their manifests present)."""
-    return recipe.features.mode == "offline" and all(
-        (cache_folder(recipe) / s / "manifest.json").exists() for s in SPLITS
-    )
+    """Whether features are offline and both splits' caches are written (their manifests present; vLLM's
+    hidden-states files: a first file in each split, the rest checked as they are read)."""
+    marker = "hs_0.safetensors" if recipe.features.format == "vllm" else "manifest.json"
+    return recipe.features.mode == "offline" and all((cache_folder(recipe) / s / marker).exists() for s in SPLITS)
 
 
 def frozen_target(recipe: TrainDrafterRecipe, acc, weightless: bool):
@@ -120,18 +121,21 @@ def frozen_target(recipe: TrainDrafterRecipe, acc, weightless: bool):
     (:func:`distill.models.load_target_io`: only the embeddings, head and, for ``drafter.init_norm_scale``,
     final norm the drafter copies; ``target.device_map`` then places nothing and is not checked). Either
     way the caches' fingerprint check reads the checkpoint's files."""
-    if weightless:
-        return load_target_io(recipe.target, norm=recipe.drafter.init_norm_scale is not None)
+    if weightless:  # vLLM's files hold the final state before the norm: the norm is read too
+        norm = recipe.drafter.init_norm_scale is not None or recipe.features.format == "vllm"
+        return load_target_io(recipe.target, norm=norm)
     check_device_map(recipe.target, acc.num_processes)
     return load_target(recipe.target, acc.device)
 
 
-def offline_windows(recipe, acc, capture, target, data_record, train, val):
+def offline_windows(recipe, acc, capture, target, data_record, train, val, norm=None):
     """Cached-feature windows for both splits, building the caches first where they are missing: the
     shards of both divided among the ranks, each running its copy of the target (``data_record`` gets
     ``features_by_rank``, the shards each rank wrote)."""
     folder = cache_folder(recipe)
     dtype = DTYPES[recipe.features.dtype]
+    if recipe.features.format == "vllm":
+        return vllm_windows(recipe, acc, capture, target, data_record, train, val, norm)
     fingerprint = target_fingerprint(target)
     expected, build = {}, []
     for split, windows in (("train", train), ("val", val)):
@@ -155,6 +159,32 @@ def offline_windows(recipe, acc, capture, target, data_record, train, val):
     )
     return [
         CachedFeatureWindows(folder / split, expected[split], recipe.seed, shuffle=windows.shuffle)
+        for split, windows in (("train", train), ("val", val))
+    ]
+
+
+def vllm_windows(recipe, acc, capture, target, data_record, train, val, norm):
+    """Both splits' windows with features from vLLM's hidden-states files under the cache folder, the
+    missing files written first by the main process from the target running here; ``norm``: a copy of
+    the target's final norm (the files hold the final state before it)."""
+    from distill.feature_cache import VllmFeatureWindows, vllm_layer_ids, write_vllm_hidden_states
+
+    folder, num_layers = cache_folder(recipe), len(decoder_layers(target))
+    layer_ids = recipe.features.vllm_layer_ids or vllm_layer_ids(capture.layer_ids, num_layers)
+    if layer_ids[-1] != num_layers:
+        raise RecipeError(
+            f"features.vllm_layer_ids {layer_ids}: the last id must be the target's final state, {num_layers}"
+        )
+    written = {}
+    if acc.is_main_process and not caches_complete(recipe):
+        for split, windows in (("train", train), ("val", val)):
+            written[split] = write_vllm_hidden_states(
+                capture, windows, folder / split, DTYPES[recipe.features.dtype], acc.device
+            )
+    acc.wait_for_everyone()
+    data_record["features_by_rank"] = {"vllm_files_written": written}
+    return [
+        VllmFeatureWindows(windows, folder / split, layer_ids, capture.layer_ids, norm)
         for split, windows in (("train", train), ("val", val))
     ]
 
@@ -209,6 +239,8 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
         )
     with torch.device("meta") if dry_run else contextlib.nullcontext():
         drafter = build_drafter(recipe.drafter, target, resolve_target_path(recipe.target.path), mask_id)
+    # vLLM's hidden-states files hold the final state before the target's final norm: a copy normalises it
+    norm = copy.deepcopy(final_norm(target)).cpu() if recipe.features.format == "vllm" and not dry_run else None
     if weightless:
         target.to("meta")  # what it read is copied into the drafter; the target holds no memory from here on
     capture = FeatureCapture(target, drafter.config.target_layer_ids)
@@ -232,7 +264,7 @@ def main(recipe: TrainDrafterRecipe, dry_run: bool = False) -> dict:
             "coverage": round(coverage(drafter.draft_vocab.cpu(), counts), 4),
         }
     if recipe.features.mode == "offline":
-        train, val = offline_windows(recipe, acc, capture, target, data_record, train, val)
+        train, val = offline_windows(recipe, acc, capture, target, data_record, train, val, norm)
 
     if acc.is_main_process:
         write_run_header(

@@ -480,6 +480,18 @@ class FeaturesSection(Strict):
 
     mode: Literal["online", "offline"] = "online"
     cache_dir: str | None = Field(None, description="offline cache folder; None = <output_dir>/feature_cache")
+    format: Literal["draftsmith", "vllm"] = Field(
+        "draftsmith",
+        description="offline: draftsmith's shards, or vLLM's hidden-states files (hs_{i}.safetensors per window, "
+        "as speculators' generate-offline-data writes them) under <cache_dir>/<split>/, read as they are or written "
+        "here where missing",
+    )
+    vllm_layer_ids: list[int] | None = Field(
+        None,
+        description="format vllm: the layer ids the files were extracted with, in that convention (id i = the input "
+        "of decoder layer i; the last = the number of layers, the state before the final norm); None = the "
+        "drafter's target layers + 1, then the number of layers",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="storage dtype of cached features")
     max_windows: int | None = Field(None, gt=0, description="cap on training windows (both modes)")
     build_only: bool = Field(

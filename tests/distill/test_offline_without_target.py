@@ -168,3 +168,54 @@ def test_device_map_is_refused_with_several_processes_and_outside_train_drafter(
     }
     with pytest.raises(RecipeError, match="target.device_map"):
         parse_recipe(student)
+
+
+def test_vllm_hidden_states_files_train_the_same_weights(target_loaded, tiny_target_dir, tmp_path, monkeypatch):
+    """The offline cache in vLLM's format (``hs_{i}.safetensors``: token ids, the states of the layer ids
+    in that convention and the final state before the norm), written here from the in-process capture:
+    training from it, without the target's weights, gives the weights training from draftsmith's own
+    cache gives. Files extracted with more layers read the right ones; files of other tokens are refused."""
+    from transformers import AutoModelForCausalLM
+
+    from distill.base.features import FeatureCapture
+
+    cache = tmp_path / "vllm"
+    run(offline_recipe(tmp_path / "write", tiny_target_dir, cache, format="vllm", build_only=True))
+    drafter_ids = json.loads((target_loaded[0] / "run" / "model" / "config.json").read_text())["target_layer_ids"]
+    first = load_file(cache / "train" / "hs_0.safetensors")
+    assert set(first) == {"token_ids", "hidden_states"} and first["token_ids"].dtype == torch.int64
+    target_config = json.loads((tiny_target_dir / "config.json").read_text())
+    hidden, layers = target_config["hidden_size"], target_config["num_hidden_layers"]
+    assert first["hidden_states"].shape == (len(first["token_ids"]), len(drafter_ids) + 1, hidden)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse("loaded the target's weights"))
+    monkeypatch.setattr(FeatureCapture, "__call__", refuse("ran the target"))
+    summary = run(offline_recipe(tmp_path / "run", tiny_target_dir, cache, format="vllm"))
+    reference_dir, reference = target_loaded
+    assert logged(tmp_path / "run") == logged(reference_dir / "run")
+    assert summary["val_simulated_tau"] == reference["val_simulated_tau"]
+    ours, theirs = (
+        load_file(tmp_path / "run" / "model" / "model.safetensors"),
+        load_file(reference_dir / "run" / "model" / "model.safetensors"),
+    )
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    # extracted with an extra layer in front, one the drafter does not read: the layer ids say which rows to read
+    wider = tmp_path / "wider"
+    for split in SPLITS:
+        (wider / split).mkdir(parents=True)
+        for path in (cache / split).glob("hs_*.safetensors"):
+            t = load_file(path)
+            extra = torch.randn(t["hidden_states"].shape[0], 1, t["hidden_states"].shape[2])
+            save_file({**t, "hidden_states": torch.cat([extra, t["hidden_states"]], dim=1)}, wider / split / path.name)
+    unread = min(set(range(1, layers)) - {i + 1 for i in drafter_ids})
+    layer_ids = [unread, *(i + 1 for i in drafter_ids), layers]
+    run(offline_recipe(tmp_path / "wide", tiny_target_dir, wider, format="vllm", vllm_layer_ids=layer_ids))
+    wide = load_file(tmp_path / "wide" / "model" / "model.safetensors")
+    assert all(torch.equal(wide[k], theirs[k]) for k in wide)
+    with pytest.raises(RecipeError, match="were not extracted"):
+        run(offline_recipe(tmp_path / "short", tiny_target_dir, wider, format="vllm", vllm_layer_ids=[unread, layers]))
+    t = load_file(wider / "train" / "hs_0.safetensors")
+    save_file({**t, "token_ids": t["token_ids"].flip(0)}, wider / "train" / "hs_0.safetensors")
+    with pytest.raises(RecipeError, match="are not window 0's tokens"):
+        run(offline_recipe(tmp_path / "other", tiny_target_dir, wider, format="vllm", vllm_layer_ids=layer_ids))
