@@ -104,6 +104,15 @@ def check_drafter_fits(drafter: dict, target: dict, drafter_path: str, target_pa
     size of the features it reads, the layers it reads them from. (A causal-LM drafter needs the
     vocabulary only.)"""
     where = f"drafter '{drafter_path}' does not fit target '{target_path}'"
+    if "speculators_model_type" in drafter:  # vLLM's speculators format: the same facts under its names
+        layer = drafter.get("transformer_layer_config") or {}
+        ids = drafter.get("aux_hidden_state_layer_ids") or drafter.get("eagle_aux_hidden_state_layer_ids") or []
+        drafter = {
+            "vocab_size": layer.get("vocab_size"),
+            "model_type": f"draftsmith_{drafter['speculators_model_type']}",
+            "target_hidden_size": drafter.get("target_hidden_size"),
+            "target_layer_ids": [i - 1 for i in ids],  # its ids are inputs of layers, ours outputs
+        }
     if drafter.get("vocab_size") != target.get("vocab_size"):
         raise RecipeError(
             f"{where}: its vocabulary has {drafter.get('vocab_size')} tokens, the target's "

@@ -11,8 +11,10 @@ turn of each question is decoded plainly and speculatively, back to back, as ``e
 Report (``report.json``): ``sets: {name: {questions, prompts, tau, speedup, lossless, acceptance_by_position,
 tokens_per_s, baseline_tokens_per_s, conditions: [{temperature, thinking, ..., categories, by_turn}]}}``, the
 set's own numbers being its first condition's; ``warnings`` (a drafter trained with other chat template
-settings); every decoded prompt in ``per_prompt.jsonl``; ``bench.png``, the speedup per set (and MT-Bench
-category) and condition.
+settings); ``compared: {folder: {drafter_kind, warnings, sets}}``, the same for each of ``compare`` (other
+drafters on the same prompts: a published one in vLLM's ``speculators`` format beside one trained here);
+every decoded prompt in ``per_prompt.jsonl``; ``bench.png``, the speedup per set (and MT-Bench category),
+drafter and condition.
 
     draftsmith bench --drafter distill/assets/testbed_dflash --sets humaneval,mtbench --limit 20
     draftsmith run recipes/configs/bench_testbed.yaml
@@ -119,80 +121,97 @@ def main(recipe: BenchRecipe, dry_run: bool = False) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sets = [load_set(s.name, s.file, recipe.limit) for s in recipe.sets]  # a missing package fails here, first
     target, tokenizer = load_target(recipe.target, device)
-    drafter = load_drafter(recipe.drafter, target, device)
+    folders = [recipe.drafter, *recipe.compare]
+    loaded = {folder: load_drafter(folder, target, device) for folder in folders}
     conds = conditions(recipe, tokenizer)
     try:
-        backend = backend_for(
-            dec.backend, device, drafter, False, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile
-        )
+        backends = {
+            folder: backend_for(
+                dec.backend, device, drafter, False, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile
+            )
+            for folder, drafter in loaded.items()
+        }
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if dry_run:
-        return {"sets": {s.name: len(s.questions) for s in sets}, "conditions": conds}
+        return {"sets": {s.name: len(s.questions) for s in sets}, "conditions": conds, "drafters": folders}
     out = Path(recipe.output_dir)
     write_run_header(out, recipe)
-    eos = tokenizer.eos_token_id
-    longest = longest_prompt(sets, tokenizer, [template_kwargs(recipe, c) for c in conds], dec.max_new_tokens)
-    sizing = [torch.zeros(longest, dtype=torch.long, device=device)]
-    records = backend.prepare(target, drafter, sizing, dec.max_new_tokens, max(recipe.temperatures) > 0, ())
-    first = sets[0].questions[0]
-    warm_up(
-        target,
-        drafter,
-        torch.tensor(
-            prompt_token_ids(
-                {"messages": [*first.context, {"role": "user", "content": first.turns[0]}]},
-                tokenizer,
-                template_kwargs(recipe, conds[0]),
-            ),
-            device=device,
-        ),
-        eos,
-        dec,
-        backend,
-    )
-
-    results: dict[str, list[dict]] = {s.name: [] for s in sets}
-    per_prompt, warnings = [], []
-    for condition in conds:
-        kwargs = template_kwargs(recipe, condition)
-        warnings += [w for w in template_warnings(recipe.drafter, kwargs) if w not in warnings]
-        measured = dec.model_copy(update={"temperature": condition["temperature"]})
-        for prompt_set in sets:
-            rows = run_set(target, drafter, tokenizer, prompt_set, measured, kwargs, eos, backend, recipe.seed)
-            results[prompt_set.name].append(set_result(rows, condition))
-            per_prompt += [{**condition, **row} for row in rows]
-            print(f"  {table_row(prompt_set.name, results[prompt_set.name][-1])}", flush=True)
+    measured = {
+        folder: bench_drafter(recipe, target, tokenizer, drafter, folder, backends[folder], sets, conds)
+        for folder, drafter in loaded.items()
+    }
+    main_run = measured[recipe.drafter]
     report = {
         "target": recipe.target.path,
         "drafter": recipe.drafter,
-        "drafter_kind": drafter.config.model_type.removeprefix("draftsmith_"),
+        "drafter_kind": main_run["drafter_kind"],
         "mode": dec.mode,
         "tree_budget": dec.tree_budgets[0] if dec.mode == "tree" else None,
         "max_new_tokens": dec.max_new_tokens,
         "limit": recipe.limit,
         "chat_template_kwargs": recipe.target.chat_template_kwargs,
         "conditions": conds,
-        "warnings": warnings,
-        "sets": {
-            s.name: {
-                "source": s.source,
-                "questions": len(s.questions),
-                **{k: v for k, v in results[s.name][0].items() if k not in ("categories", "by_turn")},
-                "conditions": results[s.name],
-            }
-            for s in sets
+        "warnings": main_run["warnings"],
+        "sets": main_run["sets"],
+        "compared": {
+            folder: {k: run[k] for k in ("drafter_kind", "warnings", "sets")}
+            for folder, run in measured.items()
+            if folder != recipe.drafter
         },
         "torch_threads": torch.get_num_threads(),
         "device": device,
-        **records,
+        **main_run["backend"],
     }
     write_json_atomic(out / "report.json", report)
-    write_jsonl_atomic(out / "per_prompt.jsonl", per_prompt)
+    write_jsonl_atomic(out / "per_prompt.jsonl", [row for run in measured.values() for row in run["per_prompt"]])
     plot_bench(report, out / "bench.png")
     print_table(report)
     print(f"wrote {out / 'report.json'}, {out / 'per_prompt.jsonl'} and {out / 'bench.png'}")
     return report
+
+
+def bench_drafter(recipe: BenchRecipe, target, tokenizer, drafter, folder: str, backend, sets, conds) -> dict:
+    """One drafter over every condition and set: its per-set results, warnings, per-prompt rows and
+    what the backend records."""
+    dec, device = recipe.decoding, next(target.parameters()).device
+    eos = tokenizer.eos_token_id
+    longest = longest_prompt(sets, tokenizer, [template_kwargs(recipe, c) for c in conds], dec.max_new_tokens)
+    sizing = [torch.zeros(longest, dtype=torch.long, device=device)]
+    records = backend.prepare(target, drafter, sizing, dec.max_new_tokens, max(recipe.temperatures) > 0, ())
+    first = sets[0].questions[0]
+    asked = {"messages": [*first.context, {"role": "user", "content": first.turns[0]}]}
+    prompt = torch.tensor(prompt_token_ids(asked, tokenizer, template_kwargs(recipe, conds[0])), device=device)
+    warm_up(target, drafter, prompt, eos, dec, backend)
+    kind = drafter.config.model_type.removeprefix("draftsmith_")
+    results: dict[str, list[dict]] = {s.name: [] for s in sets}
+    per_prompt: list[dict] = []
+    warnings: list[str] = []
+    for condition in conds:
+        kwargs = template_kwargs(recipe, condition)
+        warnings += [w for w in template_warnings(folder, kwargs) if w not in warnings]
+        at = dec.model_copy(update={"temperature": condition["temperature"]})
+        for prompt_set in sets:
+            rows = run_set(target, drafter, tokenizer, prompt_set, at, kwargs, eos, backend, recipe.seed)
+            results[prompt_set.name].append(set_result(rows, condition))
+            per_prompt += [{"drafter": folder, **condition, **row} for row in rows]
+            print(f"  {kind:<8} {table_row(prompt_set.name, results[prompt_set.name][-1])}", flush=True)
+    sets_report = {
+        s.name: {
+            "source": s.source,
+            "questions": len(s.questions),
+            **{k: v for k, v in results[s.name][0].items() if k not in ("categories", "by_turn")},
+            "conditions": results[s.name],
+        }
+        for s in sets
+    }
+    return {
+        "drafter_kind": kind,
+        "warnings": warnings,
+        "sets": sets_report,
+        "per_prompt": per_prompt,
+        "backend": records,
+    }
 
 
 def condition_label(result: dict) -> str:
@@ -208,31 +227,45 @@ def table_row(name: str, result: dict) -> str:
     )
 
 
+def runs(report: dict) -> dict[str, dict]:
+    """Each drafter's part of a report (the main drafter first), by folder."""
+    return {report["drafter"]: report, **report["compared"]}
+
+
 def print_table(report: dict) -> None:
     print(
         f"\n== bench ({report['drafter_kind']}, {report['mode']}, {report['max_new_tokens']} new tokens, "
         f"{report['torch_threads']} thread(s), {report['device']}) =="
     )
-    print(f"  {'set':<22} {'condition':<22} {'prompts':>7} {'tau':>6} {'speedup':>8} {'lossless':>8}")
-    for name, entry in report["sets"].items():
-        for result in entry["conditions"]:
-            print(f"  {table_row(name, result)}")
-            for category, part in result["categories"].items():
-                print(f"  {table_row('  ' + category, {**result, **part})}")
-            for turn, part in result["by_turn"].items():
-                print(f"  {table_row('  turn ' + turn, {**result, **part})}")
-    for warning in report["warnings"]:
-        print(f"  warning: {warning}")
+    for folder, run in runs(report).items():
+        if report["compared"]:
+            print(f"  -- {run['drafter_kind']}: {folder}")
+        print(f"  {'set':<22} {'condition':<22} {'prompts':>7} {'tau':>6} {'speedup':>8} {'lossless':>8}")
+        for name, entry in run["sets"].items():
+            for result in entry["conditions"]:
+                print(f"  {table_row(name, result)}")
+                for category, part in result["categories"].items():
+                    print(f"  {table_row('  ' + category, {**result, **part})}")
+                for turn, part in result["by_turn"].items():
+                    print(f"  {table_row('  turn ' + turn, {**result, **part})}")
+        for warning in run["warnings"]:
+            print(f"  warning: {warning}")
 
 
 def plot_bench(report: dict, path: Path) -> None:
-    """Speedup per set (and category) and condition, tau written on each bar."""
-    groups = []  # (label, [result per condition])
+    """Speedup per set (and category), one bar per drafter and condition, tau written on each bar."""
+    several = bool(report["compared"])
+    groups = []  # (label, [result per drafter and condition])
     for name, entry in report["sets"].items():
-        groups.append((name, entry["conditions"]))
+        results = [r for run in runs(report).values() for r in run["sets"][name]["conditions"]]
+        groups.append((name, results))
         for category in entry["conditions"][0]["categories"]:
-            groups.append((f"{name}/{category}", [r["categories"][category] for r in entry["conditions"]]))
-    labels = [condition_label(r) for r in next(iter(report["sets"].values()))["conditions"]]
+            groups.append((f"{name}/{category}", [r["categories"][category] for r in results]))
+    labels = [
+        (f"{run['drafter_kind']} {Path(folder).name}, " if several else "") + condition_label(r)
+        for folder, run in runs(report).items()
+        for r in next(iter(run["sets"].values()))["conditions"]
+    ]
     width = 0.8 / len(labels)
     with saved_figure(path, figsize=(max(6.0, 0.9 * len(groups) * len(labels) ** 0.5 + 2), 3.6)) as (fig, ax):
         for c, label in enumerate(labels):
@@ -249,6 +282,8 @@ def plot_bench(report: dict, path: Path) -> None:
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xticks(range(len(groups)), [g for g, _ in groups], rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("speedup over plain decoding")
-        ax.set_title(f"{report['drafter_kind']} {report['mode']} (tau on the bars)", fontsize=9)
+        ax.set_title(
+            f"{'drafters' if several else report['drafter_kind']} {report['mode']} (tau on the bars)", fontsize=9
+        )
         ax.legend(fontsize=7)
         fig.tight_layout()

@@ -73,6 +73,8 @@ EXAMPLES = {
     "bench": """examples:
   draftsmith bench --drafter distill/assets/testbed_dflash --sets humaneval          # all 164 problems, T = 0 and 1
   draftsmith bench --drafter distill/assets/testbed_dflash --sets humaneval,mtbench --limit 20 --temperatures 0
+  draftsmith bench --drafter runs/mine/model --drafter published_speculators_drafter --sets humaneval --limit 40
+                                        # a drafter trained here beside a published one, one report
   draftsmith bench --drafter DIR --target Qwen/Qwen3-8B --sets mtbench,mine=my_prompts.jsonl decoding.mode=tree
                                         # thinking on and off: Qwen3's template reads enable_thinking""",
     "data": """examples:
@@ -240,7 +242,14 @@ def _parser(eval_flags_too: bool = True) -> argparse.ArgumentParser:
     bench = command(
         "bench", "a drafter on HumanEval, MT-Bench or your own prompt sets, per set and category (writes report.json)"
     )
-    bench.add_argument("--drafter", required=True, metavar="DIR", help="a drafter folder: drafter")
+    bench.add_argument(
+        "--drafter",
+        required=True,
+        action="append",
+        metavar="DIR",
+        help="a drafter folder (draftsmith's or vLLM's speculators format); repeat it to compare drafters on the "
+        "same prompts in one report: drafter, then compare",
+    )
     bench.add_argument("--target", default="testbed", help="'testbed', a local folder or a hub id (default: testbed)")
     bench.add_argument(
         "--sets",
@@ -338,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911, PLR0912 one ex
             raw = {
                 "recipe": "bench",
                 "output_dir": args.output_dir,
-                "drafter": args.drafter,
+                "drafter": args.drafter[0],
+                "compare": args.drafter[1:],
                 "target": {"path": args.target},
                 "sets": sets,
                 **({"limit": args.limit} if args.limit else {}),

@@ -54,16 +54,28 @@ from serve_eval.sampling import Sampler
 
 
 def load_drafter(folder: str, target, device):
-    """A DFlash / DSpark / EAGLE-3 drafter, or any causal LM (a student, a Parcae model) by folder. A
-    drafter folder without the target's embeddings and LM head (a shipped one) gets them from ``target``."""
+    """A DFlash / DSpark / EAGLE-3 drafter, or any causal LM (a student, a Parcae model) by folder; a
+    folder in vLLM's ``speculators`` format (a published drafter) is read into a draftsmith drafter
+    (:func:`drafters.export.read_speculators`: its layer ids, attention and draft vocabulary). A drafter
+    folder without the target's embeddings and LM head (a shipped one, a speculators one) gets them from
+    ``target``."""
+    import json
+
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     import parcae  # noqa: F401  (and Parcae with AutoModelForCausalLM)
 
+    dtype = next(target.parameters()).dtype  # the target's: a bf16 target on a GPU gets a bf16 drafter
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    if "speculators_model_type" in raw:
+        from drafters.export import read_speculators
+
+        check_drafter_fits(raw, target.config.to_dict(), folder, target.config.name_or_path)
+        drafter, _ = read_speculators(Path(folder), target)
+        return drafter.to(device=device, dtype=dtype).eval()
     config = AutoConfig.from_pretrained(folder)
     # recipe validation checked this already for a target on disk; a hub target is known only now
     check_drafter_fits(config.to_dict(), target.config.to_dict(), folder, target.config.name_or_path)
-    dtype = next(target.parameters()).dtype  # the target's: a bf16 target on a GPU gets a bf16 drafter
     if drafters.kind_of(config) is None:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     shared = drafters.shares_target_io(folder)  # shipped without the target's embeddings and head

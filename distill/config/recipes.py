@@ -358,7 +358,10 @@ class BenchRecipe(RecipeBase):
 
     recipe: Literal["bench"]
     target: TargetConfig = Field(default_factory=TargetConfig)
-    drafter: str = Field(..., description="a drafter folder, as eval takes")
+    drafter: str = Field(..., description="a drafter folder, as eval takes (vLLM's speculators format too)")
+    compare: list[str] = Field(
+        default_factory=list, description="more drafter folders measured on the same prompts, in the same report"
+    )
     sets: list[BenchSet] = Field(
         default_factory=lambda: [BenchSet(name="humaneval"), BenchSet(name="mtbench")],
         min_length=1,
@@ -407,6 +410,11 @@ class BenchRecipe(RecipeBase):
     def _drafter_exists(cls, v: str) -> str:
         return pretrained_folder(v, "drafter folder")
 
+    @field_validator("compare")
+    @classmethod
+    def _compared_exist(cls, v: list[str]) -> list[str]:
+        return [pretrained_folder(folder, "compare: drafter folder") for folder in v]
+
     @model_validator(mode="after")
     def _one_configuration(self) -> BenchRecipe:
         if self.decoding.mode == "tree" and len(self.decoding.tree_budgets) != 1:
@@ -415,7 +423,8 @@ class BenchRecipe(RecipeBase):
             )
         if self.decoding.batches.sizes or self.decoding.ssd.enabled:
             raise ValueError("decoding.batches / decoding.ssd: a bench measures one prompt at a time; use eval")
-        _check_fit(self.drafter, self.target.path)
+        for folder in [self.drafter, *self.compare]:
+            _check_fit(folder, self.target.path)
         return self
 
 

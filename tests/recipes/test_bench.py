@@ -172,3 +172,28 @@ def test_thinking_is_measured_on_and_off_where_the_template_reads_it(tmp_path):
     (warning,) = template_warnings(str(run / "checkpoints" / "best"), {"enable_thinking": False})
     assert "enable_thinking=True" in warning and "enable_thinking=False" in warning
     assert template_warnings(str(run / "checkpoints" / "best"), {"enable_thinking": True}) == []
+
+
+def test_a_published_speculators_drafter_is_benched_beside_its_source(tmp_path, tiny_target_dir, trained_drafters):
+    """An EAGLE-3 drafter exported to vLLM's speculators format and benched beside the folder it came
+    from, on the same prompts, in one report: the same drafts, so the same tau and acceptance."""
+    from transformers import AutoConfig
+
+    from drafters.export import write_speculators
+    from recipes.cli import main
+
+    drafter = trained_drafters["eagle3"]
+    published = tmp_path / "published"
+    write_speculators(drafter, AutoConfig.from_pretrained(tiny_target_dir), str(tiny_target_dir), published)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("\n".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) for i in range(3)))
+    out = tmp_path / "bench"
+    args = ["bench", "--drafter", str(drafter.folder), "--drafter", str(published), "--target", str(tiny_target_dir)]
+    args += ["--sets", f"mine={mine}", "--temperatures", "0", "--output-dir", str(out), "decoding.max_new_tokens=12"]
+    args.append("decoding.budget.adaptive=false")  # a fixed draft length: the budget chooses from measured times
+    assert main(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    theirs = report["compared"][str(published)]
+    assert theirs["drafter_kind"] == "eagle3" and theirs["sets"]["mine"]["lossless"] is True
+    for key in ("tau", "acceptance_by_position", "tokens"):
+        assert theirs["sets"]["mine"][key] == report["sets"]["mine"][key], key
