@@ -2,7 +2,7 @@
 
 Each attention setting a DFlash drafter can have (whole-context layers with bidirectional or causal
 blocks, sliding-window layers with causal or bidirectional blocks, all or every other layer) is written
-by :func:`drafters.export.write_speculators`, loaded by ``speculators`` itself, run through the
+by :func:`drafters.export.write_speculators`, loaded and saved again by ``speculators`` itself, run through the
 library's own layers under the library's own masks (``create_anchor_block_mask_mod``, per layer as its
 forward picks them), and read back by :func:`drafters.export.read_speculators`: the library's hidden
 states equal the drafter's and the read-back drafter's, in training's forward and in decoding's."""
@@ -116,7 +116,9 @@ def test_every_attention_setting_round_trips_through_the_library(tmp_path, verif
     out = tmp_path / "speculators"
     write_speculators(drafter, target.config, str(folder), out)
     spec = SpeculatorModel.from_pretrained(str(out)).eval()
-    back, _ = read_speculators(out, target)
+    written = tmp_path / "written_by_the_library"  # a folder as the library itself saves it
+    spec.save_pretrained(str(written))
+    back, _ = read_speculators(written, target)
     for key in ("block_attention", "layer_types", "sliding_window", "sliding_block_attention"):
         assert getattr(back.config, key) == getattr(drafter.config, key), key
     ids = torch.randint(0, 95, (1, 14), generator=torch.Generator().manual_seed(3))
