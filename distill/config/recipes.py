@@ -32,6 +32,7 @@ from .sections import (
     TokenizerConfig,
     TrainConfig,
     WandbConfig,
+    distinct_temperatures,
 )
 
 
@@ -401,9 +402,7 @@ class BenchRecipe(RecipeBase):
     @field_validator("temperatures")
     @classmethod
     def _distinct(cls, v: list[float]) -> list[float]:
-        if any(t < 0 for t in v) or len(set(v)) != len(v):
-            raise ValueError(f"temperatures must be distinct and >= 0, got {v}")
-        return v
+        return distinct_temperatures(v)
 
     @field_validator("drafter")
     @classmethod

@@ -562,6 +562,13 @@ class ServerSection(Strict):
         return v.rstrip("/")
 
 
+def distinct_temperatures(v: list[float]) -> list[float]:
+    """A list of temperatures to measure or sample at: each >= 0, none twice."""
+    if any(t < 0 for t in v) or len(set(v)) != len(v):
+        raise ValueError(f"temperatures must be distinct and >= 0, got {v}")
+    return v
+
+
 class RegenerateStage(Strict):
     """Train on the target's own answers (:mod:`distill.regenerate`): prompts cut from ``data``'s corpus,
     answered by the target in-process, cached and reused by any later run with the same settings."""
@@ -583,9 +590,7 @@ class RegenerateStage(Strict):
     @field_validator("temperatures")
     @classmethod
     def _non_negative(cls, v: list[float]) -> list[float]:
-        if any(t < 0 for t in v) or len(set(v)) != len(v):
-            raise ValueError(f"temperatures must be distinct and >= 0, got {v}")
-        return v
+        return distinct_temperatures(v)
 
 
 class PromptsSection(Strict):

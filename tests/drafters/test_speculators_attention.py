@@ -30,19 +30,12 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory):
     """A tiny random Llama target saved to disk (the library rebuilds embeddings and head from it)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import family_config
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(family_config("llama3", 96, max_position_embeddings=64)).eval()
     folder = tmp_path_factory.mktemp("verifier")
     model.save_pretrained(folder)
     return model, folder
