@@ -409,8 +409,8 @@ def encode_example(
     """The training examples of one record: token ids and a mask that is 1 on the tokens to score.
 
     Records of :mod:`distill.regenerate` carry the token ids the target read and wrote; those are used
-    as they are (EOS only where the target ended the response; :func:`turn_examples`). Otherwise the conversation (a prompt and
-    its response, or ``messages``) is rendered by the chat template with ``template_kwargs`` and every
+    as they are (EOS only where the target ended the response; :func:`turn_examples`). Otherwise the
+    conversation (a prompt and its response, or ``messages``) is rendered by the chat template with ``template_kwargs`` and every
     assistant turn is scored (``cfg.assistant_turns``), each in the context the target wrote it in: one
     example, or one per rewrite of the history (:func:`distill.chat.conversation_pieces`).
     """
@@ -428,15 +428,16 @@ def encode_example(
 def turn_examples(turns: Sequence[dict], eos: int) -> list[tuple[list[int], list[int]]]:
     """Regenerated turns (``{prompt_ids, response_ids, eos}``, :func:`distill.regenerate.converse`) as
     training examples of the exact tokens the target read and wrote, each response scored (with the
-    token that ended it where the target did: ``stop_id``, else EOS). A turn whose prompt continues the example so far (its history as
-    the target wrote it) extends that example; one that does not (the template rewrote the history, or
-    the text of an earlier answer tokenizes differently) starts a new one."""
+    token that ended it where the target did: ``stop_id``, else EOS). A turn whose prompt continues the
+    example so far (its history as the target wrote it) extends that example; one that does not (the
+    template rewrote the history, or the text of an earlier answer tokenizes differently) starts a new one."""
     examples: list[tuple[list[int], list[int]]] = []
     ids: list[int] = []
     mask: list[int] = []
     for turn in turns:
         prompt = list(turn["prompt_ids"])
-        response = list(turn["response_ids"]) + ([turn.get("stop_id", eos)] if turn.get("eos", True) else [])
+        stop = turn.get("stop_id")  # absent, or None where a table gave every turn the column
+        response = list(turn["response_ids"]) + ([eos if stop is None else stop] if turn.get("eos", True) else [])
         if ids and prompt[: len(ids)] == ids:
             prompt = prompt[len(ids) :]
         elif ids:

@@ -314,6 +314,10 @@ def _job_record(job: AnswerJob, pending: list[AnswerJob], done: list[list[tuple[
     }
 
 
+#: the seed of a batch's turn t is its first turn's plus t strides: no other batch's first turns reach it
+TURN_SEED_STRIDE = 100_003
+
+
 def turn_records(record: dict) -> list[dict]:
     """A record's answered turns, each ``{prompt_ids, response_ids, eos}``: its ``turns`` (a conversation
     answered turn by turn), or the record itself (one prompt)."""
@@ -354,7 +358,7 @@ def converse(
     own earlier answers (system, user and tool turns kept): its record holds the new ``messages`` and
     per answered turn ``{prompt_ids, response_ids, eos}`` in ``turns``; a turn the server failed to
     answer ends the conversation there (``failed_turns``, ``skipped_turns``). Turn ``t`` of the batch
-    samples with seed ``seed + t``; the first turn of every prompt is answered in one call."""
+    samples with seed ``seed + TURN_SEED_STRIDE * t``; the first turn of every prompt is answered in one call."""
     originals = [list(p.get("messages") or [{"role": "user", "content": p["prompt"]}]) for p in prompts]
     ends = [_turn_ends(m) for m in originals]
     histories: list[list[dict]] = [[] for _ in prompts]
@@ -369,7 +373,7 @@ def converse(
             histories[i] += originals[i][start : ends[i][t]]
         # a first turn asked as given (corpus prompts carry the exact tokens they were cut from)
         asked = [prompts[i] if t == 0 and "messages" not in prompts[i] else {"messages": histories[i]} for i in active]
-        rows = answer(asked, max_new_tokens, temperature, top_p, top_k, seed + t)
+        rows = answer(asked, max_new_tokens, temperature, top_p, top_k, seed + TURN_SEED_STRIDE * t)
         for i, row in zip(active, rows):
             if row is None:
                 failed[i] = True

@@ -267,7 +267,7 @@ def plot_bench(report: dict, path: Path) -> None:
         for r in next(iter(run["sets"].values()))["conditions"]
     ]
     width = 0.8 / len(labels)
-    with saved_figure(path, figsize=(max(6.0, 0.9 * len(groups) * len(labels) ** 0.5 + 2), 3.6)) as (fig, ax):
+    with saved_figure(path, figsize=(max(6.0, 0.6 * len(groups) * len(labels) ** 0.5 + 2), 3.6)) as (fig, ax):
         for c, label in enumerate(labels):
             xs = [g + (c - (len(labels) - 1) / 2) * width for g in range(len(groups))]
             bars = ax.bar(xs, [results[c]["speedup"] for _, results in groups], width, label=label)

@@ -375,7 +375,7 @@ def AutoModelForCausalLM_from(folder):
 
 
 def test_a_failed_turn_ends_the_conversation_and_is_counted():
-    from distill.regenerate import converse
+    from distill.regenerate import TURN_SEED_STRIDE, converse
 
     class Tok:
         eos_token_id = 0
@@ -388,11 +388,11 @@ def test_a_failed_turn_ends_the_conversation_and_is_counted():
     def answer(asked, max_new_tokens, temperature, top_p, top_k, seed):
         calls.append((len(asked), seed))
         # the second conversation's second turn fails (a server that gave up)
-        return [None if seed == 11 and k == 1 else ([1, 2], [k + 1, 3], True, {}) for k in range(len(asked))]
+        return [None if seed > 10 and k == 1 else ([1, 2], [k + 1, 3], True, {}) for k in range(len(asked))]
 
     three_turns = CONVERSATION + [{"role": "user", "content": "more"}]
     records = converse(answer, Tok(), [{"messages": CONVERSATION}, {"messages": three_turns}], 4, 0.0, 1.0, 0, 10)
-    assert calls == [(2, 10), (2, 11)]  # turn t of the batch samples with seed + t; nothing left to ask at t = 2
+    assert calls == [(2, 10), (2, 10 + TURN_SEED_STRIDE)]  # turn t samples with its own seed; nothing left at t = 2
     done, failed = records
     assert len(done["turns"]) == 2 and "failed_turns" not in done
     assert failed["failed_turns"] == 1 and failed["skipped_turns"] == 1 and len(failed["turns"]) == 1
