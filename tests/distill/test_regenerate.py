@@ -366,6 +366,15 @@ def test_conversations_are_answered_turn_by_turn_after_the_targets_own_answers(t
     scored = [[t for t, m in zip(ids, mask) if m] for ids, mask in examples]
     expected = [t["response_ids"] + [tok.eos_token_id] * t["eos"] for t in conversation["turns"]]
     assert sum(scored, []) == sum(expected, [])  # every answer, each once, nothing else
+    # the file as a recipe reads it (a table: every record gets every column, None where it has none)
+    from distill.data import load_text_splits, make_windows
+
+    data = str(tmp_path / "out" / "data.jsonl")
+    files = DataConfig(source="files", train_files=[data], val_files=[data], format="messages", seq_len=64)
+    windows = make_windows(load_text_splits(files).train, tok, files, "train")
+    single_scored = single["response_ids"] + [tok.eos_token_id] * single["eos"]
+    read = [windows.ids[i][windows.mask[i].astype(bool)].tolist() for i in range(len(windows))]
+    assert sum(read, []) == sum(expected, []) + single_scored
 
 
 def AutoModelForCausalLM_from(folder):
