@@ -332,10 +332,16 @@ def render_cli() -> str:
         "program (the form `accelerate launch ... -m recipes.cli run RECIPE` uses).",
         "",
     ]
-    subs = _subcommands(parser)
+    # every command, a command with actions of its own (``data show``) by each action
+    subs = {
+        f"{name} {action}" if action else name: leaf
+        for name, sub in _subcommands(parser).items()
+        for action, leaf in ({"": sub} if not _subcommands(sub) else _subcommands(sub)).items()
+    }
     lines += ["| command | what it does |", "|---|---|"]
     lines += [
-        f"| [`draftsmith {name}`](#draftsmith-{name}) | {_cell(sub.description or '')} |" for name, sub in subs.items()
+        f"| [`draftsmith {name}`](#draftsmith-{name.replace(' ', '-')}) | {_cell(sub.description or '')} |"
+        for name, sub in subs.items()
     ]
     lines.append("")
     for name, sub in subs.items():
