@@ -100,8 +100,8 @@ def set_result(rows: list[dict], condition: dict) -> dict:
 
 
 def longest_prompt(sets: list[PromptSet], tokenizer, kwargs_of: list[dict], max_new_tokens: int) -> int:
-    """A bound on the tokens any turn's prompt holds (earlier answers at most ``max_new_tokens`` each),
-    what the backend sizes its caches and graphs for."""
+    """A bound on the tokens any turn's prompt holds (earlier answers at most ``max_new_tokens`` each,
+    plus slack for their text tokenizing differently), what the backend sizes its caches and graphs for."""
     longest = 0
     for prompt_set in sets:
         for q in prompt_set.questions:
@@ -110,7 +110,7 @@ def longest_prompt(sets: list[PromptSet], tokenizer, kwargs_of: list[dict], max_
                 messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
             for kwargs in kwargs_of:
                 rendered = prompt_token_ids({"messages": messages[:-1]}, tokenizer, kwargs)
-                longest = max(longest, len(rendered) + (len(q.turns) - 1) * max_new_tokens)
+                longest = max(longest, len(rendered) + (len(q.turns) - 1) * (max_new_tokens + 16))
     return longest
 
 
