@@ -425,7 +425,8 @@ def test_reasoning_is_kept_or_dropped():
 def test_chat_completions_answer_turn_by_turn_as_in_process(tmp_path):
     """A chat target (a tiny random Llama with a ChatML template) served by ``transformers serve``:
     regenerating a two-turn conversation through /v1/chat/completions (the server applies the template)
-    gives the answers the in-process run gives, turn by turn."""
+    and through /v1/completions (the text rendered here) gives the answers the in-process run gives,
+    turn by turn."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from distill.testbed import ASSETS
@@ -453,13 +454,15 @@ def test_chat_completions_answer_turn_by_turn_as_in_process(tmp_path):
     raw["prompts"] = {"file": str(prompts)}
     regenerate.main(parse_recipe(raw))
     with serving(folder) as server:
-        regenerate.main(
-            parse_recipe({**raw, "output_dir": str(tmp_path / "served"), "server": {**server, "api": "chat"}})
-        )
-    local, served = (json.loads((tmp_path / run / "data.jsonl").read_text()) for run in ("local", "served"))
-    assert [t["response"] for t in served["turns"]] == [t["response"] for t in local["turns"]]
-    assert served["messages"] == local["messages"] and len(served["turns"]) == 2
-    assert [t["prompt_ids"] for t in served["turns"]] == [t["prompt_ids"] for t in local["turns"]]
+        for api in ("chat", "completions"):  # the server's template, or the text rendered here
+            raw_api = {**raw, "output_dir": str(tmp_path / api), "server": {**server, "api": api}}
+            regenerate.main(parse_recipe(raw_api))
+    local = json.loads((tmp_path / "local" / "data.jsonl").read_text())
+    for api in ("chat", "completions"):
+        served = json.loads((tmp_path / api / "data.jsonl").read_text())
+        assert [t["response"] for t in served["turns"]] == [t["response"] for t in local["turns"]], api
+        assert served["messages"] == local["messages"] and len(served["turns"]) == 2
+        assert [t["prompt_ids"] for t in served["turns"]] == [t["prompt_ids"] for t in local["turns"]]
 
     # a chat target ends its turn with its own token, not the tokenizer's EOS (here: the token it writes
     # first, so turn 1 ends at once): the record keeps it, and training scores the token written
