@@ -82,9 +82,11 @@ def _from_sharegpt(turns: list) -> list[dict]:
             try:
                 call = json.loads(turn["value"])
             except (TypeError, json.JSONDecodeError):
+                call = None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 raise ConversationError(
-                    f"turn {i}: a function_call's value must be JSON, got {turn['value']!r:.60}"
-                ) from None
+                    f"turn {i}: a function_call's value must be JSON with a 'name', got {turn['value']!r:.60}"
+                )
             tool_call = {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
                 messages[-1]["tool_calls"] = [tool_call]

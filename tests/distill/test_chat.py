@@ -162,6 +162,7 @@ def test_schemas_round_trip():
         ([{"from": "human"}], "sharegpt", "'from', 'value'"),
         ([{"from": "robot", "value": "x"}], "sharegpt", "'from' must be one of"),
         ([{"from": "function_call", "value": "not json"}], "sharegpt", "must be JSON"),
+        ([{"from": "function_call", "value": '{"arguments": {}}'}], "sharegpt", "with a 'name'"),
         ([1, 2], "ultrachat", "strings"),
     ],
 )
