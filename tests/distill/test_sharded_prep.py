@@ -239,7 +239,7 @@ class ScriptedAnswers:
     fail_at: int | None = None
     calls = 0
 
-    def __init__(self, target, tokenizer):
+    def __init__(self, target, tokenizer, template_kwargs=None):
         self.device = torch.device("cpu")
 
     def __call__(self, prompts, max_new_tokens, temperature, top_p, top_k, seed):
