@@ -414,11 +414,11 @@ def encode_example(
     assistant turn is scored (``cfg.assistant_turns``), each in the context the target wrote it in: one
     example, or one per rewrite of the history (:func:`distill.chat.conversation_pieces`).
     """
-    # (a table gives every record every column: None where a record has none)
-    if record.get("turns") is not None:  # a conversation regenerated turn by turn
-        return turn_examples(record["turns"], tokenizer.eos_token_id)
-    if record.get("prompt_ids") is not None and record.get("response_ids") is not None:  # regenerated: exact tokens
-        return turn_examples([record], tokenizer.eos_token_id)
+    from .regenerate import turn_records
+
+    turns = turn_records(record)
+    if turns is not None:  # regenerated: the exact tokens the target read and wrote
+        return turn_examples(turns, tokenizer.eos_token_id)
     messages = chat_messages(record, cfg)
     tools = record.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools  # tables often keep them as JSON text

@@ -173,7 +173,7 @@ class AnswerJob:
         with open(self.out_file) as f:
             for line in f:
                 record = json.loads(line)
-                turns = turn_records(record)
+                turns = turn_records(record) or []
                 counts["records"] += 1
                 counts["response_tokens"] += response_tokens(record)
                 counts["turns"] += len(turns)
@@ -318,16 +318,17 @@ def _job_record(job: AnswerJob, pending: list[AnswerJob], done: list[list[tuple[
 TURN_SEED_STRIDE = 100_003
 
 
-def turn_records(record: dict) -> list[dict]:
-    """A record's answered turns, each ``{prompt_ids, response_ids, eos}``: its ``turns`` (a conversation
-    answered turn by turn), or the record itself (one prompt)."""
-    if "turns" in record:
+def turn_records(record: dict) -> list[dict] | None:
+    """A regenerated record's answered turns, each ``{prompt_ids, response_ids, eos}``: its ``turns`` (a
+    conversation answered turn by turn), or the record itself (one prompt); None for a record the target
+    did not write (a table gives every record every column: None where a record has none)."""
+    if record.get("turns") is not None:
         return record["turns"]
-    return [record] if "response_ids" in record else []
+    return [record] if record.get("response_ids") is not None else None
 
 
 def response_tokens(record: dict) -> int:
-    return sum(len(t["response_ids"]) + bool(t["eos"]) for t in turn_records(record))
+    return sum(len(t["response_ids"]) + bool(t["eos"]) for t in turn_records(record) or [])
 
 
 def _turn_ends(messages: list[dict]) -> list[int]:
