@@ -105,10 +105,12 @@ class DraftAttention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # decoding's one product for q, k and v (fuse_projections)
         self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, D]: q_norm's weight, then k_norm's
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor, table: bool = False) -> torch.Tensor:
-        """``x`` [B, heads, L, D] rotated to ``positions`` [B, L]; ``table``: cos/sin read from
-        :meth:`rope_table` (decoding) instead of computed for these positions."""
-        cos, sin = self.rope_table(positions, x.dtype) if table and self.static_rope else self.rotary(x, positions)
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, table: bool = False, end: int | None = None) -> torch.Tensor:
+        """``x`` [B, heads, L, D] rotated to ``positions`` [B, L] (below ``end`` when the caller knows it);
+        ``table``: cos/sin read from :meth:`rope_table` (decoding) instead of computed for these positions."""
+        cos, sin = (
+            self.rope_table(positions, x.dtype, end) if table and self.static_rope else self.rotary(x, positions)
+        )
         return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
     @property
@@ -142,15 +144,16 @@ class DraftAttention(nn.Module):
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
     def project_kv(
-        self, kv_in: torch.Tensor, kv_pos: torch.Tensor, lean: bool = False
+        self, kv_in: torch.Tensor, kv_pos: torch.Tensor, lean: bool = False, end: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values [B, kv_heads, L, D] of ``kv_in`` [B, L, in] at ``kv_pos``;
-        ``lean`` (decoding): the same values by fewer operations (:func:`rms`, :meth:`rope_table`)."""
+        """Keys (normed, rotated) and values [B, kv_heads, L, D] of ``kv_in`` [B, L, in] at ``kv_pos`` (below
+        ``end`` when the caller knows it: no host read of the positions); ``lean`` (decoding): the same
+        values by fewer operations (:func:`rms`, :meth:`rope_table`)."""
         B, L, _ = kv_in.shape
         k = self.k_proj(kv_in).view(B, L, self.kv_heads, self.head_dim)
         k = rms(self.k_norm, k, lean).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        return self._rope(k, kv_pos, table=lean), v
+        return self._rope(k, kv_pos, table=lean, end=end), v
 
     def fuse_projections(self) -> None:
         """Give decoding one product for queries, keys and values: ``qkv_proj`` holds ``[W_q; W_k; W_v]``,
@@ -205,13 +208,15 @@ class DraftAttention(nn.Module):
         v: torch.Tensor,
         mask: torch.Tensor | BlockMask | None,
         lean: bool = False,
+        end: int | None = None,
     ) -> torch.Tensor:
-        """Attention of ``q_in`` [B, Q, in] at ``q_pos`` over keys/values [B, kv_heads, S, D], through
-        ``o_proj``. ``lean`` (decoding): :func:`rms`, :meth:`rope_table` and, with SDPA, the kernel called
-        directly (the same math as transformers' wrapper, without its per-call work)."""
+        """Attention of ``q_in`` [B, Q, in] at ``q_pos`` (below ``end``, when known) over keys/values
+        [B, kv_heads, S, D], through ``o_proj``. ``lean`` (decoding): :func:`rms`, :meth:`rope_table` and,
+        with SDPA, the kernel called directly (the same math as transformers' wrapper, without its per-call work)."""
         B, Q, _ = q_in.shape
         q = self.q_proj(q_in).view(B, Q, self.heads, self.head_dim)
-        return self.attend_queries(self._rope(rms(self.q_norm, q, lean).transpose(1, 2), q_pos, lean), k, v, mask, lean)
+        q = self._rope(rms(self.q_norm, q, lean).transpose(1, 2), q_pos, lean, end)
+        return self.attend_queries(q, k, v, mask, lean)
 
     def attend_queries(
         self,
@@ -327,9 +332,9 @@ class InjectedLayer(nn.Module):
         h = rms(self.input_norm, x)
         kv_in = torch.cat([ctx, h], dim=1)
         if self.gate_up_proj is None:
-            k, v = self.attn.project_kv(kv_in, kv_pos, lean=True)
+            k, v = self.attn.project_kv(kv_in, kv_pos, lean=True, end=keys.shape[2])
             _store(keys, values, k, v, slots)
-            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1] :], keys, values, mask, lean=True)
+            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1] :], keys, values, mask, lean=True, end=keys.shape[2])
         # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
         q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=keys.shape[2])
         _store(keys, values, k, v, slots)
@@ -337,8 +342,8 @@ class InjectedLayer(nn.Module):
         gate, up = self.gate_up_proj(rms(self.post_norm, x)).chunk(2, dim=-1)
         return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
-    def _attend_and_mlp(self, x, h, x_pos, keys, values, mask, lean: bool = False):
-        x = x + self.attn.attend(h, x_pos, keys, values, mask, lean)
+    def _attend_and_mlp(self, x, h, x_pos, keys, values, mask, lean: bool = False, end: int | None = None):
+        x = x + self.attn.attend(h, x_pos, keys, values, mask, lean, end)
         return x + self.mlp(rms(self.post_norm, x, lean))
 
 

@@ -35,6 +35,7 @@ class Backend:
     """The generic backend: the model's own forward, eager drafts, every padding row computed."""
 
     name = "torch"
+    static = False  # whether the loop runs the static-shape step (serve_eval.static)
 
     def prepare(
         self, target, drafter, prompts=(), max_new_tokens: int = 0, sampled: bool = False, rows: tuple[int, ...] = ()

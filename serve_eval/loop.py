@@ -39,6 +39,7 @@ from .lookup import graft
 from .proposers import LookupProposer, Proposer, make_proposer
 from .sampling import Sampler
 from .session import TargetSession
+from .static import static_generate, unsupported
 from .timing import device_clock
 from .tree import DraftTree, build_best_first_tree, sample_tree
 from .verify import choose_rows, next_outcome, unverified_outcomes, verify_chains, walk_trees
@@ -83,12 +84,13 @@ class BatchStats:
     prompts: list[GenerationStats] = field(default_factory=list)
 
 
-def truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
-    """``tokens`` cut to ``max_new_tokens`` and after the first ``eos``: a last step may overshoot."""
+def truncate(tokens: list[int], max_new_tokens: int, eos) -> list[int]:
+    """``tokens`` cut to ``max_new_tokens`` and after the first ``eos`` (a token id, a collection of them,
+    or None): a last step may overshoot."""
     tokens = tokens[:max_new_tokens]
-    if eos is not None and eos in tokens:
-        tokens = tokens[: tokens.index(eos) + 1]
-    return tokens
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    end = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return tokens if end is None else tokens[: end + 1]
 
 
 class Stopper:
@@ -259,6 +261,15 @@ def generate(
     samplers = [replace(s, top=backend.top_tokens) for s in samplers or [Sampler() for _ in prompts]]
     if len({s.greedy for s in samplers}) > 1:
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
+    if backend.static:
+        why = unsupported(proposer, mode, budget, lookup, kv)
+        if why:
+            raise ValueError(f"decoding.backend = 'static': {why}")
+        drafter = None if proposer is None else proposer.drafter
+        threshold = 0.0 if proposer is None else proposer.confidence_threshold
+        return static_generate(
+            target, prompts, max_new_tokens, eos_token_id, samplers, backend, drafter, threshold, verify_drafts, slots
+        )
     run = _Run(
         samplers, proposer, budget, mode, tree_budget, verify_drafts, device_clock(prompts[0].device), len(prompts)
     )

@@ -129,3 +129,67 @@ def unverified_outcomes(
         return {}  # its verified children were rejected: the residual, not p, would meet the next one
     depth = int(full.depths[children[0]])
     return {children[0]: float(torch.minimum(sampler.probs(row), q[depth - 1]).sum())}
+
+
+def uniforms(samplers: list[Sampler], count: int, device) -> torch.Tensor:
+    """``count`` uniform draws per row [R, count], each row's from its sampler's generator (one call for
+    rows that share one)."""
+    gens = [s.generator for s in samplers]
+    if all(g is gens[0] for g in gens):
+        return torch.rand(len(samplers), count, generator=gens[0], device=device)
+    return torch.stack([torch.rand(count, generator=g, device=device) for g in gens])
+
+
+def accept_chains(
+    samplers: list[Sampler],
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    draft_logits: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_chains` without a host read, for rows of one length: row ``r`` read its bonus and drafts
+    ``ids[r]`` [R, n] and may keep its first ``lengths[r]`` drafts (None: all ``n - 1``; the rest were
+    read to keep the shape, and count as never drafted). ``logits`` [R, n, V]: the target's after each;
+    ``draft_logits`` [R, n - 1, V]: the drafter's the drafts were drawn from (sampled rows only). Returns
+    each row's drafts kept [R] and the token that follows them [R], both on the device.
+
+    Sampled: draft ``k`` is kept when ``u_k q_k(d_k) < p_k(d_k)`` and every draft before it was; the token
+    after the kept ones is drawn from ``norm(max(0, p - q))`` where a draft was rejected there, and from
+    ``p`` where the row's drafts ran out (the module docstring's rule, every row at once)."""
+    R, n = ids.shape
+    drafts = ids[:, 1:]
+    limit = None if lengths is None else torch.arange(n - 1, device=ids.device) < lengths[:, None]
+    if samplers[0].greedy:
+        choice = samplers[0].top(logits)[0]  # [R, n]
+        match = drafts == choice[:, :-1]
+        kept = (match if limit is None else match & limit).int().cumprod(1).sum(1)
+        return kept, choice.gather(1, kept[:, None])[:, 0]
+    p = _row_probs(samplers, logits)  # [R, n, V]
+    if n == 1:
+        return torch.zeros(R, dtype=torch.long, device=ids.device), _draw(samplers, p[:, 0])
+    q = _row_probs(samplers, draft_logits)  # [R, n - 1, V]
+    p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0]
+    q_d = q.gather(-1, drafts[..., None])[..., 0]
+    keep = uniforms(samplers, n - 1, ids.device) * q_d < p_d  # u < p/q without dividing by a tiny q
+    kept = (keep if limit is None else keep & limit).int().cumprod(1).sum(1)
+    at = kept[:, None, None].expand(R, 1, p.shape[-1])
+    p_k = p.gather(1, at)[:, 0]
+    rejected = kept < (n - 1 if lengths is None else lengths)  # the draft at ``kept`` was read and refused
+    q_k = torch.cat([q, q.new_zeros(R, 1, q.shape[-1])], 1).gather(1, at)[:, 0] * rejected[:, None]
+    return kept, _draw(samplers, (p_k - q_k).clamp_min(0))
+
+
+def _row_probs(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """Each row's sampling distribution of ``logits`` [R, ..., V] (one call where the rows' settings agree)."""
+    first = samplers[0]
+    if all((s.temperature, s.top_k, s.top_p) == (first.temperature, first.top_k, first.top_p) for s in samplers):
+        return first.probs(logits)
+    return torch.stack([s.probs(row) for s, row in zip(samplers, logits)])
+
+
+def _draw(samplers: list[Sampler], weights: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``weights`` [R, V], each drawn with its row's generator."""
+    gens = [s.generator for s in samplers]
+    if all(g is gens[0] for g in gens):
+        return samplers[0].sample(weights)
+    return torch.stack([s.sample(row) for s, row in zip(samplers, weights)])

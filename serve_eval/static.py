@@ -1,0 +1,480 @@
+"""The static-shape step (``decoding.backend: static``): the loop as a GPU wants it.
+
+Every tensor a step touches has the same shape from one step to the next, and the step's decisions stay
+on the device; the host reads one small tensor a step (each row's tokens kept and whether it is done):
+
+* **caches of fixed capacity**: the target's keys and values in :class:`StaticLayer` buffers
+  [R, H, S, D] (``S``: the longest prompt, the new tokens and one verify), written at each row's own
+  slots by one ``index_copy_`` a layer, attention reading all ``S`` slots through a mask built on the
+  device from each row's length; the drafter's context in a :class:`~drafters.cache.ContextCache` of
+  fixed capacity. A rollback is a length that does not advance: the next step writes over the rest.
+* **one verify length**: a step reads each row's bonus and ``n - 1`` drafts, ``n`` the smallest bucket
+  (:data:`BUCKETS`) holding the drafts verified; a DSpark confidence cut keeps the shape and masks the
+  drafts past it (:func:`~serve_eval.verify.accept_chains` counts them as never drafted).
+* **device-side choices**: acceptance, the next bonus (greedy or by speculative sampling,
+  :func:`~serve_eval.verify.accept_chains`), the tokens written to an output buffer, each row's lengths,
+  the features the next draft reads, the stop test against every stop token.
+* **compiled**: the target's verify forward and the drafter's draft go through ``torch.compile`` once per
+  (rows, length) shape, ``mode="reduce-overhead"`` (CUDA graphs) on CUDA and the default mode elsewhere;
+  the graphs compiled are counted (:class:`Compiled`).
+
+Prefills (prompts of any length) run eagerly, once per group of rows. A row that finishes stops
+advancing and computes on until its group does (its shape is the group's); ``slots`` fewer than the
+prompts decode them a group at a time.
+
+Lossless as the eager loop is: the same target forward per position (a different number of masked
+slots and, compiled, fused kernels: rounding only, which the tests and reports hold to plain decoding
+through the same static path), the same verification rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import types
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from distill.base.features import FeatureCapture, decoder_layers, final_norm
+from distill.base.masks import LayerMasks
+from drafters import is_block_drafter
+from drafters.cache import ContextCache
+
+from .backend import Backend
+from .forward import TargetForward
+from .sampling import Sampler
+from .verify import accept_chains, choose_rows
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+COMPILE = ("auto", "on", "off")
+
+
+def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    """The smallest bucket holding ``n`` tokens (``n`` itself past the largest)."""
+    return next((b for b in buckets if b >= n), n)
+
+
+class Compiled:
+    """``fn`` through ``torch.compile`` (a copy of its code per instance, so that each model gets graphs of its
+    own; no guards on the modules, which do not change while they serve), or eager with ``mode`` None.
+    ``graphs``: the graphs compiled for it so far, one per input shape."""
+
+    def __init__(self, fn, mode: str | None):
+        self.mode, self.graphs = mode, 0
+        if mode is None:
+            self.fn = fn
+            return
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+        self.fn = torch.compile(
+            own,
+            dynamic=False,
+            mode=None if mode == "default" else mode,
+            options=None if mode == "reduce-overhead" else {"guard_filter_fn": _skip_module_guards},
+        )
+
+    def __call__(self, *args):
+        if self.mode is None:
+            return self.fn(*args)
+        counters = torch._dynamo.utils.counters["stats"]
+        before = counters["unique_graphs"]
+        out = self.fn(*args)
+        self.graphs += counters["unique_graphs"] - before
+        return out
+
+
+def _skip_module_guards(entries):
+    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+
+
+class StaticBackend(Backend):
+    """The generic backend with the static-shape step: the models' own forwards, compiled as ``compile``
+    says (``auto``: on), verify lengths rounded up to ``buckets``."""
+
+    name = "static"
+    static = True
+
+    def __init__(self, compile: str = "auto", buckets: tuple[int, ...] = BUCKETS):
+        if compile not in COMPILE:
+            raise ValueError(f"decoding.static.compile = {compile!r}: expected one of {', '.join(COMPILE)}")
+        self.compile, self.buckets = compile, tuple(sorted(buckets))
+        self.graphs: dict[str, int] = {}  # graphs compiled so far, per function
+
+    def mode(self, device) -> str | None:
+        """The ``torch.compile`` mode on ``device`` (None: eager)."""
+        if self.compile == "off":
+            return None
+        return "reduce-overhead" if torch.device(device).type == "cuda" else "default"
+
+    def prepare(self, target, drafter, prompts=(), max_new_tokens=0, sampled=False, rows=()) -> dict:
+        if drafter is not None and is_block_drafter(drafter):
+            drafter.fuse_projections()
+        return {
+            "backend": self.name,
+            "target_forward": "the model's own, static shapes",
+            "compile": self.mode(next(target.parameters()).device) or "off",
+            "buckets": list(self.buckets),
+        }
+
+    def count(self, name: str, graphs: int) -> None:
+        self.graphs[name] = self.graphs.get(name, 0) + graphs
+
+
+# -- the target's cache ------------------------------------------------------------------------------
+class RowSlots:
+    """Where a step's entries go: row ``r``'s ``n`` entries at slots ``starts[r] + j`` of buffers
+    [R, H, S, D]; one flat ``index_copy_`` per buffer (``starts``: a device tensor the step sets)."""
+
+    def __init__(self):
+        self.starts: torch.Tensor | None = None
+
+    def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        R, H, S, D = buffer.shape
+        n = new.shape[2]
+        heads = torch.arange(R * H, device=buffer.device).view(R, H) * S + self.starts[:, None]
+        index = (heads[:, :, None] + torch.arange(n, device=buffer.device)).flatten()
+        buffer.view(R * H * S, D).index_copy_(0, index, new.reshape(R * H * n, D))
+
+
+class StaticLayer(DynamicLayer):
+    """One attention layer's keys and values in buffers of ``capacity`` slots, allocated at the first
+    write (the prefill), written at :class:`RowSlots`' slots; attention reads all of them, the step's
+    mask hiding what a row must not see. Zero where never written (a masked ``0 * NaN`` would not be)."""
+
+    def __init__(self, capacity: int, slots: RowSlots):
+        super().__init__()
+        self.capacity, self.slots = capacity, slots
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        R, H = key_states.shape[:2]
+        self.keys = key_states.new_zeros(R, H, self.capacity, key_states.shape[-1])
+        self.values = value_states.new_zeros(R, value_states.shape[1], self.capacity, value_states.shape[-1])
+        if self.device.type == "cuda":  # CUDA graphs may mutate buffers at fixed addresses only
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.slots.write(self.keys, key_states)
+        self.slots.write(self.values, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.capacity if self.is_initialized else 0
+
+
+def static_cache(config, capacity: int, slots: RowSlots) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose every attention layer is a :class:`StaticLayer` (windowed
+    layers keep every slot too: the step's masks apply the windows); other kinds of layer are a ValueError."""
+    cache = DynamicCache(config=config)
+    others = {type(layer).__name__ for layer in cache.layers} - {DynamicLayer.__name__, DynamicSlidingWindowLayer.__name__}
+    if others:
+        raise ValueError(f"decoding.backend = 'static' keeps attention caches only; this target has {sorted(others)}")
+    cache.layers = [StaticLayer(capacity, slots) for _ in cache.layers]
+    return cache
+
+
+def _verify(target, ids, positions, mask, cache, captured: dict, layer_ids: tuple):
+    """The target's forward over ``ids`` [R, n] (the compiled unit): logits [R, n, V] and the features of
+    ``layer_ids`` [R, n, F] (hooks fill ``captured``), or None."""
+    logits = target(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True).logits
+    return logits, torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+
+
+def _draft(drafter, anchors, counts, features, context, propose: bool):
+    """The block drafter's decoding forward and, with ``propose``, its greedy proposal (the compiled unit)."""
+    hidden = drafter.decode(anchors, counts, features, context)
+    return hidden, drafter.propose(hidden, anchors[:, None]) if propose else None
+
+
+class _Hooks:
+    """Hooks on the target for the length of a run: the features' layers fill ``captured``, and each
+    windowed attention layer reads its mask from ``windowed[w]`` (what :class:`LayerMasks` cuts per call,
+    here set before each step so that a compiled forward reads it as an input)."""
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.captured: dict = {}
+        self.masks = LayerMasks(target)
+        self.windowed: dict[int, torch.Tensor] = {}
+        self.handles = []
+        layers = decoder_layers(target)
+        for i in layer_ids:
+            self.handles.append(layers[i].register_forward_hook(functools.partial(self._grab, i)))
+        if layer_ids:
+            self.handles.append(final_norm(target).register_forward_hook(functools.partial(self._grab, "last")))
+        for attention, w in self.masks.windowed:
+            self.handles.append(
+                attention.register_forward_pre_hook(functools.partial(self._window, w), with_kwargs=True)
+            )
+
+    def _grab(self, key, _module, _inputs, output):
+        self.captured[key] = output[0] if isinstance(output, tuple) else output
+
+    def _window(self, w, _module, args, kwargs):
+        return args, {**kwargs, "attention_mask": self.windowed[w]}
+
+    def set_masks(self, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``mask`` [R, 1, n, S] as the model takes it, and each window's cut (slot ``s`` holds position ``s``)."""
+        if self.masks.windowed:
+            distance = positions[:, None, :, None] - torch.arange(mask.shape[-1], device=mask.device)
+            for w in {w for _, w in self.masks.windowed}:
+                self.windowed[w] = self.masks.prepare(mask & (distance < w))
+        return self.masks.prepare(mask)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class _Clock:
+    """Seconds spent drafting and verifying, without waiting for the device: CUDA events recorded around
+    each phase and read once at the end; on a CPU, the time itself."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phases(self) -> tuple[float, float]:
+        """(draft, verify) seconds: marks taken before the draft, the verify and after it, each step."""
+        m = self.marks
+        span = (lambda a, b: a.elapsed_time(b) / 1000) if self.cuda else (lambda a, b: b - a)
+        draft = sum(span(m[i], m[i + 1]) for i in range(0, len(m) - 2, 3))
+        verify = sum(span(m[i + 1], m[i + 2]) for i in range(0, len(m) - 2, 3))
+        return draft, verify
+
+
+def unsupported(proposer, mode: str, budget, lookup: int, kv) -> str | None:
+    """Why the static step cannot serve a run (None: it can)."""
+    from .proposers import BlockProposer
+
+    if proposer is not None and not isinstance(proposer, BlockProposer):
+        return f"it drafts with block drafters (DFlash, DSpark) or none; {type(proposer).__name__} drafts eagerly"
+    if proposer is not None and mode != "chain":
+        return "it verifies chains; draft trees run on the torch backend"
+    if budget is not None:
+        return "it verifies a fixed number of drafts a step (decoding.verify_drafts), not a per-step budget"
+    if lookup:
+        return "prompt-lookup copies run on the torch backend"
+    if kv is not None:
+        return "it keeps the KV cache in the model's dtype (decoding.kv_cache: full)"
+    return None
+
+
+@torch.inference_mode()
+def static_generate(
+    target,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    stop_ids,
+    samplers: list[Sampler],
+    backend: StaticBackend,
+    drafter=None,
+    confidence_threshold: float = 0.0,
+    verify_drafts: int = 0,
+    slots: int | None = None,
+):
+    """Decode ``prompts`` as :func:`serve_eval.loop.generate` does (plain without a ``drafter``,
+    speculative with a block drafter), ``slots`` rows at a time, through the static step; ``stop_ids``:
+    the tokens that end a row (an int, a collection, or None). Returns each prompt's tokens and a
+    :class:`~serve_eval.loop.BatchStats`."""
+    from .loop import BatchStats, GenerationStats, truncate
+
+    K = drafter.config.block_size if drafter is not None else 1
+    drafts = min(verify_drafts or K - 1, K - 1)
+    stats = BatchStats(
+        prompts=[GenerationStats(accepted_by_position=[0] * drafts, drafted_by_position=[0] * drafts) for _ in prompts]
+    )
+    stops = sorted({stop_ids} if isinstance(stop_ids, int) else set(stop_ids or ()))
+    outs: list[list[int]] = []
+    start = time.perf_counter()
+    width = slots or len(prompts)
+    for first in range(0, len(prompts), width):
+        group = list(range(first, min(first + width, len(prompts))))
+        run = _Group(target, drafter, [prompts[i] for i in group], max_new_tokens, stops, backend)
+        tokens = run.decode([samplers[i] for i in group], drafts, confidence_threshold, [stats.prompts[i] for i in group])
+        outs += tokens
+        stats.steps += run.steps
+        stats.row_steps += run.steps * len(group)
+    seconds = time.perf_counter() - start
+    for i, out in enumerate(outs):
+        outs[i] = truncate(out, max_new_tokens, stops)
+        stats.prompts[i].tokens, stats.prompts[i].total_seconds = len(outs[i]), seconds
+    stats.tokens, stats.seconds = sum(map(len, outs)), seconds
+    return outs, stats
+
+
+class _Group:
+    """One group of rows decoded together: the target's static cache and, with a drafter, its context."""
+
+    def __init__(self, target, drafter, prompts: list[torch.Tensor], max_new: int, stops: list[int], backend):
+        self.target, self.drafter, self.backend = target, drafter, backend
+        self.device = next(target.parameters()).device
+        self.R, self.max_new = len(prompts), max_new
+        self.lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        self.longest = int(self.lengths.max())
+        self.K = drafter.config.block_size if drafter is not None else 1
+        self.capacity = self.longest + max_new + bucket(self.K, backend.buckets) + 1
+        self.slots = RowSlots()
+        self.cache = static_cache(target.config, self.capacity, self.slots)
+        self.stops = torch.tensor(stops or [-1], device=self.device)  # -1: no token stops a row
+        self.prompts = prompts
+        self.steps = 0
+        mode = backend.mode(self.device)
+        self.verify = Compiled(_verify, mode)
+        self.draft = Compiled(_draft, mode) if drafter is not None else None
+
+    def _prefill(self, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every prompt through the target (eager, once), written at slots 0..; the logits after each
+        prompt's last token [R, V] and the prompts' features [R, L, F] (None without ``layer_ids``)."""
+        R, L, device = self.R, self.longest, self.device
+        ids = torch.zeros(R, L, dtype=torch.long, device=device)
+        for r, p in enumerate(self.prompts):
+            ids[r, : len(p)] = p.to(device)
+        positions = torch.arange(L, device=device)[None].expand(R, L)
+        slot = torch.arange(self.capacity, device=device)
+        mask = (slot <= positions[:, :, None]) & (slot < self.lengths[:, None])[:, None, :]  # causal, real tokens
+        self.slots.starts = torch.zeros(R, dtype=torch.long, device=device)
+        capture = FeatureCapture(self.target, layer_ids) if layer_ids else None
+        logits, feats = TargetForward(self.target, capture)(
+            ids, positions, mask[:, None], self.cache, logits_at=self.lengths - 1
+        )
+        return logits[:, 0], None if feats is None else feats.aux
+
+    def decode(self, samplers: list[Sampler], drafts: int, threshold: float, stats: list) -> list[list[int]]:
+        """Decode the group's rows; ``drafts`` a step (0: plain), ``threshold``: DSpark's confidence cut.
+        Fills each row's ``stats`` and returns its tokens (up to where it stopped; the caller truncates)."""
+        R, device, drafter = self.R, self.device, self.drafter
+        layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+        logits, aux = self._prefill(layer_ids)
+        bonus = choose_rows(samplers, logits)
+        n = bucket(drafts + 1, self.backend.buckets) if drafter is not None else 1
+        if drafter is not None:
+            context, features, arriving = self._context(aux)
+        width = self.max_new + n
+        out = torch.zeros(R, width, dtype=torch.long, device=device)
+        out[:, 0] = bonus
+        written = torch.ones(R, dtype=torch.long, device=device)
+        done = (written >= self.max_new) | torch.isin(bonus, self.stops)
+        position = torch.arange(max(drafts, 1), device=device)
+        verified = torch.zeros(R, len(position), dtype=torch.long, device=device)
+        accepted = torch.zeros_like(verified)
+        hooks, clock = _Hooks(self.target, layer_ids), _Clock(device)
+        steps, slot = torch.arange(n, device=device), torch.arange(self.capacity, device=device)
+        greedy = samplers[0].greedy
+        try:
+            while True:
+                finished = done.tolist()  # the step's one host read
+                if all(finished):
+                    break
+                self.steps += 1
+                for r in range(R):
+                    stats[r].target_forwards += not finished[r]
+                clock.mark()
+                draft_logits, limit = None, None
+                if drafter is None:
+                    ids = bonus[:, None]
+                else:
+                    ids, draft_logits, limit = self._propose(bonus, context, features, arriving, samplers, greedy, threshold, n)
+                clock.mark()
+                positions = self.lengths[:, None] + steps
+                mask = slot <= positions[:, :, None]  # each row's own slots, causal
+                self.slots.starts = self.lengths
+                logits, feats = self.verify(
+                    self.target, ids, positions, hooks.set_masks(mask[:, None], positions), self.cache,
+                    hooks.captured, tuple(layer_ids),
+                )  # fmt: skip
+                kept, following = accept_chains(samplers, ids, logits, draft_logits, limit)
+                clock.mark()
+                live = ~done
+                emitted = ids.roll(-1, 1).scatter(1, kept[:, None], following[:, None])  # drafts kept, then the next
+                out.scatter_(1, (written[:, None] + steps).clamp_max(width - 1), emitted)  # a done row's past its end
+                advance = torch.where(live, kept + 1, 0)
+                stopped = (torch.isin(emitted, self.stops) & (steps <= kept[:, None])).any(1)
+                written += advance
+                self.lengths = self.lengths + advance
+                bonus = torch.where(live, following, bonus)
+                done = done | (live & stopped) | (written >= self.max_new)
+                if drafts:  # positions up to the first miss count as verified
+                    reached = live[:, None] & (position <= kept[:, None])
+                    verified += reached & (position < (drafts if limit is None else limit[:, None]))
+                    accepted += reached & (position < kept[:, None])
+                if drafter is not None:
+                    features[:, : min(n, self.K)] = feats[:, : self.K]
+                    arriving = advance
+        finally:
+            hooks.remove()
+        self.backend.count("verify", self.verify.graphs)
+        if self.draft is not None:
+            self.backend.count("draft", self.draft.graphs)
+        draft_seconds, verify_seconds = clock.phases()
+        for s, v, a in zip(stats, verified.tolist(), accepted.tolist()):
+            s.draft_seconds, s.verify_seconds = draft_seconds, verify_seconds
+            s.target_forwards += 1  # the prefill
+            if drafts:
+                s.drafted_by_position, s.accepted_by_position = v, a
+        return [row[:w] for row, w in zip(out.tolist(), written.tolist())]
+
+    # -- the drafter ----------------------------------------------------------------------------------
+    def _context(self, aux: torch.Tensor):
+        """The drafter's context cache with every prompt's features written in (row ``r``'s first
+        ``len(prompt)``), and the buffers the arriving features take: [R, K, F] and counts [R]."""
+        drafter, R, K = self.drafter, self.R, self.K
+        cfg = drafter.config
+        context = ContextCache(spare=K, capacity=self.capacity + K + 1)
+        context.start(R)
+        like = aux.new_zeros(R, cfg.num_key_value_heads, 0, cfg.head_dim).to(drafter.dtype)
+        context.ensure(self.capacity + K + 1, like, len(drafter.layers))
+        if self.device.type == "cuda":
+            for buffer in context.keys + context.values:
+                torch._dynamo.mark_static_address(buffer)
+        kv = drafter.context_kv(
+            aux.to(drafter.dtype), torch.arange(aux.shape[1], device=aux.device)[None].expand(R, -1), lean=True
+        )
+        for (k, v), keys, values in zip(kv, context.keys, context.values):
+            keys[:, :, : k.shape[2]] = k
+            values[:, :, : v.shape[2]] = v
+        self.context_lengths = self.lengths.clone()
+        features = torch.zeros(R, K, drafter.fc.in_features, dtype=drafter.dtype, device=self.device)
+        return context, features, torch.zeros(R, dtype=torch.long, device=self.device)
+
+    def _propose(self, bonus, context, features, arriving, samplers, greedy, threshold, n):
+        """The block after each row's bonus, drafted from its context and the features that arrived: the
+        verify's ids [R, n], the drafts' logits (sampled rows) and how many drafts each row may keep."""
+        drafter = self.drafter
+        counts = torch.stack([self.context_lengths, arriving], dim=1)
+        propose = greedy or not drafter.conditional_drafts
+        hidden, proposal = self.draft(drafter, bonus, counts, features, context, propose)
+        self.context_lengths = self.context_lengths + arriving
+        if proposal is None or not greedy:
+            choose = functools.partial(choose_rows, samplers)
+            if proposal is None:
+                proposal = drafter.propose(hidden, bonus[:, None], choose)
+            else:  # DFlash: the graph's logits, drawn from here
+                proposal = (choose(proposal[1]), *proposal[1:])
+        tokens, logits, confidence = proposal[0][:, 0], proposal[1][:, 0], proposal[2]
+        limit = None
+        if confidence is not None and threshold > 0:  # DSpark: stop before the first position below it
+            low = confidence[:, 0] < threshold
+            limit = torch.where(low.any(1), low.int().argmax(1), low.shape[1]).clamp_min(1)
+        d = n - 1
+        ids = torch.cat([bonus[:, None], tokens[:, :d]], dim=1)
+        logits = logits[:, :d]
+        if ids.shape[1] < n:  # a bucket past the drafts: padding, never kept
+            pad = n - ids.shape[1]
+            ids = torch.cat([ids, ids.new_zeros(self.R, pad)], dim=1)
+            logits = torch.cat([logits, logits.new_zeros(self.R, pad, logits.shape[-1])], dim=1)
+            limit = torch.full_like(bonus, tokens.shape[1]) if limit is None else limit
+        return ids, None if greedy else logits, limit
