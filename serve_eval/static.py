@@ -33,12 +33,13 @@ import contextlib
 import functools
 import time
 import types
+import weakref
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from distill.base.features import FeatureCapture, decoder_layers, final_norm
+from distill.base.features import FeatureCapture, decoder_layers
 from distill.base.masks import LayerMasks
 from drafters import is_block_drafter
 from drafters.cache import ContextCache
@@ -46,6 +47,7 @@ from drafters.cache import ContextCache
 from .backend import Backend
 from .forward import TargetForward
 from .sampling import Sampler
+from .syncs import uncounted
 from .verify import accept_chains, choose_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -63,13 +65,14 @@ class Compiled:
     ``graphs``: the graphs compiled for it so far, one per input shape."""
 
     def __init__(self, fn, mode: str | None):
-        self.mode, self.graphs = mode, 0
+        self.mode, self.graphs, self.name = mode, 0, fn.__name__.strip("_")
         if mode is None:
             self.fn = fn
             return
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
         self.fn = torch.compile(
             own,
+            fullgraph=True,  # no Python inside a graph: it reads nothing into the host (serve_eval.syncs)
             dynamic=False,
             mode=None if mode == "default" else mode,
             options=None if mode == "reduce-overhead" else {"guard_filter_fn": _skip_module_guards},
@@ -80,7 +83,8 @@ class Compiled:
             return self.fn(*args)
         counters = torch._dynamo.utils.counters["stats"]
         before = counters["unique_graphs"]
-        out = self.fn(*args)
+        with uncounted():
+            out = self.fn(*args)
         self.graphs += counters["unique_graphs"] - before
         return out
 
@@ -100,7 +104,30 @@ class StaticBackend(Backend):
         if compile not in COMPILE:
             raise ValueError(f"decoding.static.compile = {compile!r}: expected one of {', '.join(COMPILE)}")
         self.compile, self.buckets = compile, tuple(sorted(buckets))
-        self.graphs: dict[str, int] = {}  # graphs compiled so far, per function
+        self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Compiled
+        self.capacity = 0  # the target cache's slots: set for a run by prepare, so that one graph serves every call
+
+    def slots_for(self, needed: int) -> int:
+        """The cache capacity of a group that needs ``needed`` slots: the prepared one where it holds them,
+        else the next power of two (at least 256): few capacities, so few graphs."""
+        if needed <= self.capacity:
+            return self.capacity
+        return max(256, 1 << (needed - 1).bit_length())
+
+    def compiled(self, model, fn, device) -> Compiled:
+        """``fn`` over ``model`` as this backend runs it: one :class:`Compiled` per model for the backend's
+        life, so that its graphs serve every run."""
+        if model not in self._compiled:
+            self._compiled[model] = Compiled(fn, self.mode(device))
+        return self._compiled[model]
+
+    @property
+    def graphs(self) -> dict[str, int]:
+        """Graphs compiled so far: the target's verify and the drafter's draft, one per (rows, length) shape."""
+        out: dict[str, int] = {}
+        for compiled in self._compiled.values():
+            out[compiled.name] = out.get(compiled.name, 0) + compiled.graphs
+        return out
 
     def mode(self, device) -> str | None:
         """The ``torch.compile`` mode on ``device`` (None: eager)."""
@@ -111,15 +138,15 @@ class StaticBackend(Backend):
     def prepare(self, target, drafter, prompts=(), max_new_tokens=0, sampled=False, rows=()) -> dict:
         if drafter is not None and is_block_drafter(drafter):
             drafter.fuse_projections()
+        block = drafter.config.block_size if drafter is not None and is_block_drafter(drafter) else 1
+        self.capacity = self.slots_for(max(map(len, prompts), default=0) + max_new_tokens + bucket(block, self.buckets) + 1)
         return {
             "backend": self.name,
             "target_forward": "the model's own, static shapes",
             "compile": self.mode(next(target.parameters()).device) or "off",
             "buckets": list(self.buckets),
+            "cache_slots": self.capacity,
         }
-
-    def count(self, name: str, graphs: int) -> None:
-        self.graphs[name] = self.graphs.get(name, 0) + graphs
 
 
 # -- the target's cache ------------------------------------------------------------------------------
@@ -183,7 +210,7 @@ def _verify(target, ids, positions, mask, cache, captured: dict, layer_ids: tupl
     """The target's forward over ``ids`` [R, n] (the compiled unit): logits [R, n, V] and the features of
     ``layer_ids`` [R, n, F] (hooks fill ``captured``), or None."""
     logits = target(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True).logits
-    return logits, torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+    return logits, torch.cat([captured.pop(i) for i in layer_ids], dim=-1) if layer_ids else None  # left empty
 
 
 def _draft(drafter, anchors, counts, features, context, propose: bool):
@@ -205,8 +232,6 @@ class _Hooks:
         layers = decoder_layers(target)
         for i in layer_ids:
             self.handles.append(layers[i].register_forward_hook(functools.partial(self._grab, i)))
-        if layer_ids:
-            self.handles.append(final_norm(target).register_forward_hook(functools.partial(self._grab, "last")))
         for attention, w in self.masks.windowed:
             self.handles.append(
                 attention.register_forward_pre_hook(functools.partial(self._window, w), with_kwargs=True)
@@ -326,15 +351,14 @@ class _Group:
         self.lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.longest = int(self.lengths.max())
         self.K = drafter.config.block_size if drafter is not None else 1
-        self.capacity = self.longest + max_new + bucket(self.K, backend.buckets) + 1
+        self.capacity = backend.slots_for(self.longest + max_new + bucket(self.K, backend.buckets) + 1)
         self.slots = RowSlots()
         self.cache = static_cache(target.config, self.capacity, self.slots)
         self.stops = torch.tensor(stops or [-1], device=self.device)  # -1: no token stops a row
         self.prompts = prompts
         self.steps = 0
-        mode = backend.mode(self.device)
-        self.verify = Compiled(_verify, mode)
-        self.draft = Compiled(_draft, mode) if drafter is not None else None
+        self.verify = backend.compiled(target, _verify, self.device)
+        self.draft = backend.compiled(drafter, _draft, self.device) if drafter is not None else None
 
     def _prefill(self, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every prompt through the target (eager, once), written at slots 0..; the logits after each
@@ -416,9 +440,6 @@ class _Group:
                     arriving = advance
         finally:
             hooks.remove()
-        self.backend.count("verify", self.verify.graphs)
-        if self.draft is not None:
-            self.backend.count("draft", self.draft.graphs)
         draft_seconds, verify_seconds = clock.phases()
         for s, v, a in zip(stats, verified.tolist(), accepted.tolist()):
             s.draft_seconds, s.verify_seconds = draft_seconds, verify_seconds

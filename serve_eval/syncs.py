@@ -7,9 +7,10 @@ step that does that several times leaves the GPU idle between kernels it could h
 
 :class:`HostSyncs` counts those reads wherever the code runs, a CPU included (where they cost nothing,
 so this is how the CPU tests prove the GPU path's count): a ``TorchFunctionMode`` sees every tensor
-method and torch function Python calls. What it cannot see: a synchronisation inside a compiled graph or
-an extension's C++ (neither reads a value into Python), and copies to the host (``.cpu()`` and
-``.to("cpu")`` from a GPU tensor, counted where the tensor is not on the CPU already).
+method and torch function Python calls. What it cannot see: a synchronisation inside an extension's C++,
+and copies to the host (``.cpu()`` and ``.to("cpu")`` from a GPU tensor) where the tensor is on the CPU
+already. A compiled graph (``fullgraph``: no Python runs inside it) is called :func:`uncounted`, so that
+its guards see the mode stack it was compiled under and counting compiles nothing again.
 
 :func:`syncs_per_step` measures the steady state: the count of a run of ``n`` steps and of ``2n``, their
 difference over the steps between them, so that prefills and the final read of the tokens, paid once a
@@ -18,6 +19,7 @@ run, are not spread over its steps.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 
@@ -94,3 +96,15 @@ def syncs_per_step(run: Callable[[int], int], tokens: int = 16) -> float:
     if steps[1] == steps[0]:
         return float(counts[1] - counts[0])
     return (counts[1] - counts[0]) / (steps[1] - steps[0])
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Within: calls are not counted (a whole compiled graph, which reads nothing into Python), and a
+    compiled function sees the mode stack without the counter (its guards check that stack)."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if stack and isinstance(stack[-1], HostSyncs):
+        with torch.overrides._pop_mode_temporarily():
+            yield
+    else:
+        yield
