@@ -29,7 +29,7 @@ through the same static path), the same verification rules.
 
 from __future__ import annotations
 
-import contextlib
+from collections import Counter
 import functools
 import time
 import types
@@ -62,10 +62,10 @@ def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
 class Compiled:
     """``fn`` through ``torch.compile`` (a copy of its code per instance, so that each model gets graphs of its
     own; no guards on the modules, which do not change while they serve), or eager with ``mode`` None.
-    ``graphs``: the graphs compiled for it so far, one per input shape."""
+    ``graphs[name]`` counts the graphs compiled for it (one per input shape), under ``fn``'s name."""
 
-    def __init__(self, fn, mode: str | None):
-        self.mode, self.graphs, self.name = mode, 0, fn.__name__.strip("_")
+    def __init__(self, fn, mode: str | None, graphs: Counter):
+        self.mode, self.graphs, self.name = mode, graphs, fn.__name__.strip("_")
         if mode is None:
             self.fn = fn
             return
@@ -85,7 +85,7 @@ class Compiled:
         before = counters["unique_graphs"]
         with uncounted():
             out = self.fn(*args)
-        self.graphs += counters["unique_graphs"] - before
+        self.graphs[self.name] += counters["unique_graphs"] - before
         return out
 
 
@@ -105,6 +105,7 @@ class StaticBackend(Backend):
             raise ValueError(f"decoding.static.compile = {compile!r}: expected one of {', '.join(COMPILE)}")
         self.compile, self.buckets = compile, tuple(sorted(buckets))
         self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Compiled
+        self.graphs: Counter[str] = Counter()  # graphs compiled so far: the verify's and the draft's, per shape
         self.capacity = 0  # the target cache's slots: set for a run by prepare, so that one graph serves every call
 
     def slots_for(self, needed: int) -> int:
@@ -118,16 +119,8 @@ class StaticBackend(Backend):
         """``fn`` over ``model`` as this backend runs it: one :class:`Compiled` per model for the backend's
         life, so that its graphs serve every run."""
         if model not in self._compiled:
-            self._compiled[model] = Compiled(fn, self.mode(device))
+            self._compiled[model] = Compiled(fn, self.mode(device), self.graphs)
         return self._compiled[model]
-
-    @property
-    def graphs(self) -> dict[str, int]:
-        """Graphs compiled so far: the target's verify and the drafter's draft, one per (rows, length) shape."""
-        out: dict[str, int] = {}
-        for compiled in self._compiled.values():
-            out[compiled.name] = out.get(compiled.name, 0) + compiled.graphs
-        return out
 
     def mode(self, device) -> str | None:
         """The ``torch.compile`` mode on ``device`` (None: eager)."""

@@ -1,0 +1,165 @@
+"""The static-shape step (serve_eval.static): one host read a step, lossless greedy and sampled, eager and
+compiled, verify lengths in buckets; and the counter of host reads (serve_eval.syncs) it is held to."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+
+from distill.config import DrafterSection
+from distill.drafter_eval import build_drafter
+from serve_eval import static
+from serve_eval.backend import TORCH
+from serve_eval.loop import generate, plain_generate
+from serve_eval.proposers import make_proposer
+from serve_eval.sampling import Sampler
+from serve_eval.static import StaticBackend, bucket
+from serve_eval.syncs import HostSyncs, syncs_per_step
+
+from ..conftest import MAX_NEW
+from .test_sampling import ALPHA, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_joint, toy_target  # noqa: F401
+
+EAGER = StaticBackend(compile="off")
+
+
+def test_the_counter_sees_every_kind_of_host_read():
+    x = torch.arange(6.0)
+    reads = [
+        lambda: x[0].item(),
+        lambda: x.tolist(),
+        lambda: bool(x[1]),
+        lambda: int(x[2]),
+        lambda: float(x[3]),
+        lambda: x[x > 2],  # a boolean mask: a shape from the data
+        lambda: x.nonzero(),
+        lambda: torch.unique(x),
+        lambda: range(10)[torch.tensor(2)],
+    ]
+    for read in reads:
+        with HostSyncs() as syncs:
+            read()
+        assert syncs.count == 1, read
+    with HostSyncs() as syncs:  # arithmetic, indexing by tensors and data-free shapes wait for nothing
+        y = (x * 2).softmax(0)[torch.tensor([1, 2])]
+        torch.where(y > 0, y, 0).cumsum(0).view(2, 1)
+    assert syncs.count == 0
+
+
+def _run(target, prompts, drafter, backend, samplers=None, **kwargs):
+    def run(n: int) -> int:
+        proposer = None if drafter is None else make_proposer(drafter, kwargs.get("threshold", 0.0), backend=backend)
+        rows = [Sampler(**s.__dict__) if s else Sampler() for s in samplers or [None] * len(prompts)]
+        return generate(target, prompts, n, None, rows, proposer, backend=backend)[1].steps
+
+    return run
+
+
+@pytest.mark.parametrize("kind", [None, "dflash", "dspark"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_static_step_reads_the_host_once(target_and_prompts, trained_drafters, kind, rows, temperature):
+    """Plain and speculative, one row and a ragged batch, greedy and sampled: at most one host read a step
+    (the eager torch loop reads more, so the count has power)."""
+    target, _, prompts = target_and_prompts
+    drafter = None if kind is None else trained_drafters[kind]
+    samplers = [Sampler(temperature=temperature, generator=torch.Generator().manual_seed(r)) for r in range(rows)]
+    batch = [p[: 16 + 4 * r] for r, p in enumerate(prompts[:rows])]
+    assert syncs_per_step(_run(target, batch, drafter, EAGER, samplers), 8) <= 1.0
+    if kind is not None:
+        assert syncs_per_step(_run(target, batch, drafter, TORCH, samplers), 8) > 1.0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_static_decoding_equals_plain_greedy(target_and_prompts, trained_drafters, kind):
+    """One row and ragged batches over two slots, every draft and a fixed number padded to a bucket, a
+    confidence cut (DSpark), stop tokens: the tokens of plain greedy decoding."""
+    target, _, prompts = target_and_prompts
+    drafter = trained_drafters[kind]
+    references = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
+    assert [plain_generate(target, p, MAX_NEW, backend=EAGER)[0] for p in prompts] == references
+    outs, stats = generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter, backend=EAGER), backend=EAGER)
+    assert outs == references
+    assert max(s.tau for s in stats.prompts) > 1.0  # drafts were kept
+    outs, _ = generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter), slots=2, backend=EAGER)
+    assert outs == references
+    outs, stats = generate(target, prompts, MAX_NEW, proposer=make_proposer(drafter), verify_drafts=2, backend=EAGER)
+    assert outs == references and all(len(s.drafted_by_position) == 2 for s in stats.prompts)  # 3 read, bucket 4
+    if kind == "dspark":
+        proposer = make_proposer(drafter, confidence_threshold=0.5)
+        assert generate(target, prompts, MAX_NEW, proposer=proposer, backend=EAGER)[0] == references
+    stops = {references[0][10], references[1][5]}
+    ours, _ = generate(target, prompts, MAX_NEW, stops, proposer=make_proposer(drafter), backend=EAGER)
+    theirs = [plain_generate(target, p, MAX_NEW, stops)[0] for p in prompts]
+    assert ours == theirs and len(theirs[0]) <= 11
+
+
+def test_buckets_round_verify_lengths_up():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 33]
+    backend = StaticBackend(buckets=(4, 12))
+    assert bucket(5, backend.buckets) == 12
+    assert backend.slots_for(100) == 256 and backend.slots_for(300) == 512
+
+
+def test_the_static_backend_refuses_what_it_does_not_serve(target_and_prompts, trained_drafters):
+    target, _, prompts = target_and_prompts
+    proposer = make_proposer(trained_drafters["eagle3"])
+    with pytest.raises(ValueError, match="decoding.backend = 'static': it drafts with block drafters"):
+        generate(target, prompts[:1], 4, proposer=proposer, backend=EAGER)
+    with pytest.raises(ValueError, match="chains"):
+        generate(target, prompts[:1], 4, proposer=make_proposer(trained_drafters["dflash"]), mode="tree", backend=EAGER)
+    with pytest.raises(ValueError, match="compile"):
+        StaticBackend(compile="sometimes")
+
+
+def accept_everything(samplers, ids, logits, draft_logits=None, lengths=None):
+    kept = torch.full((ids.shape[0],), ids.shape[1] - 1)
+    return kept, torch.stack([s.sample(s.probs(row[-1])) for s, row in zip(samplers, logits)])
+
+
+@pytest.mark.parametrize("kind,args", [("dflash", {"temperature": 1.0}), ("dspark", {"temperature": 0.8, "top_k": 4})])
+def test_static_sampling_follows_the_target_distribution(toy_target, kind, args):  # noqa: F811
+    """Batches of two rows, each with its own draws, drafted and verified on the device (a DSpark chain
+    drawn position by position): the (2nd, 3rd) tokens follow the target's exact joint distribution, and
+    a verifier that keeps every draft fails the test."""
+    torch.manual_seed(5)
+    section = DrafterSection(kind=kind, block_size=3, target_layer_ids=[0, 1, 2])
+    drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
+    exact = exact_joint(toy_target, Sampler(**args))
+
+    def joint() -> torch.Tensor:
+        counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
+        for _ in range(SAMPLES // 2):
+            samplers = [Sampler(**args, generator=g) for g in gens]
+            outs, _ = generate(
+                toy_target, [PROMPT, PROMPT], 3, samplers=samplers, proposer=make_proposer(drafter), backend=EAGER
+            )
+            for out in outs:
+                counts[out[1], out[2]] += 1
+        return counts
+
+    assert chi_square_pvalue(joint(), exact) > ALPHA
+    if kind == "dflash":
+        with mock.patch.object(static, "accept_chains", accept_everything):
+            assert chi_square_pvalue(joint(), exact) < 1e-6, "the test cannot tell a broken verifier apart"
+
+
+def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_and_prompts, trained_drafters):
+    """``torch.compile`` of the verify and the draft (inductor's CPU kernels): plain and DFlash / DSpark
+    decoding equal eager plain decoding; one graph per function and (rows, length) shape, none compiled
+    again by a second run or by counting host reads."""
+    target, _, prompts = target_and_prompts
+    target = copy.deepcopy(target)
+    compiled = StaticBackend(compile="on")
+    references = [plain_generate(target, p, MAX_NEW)[0] for p in prompts[:2]]
+    compiled.prepare(target, None, prompts, MAX_NEW)
+    for kind in ("dflash", "dspark"):
+        drafter = copy.deepcopy(trained_drafters[kind])
+        for _ in range(2):
+            assert generate(target, prompts[:2], MAX_NEW, proposer=make_proposer(drafter), backend=compiled)[0] == references
+        assert syncs_per_step(_run(target, prompts[:2], drafter, compiled), 8) <= 1.0
+    assert [plain_generate(target, p, MAX_NEW, backend=compiled)[0] for p in prompts[:2]] == references
+    # verify: (2 rows, 8 tokens) and (1 row, 1 token); draft: (2 rows) per drafter
+    assert compiled.graphs == {"verify": 2, "draft": 2}
