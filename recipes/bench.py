@@ -34,7 +34,7 @@ from distill.regenerate import prompt_token_ids
 from distill.runtime import set_threads
 from recipes.evaluate import load_drafter, template_warnings, warm_up
 from recipes.plots import saved_figure
-from serve_eval.backend import backend_for
+from serve_eval.backend import decoding_backend
 from serve_eval.measure import measure, summarize
 from serve_eval.sampling import Sampler
 
@@ -126,9 +126,7 @@ def main(recipe: BenchRecipe, dry_run: bool = False) -> dict:
     conds = conditions(recipe, tokenizer)
     try:
         backends = {
-            folder: backend_for(
-                dec.backend, device, drafter, False, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile
-            )
+            folder: decoding_backend(dec, device, drafter)
             for folder, drafter in loaded.items()
         }
     except ValueError as e:

@@ -44,7 +44,7 @@ from distill.provenance import write_json_atomic, write_jsonl_atomic, write_run_
 from distill.regenerate import encoded_prompts
 from distill.runtime import set_threads
 from recipes.plots import saved_figure
-from serve_eval.backend import backend_for
+from serve_eval.backend import decoding_backend
 from serve_eval.budget import Calibration
 from serve_eval.kv import cache_nbytes, inplace_cache, kv_quant
 from serve_eval.loop import plain_generate, speculative_generate
@@ -254,9 +254,7 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
                 f"not fit the drafter's {head[0]} x {head[1]} output head"
             )
     try:  # what a device or a drafter cannot serve; a target drafting for itself with head / all was refused with the recipe
-        backend = backend_for(
-            dec.backend, device, drafter, same, int8=dec.cpu.int8, prepack=dec.cpu.prepack, compile=dec.cpu.compile
-        )
+        backend = decoding_backend(dec, device, drafter, same)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if dec.ssd.enabled and dec.ssd.concurrent and device != "cpu":

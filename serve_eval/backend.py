@@ -28,7 +28,7 @@ from .sampling import top_tokens
 if TYPE_CHECKING:
     from .cpu.compiled import CompiledDraft
 
-BACKENDS = ("auto", "torch", "cpu")
+BACKENDS = ("auto", "torch", "static", "cpu")
 
 
 class Backend:
@@ -66,10 +66,20 @@ class Backend:
 TORCH = Backend()
 
 
-def backend_for(setting: str, device, drafter=None, drafter_is_target: bool = False, **cpu) -> Backend:
-    """The backend ``decoding.backend`` names on ``device``: ``auto`` is ``cpu`` on a CPU device and
-    ``torch`` elsewhere; ``cpu`` on another device is a ValueError naming the key. ``cpu``: the CPU
-    backend's settings (``decoding.cpu``: ``int8``, ``prepack``, ``compile``), resolved for ``drafter``."""
+def backend_for(
+    setting: str,
+    device,
+    drafter=None,
+    drafter_is_target: bool = False,
+    static: dict | None = None,
+    static_refusal: str | None = None,
+    **cpu,
+) -> Backend:
+    """The backend ``decoding.backend`` names on ``device``: ``auto`` is ``cpu`` on a CPU device, and
+    elsewhere ``static`` unless ``static_refusal`` says why the static step cannot serve the run (then
+    ``torch``); ``cpu`` on another device is a ValueError naming the key. ``static``: the static backend's
+    settings (``decoding.static``: ``compile``, ``buckets``); ``cpu``: the CPU backend's (``decoding.cpu``:
+    ``int8``, ``prepack``, ``compile``), resolved for ``drafter``."""
     if setting not in BACKENDS:
         raise ValueError(f"decoding.backend = {setting!r}: expected one of {', '.join(BACKENDS)}")
     device = torch.device(device).type
@@ -77,8 +87,32 @@ def backend_for(setting: str, device, drafter=None, drafter_is_target: bool = Fa
         raise ValueError(
             f"decoding.backend = 'cpu' serves the loop from CPU kernels; the models are on {device} (use auto or torch)"
         )
+    if setting == "static" or (setting == "auto" and device != "cpu" and static_refusal is None):
+        if static_refusal is not None:
+            raise ValueError(f"decoding.backend = 'static': {static_refusal}")
+        from .static import StaticBackend
+
+        return StaticBackend(**(static or {}))
     if setting == "torch" or (setting == "auto" and device != "cpu"):
         return TORCH
     from .cpu import CpuBackend
 
     return CpuBackend(drafter, drafter_is_target, **cpu)
+
+
+def decoding_backend(dec, device, drafter, drafter_is_target: bool = False) -> Backend:
+    """:func:`backend_for` as a recipe's ``decoding`` section (:class:`distill.base.decoding.DecodingSection`)
+    sets it up for ``drafter`` on ``device``."""
+    from drafters import is_block_drafter
+
+    return backend_for(
+        dec.backend,
+        device,
+        drafter,
+        drafter_is_target,
+        static={"compile": dec.static.compile, "buckets": tuple(dec.static.buckets)},
+        static_refusal=dec.static_refusal(is_block_drafter(drafter)),
+        int8=dec.cpu.int8,
+        prepack=dec.cpu.prepack,
+        compile=dec.cpu.compile,
+    )

@@ -36,7 +36,7 @@ from .backend import TORCH, Backend
 from .budget import COPY_Q, Budget, CausalChain
 from .kv import KVQuant
 from .lookup import graft
-from .proposers import LookupProposer, Proposer, make_proposer
+from .proposers import BlockProposer, LookupProposer, Proposer, make_proposer
 from .sampling import Sampler
 from .session import TargetSession
 from .static import static_generate, unsupported
@@ -262,7 +262,9 @@ def generate(
     if len({s.greedy for s in samplers}) > 1:
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
     if backend.static:
-        why = unsupported(proposer, mode, budget, lookup, kv)
+        why = unsupported(
+            proposer is None or isinstance(proposer, BlockProposer), mode, budget is not None, lookup, kv is not None
+        )
         if why:
             raise ValueError(f"decoding.backend = 'static': {why}")
         drafter = None if proposer is None else proposer.drafter

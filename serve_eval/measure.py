@@ -4,6 +4,10 @@ cache on both sides, so that speedups compare like with like."""
 
 from __future__ import annotations
 
+import copy
+
+import torch
+
 from distill.base.features import FeatureCapture
 
 from .backend import TORCH, Backend
@@ -11,6 +15,7 @@ from .budget import Budget, Calibration, up_front_margin
 from .kv import kv_quant
 from .loop import GenerationStats, generate
 from .proposers import BlockProposer, make_proposer
+from .syncs import syncs_per_step
 from .timing import measure_draft_seconds, measure_verify_costs, verify_sizes
 
 
@@ -53,6 +58,70 @@ def summarize(per_prompt: list[dict]) -> dict:
         "speedup": round(tokens_per_s / baseline_tokens_per_s, 4),
         "lossless": None if None in same else all(same),
     }
+
+
+@torch.inference_mode()
+def first_divergence(target, prompt: torch.Tensor, base: list[int], ours: list[int]) -> dict:
+    """Where ``ours`` first departs from ``base`` (plain decoding's tokens of ``prompt``), and the target's
+    margin between its two largest logits there, computed afresh by one forward over the prompt and the
+    tokens both agree on: near the dtype's resolution, the two decodings met a tie that rounding broke
+    differently (a K-token verify and a 1-token step use different kernels); far above it, a bug."""
+    at = next((i for i, (a, b) in enumerate(zip(base, ours)) if a != b), min(len(base), len(ours)))
+    ids = torch.cat([prompt.view(-1), torch.tensor(base[:at], dtype=torch.long, device=prompt.device)])[None]
+    logits = target(input_ids=ids).logits[0, -1].float()
+    top = logits.topk(2).values
+    dtype = next(target.parameters()).dtype
+    return {
+        "token": at,
+        "top2_margin": float(top[0] - top[1]),
+        "resolution": float(torch.finfo(dtype).eps * top[0].abs()),  # one unit in the last place, at the top logit
+    }
+
+
+def comparison(per_prompt: list[dict], divergences: list[dict], device, dtype: torch.dtype) -> dict | None:
+    """How the report compared speculative with plain decoding (greedy runs; None when sampled): exact
+    equality of the tokens in float32 on the CPU, where both loops compute every position alike up to
+    rounding that never reaches a greedy choice; elsewhere (bf16 on a GPU) the share of prompts whose tokens
+    equal plain decoding's in the same dtype and, for each one that differs, :func:`first_divergence`."""
+    same = [row["lossless"] for row in per_prompt]
+    if None in same:
+        return None
+    exact = torch.device(device).type == "cpu" and dtype == torch.float32
+    return {
+        "method": "exact" if exact else "same dtype",
+        "dtype": str(dtype).removeprefix("torch."),
+        "equal_fraction": round(sum(same) / len(same), 4),
+        "divergences": divergences,
+    }
+
+
+def count_host_syncs(target, drafter, prompt, dec, sampler, budget, budget_nodes, kv, backend: Backend) -> dict:
+    """Host reads per step of plain and of speculative decoding of ``prompt`` in the steady state
+    (:func:`serve_eval.syncs.syncs_per_step`), with the run's settings (a copy of its budget)."""
+
+    def run(speculative: bool):
+        def steps(n: int) -> int:
+            proposer = _new_proposer(drafter, dec, backend) if speculative else None
+            _, r = generate(
+                target,
+                [prompt],
+                n,
+                None,
+                [sampler(0)],
+                proposer,
+                budget=copy.deepcopy(budget) if speculative else None,
+                mode=dec.mode,
+                tree_budget=budget_nodes or 1,
+                lookup=dec.lookup.tokens if speculative else 0,
+                kv=kv,
+                verify_drafts=dec.budget.verify_drafts,
+                backend=backend,
+            )
+            return r.steps
+
+        return steps
+
+    return {name: round(syncs_per_step(run(name == "speculative")), 2) for name in ("speculative", "plain")}
 
 
 def _new_proposer(drafter, dec, backend: Backend):
@@ -103,7 +172,7 @@ def measure(  # noqa: PLR0915 the report's parts, in order
         "sd_forwards": 0,
         "sd_s": 0.0,
     }
-    per_prompt, verify_ms = [], []
+    per_prompt, verify_ms, divergences = [], [], []
     speculation = None
     if dec.ssd.enabled:
         from .ssd import open_speculation, ssd_generate, ssd_report  # (ssd plugs into the loop: imported when used)
@@ -147,6 +216,8 @@ def measure(  # noqa: PLR0915 the report's parts, in order
             same = ours == base if dec.temperature == 0 else None  # sampled outputs differ draw by draw
             if speculation is not None and same is not None:
                 same = same and sd_same
+            if same is False:
+                divergences.append({"prompt": i, **first_divergence(target, prompt, base, ours)})
             totals["tokens"] += stats.tokens
             totals["forwards"] += stats.target_forwards
             totals["spec_s"] += stats.total_seconds
@@ -193,6 +264,10 @@ def measure(  # noqa: PLR0915 the report's parts, in order
         "tree_budget": budget_nodes,
         "adaptive": adaptive,
         **summarize(per_prompt),
+        "comparison": comparison(per_prompt, divergences, prompt.device, next(target.parameters()).dtype),
+        "host_syncs_per_step": count_host_syncs(
+            target, drafter, encoded[0], dec, sampler, budget, budget_nodes, kv, backend
+        ),
         "time_split": {
             "draft_s": round(totals["draft_s"], 3),
             "verify_s": round(totals["verify_s"], 3),

@@ -274,20 +274,19 @@ class _Clock:
         return draft, verify
 
 
-def unsupported(proposer, mode: str, budget, lookup: int, kv) -> str | None:
-    """Why the static step cannot serve a run (None: it can)."""
-    from .proposers import BlockProposer
-
-    if proposer is not None and not isinstance(proposer, BlockProposer):
-        return f"it drafts with block drafters (DFlash, DSpark) or none; {type(proposer).__name__} drafts eagerly"
-    if proposer is not None and mode != "chain":
-        return "it verifies chains; draft trees run on the torch backend"
-    if budget is not None:
-        return "it verifies a fixed number of drafts a step (decoding.verify_drafts), not a per-step budget"
+def unsupported(block: bool, mode: str, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
+    """Why the static step cannot serve a run (None: it can): ``block``, whether the drafter is a block
+    drafter or none; ``budget``, whether a per-step budget chooses; ``quantized_kv``, a quantized cache."""
+    if not block:
+        return "it drafts with block drafters (DFlash, DSpark) or none; EAGLE-3 and causal-LM drafters run on the torch backend"
+    if mode != "chain":
+        return "it verifies chains (decoding.mode: chain); draft trees run on the torch backend"
+    if budget:
+        return "it verifies a fixed number of drafts a step (decoding.budget.adaptive: false)"
     if lookup:
-        return "prompt-lookup copies run on the torch backend"
-    if kv is not None:
-        return "it keeps the KV cache in the model's dtype (decoding.kv_cache: full)"
+        return "prompt-lookup copies (decoding.lookup.tokens) run on the torch backend"
+    if quantized_kv:
+        return "it keeps the KV cache in the model's dtype (decoding.kv.format: full)"
     return None
 
 

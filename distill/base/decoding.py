@@ -167,6 +167,33 @@ class SSDSection(Strict):
     )
 
 
+class StaticSection(Strict):
+    """The ``static`` backend's step (:mod:`serve_eval.static`)."""
+
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile the target's verify and the drafter's draft once per (rows, length) shape: "
+        "reduce-overhead (CUDA graphs) on a GPU, inductor's default elsewhere; auto: on",
+    )
+    buckets: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32],
+        min_length=1,
+        description="verify lengths a step is padded up to (one compiled graph each)",
+    )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _bare_yaml_off(cls, v: Any) -> Any:
+        return _yaml_off(v)
+
+    @field_validator("buckets")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if min(v) < 1:
+            raise ValueError(f"decoding.static.buckets {v}: verify lengths of at least 1")
+        return sorted(set(v))
+
+
 class CpuSection(Strict):
     """CPU kernels of the ``cpu`` backend; ``auto`` settles each for the device and the drafter, and
     every setting but ``auto`` and ``off`` needs ``decoding.backend`` auto or cpu."""
@@ -240,11 +267,14 @@ class DecodingSection(Strict):
         min_length=1,
         description="tree mode: tree nodes per step; several budgets are each measured and plotted",
     )
-    backend: Literal["auto", "torch", "cpu"] = Field(
+    backend: Literal["auto", "torch", "static", "cpu"] = Field(
         "auto",
         description="cpu: the CPU kernels and their settings (decoding.cpu); torch: plain torch / transformers "
         "modules on any device (no C++ ops, no prepacked weights, no int8 drafter, no compiled "
-        "draft, no lean forward); auto: cpu on a CPU device, torch on a GPU",
+        "draft, no lean forward); static: torch with the static-shape step (decoding.static: fixed "
+        "caches, one host read a step, compiled; block drafters, chains, no adaptive budget, no "
+        "lookup, a full KV cache); auto: cpu on a CPU device, static on a GPU where it serves the "
+        "run, else torch",
     )
     budget: BudgetSection = Field(default_factory=BudgetSection)
     drafter: DrafterOptions = Field(default_factory=DrafterOptions)
@@ -254,6 +284,21 @@ class DecodingSection(Strict):
     batches: BatchesSection = Field(default_factory=BatchesSection)
     ssd: SSDSection = Field(default_factory=SSDSection)
     cpu: CpuSection = Field(default_factory=CpuSection)
+    static: StaticSection = Field(default_factory=StaticSection)
+
+    def static_refusal(self, block_drafter: bool = True) -> str | None:
+        """Why the static step cannot serve these settings with a block drafter or another (None: it can)."""
+        from serve_eval.static import unsupported
+
+        why = unsupported(block_drafter, self.mode, self.budget.adaptive, self.lookup.tokens, self.kv.format != "full")
+        return why or ("speculative speculation (decoding.ssd) runs on the torch backend" if self.ssd.enabled else None)
+
+    @model_validator(mode="after")
+    def _static_serves(self):
+        why = self.static_refusal() if self.backend == "static" else None
+        if why:
+            raise ValueError(f"decoding.backend = 'static': {why}")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -305,11 +350,11 @@ class DecodingSection(Strict):
 
     @model_validator(mode="after")
     def _torch_backend_has_no_cpu_kernels(self):
-        if self.backend == "torch":
+        if self.backend in ("torch", "static"):
             asked = [f"decoding.cpu.{k} = {v!r}" for k, v in self.cpu.model_dump().items() if v not in ("auto", "off")]
             if asked:
                 raise ValueError(
-                    f"{', '.join(asked)}: a CPU kernel, which decoding.backend = 'torch' does not serve: "
+                    f"{', '.join(asked)}: a CPU kernel, which decoding.backend = {self.backend!r} does not serve: "
                     "set it to auto or off, or decoding.backend to auto or cpu"
                 )
         return self
