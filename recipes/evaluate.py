@@ -350,6 +350,8 @@ def main(recipe: EvalRecipe, dry_run: bool = False) -> dict:  # noqa: PLR0912, P
     graph = backend.draft_graph(drafter)
     if graph is not None:  # how many drafts the graph made (the rest: first drafts after a prompt, eager)
         report["draft_compiled"]["graph_drafts"] = graph.calls
+    if backend.compiled_graphs() is not None:  # one per (function, rows, length) shape: bounded, and counted
+        report["compiled_graphs"] = backend.compiled_graphs()
     if dec.kv.format != "full":
         report["kv_quality"] = measure_kv_quality(target, encoded, dec, eos, sampler, backend)
     if len(runs) > 1:

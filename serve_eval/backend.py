@@ -52,6 +52,10 @@ class Backend:
         :class:`~serve_eval.cpu.compiled.CompiledDraft`), or None: the drafter drafts eagerly."""
         return None
 
+    def compiled_graphs(self) -> dict | None:
+        """The graphs compiled so far per function, where the backend compiles them (None: it does not)."""
+        return None
+
     def top_tokens(self, logits: torch.Tensor, with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each row's greedy token over ``logits`` [..., V] and, ``with_prob``, its softmax probability
         (:func:`serve_eval.sampling.top_tokens`; a backend may compute them faster, never differently)."""

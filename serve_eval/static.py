@@ -128,6 +128,9 @@ class StaticBackend(Backend):
             return None
         return "reduce-overhead" if torch.device(device).type == "cuda" else "default"
 
+    def compiled_graphs(self) -> dict:
+        return dict(self.graphs)
+
     def prepare(self, target, drafter, prompts=(), max_new_tokens=0, sampled=False, rows=()) -> dict:
         if drafter is not None and is_block_drafter(drafter):
             drafter.fuse_projections()

@@ -163,3 +163,28 @@ def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_an
     assert [plain_generate(target, p, MAX_NEW, backend=compiled)[0] for p in prompts[:2]] == references
     # verify: (2 rows, 8 tokens) and (1 row, 1 token); draft: (2 rows) per drafter
     assert compiled.graphs == {"verify": 2, "draft": 2}
+
+
+def test_a_divergence_is_reported_with_the_targets_top2_margin(toy_target):  # noqa: F811
+    """An injected tie: two tokens whose output rows are equal have equal logits everywhere, so greedy
+    decoding may take either; a run that took the other is reported at its first differing token with a
+    margin of zero (at most the dtype's resolution), and the comparison says how it compared."""
+    from serve_eval.measure import comparison, first_divergence
+
+    target = copy.deepcopy(toy_target)
+    with torch.no_grad():
+        target.lm_head.weight[4] = target.lm_head.weight[3]
+        target.lm_head.weight[3:5] *= 10  # the tie on top wherever it can be
+    base, _ = plain_generate(target, PROMPT, 6)
+    at = next(i for i, t in enumerate(base) if t == 3)
+    ours = base[:at] + [4] + base[at + 1 :]
+    found = first_divergence(target, PROMPT, base, ours)
+    assert found["token"] == at and found["top2_margin"] <= found["resolution"]
+    plain, _ = plain_generate(toy_target, PROMPT, 6)  # the target without the tie: a divergence is a bug's
+    far = first_divergence(toy_target, PROMPT, plain, plain[:1] + [(plain[1] + 1) % VOCAB])
+    assert far["token"] == 1 and far["top2_margin"] > 100 * far["resolution"]
+    rows = [{"lossless": True}, {"lossless": False}]
+    exact = comparison(rows, [{"prompt": 1, **found}], "cpu", torch.float32)
+    assert exact["method"] == "exact" and exact["equal_fraction"] == 0.5 and exact["divergences"][0]["token"] == at
+    assert comparison(rows, [], "cuda", torch.bfloat16)["method"] == "same dtype"
+    assert comparison([{"lossless": None}], [], "cpu", torch.float32) is None  # sampled: nothing to compare
