@@ -1,5 +1,10 @@
 """``make gpu-check``: the CUDA paths proved in one command on one GPU (a few minutes), one summary.
 
+0. **static_loop**: the shipped DFlash drafter through the static step (:mod:`serve_eval.static`, compiled:
+   CUDA graphs) and through the eager generic loop, each against plain decoding on the same backend:
+   tokens/s, tau, host reads a step, lossless (fp32).
+   **verify_costs**: a verify forward of 1..32 tokens a row, batches of 1, 4 and 16, on a random-weight
+   target of Qwen3-8B's shapes in bf16, and the speedup that table predicts at the shipped drafter's tau.
 1. **lossless**: the shipped testbed target with each shipped drafter (DFlash, DSpark, EAGLE-3) on
    the GPU in fp32 (TF32 off), greedy: chains, trees, trees with lookup, and batches of 4 rows (block
    drafters; with prompt-lookup copies, which the chain of that run grafts too); every output must equal plain greedy decoding on the same device token for token. A run
@@ -10,6 +15,9 @@
 3. **eval**: the shipped DFlash drafter against plain decoding on held-out prompts, chain and tree:
    tau, speedup, lossless; and the chain in bf16 (target and drafter), whose equality with plain bf16
    decoding is reported, not required (k verified tokens and one decoded token round differently).
+
+By default the steps that fit a short lease run (static_loop, verify_costs, lossless, eval); ``--steps``
+names others (train, train_compiled).
 
 Writes ``<out>/summary.json`` and prints it as a table. Exit status 0 when every step passed (and on
 a machine without CUDA, where it says so and checks nothing), 1 when a step failed or an output
@@ -147,12 +155,142 @@ def evaluate(out: Path, quick: bool) -> dict:
     return {"passed": passed, **{k: {f: r[f] for f in keep} for k, r in rows.items()}}
 
 
+def static_loop(out: Path, quick: bool) -> dict:
+    """The shipped DFlash drafter on the testbed, chains of every draft (fp32, TF32 off), through the
+    static step (:mod:`serve_eval.static`, compiled) and the eager generic loop, each against plain
+    decoding through the same backend: tokens/s, tau, host reads a step, lossless."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    prompts, tokens = (2, 16) if quick else (8, 128)
+    folder = str(SHIPPED_DRAFTERS["dflash"])
+    fixed = ["decoding.budget.adaptive=false"]
+    runs = {
+        name: _eval(out / name, folder, prompts, tokens, f"decoding.backend={name}", *fixed)
+        for name in ("static", "torch")
+    }
+    row = lambda r: {  # noqa: E731
+        "lossless": r["lossless"],
+        "tau": r["tau"],
+        "tokens_per_s": r["tokens_per_s"],
+        "host_syncs_per_step": r["host_syncs_per_step"]["speculative"],
+    }
+    static, eager = runs["static"], runs["torch"]
+    return {
+        "passed": static["lossless"] is True and eager["lossless"] is True,
+        **row(static),
+        "compiled_graphs": static.get("compiled_graphs"),
+        "eager": row(eager),
+        "plain": {
+            "static_tokens_per_s": static["baseline_tokens_per_s"],
+            "eager_tokens_per_s": eager["baseline_tokens_per_s"],
+            "host_syncs_per_step": static["host_syncs_per_step"]["plain"],
+        },
+        "static_over_eager": round(static["tokens_per_s"] / eager["tokens_per_s"], 4),
+        "comparison": static["comparison"],
+    }
+
+
+#: Qwen3-8B's shapes (its config.json), for a random-weight target of that size
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+)
+#: the same family at toy size, for a rehearsal
+QWEN3_TOY = dict(QWEN3_8B, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
+
+
+def random_qwen3(quick: bool, device: str):
+    """A random-weight Qwen3 of 8B's shapes (a toy one with ``quick``), bf16 on a GPU, fp32 on a CPU."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = Qwen3Config(**(QWEN3_TOY if quick else QWEN3_8B))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def verify_costs(out: Path, quick: bool, drafter_tau: dict | None = None) -> dict:
+    """The cost of one verify forward of ``n`` tokens a row after a context, for ``n`` in 1..32 and batches
+    of 1, 4 and 16 rows, on a random-weight target of Qwen3-8B's shapes (bf16) through the static step's
+    cache, eager; and the speedup the table predicts for a drafter of tau ``t`` verifying ``K`` tokens a
+    step, ``t * cost(1) / cost(K)`` (the draft's own cost left out: an upper bound), at the shipped
+    drafters' tau measured on the testbed."""
+    from serve_eval.static import RowSlots, static_cache
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_qwen3(quick, device)
+    context, sizes = (32, [1, 2, 4, 8]) if quick else (512, [1, 2, 4, 8, 16, 32])
+    batches = [1, 4] if quick else [1, 4, 16]
+    repeats = 2 if quick else 10
+    clock = _timer(device)
+    table: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for rows in batches:
+            slots = RowSlots()
+            cache = static_cache(model.config, context + max(sizes) + 1, slots)
+            slots.starts = torch.zeros(rows, dtype=torch.long, device=device)
+            ids = torch.randint(0, model.config.vocab_size, (rows, context), device=device)
+            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # the context, once
+            lengths = torch.full((rows,), context, device=device)
+            table[str(rows)] = {}
+            for n in sizes:
+                positions = lengths[:, None] + torch.arange(n, device=device)
+                mask = (torch.arange(cache.layers[0].capacity, device=device) <= positions[:, :, None])[:, None]
+                slots.starts = lengths
+                step = lambda: model(  # noqa: E731
+                    input_ids=ids[:, :n], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+                )
+                table[str(rows)][str(n)] = round(1e3 * clock(step, repeats), 3)
+    taus = drafter_tau or {}
+    predicted = {
+        kind: {rows: round(t * costs["1"] / costs[str(k)], 3) for rows, costs in table.items() if str(k) in costs}
+        for kind, (t, k) in taus.items()
+    }
+    return {"passed": True, "model": "qwen3 toy" if quick else "qwen3-8b shapes", "dtype": str(model.dtype),
+            "context": context, "ms": table, "predicted_speedup": predicted}  # fmt: skip
+
+
+def _timer(device: str):
+    """``time(fn, repeats)``: the median seconds of ``fn()`` after one warm-up, the device waited for."""
+
+    def time_it(fn, repeats: int) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    return time_it
+
+
 def train_compiled(out: Path, quick: bool) -> dict:
     """The same training under ``train.compile`` (inductor; the first steps include compiling)."""
     return train(out, quick, compile=True)
 
 
-STEPS = {"lossless": lossless, "train": train, "train_compiled": train_compiled, "eval": evaluate}
+STEPS = {
+    "static_loop": static_loop,
+    "verify_costs": verify_costs,
+    "lossless": lossless,
+    "train": train,
+    "train_compiled": train_compiled,
+    "eval": evaluate,
+}
+DEFAULT_STEPS = ["static_loop", "verify_costs", "lossless", "eval"]  # what fits a short lease (train: --steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=list(STEPS),
         default=None,
-        help="which steps (default: all; on a CPU all but train_compiled, a minute of compiling)",
+        help=f"which steps (default: {' '.join(DEFAULT_STEPS)})",
     )
     args = parser.parse_args(argv)
-    args.steps = args.steps or [s for s in STEPS if args.device == "auto" or s != "train_compiled"]
+    args.steps = args.steps or DEFAULT_STEPS
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is asked: every recipe then picks the CPU
     elif not torch.cuda.is_available():
@@ -191,12 +329,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.steps:
         start = time.perf_counter()
         try:
-            result = STEPS[name](out / name, args.quick)
+            if name == "verify_costs":  # the predicted speedups read the shipped drafter's tau from the static loop
+                loop = summary["steps"].get("static_loop", {})
+                block = json.loads((SHIPPED_DRAFTERS["dflash"] / "config.json").read_text())["block_size"]
+                tau = {"dflash": (loop["tau"], block)} if "tau" in loop else None  # a step verifies its whole block
+                result = verify_costs(out / name, args.quick, tau)
+            else:
+                result = STEPS[name](out / name, args.quick)
         except Exception as e:  # one step's failure is reported; the others still run
             result = {"passed": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
         result["seconds"] = round(time.perf_counter() - start, 1)
         summary["steps"][name] = result
     summary["passed"] = all(s["passed"] for s in summary["steps"].values())
+    loop = summary["steps"].get("static_loop", {})
+    if "tau" in loop:  # the headline: the static step's own numbers
+        summary["static_loop"] = {k: loop[k] for k in ("lossless", "tau", "tokens_per_s", "host_syncs_per_step")}
     write_json_atomic(out / "summary.json", summary)
     print(f"\n== gpu-check on {device} (torch {torch.__version__}) ==")
     for name, result in summary["steps"].items():
