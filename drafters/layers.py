@@ -105,12 +105,12 @@ class DraftAttention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # decoding's one product for q, k and v (fuse_projections)
         self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, D]: q_norm's weight, then k_norm's
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor, table: bool = False, end: int | None = None) -> torch.Tensor:
+    def _rope(
+        self, x: torch.Tensor, positions: torch.Tensor, table: bool = False, end: int | None = None
+    ) -> torch.Tensor:
         """``x`` [B, heads, L, D] rotated to ``positions`` [B, L] (below ``end`` when the caller knows it);
         ``table``: cos/sin read from :meth:`rope_table` (decoding) instead of computed for these positions."""
-        cos, sin = (
-            self.rope_table(positions, x.dtype, end) if table and self.static_rope else self.rotary(x, positions)
-        )
+        cos, sin = self.rope_table(positions, x.dtype, end) if table and self.static_rope else self.rotary(x, positions)
         return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
     @property
@@ -334,7 +334,9 @@ class InjectedLayer(nn.Module):
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True, end=keys.shape[2])
             _store(keys, values, k, v, slots)
-            return self._attend_and_mlp(x, h, kv_pos[:, -x.shape[1] :], keys, values, mask, lean=True, end=keys.shape[2])
+            return self._attend_and_mlp(
+                x, h, kv_pos[:, -x.shape[1] :], keys, values, mask, lean=True, end=keys.shape[2]
+            )
         # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
         q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=keys.shape[2])
         _store(keys, values, k, v, slots)

@@ -125,10 +125,7 @@ def main(recipe: BenchRecipe, dry_run: bool = False) -> dict:
     loaded = {folder: load_drafter(folder, target, device) for folder in folders}
     conds = conditions(recipe, tokenizer)
     try:
-        backends = {
-            folder: decoding_backend(dec, device, drafter)
-            for folder, drafter in loaded.items()
-        }
+        backends = {folder: decoding_backend(dec, device, drafter) for folder, drafter in loaded.items()}
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if dry_run:

@@ -5,6 +5,7 @@
    tokens/s, tau, host reads a step, lossless (fp32).
    **verify_costs**: a verify forward of 1..32 tokens a row, batches of 1, 4 and 16, on a random-weight
    target of Qwen3-8B's shapes in bf16, and the speedup that table predicts at the shipped drafter's tau.
+   **train_step**: one DFlash training step at those shapes: seconds, peak memory, the ``--dry-run`` estimate.
 1. **lossless**: the shipped testbed target with each shipped drafter (DFlash, DSpark, EAGLE-3) on
    the GPU in fp32 (TF32 off), greedy: chains, trees, trees with lookup, and batches of 4 rows (block
    drafters; with prompt-lookup copies, which the chain of that run grafts too); every output must equal plain greedy decoding on the same device token for token. A run
@@ -16,7 +17,7 @@
    tau, speedup, lossless; and the chain in bf16 (target and drafter), whose equality with plain bf16
    decoding is reported, not required (k verified tokens and one decoded token round differently).
 
-By default the steps that fit a short lease run (static_loop, verify_costs, lossless, eval); ``--steps``
+By default the steps that fit a short lease run (static_loop, verify_costs, train_step, lossless, eval); ``--steps``
 names others (train, train_compiled).
 
 Writes ``<out>/summary.json`` and prints it as a table. Exit status 0 when every step passed (and on
@@ -202,7 +203,7 @@ QWEN3_8B = dict(
     tie_word_embeddings=False,
 )
 #: the same family at toy size, for a rehearsal
-QWEN3_TOY = dict(QWEN3_8B, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+QWEN3_TOY = dict(QWEN3_8B, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
 
 
@@ -245,8 +246,10 @@ def verify_costs(out: Path, quick: bool, drafter_tau: dict | None = None) -> dic
                 positions = lengths[:, None] + torch.arange(n, device=device)
                 mask = (torch.arange(cache.layers[0].capacity, device=device) <= positions[:, :, None])[:, None]
                 slots.starts = lengths
-                step = lambda: model(  # noqa: E731
-                    input_ids=ids[:, :n], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+                step = (
+                    lambda: model(  # noqa: E731
+                        input_ids=ids[:, :n], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+                    )
                 )
                 table[str(rows)][str(n)] = round(1e3 * clock(step, repeats), 3)
     taus = drafter_tau or {}
@@ -256,6 +259,53 @@ def verify_costs(out: Path, quick: bool, drafter_tau: dict | None = None) -> dic
     }
     return {"passed": True, "model": "qwen3 toy" if quick else "qwen3-8b shapes", "dtype": str(model.dtype),
             "context": context, "ms": table, "predicted_speedup": predicted}  # fmt: skip
+
+
+def train_step(out: Path, quick: bool) -> dict:
+    """One DFlash training step (features from the target, the drafter's forward, backward and AdamW step,
+    bf16 autocast on a GPU) for a random-weight target of Qwen3-8B's shapes at the testbed recipe's
+    micro batch and sequence length: seconds a step and the peak memory, beside the ``--dry-run``
+    estimate (:func:`recipes.train_drafter.memory_estimate`) of the same."""
+    from distill.base.features import FeatureCapture
+    from distill.drafter_eval import build_drafter
+    from recipes.train_drafter import memory_estimate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = random_qwen3(quick, device)
+    rows, seq = (2, 32) if quick else (8, 1024)
+    mixed = "bf16" if device == "cuda" else "no"
+    recipe = load_recipe(TRAIN, [f"output_dir={out}", "regenerate=null", f"train.micro_batch_size={rows}", f"data.seq_len={seq}",
+                                 f"train.mixed_precision='{mixed}'"])  # fmt: skip
+    vocab = target.config.vocab_size
+    drafter = build_drafter(recipe.drafter, target, "qwen3", mask_token_id=vocab - 1).to(device).train()
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    capture = FeatureCapture(target, drafter.config.target_layer_ids)
+    ids = torch.randint(0, vocab, (rows, seq), device=device)
+
+    def step() -> None:
+        with torch.no_grad():
+            feats = capture(ids)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=mixed == "bf16"):
+            loss = drafter(input_ids=ids, aux=feats.aux, last=feats.last).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = _timer(device)(step, 1 if quick else 3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    estimate = memory_estimate(recipe, target, drafter)["total"]
+    return {
+        "passed": True,
+        "model": "qwen3 toy" if quick else "qwen3-8b shapes",
+        "micro_batch": rows,
+        "seq_len": seq,
+        "seconds_per_step": round(seconds, 4),
+        "peak_gib": None if peak is None else round(peak, 2),
+        "dry_run_estimate_gib": estimate,
+        "peak_over_estimate": None if peak is None else round(peak / estimate, 3),
+    }
 
 
 def _timer(device: str):
@@ -285,12 +335,19 @@ def train_compiled(out: Path, quick: bool) -> dict:
 STEPS = {
     "static_loop": static_loop,
     "verify_costs": verify_costs,
+    "train_step": train_step,
     "lossless": lossless,
     "train": train,
     "train_compiled": train_compiled,
     "eval": evaluate,
 }
-DEFAULT_STEPS = ["static_loop", "verify_costs", "lossless", "eval"]  # what fits a short lease (train: --steps)
+DEFAULT_STEPS = [
+    "static_loop",
+    "verify_costs",
+    "train_step",
+    "lossless",
+    "eval",
+]  # what fits a short lease (train: --steps)
 
 
 def main(argv: list[str] | None = None) -> int:

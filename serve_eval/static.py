@@ -135,7 +135,9 @@ class StaticBackend(Backend):
         if drafter is not None and is_block_drafter(drafter):
             drafter.fuse_projections()
         block = drafter.config.block_size if drafter is not None and is_block_drafter(drafter) else 1
-        self.capacity = self.slots_for(max(map(len, prompts), default=0) + max_new_tokens + bucket(block, self.buckets) + 1)
+        self.capacity = self.slots_for(
+            max(map(len, prompts), default=0) + max_new_tokens + bucket(block, self.buckets) + 1
+        )
         return {
             "backend": self.name,
             "target_forward": "the model's own, static shapes",
@@ -195,7 +197,10 @@ def static_cache(config, capacity: int, slots: RowSlots) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose every attention layer is a :class:`StaticLayer` (windowed
     layers keep every slot too: the step's masks apply the windows); other kinds of layer are a ValueError."""
     cache = DynamicCache(config=config)
-    others = {type(layer).__name__ for layer in cache.layers} - {DynamicLayer.__name__, DynamicSlidingWindowLayer.__name__}
+    others = {type(layer).__name__ for layer in cache.layers} - {
+        DynamicLayer.__name__,
+        DynamicSlidingWindowLayer.__name__,
+    }
     if others:
         raise ValueError(f"decoding.backend = 'static' keeps attention caches only; this target has {sorted(others)}")
     cache.layers = [StaticLayer(capacity, slots) for _ in cache.layers]
@@ -324,7 +329,9 @@ def static_generate(
     for first in range(0, len(prompts), width):
         group = list(range(first, min(first + width, len(prompts))))
         run = _Group(target, drafter, [prompts[i] for i in group], max_new_tokens, stops, backend)
-        tokens = run.decode([samplers[i] for i in group], drafts, confidence_threshold, [stats.prompts[i] for i in group])
+        tokens = run.decode(
+            [samplers[i] for i in group], drafts, confidence_threshold, [stats.prompts[i] for i in group]
+        )
         outs += tokens
         stats.steps += run.steps
         stats.row_steps += run.steps * len(group)
@@ -406,7 +413,9 @@ class _Group:
                 if drafter is None:
                     ids = bonus[:, None]
                 else:
-                    ids, draft_logits, limit = self._propose(bonus, context, features, arriving, samplers, greedy, threshold, n)
+                    ids, draft_logits, limit = self._propose(
+                        bonus, context, features, arriving, samplers, greedy, threshold, n
+                    )
                 clock.mark()
                 positions = self.lengths[:, None] + steps
                 mask = slot <= positions[:, :, None]  # each row's own slots, causal

@@ -25,7 +25,9 @@ def test_cpu_rehearsal_runs_the_default_steps_and_reports_them(tmp_path, monkeyp
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0 and summary["passed"], json.dumps(summary, indent=1)[:3000]
     steps = summary["steps"]
-    assert set(steps) == {"static_loop", "verify_costs", "lossless", "eval"}
+    assert set(steps) == {"static_loop", "verify_costs", "train_step", "lossless", "eval"}
+    step = steps["train_step"]
+    assert step["seconds_per_step"] > 0 and step["dry_run_estimate_gib"] > 0 and step["peak_gib"] is None  # CPU
     assert summary["static_loop"] == {k: steps["static_loop"][k] for k in summary["static_loop"]}
     assert set(summary["static_loop"]) == {"lossless", "tau", "tokens_per_s", "host_syncs_per_step"}
     loop = steps["static_loop"]  # the static step against the eager loop, both lossless, one host read a step

@@ -158,7 +158,10 @@ def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_an
     for kind in ("dflash", "dspark"):
         drafter = copy.deepcopy(trained_drafters[kind])
         for _ in range(2):
-            assert generate(target, prompts[:2], MAX_NEW, proposer=make_proposer(drafter), backend=compiled)[0] == references
+            assert (
+                generate(target, prompts[:2], MAX_NEW, proposer=make_proposer(drafter), backend=compiled)[0]
+                == references
+            )
         assert syncs_per_step(_run(target, prompts[:2], drafter, compiled), 8) <= 1.0
     assert [plain_generate(target, p, MAX_NEW, backend=compiled)[0] for p in prompts[:2]] == references
     # verify: (2 rows, 8 tokens) and (1 row, 1 token); draft: (2 rows) per drafter
