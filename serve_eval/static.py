@@ -29,11 +29,11 @@ through the same static path), the same verification rules.
 
 from __future__ import annotations
 
-from collections import Counter
 import functools
 import time
 import types
 import weakref
+from collections import Counter
 
 import torch
 from transformers import DynamicCache
@@ -379,7 +379,7 @@ class _Group:
         )
         return logits[:, 0], None if feats is None else feats.aux
 
-    def decode(self, samplers: list[Sampler], drafts: int, threshold: float, stats: list) -> list[list[int]]:
+    def decode(self, samplers: list[Sampler], drafts: int, threshold: float, stats: list) -> list[list[int]]:  # noqa: PLR0915 (the step in order)
         """Decode the group's rows; ``drafts`` a step (0: plain), ``threshold``: DSpark's confidence cut.
         Fills each row's ``stats`` and returns its tokens (up to where it stopped; the caller truncates)."""
         R, device, drafter = self.R, self.device, self.drafter

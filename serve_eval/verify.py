@@ -167,6 +167,8 @@ def accept_chains(
     p = _row_probs(samplers, logits)  # [R, n, V]
     if n == 1:
         return torch.zeros(R, dtype=torch.long, device=ids.device), _draw(samplers, p[:, 0])
+    if draft_logits is None:
+        raise ValueError("sampled chains are verified against the logits their drafts were drawn from")
     q = _row_probs(samplers, draft_logits)  # [R, n - 1, V]
     p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0]
     q_d = q.gather(-1, drafts[..., None])[..., 0]

@@ -28,13 +28,13 @@ EAGER = StaticBackend(compile="off")
 def test_the_counter_sees_every_kind_of_host_read():
     x = torch.arange(6.0)
     reads = [
-        lambda: x[0].item(),
-        lambda: x.tolist(),
+        x[0].item,
+        x.tolist,
         lambda: bool(x[1]),
         lambda: int(x[2]),
         lambda: float(x[3]),
         lambda: x[x > 2],  # a boolean mask: a shape from the data
-        lambda: x.nonzero(),
+        x.nonzero,
         lambda: torch.unique(x),
         lambda: range(10)[torch.tensor(2)],
     ]
