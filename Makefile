@@ -18,7 +18,7 @@ export WANDB_MODE ?= offline
 export DS_BUILD_OPS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install quickstart lint test test-fast gpu-check testbed-target clean
+.PHONY: install quickstart lint test test-fast gpu-check gpu-wheels testbed-target clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,9 +51,23 @@ test-fast: lint
 	$(PYTEST) -m "not slow"
 
 # The CUDA paths in one command on one GPU (recipes/gpu_check.py); on a machine without one it says so, exit 0.
+# With .venv it runs there; without, the machine's python3 (CUDA torch) with the wheels of .whl/ installed
+# offline beside it (make gpu-wheels, on a machine with a network).
 GPU_CHECK_ARGS ?=
-gpu-check: install
+gpu-check:
+ifneq ($(wildcard $(PY)),)
 	$(PY) -m recipes.gpu_check $(GPU_CHECK_ARGS)
+else
+	@if [ -d .whl ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target .whl/site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)/.whl/site $(PYTHON) -m recipes.gpu_check $(GPU_CHECK_ARGS)
+endif
+
+# What gpu-check needs beside CUDA torch and the common scientific stack, as CPython 3.12 wheels (~20 MB)
+GPU_WHEELS ?= transformers==5.24.0 huggingface_hub==2.4.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 # Rebuild the shipped testbed target (~1.5 hours on 2 CPU cores; see the recipe header), then ship it.
 testbed-target: install
