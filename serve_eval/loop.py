@@ -263,14 +263,24 @@ def generate(
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
     if backend.static:
         why = unsupported(
-            proposer is None or isinstance(proposer, BlockProposer), mode, budget is not None, lookup, kv is not None
+            proposer is None or isinstance(proposer, BlockProposer), budget is not None, lookup, kv is not None
         )
         if why:
             raise ValueError(f"decoding.backend = 'static': {why}")
         drafter = None if proposer is None else proposer.drafter
         threshold = 0.0 if proposer is None else proposer.confidence_threshold
         return static_generate(
-            target, prompts, max_new_tokens, eos_token_id, samplers, backend, drafter, threshold, verify_drafts, slots
+            target,
+            prompts,
+            max_new_tokens,
+            eos_token_id,
+            samplers,
+            backend,
+            drafter,
+            threshold,
+            verify_drafts,
+            slots,
+            tree_budget if mode == "tree" and proposer is not None else 0,
         )
     run = _Run(
         samplers, proposer, budget, mode, tree_budget, verify_drafts, device_clock(prompts[0].device), len(prompts)

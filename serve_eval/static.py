@@ -48,7 +48,8 @@ from .backend import Backend
 from .forward import TargetForward
 from .sampling import Sampler
 from .syncs import uncounted
-from .verify import accept_chains, choose_rows
+from .static_tree import best_first_tree, draw_tokens, walk
+from .verify import _row_probs, accept_chains, choose_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 COMPILE = ("auto", "on", "off")
@@ -207,6 +208,19 @@ def static_cache(config, capacity: int, slots: RowSlots) -> DynamicCache:
     return cache
 
 
+def compact(cache: DynamicCache, lengths: torch.Tensor, path: torch.Tensor) -> None:
+    """Each row's accepted tree path (``path`` [R, W], indices into the tree read at its slots
+    ``lengths[r]`` on) moved down to the slots right after its cached ones, in every layer."""
+    for layer in cache.layers:
+        for buffer in (layer.keys, layer.values):
+            R, H, S, D = buffer.shape
+            base = (torch.arange(R * H, device=buffer.device).view(R, H) * S + lengths[:, None])[:, :, None]
+            source = (base + path[:, None, :]).flatten()
+            dest = (base + torch.arange(path.shape[1], device=buffer.device)).flatten()
+            flat = buffer.view(R * H * S, D)
+            flat.index_copy_(0, dest, flat.index_select(0, source))
+
+
 def _verify(target, ids, positions, mask, cache, captured: dict, layer_ids: tuple):
     """The target's forward over ``ids`` [R, n] (the compiled unit): logits [R, n, V] and the features of
     ``layer_ids`` [R, n, F] (hooks fill ``captured``), or None."""
@@ -244,10 +258,12 @@ class _Hooks:
     def _window(self, w, _module, args, kwargs):
         return args, {**kwargs, "attention_mask": self.windowed[w]}
 
-    def set_masks(self, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``mask`` [R, 1, n, S] as the model takes it, and each window's cut (slot ``s`` holds position ``s``)."""
+    def set_masks(self, mask: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` [R, 1, n, S] as the model takes it, and each window's cut by the queries' ``positions``
+        [R, n] and each slot's position ``keys`` [R, S] (None: slot ``s`` holds position ``s``)."""
         if self.masks.windowed:
-            distance = positions[:, None, :, None] - torch.arange(mask.shape[-1], device=mask.device)
+            keys = torch.arange(mask.shape[-1], device=mask.device)[None] if keys is None else keys
+            distance = positions[:, None, :, None] - keys[:, None, None, :]
             for w in {w for _, w in self.masks.windowed}:
                 self.windowed[w] = self.masks.prepare(mask & (distance < w))
         return self.masks.prepare(mask)
@@ -282,13 +298,11 @@ class _Clock:
         return draft, verify
 
 
-def unsupported(block: bool, mode: str, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
+def unsupported(block: bool, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
     """Why the static step cannot serve a run (None: it can): ``block``, whether the drafter is a block
     drafter or none; ``budget``, whether a per-step budget chooses; ``quantized_kv``, a quantized cache."""
     if not block:
         return "it drafts with block drafters (DFlash, DSpark) or none; EAGLE-3 and causal-LM drafters run on the torch backend"
-    if mode != "chain":
-        return "it verifies chains (decoding.mode: chain); draft trees run on the torch backend"
     if budget:
         return "it verifies a fixed number of drafts a step (decoding.budget.adaptive: false)"
     if lookup:
@@ -310,9 +324,11 @@ def static_generate(
     confidence_threshold: float = 0.0,
     verify_drafts: int = 0,
     slots: int | None = None,
+    tree_budget: int = 0,
 ):
     """Decode ``prompts`` as :func:`serve_eval.loop.generate` does (plain without a ``drafter``,
-    speculative with a block drafter), ``slots`` rows at a time, through the static step; ``stop_ids``:
+    speculative with a block drafter: chains, or trees of ``tree_budget`` nodes), ``slots`` rows at a time,
+    through the static step; ``stop_ids``:
     the tokens that end a row (an int, a collection, or None). Returns each prompt's tokens and a
     :class:`~serve_eval.loop.BatchStats`."""
     from .loop import BatchStats, GenerationStats, truncate
@@ -328,9 +344,9 @@ def static_generate(
     width = slots or len(prompts)
     for first in range(0, len(prompts), width):
         group = list(range(first, min(first + width, len(prompts))))
-        run = _Group(target, drafter, [prompts[i] for i in group], max_new_tokens, stops, backend)
+        run = _Group(target, drafter, [prompts[i] for i in group], max_new_tokens, stops, backend, tree_budget)
         tokens = run.decode(
-            [samplers[i] for i in group], drafts, confidence_threshold, [stats.prompts[i] for i in group]
+            [samplers[i] for i in group], drafts, confidence_threshold, [stats.prompts[i] for i in group], tree_budget
         )
         outs += tokens
         stats.steps += run.steps
@@ -346,14 +362,14 @@ def static_generate(
 class _Group:
     """One group of rows decoded together: the target's static cache and, with a drafter, its context."""
 
-    def __init__(self, target, drafter, prompts: list[torch.Tensor], max_new: int, stops: list[int], backend):
+    def __init__(self, target, drafter, prompts, max_new: int, stops: list[int], backend, tree_budget: int = 0):
         self.target, self.drafter, self.backend = target, drafter, backend
         self.device = next(target.parameters()).device
         self.R, self.max_new = len(prompts), max_new
         self.lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.longest = int(self.lengths.max())
         self.K = drafter.config.block_size if drafter is not None else 1
-        self.capacity = backend.slots_for(self.longest + max_new + bucket(self.K, backend.buckets) + 1)
+        self.capacity = backend.slots_for(self.longest + max_new + max(bucket(self.K, backend.buckets), tree_budget + 1) + 1)
         self.slots = RowSlots()
         self.cache = static_cache(target.config, self.capacity, self.slots)
         self.stops = torch.tensor(stops or [-1], device=self.device)  # -1: no token stops a row
@@ -379,9 +395,12 @@ class _Group:
         )
         return logits[:, 0], None if feats is None else feats.aux
 
-    def decode(self, samplers: list[Sampler], drafts: int, threshold: float, stats: list) -> list[list[int]]:  # noqa: PLR0915 (the step in order)
-        """Decode the group's rows; ``drafts`` a step (0: plain), ``threshold``: DSpark's confidence cut.
-        Fills each row's ``stats`` and returns its tokens (up to where it stopped; the caller truncates)."""
+    def decode(  # noqa: PLR0915 (the step in order)
+        self, samplers: list[Sampler], drafts: int, threshold: float, stats: list, tree_budget: int = 0
+    ) -> list[list[int]]:
+        """Decode the group's rows: ``drafts`` a step (0: plain) as a chain, or with ``tree_budget`` a tree of
+        that many nodes; ``threshold``: DSpark's confidence cut. Fills each row's ``stats`` and returns its
+        tokens (up to where it stopped; the caller truncates)."""
         R, device, drafter = self.R, self.device, self.drafter
         layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
         logits, aux = self._prefill(layer_ids)
@@ -389,7 +408,8 @@ class _Group:
         n = bucket(drafts + 1, self.backend.buckets) if drafter is not None else 1
         if drafter is not None:
             context, features, arriving = self._context(aux)
-        width = self.max_new + n
+        W = self.K if tree_budget else n  # tokens a step can emit
+        width = self.max_new + W
         out = torch.zeros(R, width, dtype=torch.long, device=device)
         out[:, 0] = bonus
         written = torch.ones(R, dtype=torch.long, device=device)
@@ -397,9 +417,9 @@ class _Group:
         position = torch.arange(max(drafts, 1), device=device)
         verified = torch.zeros(R, len(position), dtype=torch.long, device=device)
         accepted = torch.zeros_like(verified)
-        hooks, clock = _Hooks(self.target, layer_ids), _Clock(device)
-        steps, slot = torch.arange(n, device=device), torch.arange(self.capacity, device=device)
-        greedy = samplers[0].greedy
+        self.hooks, self.clock = _Hooks(self.target, layer_ids), _Clock(device)
+        steps = torch.arange(W, device=device)
+        self.layer_ids = tuple(layer_ids)
         try:
             while True:
                 finished = done.tolist()  # the step's one host read
@@ -408,26 +428,18 @@ class _Group:
                 self.steps += 1
                 for r in range(R):
                     stats[r].target_forwards += not finished[r]
-                clock.mark()
-                draft_logits, limit = None, None
+                self.clock.mark()
                 if drafter is None:
-                    ids = bonus[:, None]
+                    emitted, kept, following, feats, limit = self._chain(bonus[:, None], samplers)
                 else:
-                    ids, draft_logits, limit = self._propose(
-                        bonus, context, features, arriving, samplers, greedy, threshold, n
-                    )
-                clock.mark()
-                positions = self.lengths[:, None] + steps
-                mask = slot <= positions[:, :, None]  # each row's own slots, causal
-                self.slots.starts = self.lengths
-                logits, feats = self.verify(
-                    self.target, ids, positions, hooks.set_masks(mask[:, None], positions), self.cache,
-                    hooks.captured, tuple(layer_ids),
-                )  # fmt: skip
-                kept, following = accept_chains(samplers, ids, logits, draft_logits, limit)
-                clock.mark()
+                    block = self._block(bonus, context, features, arriving, samplers)
+                    if tree_budget:
+                        emitted, kept, following, feats, limit = self._tree(bonus, block, samplers, tree_budget)
+                    else:
+                        ids, draft_logits, limit = self._chain_ids(bonus, block, samplers, threshold, n)
+                        emitted, kept, following, feats, limit = self._chain(ids, samplers, draft_logits, limit)
+                self.clock.mark()
                 live = ~done
-                emitted = ids.roll(-1, 1).scatter(1, kept[:, None], following[:, None])  # drafts kept, then the next
                 out.scatter_(1, (written[:, None] + steps).clamp_max(width - 1), emitted)  # a done row's past its end
                 advance = torch.where(live, kept + 1, 0)
                 stopped = (torch.isin(emitted, self.stops) & (steps <= kept[:, None])).any(1)
@@ -440,17 +452,66 @@ class _Group:
                     verified += reached & (position < (drafts if limit is None else limit[:, None]))
                     accepted += reached & (position < kept[:, None])
                 if drafter is not None:
-                    features[:, : min(n, self.K)] = feats[:, : self.K]
+                    features[:, : min(feats.shape[1], self.K)] = feats[:, : self.K]
                     arriving = advance
         finally:
-            hooks.remove()
-        draft_seconds, verify_seconds = clock.phases()
+            self.hooks.remove()
+        draft_seconds, verify_seconds = self.clock.phases()
         for s, v, a in zip(stats, verified.tolist(), accepted.tolist()):
             s.draft_seconds, s.verify_seconds = draft_seconds, verify_seconds
             s.target_forwards += 1  # the prefill
             if drafts:
                 s.drafted_by_position, s.accepted_by_position = v, a
         return [row[:w] for row, w in zip(out.tolist(), written.tolist())]
+
+    def _forward(self, ids, positions, mask, key_positions=None):
+        """The target's verify over ``ids`` [R, n] at ``positions``, each row writing at its own length and
+        seeing the slots ``mask`` [R, n, S] allows (compiled per shape): logits and the drafter's features."""
+        self.slots.starts = self.lengths
+        return self.verify(
+            self.target, ids, positions, self.hooks.set_masks(mask[:, None], positions, key_positions), self.cache,
+            self.hooks.captured, self.layer_ids,
+        )  # fmt: skip
+
+    def _chain(self, ids, samplers, draft_logits=None, limit=None):
+        """Verify each row's bonus and drafts ``ids`` [R, n]: the tokens it emits [R, n] (its drafts kept,
+        then the next token), the drafts kept [R], the next token, the features of the positions read and
+        how many drafts each row could keep."""
+        n = ids.shape[1]
+        positions = self.lengths[:, None] + torch.arange(n, device=ids.device)
+        mask = torch.arange(self.capacity, device=ids.device) <= positions[:, :, None]  # its own slots, causal
+        logits, feats = self._forward(ids, positions, mask)
+        kept, following = accept_chains(samplers, ids, logits, draft_logits, limit)
+        emitted = ids.roll(-1, 1).scatter(1, kept[:, None], following[:, None])  # drafts kept, then the next
+        return emitted, kept, following, feats, limit
+
+    def _tree(self, bonus, block, samplers, budget: int):
+        """Each row's best-first tree of ``budget`` nodes over the block's distributions (drawn from them at
+        T > 0, :mod:`serve_eval.static_tree`), verified in one forward and walked; the accepted path's
+        entries moved down after the row's cached ones. Returns as :meth:`_chain`, over the path."""
+        tokens, logits, _ = block
+        greedy = samplers[0].greedy
+        q = logits.float().softmax(-1) if greedy else _row_probs(samplers, logits)
+        trees = best_first_tree(q.log(), budget)
+        if not greedy:
+            trees = draw_tokens(trees, q, samplers)
+        ids = torch.cat([bonus[:, None], trees.tokens], dim=1)  # [R, N + 1]: the root first
+        depths = torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], dim=1)
+        lengths = self.lengths[:, None]
+        slot = torch.arange(self.capacity, device=ids.device)[None]
+        node = slot - lengths  # [R, S]: the tree node a slot holds (< 0: a cached one)
+        inside = (node >= 0) & (node <= budget)
+        at = node.clamp(0, budget)
+        seen = trees.ancestors().gather(2, at[:, None, :].expand(-1, budget + 1, -1))
+        mask = (node < 0)[:, None, :] | (inside[:, None, :] & seen)
+        key_positions = torch.where(inside, lengths + depths.gather(1, at), slot)
+        logits_t, feats = self._forward(ids, lengths + depths, mask, key_positions)
+        path, length, following = walk(trees, logits_t, samplers, None if greedy else q)
+        compact(self.cache, self.lengths, path)
+        kept = length - 1
+        emitted = ids.gather(1, path.roll(-1, 1)).scatter(1, kept[:, None], following[:, None])
+        kept_feats = None if feats is None else feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
+        return emitted, kept, following, kept_feats, None
 
     # -- the drafter ----------------------------------------------------------------------------------
     def _context(self, aux: torch.Tensor):
@@ -475,10 +536,10 @@ class _Group:
         features = torch.zeros(R, K, drafter.fc.in_features, dtype=drafter.dtype, device=self.device)
         return context, features, torch.zeros(R, dtype=torch.long, device=self.device)
 
-    def _propose(self, bonus, context, features, arriving, samplers, greedy, threshold, n):
-        """The block after each row's bonus, drafted from its context and the features that arrived: the
-        verify's ids [R, n], the drafts' logits (sampled rows) and how many drafts each row may keep."""
-        drafter = self.drafter
+    def _block(self, bonus, context, features, arriving, samplers):
+        """The block after each row's bonus, drafted from its context and the features that arrived:
+        drafts [R, K - 1], the logits they were drawn from [R, K - 1, V] and a DSpark's confidence (or None)."""
+        drafter, greedy = self.drafter, samplers[0].greedy
         counts = torch.stack([self.context_lengths, arriving], dim=1)
         propose = greedy or not drafter.conditional_drafts
         hidden, proposal = self.draft(drafter, bonus, counts, features, context, propose)
@@ -489,10 +550,16 @@ class _Group:
                 proposal = drafter.propose(hidden, bonus[:, None], choose)
             else:  # DFlash: the graph's logits, drawn from here
                 proposal = (choose(proposal[1]), *proposal[1:])
-        tokens, logits, confidence = proposal[0][:, 0], proposal[1][:, 0], proposal[2]
+        confidence = None if proposal[2] is None else proposal[2][:, 0]
+        return proposal[0][:, 0], proposal[1][:, 0], confidence
+
+    def _chain_ids(self, bonus, block, samplers, threshold: float, n: int):
+        """The chain verify's ids [R, n] (the bonus, then drafts, padded to the bucket), the drafts'
+        logits (sampled rows) and how many drafts each row may keep (None: all)."""
+        tokens, logits, confidence = block
         limit = None
         if confidence is not None and threshold > 0:  # DSpark: stop before the first position below it
-            low = confidence[:, 0] < threshold
+            low = confidence < threshold
             limit = torch.where(low.any(1), low.int().argmax(1), low.shape[1]).clamp_min(1)
         d = n - 1
         ids = torch.cat([bonus[:, None], tokens[:, :d]], dim=1)
@@ -502,4 +569,4 @@ class _Group:
             ids = torch.cat([ids, ids.new_zeros(self.R, pad)], dim=1)
             logits = torch.cat([logits, logits.new_zeros(self.R, pad, logits.shape[-1])], dim=1)
             limit = torch.full_like(bonus, tokens.shape[1]) if limit is None else limit
-        return ids, None if greedy else logits, limit
+        return ids, None if samplers[0].greedy else logits, limit

@@ -290,7 +290,7 @@ class DecodingSection(Strict):
         """Why the static step cannot serve these settings with a block drafter or another (None: it can)."""
         from serve_eval.static import unsupported
 
-        why = unsupported(block_drafter, self.mode, self.budget.adaptive, self.lookup.tokens, self.kv.format != "full")
+        why = unsupported(block_drafter, self.budget.adaptive, self.lookup.tokens, self.kv.format != "full")
         return why or ("speculative speculation (decoding.ssd) runs on the torch backend" if self.ssd.enabled else None)
 
     @model_validator(mode="after")
