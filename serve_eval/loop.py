@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from distill.base.decoding import static_unsupported
 from distill.base.features import FeatureCapture
 
 from .backend import TORCH, Backend
@@ -39,7 +40,7 @@ from .lookup import graft
 from .proposers import BlockProposer, LookupProposer, Proposer, make_proposer
 from .sampling import Sampler
 from .session import TargetSession
-from .static import static_generate, unsupported
+from .static import static_generate
 from .timing import device_clock
 from .tree import DraftTree, build_best_first_tree, sample_tree
 from .verify import choose_rows, next_outcome, unverified_outcomes, verify_chains, walk_trees
@@ -262,7 +263,7 @@ def generate(
     if len({s.greedy for s in samplers}) > 1:
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
     if backend.static:
-        why = unsupported(
+        why = static_unsupported(
             proposer is None or isinstance(proposer, BlockProposer), budget is not None, lookup, kv is not None
         )
         if why:

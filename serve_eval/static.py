@@ -47,8 +47,8 @@ from drafters.cache import ContextCache
 from .backend import Backend
 from .forward import TargetForward
 from .sampling import Sampler
-from .syncs import uncounted
 from .static_tree import best_first_tree, draw_tokens, walk
+from .syncs import uncounted
 from .verify import _row_probs, accept_chains, choose_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -298,20 +298,6 @@ class _Clock:
         return draft, verify
 
 
-def unsupported(block: bool, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
-    """Why the static step cannot serve a run (None: it can): ``block``, whether the drafter is a block
-    drafter or none; ``budget``, whether a per-step budget chooses; ``quantized_kv``, a quantized cache."""
-    if not block:
-        return "it drafts with block drafters (DFlash, DSpark) or none; EAGLE-3 and causal-LM drafters run on the torch backend"
-    if budget:
-        return "it verifies a fixed number of drafts a step (decoding.budget.adaptive: false)"
-    if lookup:
-        return "prompt-lookup copies (decoding.lookup.tokens) run on the torch backend"
-    if quantized_kv:
-        return "it keeps the KV cache in the model's dtype (decoding.kv.format: full)"
-    return None
-
-
 @torch.inference_mode()
 def static_generate(
     target,
@@ -369,7 +355,9 @@ class _Group:
         self.lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.longest = int(self.lengths.max())
         self.K = drafter.config.block_size if drafter is not None else 1
-        self.capacity = backend.slots_for(self.longest + max_new + max(bucket(self.K, backend.buckets), tree_budget + 1) + 1)
+        self.capacity = backend.slots_for(
+            self.longest + max_new + max(bucket(self.K, backend.buckets), tree_budget + 1) + 1
+        )
         self.slots = RowSlots()
         self.cache = static_cache(target.config, self.capacity, self.slots)
         self.stops = torch.tensor(stops or [-1], device=self.device)  # -1: no token stops a row
@@ -395,7 +383,7 @@ class _Group:
         )
         return logits[:, 0], None if feats is None else feats.aux
 
-    def decode(  # noqa: PLR0915 (the step in order)
+    def decode(  # noqa: PLR0912, PLR0915 (the step in order)
         self, samplers: list[Sampler], drafts: int, threshold: float, stats: list, tree_budget: int = 0
     ) -> list[list[int]]:
         """Decode the group's rows: ``drafts`` a step (0: plain) as a chain, or with ``tree_budget`` a tree of

@@ -167,6 +167,20 @@ class SSDSection(Strict):
     )
 
 
+def static_unsupported(block: bool, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
+    """Why the static step (:mod:`serve_eval.static`) cannot serve a run (None: it can): ``block``, whether the drafter is a block
+    drafter or none; ``budget``, whether a per-step budget chooses; ``quantized_kv``, a quantized cache."""
+    if not block:
+        return "it drafts with block drafters (DFlash, DSpark) or none; EAGLE-3 and causal-LM drafters run on the torch backend"
+    if budget:
+        return "it verifies a fixed number of drafts a step (decoding.budget.adaptive: false)"
+    if lookup:
+        return "prompt-lookup copies (decoding.lookup.tokens) run on the torch backend"
+    if quantized_kv:
+        return "it keeps the KV cache in the model's dtype (decoding.kv.format: full)"
+    return None
+
+
 class StaticSection(Strict):
     """The ``static`` backend's step (:mod:`serve_eval.static`)."""
 
@@ -288,9 +302,7 @@ class DecodingSection(Strict):
 
     def static_refusal(self, block_drafter: bool = True) -> str | None:
         """Why the static step cannot serve these settings with a block drafter or another (None: it can)."""
-        from serve_eval.static import unsupported
-
-        why = unsupported(block_drafter, self.budget.adaptive, self.lookup.tokens, self.kv.format != "full")
+        why = static_unsupported(block_drafter, self.budget.adaptive, self.lookup.tokens, self.kv.format != "full")
         return why or ("speculative speculation (decoding.ssd) runs on the torch backend" if self.ssd.enabled else None)
 
     @model_validator(mode="after")

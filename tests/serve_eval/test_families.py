@@ -347,8 +347,8 @@ def test_a_family_the_loop_cannot_run_is_refused_at_validation(tmp_path, folders
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_static_step_is_lossless(targets, tokenizer, family):
     """The static-shape step (serve_eval.static, eager) over every family: fixed-capacity caches that attend
-    every slot through masks (windows cut per layer), ragged rows in two slots, DFlash and DSpark drafts,
-    and scripted drafts always kept (the cache keeps verified drafts) and always refused (rolled back)."""
+    every slot through masks (windows cut per layer, by each slot's position in a tree), ragged rows in two
+    slots, DFlash and DSpark chains and trees, and scripted drafts always kept (the cache keeps verified drafts) and always refused (rolled back)."""
     from serve_eval import static
     from serve_eval.static import StaticBackend
 
@@ -358,12 +358,16 @@ def test_the_static_step_is_lossless(targets, tokenizer, family):
     references = [plain_generate(target, p, MAX_NEW)[0] for p in batch]
     assert generate(target, batch, MAX_NEW, backend=backend)[0] == references
     for kind in ("dflash", "dspark"):
-        proposer = make_proposer(drafter(target, kind, tokenizer))
-        assert generate(target, batch, MAX_NEW, proposer=proposer, slots=2, backend=backend)[0] == references, kind
+        for mode in ("chain", "tree"):
+            proposer = make_proposer(drafter(target, kind, tokenizer))
+            outs, _ = generate(
+                target, batch, MAX_NEW, proposer=proposer, slots=2, mode=mode, tree_budget=5, backend=backend
+            )
+            assert outs == references, (kind, mode)
     prompt, reference = batch[0], references[0]
 
     def scripted(wrong: bool):
-        def propose(self, bonus, context, features, arriving, samplers, greedy, threshold, n):
+        def propose(self, bonus, block, samplers, threshold, n):
             i = int(self.lengths[0]) - len(prompt) + 1  # the reference's index of the token after the bonus
             drafts = (torch.tensor((reference + [0] * n)[i : i + n - 1]) + int(wrong)) % target.config.vocab_size
             return torch.cat([bonus[:, None], drafts[None]], dim=1), None, None
@@ -372,7 +376,7 @@ def test_the_static_step_is_lossless(targets, tokenizer, family):
 
     d = drafter(target, "dflash", tokenizer)
     for wrong in (False, True):
-        with mock.patch.object(static._Group, "_propose", scripted(wrong)):
+        with mock.patch.object(static._Group, "_chain_ids", scripted(wrong)):
             out, stats = generate(target, [prompt], MAX_NEW, proposer=make_proposer(d), backend=backend)
         assert out[0] == reference, wrong
         assert stats.prompts[0].tau == 1.0 if wrong else stats.prompts[0].tau > 3.0

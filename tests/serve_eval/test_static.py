@@ -48,28 +48,31 @@ def test_the_counter_sees_every_kind_of_host_read():
     assert syncs.count == 0
 
 
-def _run(target, prompts, drafter, backend, samplers=None, **kwargs):
+def _run(target, prompts, drafter, backend, samplers=None, mode="chain"):
     def run(n: int) -> int:
-        proposer = None if drafter is None else make_proposer(drafter, kwargs.get("threshold", 0.0), backend=backend)
+        proposer = None if drafter is None else make_proposer(drafter, backend=backend)
         rows = [Sampler(**s.__dict__) if s else Sampler() for s in samplers or [None] * len(prompts)]
-        return generate(target, prompts, n, None, rows, proposer, backend=backend)[1].steps
+        return generate(target, prompts, n, None, rows, proposer, mode=mode, tree_budget=6, backend=backend)[1].steps
 
     return run
 
 
 @pytest.mark.parametrize("kind", [None, "dflash", "dspark"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_static_step_reads_the_host_once(target_and_prompts, trained_drafters, kind, rows, temperature):
-    """Plain and speculative, one row and a ragged batch, greedy and sampled: at most one host read a step
-    (the eager torch loop reads more, so the count has power)."""
+def test_a_static_step_reads_the_host_once(target_and_prompts, trained_drafters, kind, mode, rows, temperature):
+    """Plain and speculative, chains and trees, one row and a ragged batch, greedy and sampled: at most one
+    host read a step (the eager torch loop reads more, so the count has power)."""
+    if kind is None and mode == "tree":
+        pytest.skip("plain decoding has no trees")
     target, _, prompts = target_and_prompts
     drafter = None if kind is None else trained_drafters[kind]
     samplers = [Sampler(temperature=temperature, generator=torch.Generator().manual_seed(r)) for r in range(rows)]
     batch = [p[: 16 + 4 * r] for r, p in enumerate(prompts[:rows])]
-    assert syncs_per_step(_run(target, batch, drafter, EAGER, samplers), 8) <= 1.0
+    assert syncs_per_step(_run(target, batch, drafter, EAGER, samplers, mode), 8) <= 1.0
     if kind is not None:
-        assert syncs_per_step(_run(target, batch, drafter, TORCH, samplers), 8) > 1.0
+        assert syncs_per_step(_run(target, batch, drafter, TORCH, samplers, mode), 8) > 1.0
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
@@ -90,6 +93,18 @@ def test_static_decoding_equals_plain_greedy(target_and_prompts, trained_drafter
     if kind == "dspark":
         proposer = make_proposer(drafter, confidence_threshold=0.5)
         assert generate(target, prompts, MAX_NEW, proposer=proposer, backend=EAGER)[0] == references
+    for slots in (None, 2):  # trees: one row, and ragged rows over two slots
+        outs, stats = generate(
+            target,
+            prompts,
+            MAX_NEW,
+            proposer=make_proposer(drafter),
+            mode="tree",
+            tree_budget=6,
+            slots=slots,
+            backend=EAGER,
+        )
+        assert outs == references, slots
     stops = {references[0][10], references[1][5]}
     ours, _ = generate(target, prompts, MAX_NEW, stops, proposer=make_proposer(drafter), backend=EAGER)
     theirs = [plain_generate(target, p, MAX_NEW, stops)[0] for p in prompts]
@@ -104,12 +119,15 @@ def test_buckets_round_verify_lengths_up():
 
 
 def test_the_static_backend_refuses_what_it_does_not_serve(target_and_prompts, trained_drafters):
+    from serve_eval.budget import Budget
+
     target, _, prompts = target_and_prompts
     proposer = make_proposer(trained_drafters["eagle3"])
     with pytest.raises(ValueError, match="decoding.backend = 'static': it drafts with block drafters"):
         generate(target, prompts[:1], 4, proposer=proposer, backend=EAGER)
-    with pytest.raises(ValueError, match="chains"):
-        generate(target, prompts[:1], 4, proposer=make_proposer(trained_drafters["dflash"]), mode="tree", backend=EAGER)
+    with pytest.raises(ValueError, match="budget.adaptive"):
+        proposer = make_proposer(trained_drafters["dflash"])
+        generate(target, prompts[:1], 4, proposer=proposer, budget=Budget({1: 1.0, 2: 1.1}), backend=EAGER)
     with pytest.raises(ValueError, match="compile"):
         StaticBackend(compile="sometimes")
 
@@ -119,11 +137,34 @@ def accept_everything(samplers, ids, logits, draft_logits=None, lengths=None):
     return kept, torch.stack([s.sample(s.probs(row[-1])) for s, row in zip(samplers, logits)])
 
 
-@pytest.mark.parametrize("kind,args", [("dflash", {"temperature": 1.0}), ("dspark", {"temperature": 0.8, "top_k": 4})])
-def test_static_sampling_follows_the_target_distribution(toy_target, kind, args):  # noqa: F811
+def walk_the_first_child(trees, logits, samplers, probs=None):
+    """A broken walk: follows each node's first child whatever the target says."""
+    from serve_eval.static_tree import _path
+
+    node = torch.zeros(trees.tokens.shape[0], dtype=torch.long)
+    for _ in range(trees.max_depth):
+        first = torch.where(trees.valid & (trees.parents == node[:, None]), 1, 0).argmax(1) + 1
+        has = (trees.valid & (trees.parents == node[:, None])).any(1)
+        node = torch.where(has, first, node)
+    depth = torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], 1).gather(1, node[:, None])[:, 0]
+    following = torch.stack([s.sample(s.probs(row[n])) for s, row, n in zip(samplers, logits, node)])
+    return _path(trees, node), depth + 1, following
+
+
+@pytest.mark.parametrize(
+    "kind,args,mode",
+    [
+        ("dflash", {"temperature": 1.0}, "chain"),
+        ("dspark", {"temperature": 0.8, "top_k": 4}, "chain"),
+        ("dflash", {"temperature": 1.0}, "tree"),
+        ("dspark", {"temperature": 1.0, "top_p": 0.9}, "tree"),
+    ],
+)
+def test_static_sampling_follows_the_target_distribution(toy_target, kind, args, mode):  # noqa: F811
     """Batches of two rows, each with its own draws, drafted and verified on the device (a DSpark chain
-    drawn position by position): the (2nd, 3rd) tokens follow the target's exact joint distribution, and
-    a verifier that keeps every draft fails the test."""
+    drawn position by position; trees whose children are drawn without replacement and walked by
+    recursive rejection sampling): the (2nd, 3rd) tokens follow the target's exact joint distribution,
+    and a verifier that keeps every draft (a walk that takes the first child) fails the test."""
     torch.manual_seed(5)
     section = DrafterSection(kind=kind, block_size=3, target_layer_ids=[0, 1, 2])
     drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
@@ -134,7 +175,14 @@ def test_static_sampling_follows_the_target_distribution(toy_target, kind, args)
         for _ in range(SAMPLES // 2):
             samplers = [Sampler(**args, generator=g) for g in gens]
             outs, _ = generate(
-                toy_target, [PROMPT, PROMPT], 3, samplers=samplers, proposer=make_proposer(drafter), backend=EAGER
+                toy_target,
+                [PROMPT, PROMPT],
+                3,
+                samplers=samplers,
+                proposer=make_proposer(drafter),
+                mode=mode,
+                tree_budget=4,
+                backend=EAGER,
             )
             for out in outs:
                 counts[out[1], out[2]] += 1
@@ -142,14 +190,15 @@ def test_static_sampling_follows_the_target_distribution(toy_target, kind, args)
 
     assert chi_square_pvalue(joint(), exact) > ALPHA
     if kind == "dflash":
-        with mock.patch.object(static, "accept_chains", accept_everything):
+        broken = ("accept_chains", accept_everything) if mode == "chain" else ("walk", walk_the_first_child)
+        with mock.patch.object(static, *broken):
             assert chi_square_pvalue(joint(), exact) < 1e-6, "the test cannot tell a broken verifier apart"
 
 
 def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_and_prompts, trained_drafters):
     """``torch.compile`` of the verify and the draft (inductor's CPU kernels): plain and DFlash / DSpark
-    decoding equal eager plain decoding; one graph per function and (rows, length) shape, none compiled
-    again by a second run or by counting host reads."""
+    decoding, chains and trees, equal eager plain decoding; one graph per function and (rows, length) shape,
+    none compiled again by a second run or by counting host reads."""
     target, _, prompts = target_and_prompts
     target = copy.deepcopy(target)
     compiled = StaticBackend(compile="on")
@@ -158,14 +207,17 @@ def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_an
     for kind in ("dflash", "dspark"):
         drafter = copy.deepcopy(trained_drafters[kind])
         for _ in range(2):
-            assert (
-                generate(target, prompts[:2], MAX_NEW, proposer=make_proposer(drafter), backend=compiled)[0]
-                == references
-            )
+            outs, _ = generate(target, prompts[:2], MAX_NEW, proposer=make_proposer(drafter), backend=compiled)
+            assert outs == references
+        proposer = make_proposer(drafter)
+        outs, _ = generate(
+            target, prompts[:2], MAX_NEW, proposer=proposer, mode="tree", tree_budget=6, backend=compiled
+        )
+        assert outs == references
         assert syncs_per_step(_run(target, prompts[:2], drafter, compiled), 8) <= 1.0
     assert [plain_generate(target, p, MAX_NEW, backend=compiled)[0] for p in prompts[:2]] == references
-    # verify: (2 rows, 8 tokens) and (1 row, 1 token); draft: (2 rows) per drafter
-    assert compiled.graphs == {"verify": 2, "draft": 2}
+    # verify: (2 rows, a block of 4), (2 rows, a tree of 6 and its root), (1 row, 1 token); draft: 2 rows, per drafter
+    assert compiled.graphs == {"verify": 3, "draft": 2}
 
 
 def test_a_divergence_is_reported_with_the_targets_top2_margin(toy_target):  # noqa: F811
@@ -191,3 +243,41 @@ def test_a_divergence_is_reported_with_the_targets_top2_margin(toy_target):  # n
     assert exact["method"] == "exact" and exact["equal_fraction"] == 0.5 and exact["divergences"][0]["token"] == at
     assert comparison(rows, [], "cuda", torch.bfloat16)["method"] == "same dtype"
     assert comparison([{"lossless": None}], [], "cpu", torch.float32) is None  # sampled: nothing to compare
+
+
+def test_device_trees_are_the_host_trees():
+    """The best-first tree built on the device holds the same paths as serve_eval.tree's heap, row by row,
+    and its ancestor mask and walk agree with the host tree's."""
+    from serve_eval.static_tree import best_first_tree, walk
+    from serve_eval.tree import build_best_first_tree, walk_tree
+
+    gen = torch.Generator().manual_seed(0)
+
+    def paths(tokens, parents, n):  # each node as the tokens from the root to it
+        out = []
+        for i in range(n):
+            path, j = [], i + 1
+            while j > 0:
+                path.append(tokens[j - 1])
+                j = parents[j - 1]
+            out.append(tuple(reversed(path)))
+        return sorted(out)
+
+    for budget in (1, 5, 12):
+        scores = torch.randn(3, 4, 9, generator=gen).log_softmax(-1)
+        trees = best_first_tree(scores, budget)
+        logits = torch.randn(3, budget + 1, 9, generator=gen)
+        logits[:, :, 0] += 3.0  # the target often agrees with a node
+        path, length, following = walk(trees, logits, [Sampler()] * 3)
+        for r in range(3):
+            host = build_best_first_tree(scores[r], budget)
+            n = int(trees.valid[r].sum())
+            assert n == len(host)
+            ours = paths(trees.tokens[r].tolist(), trees.parents[r].tolist(), n)
+            assert ours == paths(host.tokens.tolist(), [p + 1 for p in host.parents.tolist()], n)
+            from serve_eval.tree import DraftTree
+
+            mine = DraftTree(trees.tokens[r, :n], trees.parents[r, :n] - 1, trees.depths[r, :n])
+            assert torch.equal(trees.ancestors()[r, : n + 1, : n + 1], mine.ancestor_mask())
+            host_path, host_next = walk_tree(mine, logits[r, : n + 1], Sampler())
+            assert path[r, : int(length[r])].tolist() == host_path and int(following[r]) == int(host_next)
