@@ -23,7 +23,7 @@ from torch import nn
 
 from .base import DrafterBase, DrafterConfig, DrafterOutput, argmax_choice
 from .cache import ContextCache
-from .layers import MLP, DraftAttention, RMSNorm, rms
+from .layers import MLP, DraftAttention, RMSNorm, rms, store_rows
 from .losses import block_scores
 
 
@@ -197,4 +197,48 @@ class Eagle3Drafter(DrafterBase):
                 cache.length += 1  # the draft's entry, seen by the next draft
         finally:
             cache.length = length  # the drafts' entries are scratch: the next extend overwrites them
+        return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)
+
+    # ---------------------------------------------------------------------------------------------
+    # The same decoding over R rows in shapes fixed from call to call (the static step, serve_eval.static):
+    # each row's length a tensor, its entries written at its own slots of buffers [R, heads, S, D] (zero
+    # where never written), attention over whole buffers under masks; no value is read on the host.
+
+    def _rows_step(self, emb, hidden, pos, slots, keys, values, mask):
+        layer, end = self.layer, keys.shape[2]
+        x = layer.layer_input(emb, hidden, lean=True)
+        k, v = layer.attn.project_kv(x, pos, lean=True, end=end)
+        store_rows(keys, values, k, v, slots)
+        h = hidden + layer.attn.attend(x, pos, keys, values, mask[:, None], lean=True, end=end)
+        return h + layer.mlp(rms(layer.post_norm, h))
+
+    def extend_rows(self, aux, next_tokens, counts, lengths, keys, values) -> torch.Tensor:
+        """:meth:`extend` over R rows: row ``r`` appends the first ``counts[r]`` of ``aux`` [R, A, F] (each
+        position with its next token, ``next_tokens`` [R, A]) after its ``lengths[r]`` cached positions;
+        the rest is padding, written to the buffers' last slot, which no query sees. Returns the layer
+        output at each row's last appended position [R, 1, H] (meaningless where ``counts`` is 0)."""
+        S = keys.shape[2]
+        i = torch.arange(aux.shape[1], device=aux.device)
+        pos = lengths[:, None] + i
+        slots = torch.where(i < counts[:, None], pos, S - 1)
+        slot = torch.arange(S, device=aux.device)
+        mask = (slot <= pos[:, :, None]) & (slot < S - 1)
+        g = self._rows_step(self.embed_tokens(next_tokens), self.fc(aux), pos, slots, keys, values, mask)
+        return g.gather(1, (counts - 1).clamp_min(0)[:, None, None].expand(-1, 1, g.shape[-1]))
+
+    def draft_rows(self, g, lengths, keys, values, steps: int, choose=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`propose_chain` over R rows from the layer outputs ``g`` [R, 1, H] at each row's newest of
+        ``lengths[r]`` cached positions: ``steps`` drafts [R, steps] and their logits [R, steps, V]; each
+        draft's entry is scratch at the row's slot ``lengths[r] + s``."""
+        choose = choose or argmax_choice
+        slot = torch.arange(keys.shape[2], device=g.device)
+        tokens, logits = [], []
+        for s in range(steps):
+            step_logits = self.lm_head(rms(self.norm, g))
+            logits.append(step_logits)
+            tokens.append(choose(step_logits))
+            if s == steps - 1:
+                break
+            pos = (lengths + s)[:, None]
+            g = self._rows_step(self.embed_tokens(tokens[-1]), g, pos, pos, keys, values, slot <= pos[:, :, None])
         return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)

@@ -333,13 +333,13 @@ class InjectedLayer(nn.Module):
         kv_in = torch.cat([ctx, h], dim=1)
         if self.gate_up_proj is None:
             k, v = self.attn.project_kv(kv_in, kv_pos, lean=True, end=keys.shape[2])
-            _store(keys, values, k, v, slots)
+            store_rows(keys, values, k, v, slots)
             return self._attend_and_mlp(
                 x, h, kv_pos[:, -x.shape[1] :], keys, values, mask, lean=True, end=keys.shape[2]
             )
         # fused (fuse_projections): queries, keys and values in one product, the MLP's two inputs in another
         q, k, v = self.attn.project_qkv(kv_in, kv_pos, x.shape[1], end=keys.shape[2])
-        _store(keys, values, k, v, slots)
+        store_rows(keys, values, k, v, slots)
         x = x + self.attn.attend_queries(q, keys, values, mask, lean=True)
         gate, up = self.gate_up_proj(rms(self.post_norm, x)).chunk(2, dim=-1)
         return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
@@ -349,7 +349,7 @@ class InjectedLayer(nn.Module):
         return x + self.mlp(rms(self.post_norm, x, lean))
 
 
-def _store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def store_rows(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Write keys and values [R, heads, L, D] into cache buffers [R, heads, S, D], row by row to ``slots`` [R, L]."""
     batch = torch.arange(slots.shape[0], device=slots.device)[:, None]
     keys[batch, :, slots], values[batch, :, slots] = k.transpose(1, 2), v.transpose(1, 2)

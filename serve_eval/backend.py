@@ -107,7 +107,7 @@ def backend_for(
 def decoding_backend(dec, device, drafter, drafter_is_target: bool = False) -> Backend:
     """:func:`backend_for` as a recipe's ``decoding`` section (:class:`distill.base.decoding.DecodingSection`)
     sets it up for ``drafter`` on ``device``."""
-    from drafters import is_block_drafter
+    from .static import serves
 
     return backend_for(
         dec.backend,
@@ -115,7 +115,7 @@ def decoding_backend(dec, device, drafter, drafter_is_target: bool = False) -> B
         drafter,
         drafter_is_target,
         static={"compile": dec.static.compile, "buckets": tuple(dec.static.buckets)},
-        static_refusal=dec.static_refusal(is_block_drafter(drafter)),
+        static_refusal=dec.static_refusal(serves(drafter)),
         int8=dec.cpu.int8,
         prepack=dec.cpu.prepack,
         compile=dec.cpu.compile,

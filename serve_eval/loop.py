@@ -37,7 +37,7 @@ from .backend import TORCH, Backend
 from .budget import COPY_Q, Budget, CausalChain
 from .kv import KVQuant
 from .lookup import graft
-from .proposers import BlockProposer, LookupProposer, Proposer, make_proposer
+from .proposers import BlockProposer, Eagle3Proposer, LookupProposer, Proposer, make_proposer
 from .sampling import Sampler
 from .session import TargetSession
 from .static import static_generate
@@ -264,12 +264,15 @@ def generate(
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
     if backend.static:
         why = static_unsupported(
-            proposer is None or isinstance(proposer, BlockProposer), budget is not None, lookup, kv is not None
+            proposer is None or isinstance(proposer, (BlockProposer, Eagle3Proposer)),
+            budget is not None,
+            lookup,
+            kv is not None,
         )
         if why:
             raise ValueError(f"decoding.backend = 'static': {why}")
         drafter = None if proposer is None else proposer.drafter
-        threshold = 0.0 if proposer is None else proposer.confidence_threshold
+        threshold = getattr(proposer, "confidence_threshold", 0.0)
         return static_generate(
             target,
             prompts,

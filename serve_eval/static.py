@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from distill.base.features import FeatureCapture, decoder_layers
 from distill.base.masks import LayerMasks
-from drafters import is_block_drafter
+from drafters import Eagle3Drafter, is_block_drafter
 from drafters.cache import ContextCache
 
 from .backend import Backend
@@ -234,6 +234,21 @@ def _draft(drafter, anchors, counts, features, context, propose: bool):
     return hidden, drafter.propose(hidden, anchors[:, None]) if propose else None
 
 
+def _draft_eagle3(drafter, features, next_tokens, counts, lengths, g, keys, values, steps: int, propose: bool):
+    """EAGLE-3's draft (the compiled unit): the arriving features appended to each row's context, then,
+    with ``propose``, its greedy chain of ``steps`` drafts. Returns the newest layer outputs, the rows'
+    lengths and the proposal (or None)."""
+    new = drafter.extend_rows(features, next_tokens, counts, lengths, keys, values)
+    g = torch.where((counts > 0)[:, None, None], new, g)
+    lengths = lengths + counts
+    return g, lengths, drafter.draft_rows(g, lengths, keys, values, steps) if propose else None
+
+
+def serves(drafter) -> bool:
+    """Whether the static step drafts with ``drafter``: block drafters (DFlash, DSpark), EAGLE-3, or none."""
+    return drafter is None or is_block_drafter(drafter) or isinstance(drafter, Eagle3Drafter)
+
+
 class _Hooks:
     """Hooks on the target for the length of a run: the features' layers fill ``captured``, and each
     windowed attention layer reads its mask from ``windowed[w]`` (what :class:`LayerMasks` cuts per call,
@@ -363,8 +378,10 @@ class _Group:
         self.stops = torch.tensor(stops or [-1], device=self.device)  # -1: no token stops a row
         self.prompts = prompts
         self.steps = 0
+        self.eagle = isinstance(drafter, Eagle3Drafter)
         self.verify = backend.compiled(target, _verify, self.device)
-        self.draft = backend.compiled(drafter, _draft, self.device) if drafter is not None else None
+        draft = _draft_eagle3 if self.eagle else _draft
+        self.draft = backend.compiled(drafter, draft, self.device) if drafter is not None else None
 
     def _prefill(self, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every prompt through the target (eager, once), written at slots 0..; the logits after each
@@ -395,7 +412,7 @@ class _Group:
         bonus = choose_rows(samplers, logits)
         n = bucket(drafts + 1, self.backend.buckets) if drafter is not None else 1
         if drafter is not None:
-            context, features, arriving = self._context(aux)
+            context, features, arriving = self._context(aux, bonus)
         W = self.K if tree_budget else n  # tokens a step can emit
         width = self.max_new + W
         out = torch.zeros(R, width, dtype=torch.long, device=device)
@@ -416,6 +433,8 @@ class _Group:
                 self.steps += 1
                 for r in range(R):
                     stats[r].target_forwards += not finished[r]
+                if device.type == "cuda":  # a new step: CUDA graphs may reuse the last one's output memory
+                    torch.compiler.cudagraph_mark_step_begin()
                 self.clock.mark()
                 if drafter is None:
                     emitted, kept, following, feats, limit = self._chain(bonus[:, None], samplers)
@@ -442,6 +461,8 @@ class _Group:
                 if drafter is not None:
                     features[:, : min(feats.shape[1], self.K)] = feats[:, : self.K]
                     arriving = advance
+                    if self.eagle:  # each arriving position's next token
+                        self.next_tokens[:, : min(emitted.shape[1], self.K)] = emitted[:, : self.K]
         finally:
             self.hooks.remove()
         draft_seconds, verify_seconds = self.clock.phases()
@@ -502,24 +523,36 @@ class _Group:
         return emitted, kept, following, kept_feats, None
 
     # -- the drafter ----------------------------------------------------------------------------------
-    def _context(self, aux: torch.Tensor):
+    def _context(self, aux: torch.Tensor, bonus: torch.Tensor):
         """The drafter's context cache with every prompt's features written in (row ``r``'s first
-        ``len(prompt)``), and the buffers the arriving features take: [R, K, F] and counts [R]."""
+        ``len(prompt)``; EAGLE-3: each with its next token, the last with the first bonus), and the
+        buffers the arriving features take: [R, K, F] and counts [R]."""
         drafter, R, K = self.drafter, self.R, self.K
         cfg = drafter.config
+        layers = 1 if self.eagle else len(drafter.layers)
         context = ContextCache(spare=K, capacity=self.capacity + K + 1)
         context.start(R)
         like = aux.new_zeros(R, cfg.num_key_value_heads, 0, cfg.head_dim).to(drafter.dtype)
-        context.ensure(self.capacity + K + 1, like, len(drafter.layers))
+        context.ensure(self.capacity + K + 1, like, layers)
         if self.device.type == "cuda":
             for buffer in context.keys + context.values:
                 torch._dynamo.mark_static_address(buffer)
-        kv = drafter.context_kv(
-            aux.to(drafter.dtype), torch.arange(aux.shape[1], device=aux.device)[None].expand(R, -1), lean=True
-        )
-        for (k, v), keys, values in zip(kv, context.keys, context.values):
-            keys[:, :, : k.shape[2]] = k
-            values[:, :, : v.shape[2]] = v
+        aux = aux.to(drafter.dtype)
+        positions = torch.arange(aux.shape[1], device=aux.device)[None].expand(R, -1)
+        if self.eagle:
+            following = torch.zeros(R, aux.shape[1], dtype=torch.long, device=self.device)
+            for r, p in enumerate(self.prompts):
+                following[r, : len(p) - 1] = p[1:].to(self.device)
+            following.scatter_(1, (self.lengths - 1)[:, None], bonus[:, None])
+            zeros = torch.zeros_like(self.lengths)
+            self.g = drafter.extend_rows(aux, following, self.lengths, zeros, context.keys[0], context.values[0])
+            self.next_tokens = torch.zeros(R, K, dtype=torch.long, device=self.device)
+        else:
+            for (k, v), keys, values in zip(
+                drafter.context_kv(aux, positions, lean=True), context.keys, context.values
+            ):
+                keys[:, :, : k.shape[2]] = k
+                values[:, :, : v.shape[2]] = v
         self.context_lengths = self.lengths.clone()
         features = torch.zeros(R, K, drafter.fc.in_features, dtype=drafter.dtype, device=self.device)
         return context, features, torch.zeros(R, dtype=torch.long, device=self.device)
@@ -528,6 +561,16 @@ class _Group:
         """The block after each row's bonus, drafted from its context and the features that arrived:
         drafts [R, K - 1], the logits they were drawn from [R, K - 1, V] and a DSpark's confidence (or None)."""
         drafter, greedy = self.drafter, samplers[0].greedy
+        if self.eagle:
+            keys, values = context.keys[0], context.values[0]
+            self.g, self.context_lengths, proposal = self.draft(
+                drafter, features, self.next_tokens, arriving, self.context_lengths, self.g, keys, values,
+                self.K - 1, greedy,
+            )  # fmt: skip
+            if proposal is None:  # sampled: each draft drawn from the logits before it
+                choose = functools.partial(choose_rows, samplers)
+                proposal = drafter.draft_rows(self.g, self.context_lengths, keys, values, self.K - 1, choose)
+            return proposal[0], proposal[1], None
         counts = torch.stack([self.context_lengths, arriving], dim=1)
         propose = greedy or not drafter.conditional_drafts
         hidden, proposal = self.draft(drafter, bonus, counts, features, context, propose)

@@ -167,11 +167,12 @@ class SSDSection(Strict):
     )
 
 
-def static_unsupported(block: bool, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
-    """Why the static step (:mod:`serve_eval.static`) cannot serve a run (None: it can): ``block``, whether the drafter is a block
-    drafter or none; ``budget``, whether a per-step budget chooses; ``quantized_kv``, a quantized cache."""
-    if not block:
-        return "it drafts with block drafters (DFlash, DSpark) or none; EAGLE-3 and causal-LM drafters run on the torch backend"
+def static_unsupported(drafter: bool, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
+    """Why the static step (:mod:`serve_eval.static`) cannot serve a run (None: it can): ``drafter``, whether
+    it drafts with the run's drafter (DFlash, DSpark, EAGLE-3, or none); ``budget``, whether a per-step budget
+    chooses; ``quantized_kv``, a quantized cache."""
+    if not drafter:
+        return "it drafts with DFlash, DSpark and EAGLE-3 drafters or none; causal-LM drafters run on the torch backend"
     if budget:
         return "it verifies a fixed number of drafts a step (decoding.budget.adaptive: false)"
     if lookup:
@@ -286,7 +287,7 @@ class DecodingSection(Strict):
         description="cpu: the CPU kernels and their settings (decoding.cpu); torch: plain torch / transformers "
         "modules on any device (no C++ ops, no prepacked weights, no int8 drafter, no compiled "
         "draft, no lean forward); static: torch with the static-shape step (decoding.static: fixed "
-        "caches, one host read a step, compiled; block drafters, chains, no adaptive budget, no "
+        "caches, one host read a step, compiled; DFlash, DSpark, EAGLE-3, no adaptive budget, no "
         "lookup, a full KV cache); auto: cpu on a CPU device, static on a GPU where it serves the "
         "run, else torch",
     )
@@ -300,9 +301,9 @@ class DecodingSection(Strict):
     cpu: CpuSection = Field(default_factory=CpuSection)
     static: StaticSection = Field(default_factory=StaticSection)
 
-    def static_refusal(self, block_drafter: bool = True) -> str | None:
-        """Why the static step cannot serve these settings with a block drafter or another (None: it can)."""
-        why = static_unsupported(block_drafter, self.budget.adaptive, self.lookup.tokens, self.kv.format != "full")
+    def static_refusal(self, drafter_served: bool = True) -> str | None:
+        """Why the static step cannot serve these settings with a drafter it serves or another (None: it can)."""
+        why = static_unsupported(drafter_served, self.budget.adaptive, self.lookup.tokens, self.kv.format != "full")
         return why or ("speculative speculation (decoding.ssd) runs on the torch backend" if self.ssd.enabled else None)
 
     @model_validator(mode="after")

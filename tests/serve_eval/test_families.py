@@ -348,7 +348,7 @@ def test_a_family_the_loop_cannot_run_is_refused_at_validation(tmp_path, folders
 def test_the_static_step_is_lossless(targets, tokenizer, family):
     """The static-shape step (serve_eval.static, eager) over every family: fixed-capacity caches that attend
     every slot through masks (windows cut per layer, by each slot's position in a tree), ragged rows in two
-    slots, DFlash and DSpark chains and trees, and scripted drafts always kept (the cache keeps verified drafts) and always refused (rolled back)."""
+    slots, DFlash, DSpark and EAGLE-3 chains and trees, and scripted drafts always kept (the cache keeps verified drafts) and always refused (rolled back)."""
     from serve_eval import static
     from serve_eval.static import StaticBackend
 
@@ -357,7 +357,7 @@ def test_the_static_step_is_lossless(targets, tokenizer, family):
     batch = prompts(3)
     references = [plain_generate(target, p, MAX_NEW)[0] for p in batch]
     assert generate(target, batch, MAX_NEW, backend=backend)[0] == references
-    for kind in ("dflash", "dspark"):
+    for kind in ("dflash", "dspark", "eagle3"):
         for mode in ("chain", "tree"):
             proposer = make_proposer(drafter(target, kind, tokenizer))
             outs, _ = generate(

@@ -57,7 +57,7 @@ def _run(target, prompts, drafter, backend, samplers=None, mode="chain"):
     return run
 
 
-@pytest.mark.parametrize("kind", [None, "dflash", "dspark"])
+@pytest.mark.parametrize("kind", [None, "dflash", "dspark", "eagle3"])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -75,7 +75,7 @@ def test_a_static_step_reads_the_host_once(target_and_prompts, trained_drafters,
         assert syncs_per_step(_run(target, batch, drafter, TORCH, samplers, mode), 8) > 1.0
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "eagle3"])
 def test_static_decoding_equals_plain_greedy(target_and_prompts, trained_drafters, kind):
     """One row and ragged batches over two slots, every draft and a fixed number padded to a bucket, a
     confidence cut (DSpark), stop tokens: the tokens of plain greedy decoding."""
@@ -122,8 +122,8 @@ def test_the_static_backend_refuses_what_it_does_not_serve(target_and_prompts, t
     from serve_eval.budget import Budget
 
     target, _, prompts = target_and_prompts
-    proposer = make_proposer(trained_drafters["eagle3"])
-    with pytest.raises(ValueError, match="decoding.backend = 'static': it drafts with block drafters"):
+    proposer = make_proposer(target, draft_length=3)  # the target drafting for itself: a causal-LM drafter
+    with pytest.raises(ValueError, match="decoding.backend = 'static': it drafts with DFlash, DSpark and EAGLE-3"):
         generate(target, prompts[:1], 4, proposer=proposer, backend=EAGER)
     with pytest.raises(ValueError, match="budget.adaptive"):
         proposer = make_proposer(trained_drafters["dflash"])
@@ -156,8 +156,10 @@ def walk_the_first_child(trees, logits, samplers, probs=None):
     [
         ("dflash", {"temperature": 1.0}, "chain"),
         ("dspark", {"temperature": 0.8, "top_k": 4}, "chain"),
+        ("eagle3", {"temperature": 1.0, "top_p": 0.9}, "chain"),
         ("dflash", {"temperature": 1.0}, "tree"),
         ("dspark", {"temperature": 1.0, "top_p": 0.9}, "tree"),
+        ("eagle3", {"temperature": 1.0}, "tree"),
     ],
 )
 def test_static_sampling_follows_the_target_distribution(toy_target, kind, args, mode):  # noqa: F811
@@ -166,7 +168,7 @@ def test_static_sampling_follows_the_target_distribution(toy_target, kind, args,
     recursive rejection sampling): the (2nd, 3rd) tokens follow the target's exact joint distribution,
     and a verifier that keeps every draft (a walk that takes the first child) fails the test."""
     torch.manual_seed(5)
-    section = DrafterSection(kind=kind, block_size=3, target_layer_ids=[0, 1, 2])
+    section = DrafterSection(kind=kind, block_size=3, num_target_layers=3, target_layer_ids=[0, 1, 2])
     drafter = build_drafter(section, toy_target, "toy", mask_token_id=VOCAB - 1).eval()
     exact = exact_joint(toy_target, Sampler(**args))
 
@@ -196,15 +198,15 @@ def test_static_sampling_follows_the_target_distribution(toy_target, kind, args,
 
 
 def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_and_prompts, trained_drafters):
-    """``torch.compile`` of the verify and the draft (inductor's CPU kernels): plain and DFlash / DSpark
-    decoding, chains and trees, equal eager plain decoding; one graph per function and (rows, length) shape,
+    """``torch.compile`` of the verify and the draft (inductor's CPU kernels): plain and DFlash / DSpark /
+    EAGLE-3 decoding, chains and trees, equal eager plain decoding; one graph per function and (rows, length) shape,
     none compiled again by a second run or by counting host reads."""
     target, _, prompts = target_and_prompts
     target = copy.deepcopy(target)
     compiled = StaticBackend(compile="on")
     references = [plain_generate(target, p, MAX_NEW)[0] for p in prompts[:2]]
     compiled.prepare(target, None, prompts, MAX_NEW)
-    for kind in ("dflash", "dspark"):
+    for kind in ("dflash", "dspark", "eagle3"):
         drafter = copy.deepcopy(trained_drafters[kind])
         for _ in range(2):
             outs, _ = generate(target, prompts[:2], MAX_NEW, proposer=make_proposer(drafter), backend=compiled)
@@ -217,7 +219,7 @@ def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_an
         assert syncs_per_step(_run(target, prompts[:2], drafter, compiled), 8) <= 1.0
     assert [plain_generate(target, p, MAX_NEW, backend=compiled)[0] for p in prompts[:2]] == references
     # verify: (2 rows, a block of 4), (2 rows, a tree of 6 and its root), (1 row, 1 token); draft: 2 rows, per drafter
-    assert compiled.graphs == {"verify": 3, "draft": 2}
+    assert compiled.graphs == {"verify": 3, "draft": 2, "draft_eagle3": 1}
 
 
 def test_a_divergence_is_reported_with_the_targets_top2_margin(toy_target):  # noqa: F811
