@@ -40,7 +40,7 @@ from .lookup import graft
 from .proposers import BlockProposer, Eagle3Proposer, LookupProposer, Proposer, make_proposer
 from .sampling import Sampler
 from .session import TargetSession
-from .static import static_generate
+from .static import serves, static_generate
 from .timing import device_clock
 from .tree import DraftTree, build_best_first_tree, sample_tree
 from .verify import choose_rows, next_outcome, unverified_outcomes, verify_chains, walk_trees
@@ -264,15 +264,15 @@ def generate(
         raise ValueError("samplers: every row greedy (temperature 0) or every row sampled, not both")
     if backend.static:
         why = static_unsupported(
-            proposer is None or isinstance(proposer, (BlockProposer, Eagle3Proposer)),
+            proposer is None
+            or isinstance(proposer, (BlockProposer, Eagle3Proposer))
+            or (hasattr(proposer, "model") and serves(proposer.model)),
             budget is not None,
             lookup,
             kv is not None,
         )
         if why:
             raise ValueError(f"decoding.backend = 'static': {why}")
-        drafter = None if proposer is None else proposer.drafter
-        threshold = getattr(proposer, "confidence_threshold", 0.0)
         return static_generate(
             target,
             prompts,
@@ -280,8 +280,7 @@ def generate(
             eos_token_id,
             samplers,
             backend,
-            drafter,
-            threshold,
+            proposer,
             verify_drafts,
             slots,
             tree_budget if mode == "tree" and proposer is not None else 0,

@@ -105,7 +105,7 @@ class StaticBackend(Backend):
         if compile not in COMPILE:
             raise ValueError(f"decoding.static.compile = {compile!r}: expected one of {', '.join(COMPILE)}")
         self.compile, self.buckets = compile, tuple(sorted(buckets))
-        self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Compiled
+        self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Compiled functions, by name
         self.graphs: Counter[str] = Counter()  # graphs compiled so far: the verify's and the draft's, per shape
         self.capacity = 0  # the target cache's slots: set for a run by prepare, so that one graph serves every call
 
@@ -117,11 +117,12 @@ class StaticBackend(Backend):
         return max(256, 1 << (needed - 1).bit_length())
 
     def compiled(self, model, fn, device) -> Compiled:
-        """``fn`` over ``model`` as this backend runs it: one :class:`Compiled` per model for the backend's
-        life, so that its graphs serve every run."""
-        if model not in self._compiled:
-            self._compiled[model] = Compiled(fn, self.mode(device), self.graphs)
-        return self._compiled[model]
+        """``fn`` over ``model`` as this backend runs it: one :class:`Compiled` per model and function for the
+        backend's life, so that its graphs serve every run."""
+        mine = self._compiled.setdefault(model, {})  # a target drafting for itself has both functions
+        if fn.__name__ not in mine:
+            mine[fn.__name__] = Compiled(fn, self.mode(device), self.graphs)
+        return mine[fn.__name__]
 
     def mode(self, device) -> str | None:
         """The ``torch.compile`` mode on ``device`` (None: eager)."""
@@ -244,9 +245,18 @@ def _draft_eagle3(drafter, features, next_tokens, counts, lengths, g, keys, valu
     return g, lengths, drafter.draft_rows(g, lengths, keys, values, steps) if propose else None
 
 
+def _draft_lm(model, ids, positions, mask, cache, kwargs: dict):
+    """A causal LM's forward over ``ids`` [R, n] (the compiled unit of an LM or PARD drafter's draft)."""
+    return model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, **kwargs).logits
+
+
 def serves(drafter) -> bool:
-    """Whether the static step drafts with ``drafter``: block drafters (DFlash, DSpark), EAGLE-3, or none."""
-    return drafter is None or is_block_drafter(drafter) or isinstance(drafter, Eagle3Drafter)
+    """Whether the static step drafts with ``drafter``: block drafters (DFlash, DSpark), EAGLE-3, a causal LM
+    whose every layer keeps an attention cache (a student, a PARD LM), or none."""
+    if drafter is None or is_block_drafter(drafter) or isinstance(drafter, Eagle3Drafter):
+        return True
+    layers = DynamicCache(config=drafter.config).layers
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
 
 
 class _Hooks:
@@ -321,20 +331,20 @@ def static_generate(
     stop_ids,
     samplers: list[Sampler],
     backend: StaticBackend,
-    drafter=None,
-    confidence_threshold: float = 0.0,
+    proposer=None,
     verify_drafts: int = 0,
     slots: int | None = None,
     tree_budget: int = 0,
 ):
-    """Decode ``prompts`` as :func:`serve_eval.loop.generate` does (plain without a ``drafter``,
-    speculative with a block drafter: chains, or trees of ``tree_budget`` nodes), ``slots`` rows at a time,
+    """Decode ``prompts`` as :func:`serve_eval.loop.generate` does (plain without a ``proposer``, speculative
+    with a block drafter's, EAGLE-3's, a causal LM's or a PARD LM's: chains, or trees of ``tree_budget``
+    nodes), ``slots`` rows at a time,
     through the static step; ``stop_ids``:
     the tokens that end a row (an int, a collection, or None). Returns each prompt's tokens and a
     :class:`~serve_eval.loop.BatchStats`."""
     from .loop import BatchStats, GenerationStats, truncate
 
-    K = drafter.config.block_size if drafter is not None else 1
+    K = proposer.block_size if proposer is not None else 1
     drafts = min(verify_drafts or K - 1, K - 1)
     stats = BatchStats(
         prompts=[GenerationStats(accepted_by_position=[0] * drafts, drafted_by_position=[0] * drafts) for _ in prompts]
@@ -345,10 +355,8 @@ def static_generate(
     width = slots or len(prompts)
     for first in range(0, len(prompts), width):
         group = list(range(first, min(first + width, len(prompts))))
-        run = _Group(target, drafter, [prompts[i] for i in group], max_new_tokens, stops, backend, tree_budget)
-        tokens = run.decode(
-            [samplers[i] for i in group], drafts, confidence_threshold, [stats.prompts[i] for i in group], tree_budget
-        )
+        run = _Group(target, proposer, [prompts[i] for i in group], max_new_tokens, stops, backend, tree_budget)
+        tokens = run.decode([samplers[i] for i in group], drafts, [stats.prompts[i] for i in group], tree_budget)
         outs += tokens
         stats.steps += run.steps
         stats.row_steps += run.steps * len(group)
@@ -363,13 +371,31 @@ def static_generate(
 class _Group:
     """One group of rows decoded together: the target's static cache and, with a drafter, its context."""
 
-    def __init__(self, target, drafter, prompts, max_new: int, stops: list[int], backend, tree_budget: int = 0):
+    def __init__(self, target, proposer, prompts, max_new: int, stops: list[int], backend, tree_budget: int = 0):
+        from .proposers import BlockProposer, Eagle3Proposer, PardProposer
+
+        drafter = None if proposer is None else getattr(proposer, "drafter", None) or proposer.model
         self.target, self.drafter, self.backend = target, drafter, backend
+        self.kind = (
+            None
+            if proposer is None
+            else "block"
+            if isinstance(proposer, BlockProposer)
+            else "eagle3"
+            if isinstance(proposer, Eagle3Proposer)
+            else "pard"
+            if isinstance(proposer, PardProposer)
+            else "lm"
+        )
+        self.threshold = getattr(proposer, "confidence_threshold", 0.0)
+        self.layer_ids = tuple(proposer.target_layer_ids or ()) if proposer is not None else ()
+        self.lm_kwargs = getattr(proposer, "forward_kwargs", {})
+        self.mask_token_id = getattr(proposer, "mask_token_id", None)
         self.device = next(target.parameters()).device
         self.R, self.max_new = len(prompts), max_new
         self.lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.longest = int(self.lengths.max())
-        self.K = drafter.config.block_size if drafter is not None else 1
+        self.K = proposer.block_size if proposer is not None else 1
         self.capacity = backend.slots_for(
             self.longest + max_new + max(bucket(self.K, backend.buckets), tree_budget + 1) + 1
         )
@@ -378,10 +404,10 @@ class _Group:
         self.stops = torch.tensor(stops or [-1], device=self.device)  # -1: no token stops a row
         self.prompts = prompts
         self.steps = 0
-        self.eagle = isinstance(drafter, Eagle3Drafter)
+        self.eagle = self.kind == "eagle3"
         self.verify = backend.compiled(target, _verify, self.device)
-        draft = _draft_eagle3 if self.eagle else _draft
-        self.draft = backend.compiled(drafter, draft, self.device) if drafter is not None else None
+        draft = {"block": _draft, "eagle3": _draft_eagle3, "lm": _draft_lm, "pard": _draft_lm}.get(self.kind)
+        self.draft = backend.compiled(drafter, draft, self.device) if draft is not None else None
 
     def _prefill(self, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every prompt through the target (eager, once), written at slots 0..; the logits after each
@@ -401,17 +427,19 @@ class _Group:
         return logits[:, 0], None if feats is None else feats.aux
 
     def decode(  # noqa: PLR0912, PLR0915 (the step in order)
-        self, samplers: list[Sampler], drafts: int, threshold: float, stats: list, tree_budget: int = 0
+        self, samplers: list[Sampler], drafts: int, stats: list, tree_budget: int = 0
     ) -> list[list[int]]:
         """Decode the group's rows: ``drafts`` a step (0: plain) as a chain, or with ``tree_budget`` a tree of
-        that many nodes; ``threshold``: DSpark's confidence cut. Fills each row's ``stats`` and returns its
-        tokens (up to where it stopped; the caller truncates)."""
-        R, device, drafter = self.R, self.device, self.drafter
-        layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+        that many nodes. Fills each row's ``stats`` and returns its tokens (up to where it stopped; the
+        caller truncates)."""
+        R, device, drafter, threshold = self.R, self.device, self.drafter, self.threshold
+        layer_ids = list(self.layer_ids)
         logits, aux = self._prefill(layer_ids)
         bonus = choose_rows(samplers, logits)
         n = bucket(drafts + 1, self.backend.buckets) if drafter is not None else 1
-        if drafter is not None:
+        if self.kind in ("lm", "pard"):
+            context, features, arriving = self._lm_context(bonus)
+        elif drafter is not None:
             context, features, arriving = self._context(aux, bonus)
         W = self.K if tree_budget else n  # tokens a step can emit
         width = self.max_new + W
@@ -424,7 +452,6 @@ class _Group:
         accepted = torch.zeros_like(verified)
         self.hooks, self.clock = _Hooks(self.target, layer_ids), _Clock(device)
         steps = torch.arange(W, device=device)
-        self.layer_ids = tuple(layer_ids)
         try:
             while True:
                 finished = done.tolist()  # the step's one host read
@@ -439,7 +466,10 @@ class _Group:
                 if drafter is None:
                     emitted, kept, following, feats, limit = self._chain(bonus[:, None], samplers)
                 else:
-                    block = self._block(bonus, context, features, arriving, samplers)
+                    if self.kind in ("lm", "pard"):
+                        block = self._lm_block(context, arriving, samplers)
+                    else:
+                        block = self._block(bonus, context, features, arriving, samplers)
                     if tree_budget:
                         emitted, kept, following, feats, limit = self._tree(bonus, block, samplers, tree_budget)
                     else:
@@ -459,12 +489,15 @@ class _Group:
                     verified += reached & (position < (drafts if limit is None else limit[:, None]))
                     accepted += reached & (position < kept[:, None])
                 if drafter is not None:
-                    features[:, : min(feats.shape[1], self.K)] = feats[:, : self.K]
+                    if feats is not None:
+                        features[:, : min(feats.shape[1], self.K)] = feats[:, : self.K]
                     arriving = advance
-                    if self.eagle:  # each arriving position's next token
+                    if self.eagle or self.kind in ("lm", "pard"):  # the tokens after the arriving positions
                         self.next_tokens[:, : min(emitted.shape[1], self.K)] = emitted[:, : self.K]
         finally:
             self.hooks.remove()
+            if self.kind in ("lm", "pard"):
+                self.lm_hooks.remove()
         draft_seconds, verify_seconds = self.clock.phases()
         for s, v, a in zip(stats, verified.tolist(), accepted.tolist()):
             s.draft_seconds, s.verify_seconds = draft_seconds, verify_seconds
@@ -556,6 +589,61 @@ class _Group:
         self.context_lengths = self.lengths.clone()
         features = torch.zeros(R, K, drafter.fc.in_features, dtype=drafter.dtype, device=self.device)
         return context, features, torch.zeros(R, dtype=torch.long, device=self.device)
+
+    # -- a causal-LM drafter (a student, Parcae) or a PARD one: its own static cache over the rows ------------
+    def _lm_context(self, bonus: torch.Tensor):
+        """The LM's static cache with every prompt read (eagerly, once); the first step reads the bonus."""
+        model, R, K = self.drafter, self.R, self.K
+        self.lm_slots = RowSlots()
+        cache = static_cache(model.config, self.capacity + 2 * K, self.lm_slots)
+        L, device = self.longest, self.device
+        ids = torch.zeros(R, L, dtype=torch.long, device=device)
+        for r, p in enumerate(self.prompts):
+            ids[r, : len(p)] = p.to(device)
+        positions = torch.arange(L, device=device)[None].expand(R, L)
+        slot = torch.arange(self.capacity + 2 * K, device=device)
+        mask = (slot <= positions[:, :, None]) & (slot < self.lengths[:, None])[:, None, :]
+        self.lm_slots.starts = torch.zeros(R, dtype=torch.long, device=device)
+        self.lm_hooks = _Hooks(model, [])
+        mask = self.lm_hooks.set_masks(mask[:, None], positions)
+        model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, logits_to_keep=1, **self.lm_kwargs)
+        self.context_lengths = self.lengths.clone()
+        self.next_tokens = torch.zeros(R, K, dtype=torch.long, device=device)
+        self.next_tokens[:, 0] = bonus
+        return cache, None, torch.ones(R, dtype=torch.long, device=device)
+
+    def _lm_forward(self, cache, ids, positions):
+        slot = torch.arange(cache.layers[0].capacity, device=ids.device)
+        mask = self.lm_hooks.set_masks((slot <= positions[:, :, None])[:, None], positions)
+        self.lm_slots.starts = positions[:, 0]
+        return self.draft(self.drafter, ids, positions, mask, cache, self.lm_kwargs)
+
+    def _lm_block(self, cache, arriving, samplers):
+        """The LM reads each row's newly verified tokens (``arriving`` of ``next_tokens``, the bonus last) and
+        drafts ``K - 1``: one token a forward after them (an LM), or all from one forward over them and
+        ``K - 2`` mask tokens (PARD); the drafts' entries are scratch, the next read writes over them."""
+        K, device = self.K, self.device
+        i = torch.arange(K, device=device)
+        choose = functools.partial(choose_rows, samplers)
+        if self.kind == "pard":
+            j = torch.arange(2 * K - 2, device=device)
+            padded = torch.cat([self.next_tokens, torch.zeros_like(self.next_tokens[:, : K - 2])], dim=1)
+            ids = torch.where(j < arriving[:, None], padded, self.mask_token_id)
+            logits = self._lm_forward(cache, ids, self.context_lengths[:, None] + j)
+            at = (arriving[:, None] - 1 + i[: K - 1]).clamp(0, 2 * K - 3)  # a finished row reads none
+            logits = logits.gather(1, at[:, :, None].expand(-1, -1, logits.shape[-1]))
+            self.context_lengths = self.context_lengths + arriving
+            return choose(logits), logits, None
+        logits = self._lm_forward(cache, self.next_tokens, self.context_lengths[:, None] + i)
+        step = logits.gather(1, (arriving - 1).clamp_min(0)[:, None, None].expand(-1, 1, logits.shape[-1]))
+        self.context_lengths = self.context_lengths + arriving
+        tokens, all_logits = [], []
+        for s in range(K - 1):
+            tokens.append(choose(step))
+            all_logits.append(step)
+            if s < K - 2:
+                step = self._lm_forward(cache, tokens[-1], (self.context_lengths + s)[:, None])
+        return torch.cat(tokens, dim=1), torch.cat(all_logits, dim=1), None
 
     def _block(self, bonus, context, features, arriving, samplers):
         """The block after each row's bonus, drafted from its context and the features that arrived:

@@ -169,10 +169,10 @@ class SSDSection(Strict):
 
 def static_unsupported(drafter: bool, budget: bool, lookup: int, quantized_kv: bool) -> str | None:
     """Why the static step (:mod:`serve_eval.static`) cannot serve a run (None: it can): ``drafter``, whether
-    it drafts with the run's drafter (DFlash, DSpark, EAGLE-3, or none); ``budget``, whether a per-step budget
-    chooses; ``quantized_kv``, a quantized cache."""
+    it drafts with the run's drafter (a block drafter, EAGLE-3, a causal LM whose layers keep attention caches,
+    or none); ``budget``, whether a per-step budget chooses; ``quantized_kv``, a quantized cache."""
     if not drafter:
-        return "it drafts with DFlash, DSpark and EAGLE-3 drafters or none; causal-LM drafters run on the torch backend"
+        return "its drafters keep attention caches only; this drafter has layers of another kind (torch backend)"
     if budget:
         return "it verifies a fixed number of drafts a step (decoding.budget.adaptive: false)"
     if lookup:
@@ -287,7 +287,7 @@ class DecodingSection(Strict):
         description="cpu: the CPU kernels and their settings (decoding.cpu); torch: plain torch / transformers "
         "modules on any device (no C++ ops, no prepacked weights, no int8 drafter, no compiled "
         "draft, no lean forward); static: torch with the static-shape step (decoding.static: fixed "
-        "caches, one host read a step, compiled; DFlash, DSpark, EAGLE-3, no adaptive budget, no "
+        "caches, one host read a step, compiled; every drafter kind, no adaptive budget, no "
         "lookup, a full KV cache); auto: cpu on a CPU device, static on a GPU where it serves the "
         "run, else torch",
     )

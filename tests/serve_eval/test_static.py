@@ -122,9 +122,8 @@ def test_the_static_backend_refuses_what_it_does_not_serve(target_and_prompts, t
     from serve_eval.budget import Budget
 
     target, _, prompts = target_and_prompts
-    proposer = make_proposer(target, draft_length=3)  # the target drafting for itself: a causal-LM drafter
-    with pytest.raises(ValueError, match="decoding.backend = 'static': it drafts with DFlash, DSpark and EAGLE-3"):
-        generate(target, prompts[:1], 4, proposer=proposer, backend=EAGER)
+    with pytest.raises(ValueError, match="decoding.backend = 'static': prompt-lookup copies"):
+        generate(target, prompts[:1], 4, proposer=make_proposer(trained_drafters["dflash"]), lookup=5, backend=EAGER)
     with pytest.raises(ValueError, match="budget.adaptive"):
         proposer = make_proposer(trained_drafters["dflash"])
         generate(target, prompts[:1], 4, proposer=proposer, budget=Budget({1: 1.0, 2: 1.1}), backend=EAGER)
