@@ -105,7 +105,9 @@ class StaticBackend(Backend):
         if compile not in COMPILE:
             raise ValueError(f"decoding.static.compile = {compile!r}: expected one of {', '.join(COMPILE)}")
         self.compile, self.buckets = compile, tuple(sorted(buckets))
-        self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Compiled functions, by name
+        self._compiled: weakref.WeakKeyDictionary = (
+            weakref.WeakKeyDictionary()
+        )  # model -> its Compiled functions, by name
         self.graphs: Counter[str] = Counter()  # graphs compiled so far: the verify's and the draft's, per shape
         self.capacity = 0  # the target cache's slots: set for a run by prepare, so that one graph serves every call
 
@@ -247,7 +249,9 @@ def _draft_eagle3(drafter, features, next_tokens, counts, lengths, g, keys, valu
 
 def _draft_lm(model, ids, positions, mask, cache, kwargs: dict):
     """A causal LM's forward over ``ids`` [R, n] (the compiled unit of an LM or PARD drafter's draft)."""
-    return model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, **kwargs).logits
+    return model(
+        input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, **kwargs
+    ).logits
 
 
 def serves(drafter) -> bool:
@@ -269,7 +273,7 @@ class _Hooks:
         self.masks = LayerMasks(target)
         self.windowed: dict[int, torch.Tensor] = {}
         self.handles = []
-        layers = decoder_layers(target)
+        layers = decoder_layers(target) if layer_ids else []
         for i in layer_ids:
             self.handles.append(layers[i].register_forward_hook(functools.partial(self._grab, i)))
         for attention, w in self.masks.windowed:
@@ -606,7 +610,9 @@ class _Group:
         self.lm_slots.starts = torch.zeros(R, dtype=torch.long, device=device)
         self.lm_hooks = _Hooks(model, [])
         mask = self.lm_hooks.set_masks(mask[:, None], positions)
-        model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, logits_to_keep=1, **self.lm_kwargs)
+        model(
+            input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, logits_to_keep=1, **self.lm_kwargs
+        )
         self.context_lengths = self.lengths.clone()
         self.next_tokens = torch.zeros(R, K, dtype=torch.long, device=device)
         self.next_tokens[:, 0] = bonus

@@ -48,9 +48,12 @@ def test_the_counter_sees_every_kind_of_host_read():
     assert syncs.count == 0
 
 
-def _run(target, prompts, drafter, backend, samplers=None, mode="chain"):
+def _run(target, prompts, drafter, backend, samplers=None, mode="chain", new_proposer=None):
+    """``run(n)``: decode ``prompts`` for ``n`` tokens with a fresh proposer (``new_proposer()``, or the
+    drafter's), copies of ``samplers``; returns the target steps it took."""
+
     def run(n: int) -> int:
-        proposer = None if drafter is None else make_proposer(drafter, backend=backend)
+        proposer = new_proposer() if new_proposer else drafter and make_proposer(drafter, backend=backend)
         rows = [Sampler(**s.__dict__) if s else Sampler() for s in samplers or [None] * len(prompts)]
         return generate(target, prompts, n, None, rows, proposer, mode=mode, tree_budget=6, backend=backend)[1].steps
 
@@ -282,3 +285,72 @@ def test_device_trees_are_the_host_trees():
             assert torch.equal(trees.ancestors()[r, : n + 1, : n + 1], mine.ancestor_mask())
             host_path, host_next = walk_tree(mine, logits[r, : n + 1], Sampler())
             assert path[r, : int(length[r])].tolist() == host_path and int(following[r]) == int(host_next)
+
+
+@pytest.mark.parametrize("kind", ["lm", "pard"])
+def test_causal_lm_drafters_in_the_static_step(target_and_prompts, kind):
+    """A causal LM drafting one token a forward (here the target for itself) and a PARD LM drafting its
+    block from one forward over mask tokens, each over a static cache of its own: chains and trees, one row
+    and ragged batches equal plain greedy decoding, and a sampled step reads the host once."""
+    from serve_eval.proposers import LMProposer, PardProposer
+
+    target, tok, prompts = target_and_prompts
+    lm = copy.deepcopy(target)
+
+    def proposer():
+        return LMProposer(lm, 3) if kind == "lm" else PardProposer(lm, 3, tok.mask_token_id)
+
+    references = [plain_generate(target, p, MAX_NEW)[0] for p in prompts]
+    for mode in ("chain", "tree"):
+        outs, stats = generate(target, prompts, MAX_NEW, proposer=proposer(), mode=mode, tree_budget=5, backend=EAGER)
+        assert outs == references, mode
+        assert (
+            generate(target, prompts[:1], MAX_NEW, proposer=proposer(), mode=mode, backend=EAGER)[0] == references[:1]
+        )
+        if kind == "lm" and mode == "chain":  # the target drafting for itself: every draft kept
+            assert all(s.tau > 3.0 for s in stats.prompts), mode
+        samplers = [Sampler(temperature=1.0, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        assert syncs_per_step(_run(target, prompts[:2], None, EAGER, samplers, mode, proposer), 8) <= 1.0
+
+
+@pytest.mark.parametrize("kind", ["student", "pard", "parcae_self"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_static_causal_lm_drafts_sample_the_target_distribution(toy_target, kind, mode):  # noqa: F811
+    """A student, a PARD LM and a Parcae model drafting for itself (fewer recurrences) at T = 1 through the
+    static step: the (2nd, 3rd) tokens follow the target's exact distribution."""
+    from parcae import ParcaeConfig, ParcaeForCausalLM
+    from serve_eval.proposers import LMProposer, PardProposer
+
+    from .test_sampling import toy_lm
+
+    torch.manual_seed(3)
+    target = toy_target
+    if kind == "parcae_self":
+        target = drafter = ParcaeForCausalLM(
+            ParcaeConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                num_attention_heads=2,
+                intermediate_size=32,
+                n_core=1,
+                mean_recurrence=3,
+                initializer_range=0.4,
+            )
+        ).eval()
+    else:
+        drafter = toy_lm(8, 1, 16)
+    exact = exact_joint(target, Sampler(temperature=1.0))
+    counts, gens = torch.zeros(VOCAB, VOCAB), [torch.Generator().manual_seed(s) for s in (1, 2)]
+    for _ in range(SAMPLES // 2):
+        proposer = (
+            PardProposer(drafter, 2, VOCAB - 1)
+            if kind == "pard"
+            else LMProposer(drafter, 2, **({"num_steps": 1} if kind == "parcae_self" else {}))
+        )
+        samplers = [Sampler(temperature=1.0, generator=g) for g in gens]
+        outs, _ = generate(
+            target, [PROMPT, PROMPT], 3, samplers=samplers, proposer=proposer, mode=mode, tree_budget=4, backend=EAGER
+        )
+        for out in outs:
+            counts[out[1], out[2]] += 1
+    assert chi_square_pvalue(counts, exact) > ALPHA
