@@ -1,7 +1,7 @@
 """The static-shape step (``decoding.backend: static``): the loop as a GPU wants it.
 
 Every tensor a step touches has the same shape from one step to the next, and the step's decisions stay
-on the device; the host reads one small tensor a step (each row's tokens kept and whether it is done):
+on the device; the host reads one small tensor a step (whether each row is done):
 
 * **caches of fixed capacity**: the target's keys and values in :class:`StaticLayer` buffers
   [R, H, S, D] (``S``: the longest prompt, the new tokens and one verify), written at each row's own
@@ -13,7 +13,11 @@ on the device; the host reads one small tensor a step (each row's tokens kept an
   drafts past it (:func:`~serve_eval.verify.accept_chains` counts them as never drafted).
 * **device-side choices**: acceptance, the next bonus (greedy or by speculative sampling,
   :func:`~serve_eval.verify.accept_chains`), the tokens written to an output buffer, each row's lengths,
-  the features the next draft reads, the stop test against every stop token.
+  the features the next draft reads, the stop test against every stop token; trees built, drawn and
+  walked on the device (:mod:`serve_eval.static_tree`).
+* **every drafter kind**: block drafters through their decoding forward, EAGLE-3 through its rows'
+  forward (:meth:`~drafters.Eagle3Drafter.draft_rows`), causal LMs and PARD LMs over static caches of their
+  own, each step reading the row's newly verified tokens before it drafts.
 * **compiled**: the target's verify forward and the drafter's draft go through ``torch.compile`` once per
   (rows, length) shape, ``mode="reduce-overhead"`` (CUDA graphs) on CUDA and the default mode elsewhere;
   the graphs compiled are counted (:class:`Compiled`).

@@ -45,6 +45,22 @@ def toy_lm(hidden_size: int, num_layers: int, intermediate_size: int, positions:
     return build_causal_lm(cfg, VOCAB).eval()
 
 
+def toy_parcae():
+    """A tiny Parcae model over ``VOCAB`` (one core block, 3 recurrences by default), peaked like :func:`toy_lm`."""
+    from parcae import ParcaeConfig, ParcaeForCausalLM
+
+    config = ParcaeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        n_core=1,
+        mean_recurrence=3,
+        initializer_range=0.4,
+    )
+    return ParcaeForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="module")
 def toy_target():
     torch.manual_seed(0)
@@ -304,25 +320,13 @@ def test_batched_lookup_copies_sample_the_target_distribution(toy_target, monkey
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_causal_lm_drafters_sample_the_target_distribution(toy_target, drafter_kind, mode):
     """A student drafting for the target, and a Parcae model drafting for itself at T = 1."""
-    from parcae import ParcaeConfig, ParcaeForCausalLM
-
     torch.manual_seed(3)
     if drafter_kind == "student":
         target = toy_target
         drafter = toy_lm(8, 1, 16)
         proposer = LMProposer(drafter, 2)
     else:
-        target = drafter = ParcaeForCausalLM(
-            ParcaeConfig(
-                vocab_size=VOCAB,
-                hidden_size=16,
-                num_attention_heads=2,
-                intermediate_size=32,
-                n_core=1,
-                mean_recurrence=3,
-                initializer_range=0.4,
-            )
-        ).eval()
+        target = drafter = toy_parcae()
         proposer = LMProposer(drafter, 2, num_steps=1)
     args = {"temperature": 1.0}
     exact = exact_joint(target, Sampler(**args))

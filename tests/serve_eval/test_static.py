@@ -200,10 +200,12 @@ def test_static_sampling_follows_the_target_distribution(toy_target, kind, args,
 
 
 def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_and_prompts, trained_drafters):
-    """``torch.compile`` of the verify and the draft (inductor's CPU kernels): plain and DFlash / DSpark /
-    EAGLE-3 decoding, chains and trees, equal eager plain decoding; one graph per function and (rows, length) shape,
-    none compiled again by a second run or by counting host reads."""
-    target, _, prompts = target_and_prompts
+    """``torch.compile`` of the verify and the draft (inductor's CPU kernels): plain decoding and every drafter
+    kind (DFlash, DSpark, EAGLE-3, a causal LM, a PARD LM), chains and trees, equal eager plain decoding; one
+    graph per function and (rows, length) shape, none compiled again by a second run or by counting host reads."""
+    from serve_eval.proposers import LMProposer, PardProposer
+
+    target, tok, prompts = target_and_prompts
     target = copy.deepcopy(target)
     compiled = StaticBackend(compile="on")
     references = [plain_generate(target, p, MAX_NEW)[0] for p in prompts[:2]]
@@ -220,8 +222,12 @@ def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_an
         assert outs == references
         assert syncs_per_step(_run(target, prompts[:2], drafter, compiled), 8) <= 1.0
     assert [plain_generate(target, p, MAX_NEW, backend=compiled)[0] for p in prompts[:2]] == references
-    # verify: (2 rows, a block of 4), (2 rows, a tree of 6 and its root), (1 row, 1 token); draft: 2 rows, per drafter
-    assert compiled.graphs == {"verify": 3, "draft": 2, "draft_eagle3": 1}
+    lm = copy.deepcopy(target)
+    for proposer in (LMProposer(lm, 3), PardProposer(lm, 3, tok.mask_token_id)):
+        assert generate(target, prompts[:2], MAX_NEW, proposer=proposer, backend=compiled)[0] == references
+    # verify: (2 rows, a block of 4), (2 rows, a tree of 6 and its root), (1 row, 1 token); a block drafter's
+    # draft: 2 rows; EAGLE-3's: 2 rows; the LMs' forwards: 2 rows of 4 tokens read, of 1 drafted, of 4 + 2 masks
+    assert compiled.graphs == {"verify": 3, "draft": 2, "draft_eagle3": 1, "draft_lm": 3}
 
 
 def test_a_divergence_is_reported_with_the_targets_top2_margin(toy_target):  # noqa: F811
@@ -318,25 +324,14 @@ def test_causal_lm_drafters_in_the_static_step(target_and_prompts, kind):
 def test_static_causal_lm_drafts_sample_the_target_distribution(toy_target, kind, mode):  # noqa: F811
     """A student, a PARD LM and a Parcae model drafting for itself (fewer recurrences) at T = 1 through the
     static step: the (2nd, 3rd) tokens follow the target's exact distribution."""
-    from parcae import ParcaeConfig, ParcaeForCausalLM
     from serve_eval.proposers import LMProposer, PardProposer
 
-    from .test_sampling import toy_lm
+    from .test_sampling import toy_lm, toy_parcae
 
     torch.manual_seed(3)
     target = toy_target
     if kind == "parcae_self":
-        target = drafter = ParcaeForCausalLM(
-            ParcaeConfig(
-                vocab_size=VOCAB,
-                hidden_size=16,
-                num_attention_heads=2,
-                intermediate_size=32,
-                n_core=1,
-                mean_recurrence=3,
-                initializer_range=0.4,
-            )
-        ).eval()
+        target = drafter = toy_parcae()
     else:
         drafter = toy_lm(8, 1, 16)
     exact = exact_joint(target, Sampler(temperature=1.0))
