@@ -225,9 +225,10 @@ def test_compiled_static_decoding_is_lossless_with_one_graph_per_shape(target_an
     lm = copy.deepcopy(target)
     for proposer in (LMProposer(lm, 3), PardProposer(lm, 3, tok.mask_token_id)):
         assert generate(target, prompts[:2], MAX_NEW, proposer=proposer, backend=compiled)[0] == references
-    # verify: (2 rows, a block of 4), (2 rows, a tree of 6 and its root), (1 row, 1 token); a block drafter's
-    # draft: 2 rows; EAGLE-3's: 2 rows; the LMs' forwards: 2 rows of 4 tokens read, of 1 drafted, of 4 + 2 masks
-    assert compiled.graphs == {"verify": 3, "draft": 2, "draft_eagle3": 1, "draft_lm": 3}
+    # verify: (2 rows, a block of 4), (2 rows, a tree of 6 and its root), (1 row, 1 token), and (2 rows, a block
+    # of 4) without features for the LMs; a block drafter's draft: 2 rows; EAGLE-3's: 2 rows; the LMs' forwards:
+    # 2 rows of 4 tokens read, of 1 drafted, of 4 + 2 masks
+    assert compiled.graphs == {"verify": 4, "draft": 2, "draft_eagle3": 1, "draft_lm": 3}
 
 
 def test_a_divergence_is_reported_with_the_targets_top2_margin(toy_target):  # noqa: F811
