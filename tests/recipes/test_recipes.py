@@ -287,20 +287,12 @@ def test_gpu_drafter_recipes_fit_an_80_gb_device(name, monkeypatch):
 
     from distill.drafter_eval import build_drafter
     from recipes.dry_run import GiB
+    from recipes.gpu_check import QWEN3_8B
     from recipes.train_drafter import memory_estimate
 
     monkeypatch.delenv("HF_HUB_OFFLINE")  # validate the hub id's form; nothing is fetched
     recipe = load_recipe(REPO / "recipes" / "configs" / f"{name}.yaml")
-    qwen3_8b = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    )
+    qwen3_8b = Qwen3Config(**QWEN3_8B)
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(qwen3_8b, dtype=torch.bfloat16)
         estimates = [
