@@ -128,7 +128,7 @@ def walk(
         hit = trees.valid & (trees.tokens == choice.gather(1, parents))
         depth = trees.depths
         accepted = hit.clone()
-        for _ in range(N):  # a node is on the path when it and every ancestor carry the target's choice
+        for _ in range(trees.max_depth):  # on the path: it and every ancestor carry the target's choice
             up = torch.cat([torch.ones_like(accepted[:, :1]), accepted], dim=1).gather(1, parents)
             accepted = hit & up
         last = torch.where(accepted, depth, 0).argmax(1) + 1  # the deepest (one per depth: siblings differ)
